@@ -1,0 +1,434 @@
+"""The shared half of every architecture adapter: what an MoE layer looks like to the rest of moeprep.
+
+Every stage (trace, sensitivity, quantize, package) and every check needs the same few facts about
+a Hugging Face MoE model: which decoder layers are MoE, where the router and the experts live, how
+the router turns logits into (experts, weights), how one expert's weights sit inside the fused 3-D
+parameters transformers 5 uses, and how one expert computes. This module holds everything those
+facts have in common; each per-architecture module (`mixtral.py`, `deepseek_v2.py`, ...) is a small
+subclass of `MoeAdapter` that only states what differs, as class attributes plus tiny functions.
+
+Everything here mirrors the transformers 5 source (`models/<arch>/modeling_<arch>.py` and
+`integrations/moe.py`) in eval mode; the tests check it against the model's own modules.
+
+Shape legend (used in every comment of the adapters): T tokens, L layers, E experts, K top-k,
+H hidden, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prep.errors import MoeprepError
+
+from .checkpoint import CheckpointTensors
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One routed expert as plain 2-D matrices, in `nn.Linear` orientation (out_features, in_features).
+
+    gate, up: [I, H]; down: [H, I]; biases (only gpt-oss has them): gate_bias, up_bias [I], down_bias [H].
+    """
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    gate_bias: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The present tensors by field name (biases left out when absent)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def num_params(self) -> int:
+        """Number of scalars in this expert (weights and biases)."""
+        return sum(t.numel() for t in self.tensors().values())
+
+    def to(self, dtype: torch.dtype) -> ExpertWeights:
+        """A copy with every tensor cast to `dtype`."""
+        return ExpertWeights(**{name: t.to(dtype) for name, t in self.tensors().items()})
+
+    def contiguous(self) -> ExpertWeights:
+        """The same expert with every tensor contiguous (views into fused tensors are strided)."""
+        return ExpertWeights(**{name: t.contiguous() for name, t in self.tensors().items()})
+
+
+@dataclass(frozen=True)
+class FusedLayout:
+    """How transformers 5 packs all experts of a layer into `gate_up_proj` and `down_proj`.
+
+    Default (Mixtral, Qwen, OLMoE, Phi, DeepSeek): gate_up_proj [E, 2I, H] = [gate; up] stacked on
+    dim 1, down_proj [E, H, I]. gpt-oss: transposed (gate_up_proj [E, H, 2I], down_proj [E, I, H]),
+    gate and up interleaved column by column (gate = [..., 0::2], up = [..., 1::2]), plus biases
+    gate_up_proj_bias [E, 2I] (same interleaving) and down_proj_bias [E, H].
+    """
+
+    transposed: bool = False
+    interleaved: bool = False
+    has_bias: bool = False
+
+    def split(
+        self, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias=None, down_bias=None
+    ) -> ExpertWeights:
+        """One expert's slices of the fused tensors -> ExpertWeights (views where possible).
+
+        gate_up: [2I, H] (or [H, 2I] transposed); down: [H, I] (or [I, H] transposed).
+        """
+        if self.transposed:
+            gate_up, down = gate_up.transpose(0, 1), down.transpose(0, 1)  # -> [2I, H], [H, I]
+        gate, up = self._halves(gate_up)
+        gate_b = up_b = None
+        if self.has_bias:
+            gate_b, up_b = self._halves(gate_up_bias)
+        return ExpertWeights(gate, up, down, gate_b, up_b, down_bias if self.has_bias else None)
+
+    def _halves(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Split along dim 0 (the 2I axis) into the gate and up parts.
+        if self.interleaved:
+            return t[0::2], t[1::2]
+        half = t.shape[0] // 2
+        return t[:half], t[half:]
+
+
+@dataclass(frozen=True)
+class HubExpertNames:
+    """Per-expert tensor names of checkpoints written before transformers 5 fused the experts.
+
+    `prefix` is formatted with layer and expert; gate/up/down are the suffixes, e.g. Mixtral:
+    `model.layers.{layer}.block_sparse_moe.experts.{expert}` + `w1.weight` (gate), `w3.weight` (up),
+    `w2.weight` (down). Biases are not covered: no architecture with per-expert names has them.
+    """
+
+    prefix: str
+    gate: str
+    up: str
+    down: str
+
+
+def softmax_topk(
+    logits: torch.Tensor, k: int, *, normalize: bool, cast_back: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The common router: softmax in float32 over all experts, top-k, optional renormalisation.
+
+    Takes logits [T, E]; returns (expert_ids [T, K] int64, weights [T, K]). `cast_back` casts the
+    weights to the logits dtype (Qwen/OLMoE do, Mixtral keeps float32).
+    """
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if cast_back:
+        weights = weights.to(logits.dtype)
+    return ids, weights
+
+
+class MoeAdapter:
+    """One architecture's MoE layout, bound to a model config.
+
+    Subclasses set the class attributes below and override the few methods whose math differs.
+    Methods that touch weights take the loaded model (a `*ForCausalLM` or its base model).
+    """
+
+    # --- plain data every subclass states -------------------------------------------------
+    model_type: ClassVar[str]  # config.model_type
+    architecture: ClassVar[str]  # human-readable name
+    num_experts_key: ClassVar[str]  # config attribute holding E
+    intermediate_key: ClassVar[str]  # config attribute holding I
+    router_attr: ClassVar[str] = "gate"  # attribute of the MoE block holding the router
+    experts_attr: ClassVar[str] = "experts"
+    shared_attr: ClassVar[str | None] = None  # attribute of the shared-expert MLP, if any
+    layout: ClassVar[FusedLayout] = FusedLayout()
+    # Checkpoint names: transformers 5 fused names, and the per-expert names of hub checkpoints.
+    fused_prefix: ClassVar[str] = "model.layers.{layer}.mlp.experts"
+    hub_names: ClassVar[HubExpertNames | None] = None
+
+    def __init__(self, config) -> None:
+        self.config = getattr(config, "text_config", None) or config
+        if getattr(self.config, "model_type", None) != self.model_type:
+            raise MoeprepError(
+                f"{type(self).__name__} handles model_type {self.model_type!r}, got "
+                f"{getattr(self.config, 'model_type', None)!r}"
+            )
+
+    # --- static facts from the config ----------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def num_experts(self) -> int:
+        """E: routed experts per MoE layer."""
+        return getattr(self.config, self.num_experts_key)
+
+    @property
+    def top_k(self) -> int:
+        """K: routed experts selected per token."""
+        return self.config.num_experts_per_tok
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """I: intermediate width of one routed expert."""
+        return getattr(self.config, self.intermediate_key)
+
+    @property
+    def num_shared_experts(self) -> int:
+        """Shared (always-on) experts per MoE layer; 0 when the architecture has none."""
+        return 0
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        """Total intermediate width of the shared-expert MLP of a layer (0 when none)."""
+        return 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has a sparse MoE block (default: every layer)."""
+        return True
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the decoder layers whose MLP is a sparse MoE block."""
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+
+    def _check_moe_layer(self, layer: int) -> None:
+        if not (0 <= layer < self.num_layers and self.is_moe_layer(layer)):
+            raise MoeprepError(
+                f"layer {layer} is not an MoE layer of this {self.architecture} model; MoE layers: {self.moe_layers}"
+            )
+
+    def _check_expert(self, expert: int) -> None:
+        if not 0 <= expert < self.num_experts:
+            raise MoeprepError(
+                f"expert {expert} out of range: this model has {self.num_experts} experts per layer"
+            )
+
+    # --- modules ------------------------------------------------------------------------
+    @staticmethod
+    def decoder_layers(model: nn.Module) -> nn.ModuleList:
+        """The decoder layers of a `*ForCausalLM` (or of its base model)."""
+        return model.base_model.layers
+
+    def moe_block(self, model: nn.Module, layer: int) -> nn.Module:
+        """The sparse MoE block of decoder layer `layer` (the module the decoder calls as `mlp`)."""
+        self._check_moe_layer(layer)
+        return self.decoder_layers(model)[layer].mlp
+
+    def router(self, model: nn.Module, layer: int) -> nn.Module:
+        """The router module of MoE layer `layer`; its forward returns (logits, weights, expert_ids)."""
+        return getattr(self.moe_block(model, layer), self.router_attr)
+
+    def experts(self, model: nn.Module, layer: int) -> nn.Module:
+        """The fused experts module of MoE layer `layer` (holds gate_up_proj / down_proj)."""
+        return getattr(self.moe_block(model, layer), self.experts_attr)
+
+    @staticmethod
+    def block_output(output) -> torch.Tensor:
+        """The hidden-state output of an MoE block's forward (gpt-oss also returns router scores)."""
+        return output[0] if isinstance(output, tuple) else output
+
+    @staticmethod
+    def unpack_router_output(output) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A router forward's output -> (logits [T, E], expert_ids [T, K] int64, weights [T, K]).
+
+        Every transformers 5 router returns (logits, weights, ids), in that order.
+        """
+        logits, weights, ids = output
+        return logits, ids.long(), weights
+
+    # --- routing -------------------------------------------------------------------------
+    def router_logits(self, router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H] (the MoE block input) -> router logits [T, E]."""
+        return F.linear(hidden, router.weight, getattr(router, "bias", None))
+
+    def select_experts(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [T, E] -> (expert_ids [T, K] int64, weights [T, K]), as the model does in eval mode."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def route(self, model: nn.Module, layer: int, hidden: torch.Tensor):
+        """Route hidden [T, H] through MoE layer `layer` exactly as the model does (eval mode).
+
+        Returns (router_logits [T, E], expert_ids [T, K] int64, expert_weights [T, K]).
+        """
+        logits = self.router_logits(self.router(model, layer), hidden.reshape(-1, self.hidden_size))
+        ids, weights = self.select_experts(logits)
+        return logits, ids.long(), weights
+
+    # --- one expert's weights -----------------------------------------------------------
+    def _fused_params(self, experts: nn.Module) -> tuple[torch.Tensor, ...]:
+        # (gate_up [E, 2I, H] or [E, H, 2I], down, gate_up_bias | None, down_bias | None)
+        bias = self.layout.has_bias
+        return (
+            experts.gate_up_proj,
+            experts.down_proj,
+            experts.gate_up_proj_bias if bias else None,
+            experts.down_proj_bias if bias else None,
+        )
+
+    def _expert_views(self, model: nn.Module, layer: int, expert: int) -> ExpertWeights:
+        # Views into the live parameters: reading them clones, writing them copies in place.
+        self._check_expert(expert)
+        gate_up, down, gate_up_b, down_b = self._fused_params(self.experts(model, layer))
+        return self.layout.split(
+            gate_up[expert],
+            down[expert],
+            gate_up_b[expert] if gate_up_b is not None else None,
+            down_b[expert] if down_b is not None else None,
+        )
+
+    @torch.no_grad()
+    def get_expert(self, model: nn.Module, layer: int, expert: int) -> ExpertWeights:
+        """A copy of routed expert `expert` of MoE layer `layer` as 2-D matrices (see ExpertWeights)."""
+        views = self._expert_views(model, layer, expert)
+        return ExpertWeights(
+            **{
+                name: t.detach().clone(memory_format=torch.contiguous_format)
+                for name, t in views.tensors().items()
+            }
+        )
+
+    @torch.no_grad()
+    def set_expert(self, model: nn.Module, layer: int, expert: int, weights: ExpertWeights) -> None:
+        """Write `weights` into routed expert `expert` of MoE layer `layer`, in place, in the model's dtype."""
+        views = self._expert_views(model, layer, expert)
+        new = weights.tensors()
+        if set(new) != set(views.tensors()):
+            raise MoeprepError(
+                f"{self.architecture} experts have tensors {sorted(views.tensors())}, got {sorted(new)}"
+            )
+        for name, view in views.tensors().items():
+            if tuple(new[name].shape) != tuple(view.shape):
+                raise MoeprepError(
+                    f"expert tensor {name}: expected shape {tuple(view.shape)}, got {tuple(new[name].shape)}"
+                )
+            view.copy_(new[name])
+
+    # --- computation -------------------------------------------------------------------
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The gated activation between up- and down-projection: act(gate) * up, act from the config."""
+        from transformers.activations import ACT2FN
+
+        return ACT2FN[self.config.hidden_act](gate) * up
+
+    def expert_forward(self, weights: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
+        """One expert's MLP on x [T, H] -> [T, H], as the model computes it."""
+        gate = F.linear(x, weights.gate, weights.gate_bias)  # [T, I]
+        up = F.linear(x, weights.up, weights.up_bias)  # [T, I]
+        return F.linear(self.glu(gate, up), weights.down, weights.down_bias)  # [T, H]
+
+    @torch.no_grad()
+    def shared_output(self, model: nn.Module, layer: int, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The shared-expert contribution of MoE layer `layer` for hidden [T, H] -> [T, H], or None."""
+        if self.shared_attr is None:
+            return None
+        shared = getattr(self.moe_block(model, layer), self.shared_attr)
+        return shared(hidden.reshape(-1, self.hidden_size))
+
+    @torch.no_grad()
+    def reference_moe_output(
+        self,
+        model: nn.Module,
+        layer: int,
+        hidden: torch.Tensor,
+        expert_ids: torch.Tensor,
+        expert_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """Recompute an MoE block's output from a routing decision, one expert at a time.
+
+        The obviously-right reference for checks: hidden [T, H], expert_ids [T, K], expert_weights
+        [T, K] -> sum_k weight_k * expert_k(hidden) + shared experts, [T, H].
+        """
+        hidden = hidden.reshape(-1, self.hidden_size)
+        out = torch.zeros_like(hidden)
+        for expert in expert_ids.unique().tolist():
+            rows, slot = torch.where(expert_ids == expert)
+            y = self.expert_forward(self.get_expert(model, layer, expert), hidden[rows])
+            out.index_add_(0, rows, (y * expert_weights[rows, slot, None]).to(out.dtype))
+        shared = self.shared_output(model, layer, hidden)
+        return out if shared is None else out + shared
+
+    # --- checkpoints on disk -------------------------------------------------------------
+    def read_expert(self, checkpoint_dir: str | Path, layer: int, expert: int) -> ExpertWeights:
+        """Read one routed expert from a directory of safetensors shards, without building the model.
+
+        Reads only that expert's slices. Understands the transformers 5 fused names and the
+        per-expert names of hub checkpoints (`hub_names`). A missing tensor -> MoeprepError.
+        """
+        self._check_moe_layer(layer)
+        self._check_expert(expert)
+        tensors = CheckpointTensors(checkpoint_dir)
+        fused = self.fused_prefix.format(layer=layer)
+        if tensors.has(f"{fused}.gate_up_proj"):
+            return self._read_fused(tensors, fused, expert)
+        if self.hub_names is not None:
+            prefix = self.hub_names.prefix.format(layer=layer, expert=expert)
+            names = [f"{prefix}.{s}" for s in (self.hub_names.gate, self.hub_names.up, self.hub_names.down)]
+            if any(tensors.has(n) for n in names):
+                return ExpertWeights(*(tensors.get(n) for n in names))
+            hint = f" or {names[0]}"
+        else:
+            hint = ""
+        self._unreadable_expert_hint(tensors, fused)
+        raise MoeprepError(
+            f"checkpoint {checkpoint_dir} has no tensor {fused}.gate_up_proj{hint} "
+            f"(layer {layer}, expert {expert}); is it a {self.architecture} checkpoint?"
+        )
+
+    def _unreadable_expert_hint(self, tensors: CheckpointTensors, fused: str) -> None:
+        """Raise a specific MoeprepError for known checkpoint formats we cannot read (default: none)."""
+
+    def _read_fused(self, tensors: CheckpointTensors, fused: str, expert: int) -> ExpertWeights:
+        bias = self.layout.has_bias
+        return self.layout.split(
+            tensors.get(f"{fused}.gate_up_proj", expert),
+            tensors.get(f"{fused}.down_proj", expert),
+            tensors.get(f"{fused}.gate_up_proj_bias", expert) if bias else None,
+            tensors.get(f"{fused}.down_proj_bias", expert) if bias else None,
+        ).contiguous()
+
+    # --- summary -----------------------------------------------------------------------
+    def expert_params(self, model: nn.Module) -> int:
+        """Scalars in one routed expert (weights and biases)."""
+        experts = self.experts(model, self.moe_layers[0])
+        return sum(p.numel() for p in self._fused_params(experts) if p is not None) // self.num_experts
+
+    def describe(self, model: nn.Module) -> dict:
+        """The adapter's view of `model` (works on the meta device) as a JSON-ready dict.
+
+        Keys: architecture, model_type, num_layers, moe_layers, num_moe_layers, num_experts, top_k,
+        num_shared_experts, hidden_size, expert_intermediate_size, shared_intermediate_size,
+        expert_params, expert_bytes_bf16, total_params, expert_params_total, active_params.
+        active_params = everything that is not a routed expert + top_k routed experts per MoE layer.
+        """
+        n_moe = len(self.moe_layers)
+        per_expert = self.expert_params(model)
+        total = sum(p.numel() for p in model.parameters())  # parameters() counts tied weights once
+        routed_total = n_moe * self.num_experts * per_expert
+        return {
+            "architecture": self.architecture,
+            "model_type": self.model_type,
+            "num_layers": self.num_layers,
+            "moe_layers": self.moe_layers,
+            "num_moe_layers": n_moe,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "num_shared_experts": self.num_shared_experts,
+            "hidden_size": self.hidden_size,
+            "expert_intermediate_size": self.expert_intermediate_size,
+            "shared_intermediate_size": self.shared_intermediate_size,
+            "expert_params": per_expert,
+            "expert_bytes_bf16": 2 * per_expert,
+            "total_params": total,
+            "expert_params_total": routed_total,
+            "active_params": total - routed_total + n_moe * self.top_k * per_expert,
+        }

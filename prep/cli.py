@@ -1,0 +1,57 @@
+"""The `moeprep` command line: a thin click layer over the library.
+
+Each command parses its options and calls one library function. Errors a user can cause arrive
+as `MoeprepError`; the group catches them for every command, prints `error: <message>` to stderr
+and exits with status 1, without a traceback. Other exceptions are bugs and keep their traceback.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from prep.errors import MoeprepError
+
+
+class MoeprepGroup(click.Group):
+    """A click group that turns MoeprepError from any subcommand into a clean error exit."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except MoeprepError as e:
+            click.echo(f"error: {e}", err=True)
+            ctx.exit(1)
+
+
+@click.group(cls=MoeprepGroup)
+def main() -> None:
+    """moeprep: prepare Mixture-of-Experts models for offloaded inference on small devices."""
+
+
+def _format_table(info: dict) -> str:
+    width = max(len(key) for key in info)
+    lines = []
+    for key, value in info.items():
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 10_000:
+            value = f"{value:,}"
+        elif isinstance(value, dict):
+            value = ", ".join(f"{k}: {v}" for k, v in value.items())
+        lines.append(f"{key.ljust(width)}  {value}")
+    return "\n".join(lines)
+
+
+@main.command("inspect-model")
+@click.argument("model")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+def inspect_model_command(model: str, as_json: bool) -> None:
+    """Show how moeprep sees MODEL (a local directory or hub id): MoE layers, experts, sizes."""
+    from prep.adapters import inspect_model
+
+    info = inspect_model(model)
+    click.echo(json.dumps(info, indent=2) if as_json else _format_table(info))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,433 @@
+"""Routing traces: what the router of every MoE layer saw and decided, token by token.
+
+Every later stage feeds on these. Path statistics, cache-policy tuning and the allocator need only
+the routing (which experts, with what weights); the next-layer-gate prefetcher needs the router
+inputs; the first-layer predictive gate (AdapMoE) needs each token's last-layer hidden state.
+
+- `RoutingTrace`: the in-memory routing of one sequence, expert_ids / expert_weights [T, L, K].
+- `RoutingRecorder`: forward hooks on the adapter's router modules (and the last decoder layer)
+  that capture one forward pass; nothing in the model is patched.
+- `record_traces`: runs a model over token sequences and streams the captures to a trace
+  directory: safetensors shards of a fixed number of token rows plus `index.json`. The directory is
+  built under a temporary name and renamed when complete; the index is written last, so a trace
+  directory with an index is complete.
+- `RecordedTrace` (`open_trace`): reads a trace directory back, the routing as RoutingTrace
+  objects, hidden states and logits one layer at a time.
+- `read_mixtral_traces`: the real Mixtral-8x7B GSM8K decode traces of `../shared/data/traces` as
+  RoutingTrace objects.
+
+"Last-layer hidden state" is the output of the last decoder layer BEFORE the model's final norm
+(the raw residual stream): it carries strictly more information than the normed state, which is a
+fixed per-token function of it, and a gate trained on it can learn the scale itself.
+
+Shard tensors, per token row (rows of all sequences concatenated in order; a sequence may span
+shards): `token_ids` [T] int64, `last_hidden` [T, H], and for every MoE layer l (model layer index)
+`layers.{l}.router_input` [T, H], `layers.{l}.router_logits` [T, E] float32, `layers.{l}.expert_ids`
+[T, K] int64, `layers.{l}.expert_weights` [T, K] float32. Hidden states are float32 or float16.
+
+Shape legend: T tokens, L layers, E experts, K top-k, H hidden, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from prep.adapters import MoeAdapter, get_adapter
+from prep.errors import MoeprepError
+
+TRACE_FORMAT = "moeprep-trace"
+TRACE_VERSION = 1
+INDEX_NAME = "index.json"
+LAST_HIDDEN = "pre_final_norm"  # which hidden state `last_hidden` is, recorded in the index
+
+
+@dataclass(frozen=True)
+class RoutingTrace:
+    """The routing of one token sequence.
+
+    expert_ids: [T, L, K] int64, the selected experts of each token at each traced layer, in the
+    router's slot order. expert_weights: [T, L, K] float32, their combination weights.
+    layers: the model layer index of each of the L traced layers (None when unknown).
+    """
+
+    expert_ids: torch.Tensor
+    expert_weights: torch.Tensor
+    layers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.expert_ids.dim() != 3 or self.expert_ids.shape != self.expert_weights.shape:
+            raise ValueError(
+                f"expert_ids and expert_weights must both be [T, L, K], got "
+                f"{tuple(self.expert_ids.shape)} and {tuple(self.expert_weights.shape)}"
+            )
+        if self.expert_ids.dtype != torch.int64 or self.expert_weights.dtype != torch.float32:
+            raise ValueError("expert_ids must be int64 and expert_weights float32")
+        if self.layers is not None and len(self.layers) != self.expert_ids.shape[1]:
+            raise ValueError(f"{len(self.layers)} layer ids for {self.expert_ids.shape[1]} traced layers")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.expert_ids.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.expert_ids.shape[1]
+
+    @property
+    def top_k(self) -> int:
+        return self.expert_ids.shape[2]
+
+
+# --- capturing --------------------------------------------------------------------------------
+
+
+class RoutingRecorder:
+    """Context manager capturing the routing of every MoE layer during forward passes.
+
+    Registers forward hooks on the adapter's router modules (input = the MoE block input, output
+    = logits, weights, experts) and on the last decoder layer. After one or more forward passes,
+    `pop()` returns and clears what was captured, tokens in row-major (batch, position) order.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        adapter: MoeAdapter | None = None,
+        *,
+        record_hidden: bool = True,
+        hidden_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.model = model
+        self.adapter = adapter or get_adapter(model)
+        self.record_hidden = record_hidden
+        self.hidden_dtype = hidden_dtype
+        self._handles: list = []
+        self._captured: dict[str, list[torch.Tensor]] = defaultdict(list)
+
+    def _keep(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        self._captured[name].append(tensor.detach().to("cpu", dtype=dtype or tensor.dtype))
+
+    def _router_hook(self, layer: int):
+        hidden_size = self.adapter.hidden_size
+
+        def hook(module, args, output):
+            logits, ids, weights = self.adapter.unpack_router_output(output)
+            if self.record_hidden:
+                self._keep(
+                    f"layers.{layer}.router_input", args[0].reshape(-1, hidden_size), self.hidden_dtype
+                )
+            self._keep(f"layers.{layer}.router_logits", logits.reshape(-1, logits.shape[-1]), torch.float32)
+            self._keep(f"layers.{layer}.expert_ids", ids.reshape(-1, ids.shape[-1]), torch.int64)
+            self._keep(
+                f"layers.{layer}.expert_weights", weights.reshape(-1, weights.shape[-1]), torch.float32
+            )
+
+        return hook
+
+    def _last_layer_hook(self, module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        self._keep("last_hidden", hidden.reshape(-1, hidden.shape[-1]), self.hidden_dtype)
+
+    def __enter__(self) -> RoutingRecorder:
+        for layer in self.adapter.moe_layers:
+            router = self.adapter.router(self.model, layer)
+            self._handles.append(router.register_forward_hook(self._router_hook(layer)))
+        if self.record_hidden:
+            last = self.adapter.decoder_layers(self.model)[-1]
+            self._handles.append(last.register_forward_hook(self._last_layer_hook))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def pop(self) -> dict[str, torch.Tensor]:
+        """The captured tensors by shard tensor name (see module docstring), cleared afterwards."""
+        out = {name: torch.cat(parts) for name, parts in self._captured.items()}
+        self._captured.clear()
+        return out
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+
+class _ShardWriter:
+    """Buffers token rows and writes them as shards of exactly `shard_tokens` rows (the last one shorter)."""
+
+    def __init__(self, directory: Path, shard_tokens: int) -> None:
+        self.directory = directory
+        self.shard_tokens = shard_tokens
+        self.buffer: dict[str, torch.Tensor] = {}
+        self.shards: list[dict] = []
+
+    def _rows(self) -> int:
+        return next(iter(self.buffer.values())).shape[0] if self.buffer else 0
+
+    def add(self, rows: dict[str, torch.Tensor]) -> None:
+        if self.buffer and set(rows) != set(self.buffer):
+            raise MoeprepError("trace capture changed tensors between sequences")
+        self.buffer = {
+            name: torch.cat([self.buffer[name], t]) if self.buffer else t for name, t in rows.items()
+        }
+        while self._rows() >= self.shard_tokens:
+            self._write(self.shard_tokens)
+
+    def _write(self, n: int) -> None:
+        name = f"shard-{len(self.shards):05d}.safetensors"
+        save_file({k: v[:n].contiguous() for k, v in self.buffer.items()}, str(self.directory / name))
+        self.shards.append({"file": name, "tokens": n})
+        self.buffer = {k: v[n:] for k, v in self.buffer.items()}
+
+    def finish(self) -> list[dict]:
+        if self._rows():
+            self._write(self._rows())
+        return self.shards
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def record_traces(
+    model: nn.Module,
+    sequences: Iterable[torch.Tensor],
+    out_dir: str | Path,
+    *,
+    adapter: MoeAdapter | None = None,
+    shard_tokens: int = 4096,
+    record_hidden: bool = True,
+    hidden_dtype: torch.dtype = torch.float16,
+    fingerprint: str | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> Path:
+    """Run `model` over token sequences and write their routing traces to `out_dir`.
+
+    model: a loaded MoE `*ForCausalLM` (eval mode is enforced). sequences: 1-D LongTensors of token
+    ids, each run alone (batch 1, no KV cache). shard_tokens: token rows per shard, which bounds
+    memory. record_hidden: also store router inputs and last-layer hidden states (in hidden_dtype).
+    fingerprint: an identifier of the model, copied into the index. Returns the trace directory.
+    """
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise MoeprepError(f"trace directory {out_dir} already exists; remove it or pass overwrite=True")
+    if shard_tokens < 1:
+        raise MoeprepError(f"shard_tokens must be positive, got {shard_tokens}")
+    adapter = adapter or get_adapter(model)
+    model.eval()
+    device = next(model.parameters()).device
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        writer = _ShardWriter(tmp, shard_tokens)
+        lengths = []
+        recorder = RoutingRecorder(model, adapter, record_hidden=record_hidden, hidden_dtype=hidden_dtype)
+        with recorder, torch.no_grad():
+            for seq in tqdm(sequences, desc="trace", unit="seq", disable=not progress):
+                seq = torch.as_tensor(seq, dtype=torch.long).reshape(-1)
+                if seq.numel() == 0:
+                    raise MoeprepError(f"sequence {len(lengths)} is empty")
+                model(input_ids=seq.view(1, -1).to(device), use_cache=False)
+                rows = recorder.pop()
+                rows["token_ids"] = seq.cpu()
+                writer.add(rows)
+                lengths.append(seq.numel())
+        if not lengths:
+            raise MoeprepError("no sequences to trace")
+        tensors = {
+            name: {"shape": list(t.shape[1:]), "dtype": str(t.dtype).removeprefix("torch.")}
+            for name, t in writer.buffer.items()
+        }
+        shards = writer.finish()
+        index = {
+            "format": TRACE_FORMAT,
+            "version": TRACE_VERSION,
+            "model_fingerprint": fingerprint,
+            "architecture": adapter.model_type,
+            "layers": adapter.moe_layers,
+            "num_experts": adapter.num_experts,
+            "top_k": adapter.top_k,
+            "hidden_size": adapter.hidden_size,
+            "hidden_dtype": str(hidden_dtype).removeprefix("torch.") if record_hidden else None,
+            "last_hidden": LAST_HIDDEN if record_hidden else None,
+            "tensors": tensors,  # name -> shape per token row, dtype
+            "sequence_tokens": lengths,
+            "total_tokens": sum(lengths),
+            "shards": shards,
+        }
+        _write_json_atomic(tmp / INDEX_NAME, index)  # last: its presence marks a complete trace
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+class RecordedTrace:
+    """A trace directory written by `record_traces`; tensors are read from the shards on demand."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        index_path = self.path / INDEX_NAME
+        if not index_path.is_file():
+            raise MoeprepError(
+                f"{self.path} is not a complete trace directory (no {INDEX_NAME}); record it again"
+            )
+        self.index = json.loads(index_path.read_text())
+        if self.index.get("format") != TRACE_FORMAT or self.index.get("version") != TRACE_VERSION:
+            raise MoeprepError(
+                f"{index_path}: format {self.index.get('format')!r} version {self.index.get('version')!r} is not "
+                f"{TRACE_FORMAT!r} version {TRACE_VERSION}; record the trace again with this moeprep"
+            )
+
+    @property
+    def layers(self) -> list[int]:
+        """Model layer indices of the traced MoE layers."""
+        return list(self.index["layers"])
+
+    @property
+    def sequence_tokens(self) -> list[int]:
+        """Token count of each recorded sequence, in order."""
+        return list(self.index["sequence_tokens"])
+
+    def sequence_slices(self) -> list[slice]:
+        """Row range of each sequence in the concatenated per-token tensors."""
+        bounds = [0]
+        for n in self.sequence_tokens:
+            bounds.append(bounds[-1] + n)
+        return [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Shard tensor `name` over all recorded tokens, concatenated: [N, ...] with N = total tokens."""
+        if name not in self.index["tensors"]:
+            raise MoeprepError(
+                f"trace {self.path} has no tensor {name!r} (recorded: {sorted(self.index['tensors'])})"
+            )
+        parts = []
+        for shard in self.index["shards"]:
+            with safe_open(self.path / shard["file"], framework="pt") as f:
+                parts.append(f.get_tensor(name))
+        return torch.cat(parts)
+
+    def router_inputs(self, layer: int) -> torch.Tensor:
+        """MoE block (router) inputs of model layer `layer`, [N, H]."""
+        return self.tensor(f"layers.{layer}.router_input")
+
+    def router_logits(self, layer: int) -> torch.Tensor:
+        """Router logits of model layer `layer`, [N, E] float32."""
+        return self.tensor(f"layers.{layer}.router_logits")
+
+    def last_hidden(self) -> torch.Tensor:
+        """Each token's last decoder layer output before the final norm, [N, H]."""
+        return self.tensor("last_hidden")
+
+    def token_ids(self) -> torch.Tensor:
+        """The recorded token ids, [N] int64."""
+        return self.tensor("token_ids")
+
+    def routing(self) -> list[RoutingTrace]:
+        """The routing of every recorded sequence."""
+        ids = torch.stack(
+            [self.tensor(f"layers.{layer}.expert_ids") for layer in self.layers], dim=1
+        )  # [N, L, K]
+        weights = torch.stack([self.tensor(f"layers.{layer}.expert_weights") for layer in self.layers], dim=1)
+        layers = tuple(self.layers)
+        return [RoutingTrace(ids[s], weights[s], layers) for s in self.sequence_slices()]
+
+
+def open_trace(path: str | Path) -> RecordedTrace:
+    """Open a trace directory written by `record_traces`."""
+    return RecordedTrace(path)
+
+
+# --- real Mixtral traces -------------------------------------------------------------------------
+
+MIXTRAL_TRACE_FILE = "gsm8k_routing.jsonl"
+
+
+def _find_mixtral_file(path: Path) -> Path:
+    for candidate in (path, path / MIXTRAL_TRACE_FILE, path / "mixtral-8x7b" / MIXTRAL_TRACE_FILE):
+        if candidate.is_file():
+            return candidate
+    raise MoeprepError(
+        f"no Mixtral routing trace at {path} (looked for {MIXTRAL_TRACE_FILE} in it and in mixtral-8x7b/)"
+    )
+
+
+def read_mixtral_traces(path: str | Path) -> list[RoutingTrace]:
+    """The real Mixtral-8x7B GSM8K decode routing as one RoutingTrace per problem (by problem id).
+
+    path: the `gsm8k_routing.jsonl` file, its directory, or the traces root holding `mixtral-8x7b/`.
+    The file has one JSON record per (problem, layer, generated token). Known defect (SOURCES.md):
+    records whose two weights were exactly 0.5/0.5 were dropped and token_idx renumbered per layer,
+    so layers of one problem have 0-2 tokens fewer than others. Alignment choice: each layer's
+    records are ordered by token_idx and aligned by position, and every layer is truncated to the
+    shortest layer of that problem, so T is the same for all layers and no sentinel values exist.
+    This loses the last 0-2 tokens per problem, and positions after a drop are off by one across
+    layers, which cross-layer statistics must tolerate (per-layer ones are exact up to the tail).
+    Returns RoutingTraces with layers 0..31 and K = 2.
+    """
+    file = _find_mixtral_file(Path(path))
+    records: dict[int, dict[int, list[tuple[int, list[int], list[float]]]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
+    with file.open() as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                records[int(r["problem_id"])][int(r["layer"])].append(
+                    (r["token_idx"], r["experts"], r["gating_probs"])
+                )
+            except (ValueError, KeyError, TypeError) as e:
+                raise MoeprepError(f"{file}:{line_no}: not a routing record ({e})") from e
+    traces = []
+    for problem in sorted(records):
+        by_layer = records[problem]
+        layers = sorted(by_layer)
+        if layers != list(range(len(layers))):
+            raise MoeprepError(
+                f"{file}: problem {problem} has layers {layers}, expected 0..{len(layers) - 1}"
+            )
+        n = min(len(by_layer[layer]) for layer in layers)
+        ids, weights = [], []
+        for layer in layers:
+            rows = sorted(by_layer[layer], key=lambda rec: rec[0])[:n]
+            ids.append(torch.tensor([rec[1] for rec in rows], dtype=torch.int64))  # [T, K]
+            weights.append(torch.tensor([rec[2] for rec in rows], dtype=torch.float32))
+        traces.append(RoutingTrace(torch.stack(ids, dim=1), torch.stack(weights, dim=1), tuple(layers)))
+    return traces
+
+
+def stack_routing(traces: Sequence[RoutingTrace]) -> RoutingTrace:
+    """Concatenate the routing of several sequences along T (for statistics that ignore boundaries)."""
+    if not traces:
+        raise MoeprepError("no routing traces to stack")
+    return RoutingTrace(
+        torch.cat([t.expert_ids for t in traces]),
+        torch.cat([t.expert_weights for t in traces]),
+        traces[0].layers,
+    )

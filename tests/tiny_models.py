@@ -1,0 +1,218 @@
+"""Tiny float32 MoE models of the seven supported architectures, built from configs (no downloads).
+
+Each builder returns a `*ForCausalLM` in eval mode with a fixed seed: hidden 32, 2-3 decoder
+layers, 4-8 experts, top-2, vocab 64, and the eager experts implementation (the reference loop of
+transformers, so recomputations match to float32 rounding). Weights are re-drawn larger than the
+default init (std 0.02 would make every router near-uniform and every expert output ~1e-4), so
+routing is decisive and errors are visible. Each architecture's special case is switched on:
+Qwen2-MoE's gated shared expert and a dense layer, DeepSeek-V2's dense first layer, shared experts
+and group-limited routing with a scaling factor, gpt-oss's biases and a SwiGLU clamp low enough to
+bite, Phi-MoE's sparsemixer threshold (jitter eps 0.3 instead of 0.01, so that with decisive router logits
+some tokens still mix several experts into the masked softmax and others do not).
+
+Use `build_tiny_model(arch)` or the per-architecture functions; `ARCHITECTURES` lists the names.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV2Config,
+    GptOssConfig,
+    LlamaConfig,
+    MixtralConfig,
+    OlmoeConfig,
+    PhimoeConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
+
+VOCAB = 64
+HIDDEN = 32
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def mixtral_config():
+    return MixtralConfig(
+        num_hidden_layers=2, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, **COMMON
+    )
+
+
+def qwen2_moe_config():
+    # Layer 1 is dense (mlp_only_layers) so the MoE-layer list is not simply "all layers".
+    return Qwen2MoeConfig(
+        num_hidden_layers=3,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        num_experts=6,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        **COMMON,
+    )
+
+
+def qwen3_moe_config():
+    return Qwen3MoeConfig(
+        num_hidden_layers=2,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        head_dim=8,
+        **COMMON,
+    )
+
+
+def olmoe_config():
+    return OlmoeConfig(
+        num_hidden_layers=2,
+        intermediate_size=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        **COMMON,
+    )
+
+
+def phimoe_config():
+    return PhimoeConfig(
+        num_hidden_layers=2,
+        intermediate_size=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        router_jitter_noise=0.3,
+        **COMMON,
+    )
+
+
+def deepseek_v2_config():
+    # 8 experts in 4 groups, the top 2 groups kept: group-limited routing changes the selection.
+    return DeepseekV2Config(
+        num_hidden_layers=3,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=1.5,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        **{**COMMON, "num_key_value_heads": 4},  # MLA: one latent KV per attention head
+    )
+
+
+def gpt_oss_config():
+    # swiglu_limit low enough that the clamp is active for a share of the activations.
+    return GptOssConfig(
+        num_hidden_layers=2,
+        intermediate_size=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        head_dim=8,
+        swiglu_limit=0.5,
+        # Its default YaRN rope expects a long context; keep the config consistent to avoid a warning.
+        **{**COMMON, "max_position_embeddings": 131072},
+    )
+
+
+def llama_config():
+    """A dense model: for the "unsupported architecture" paths."""
+    return LlamaConfig(num_hidden_layers=1, intermediate_size=16, **COMMON)
+
+
+CONFIGS = {
+    "mixtral": mixtral_config,
+    "qwen2_moe": qwen2_moe_config,
+    "qwen3_moe": qwen3_moe_config,
+    "olmoe": olmoe_config,
+    "phimoe": phimoe_config,
+    "deepseek_v2": deepseek_v2_config,
+    "gpt_oss": gpt_oss_config,
+}
+ARCHITECTURES = tuple(CONFIGS)
+
+
+def _decisive(model, seed: int):
+    """Re-draw the parameters so that routing is decisive and outputs are O(1)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                continue  # keep norms at their init (ones)
+            # Routers (`.gate.weight`, `.router.weight`, gpt-oss router bias) get std 1: logit gaps of
+            # several units. Everything else std 0.2 (biases included, which gpt-oss inits to zero).
+            router = name.endswith((".gate.weight", ".router.weight", ".router.bias"))
+            std = 1.0 if router else 0.2
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return model
+
+
+def build_tiny_model(arch: str, seed: int = 0, config=None):
+    """A tiny float32 `*ForCausalLM` of architecture `arch` (see ARCHITECTURES), eval mode, eager experts."""
+    config = config if config is not None else CONFIGS[arch]()
+    config._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return _decisive(model, seed).eval()
+
+
+def tiny_mixtral(seed: int = 0):
+    return build_tiny_model("mixtral", seed)
+
+
+def tiny_qwen2_moe(seed: int = 0):
+    return build_tiny_model("qwen2_moe", seed)
+
+
+def tiny_qwen3_moe(seed: int = 0):
+    return build_tiny_model("qwen3_moe", seed)
+
+
+def tiny_olmoe(seed: int = 0):
+    return build_tiny_model("olmoe", seed)
+
+
+def tiny_phimoe(seed: int = 0):
+    return build_tiny_model("phimoe", seed)
+
+
+def tiny_deepseek_v2(seed: int = 0):
+    return build_tiny_model("deepseek_v2", seed)
+
+
+def tiny_gpt_oss(seed: int = 0):
+    return build_tiny_model("gpt_oss", seed)
+
+
+def tiny_llama(seed: int = 0):
+    """A tiny dense Llama (not MoE), for unsupported-architecture tests."""
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(llama_config(), dtype=torch.float32).eval()
+
+
+def random_sequences(n: int, length: int, seed: int = 0) -> list[torch.Tensor]:
+    """`n` random token sequences (1-D LongTensors) of varying lengths around `length`."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (length + i,), generator=gen) for i in range(n)]
