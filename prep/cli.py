@@ -53,5 +53,30 @@ def inspect_model_command(model: str, as_json: bool) -> None:
     click.echo(json.dumps(info, indent=2) if as_json else _format_table(info))
 
 
+@main.command("reference-model")
+@click.option("--out", default="recipes/reference", show_default=True, type=click.Path(file_okay=False),
+              help="Where model/, suites/ and training.json are written.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+def reference_model_command(out: str, device: str) -> None:
+    """Generate the reference data and train the reference MoE from scratch (seeded)."""
+    from prep.reference.train import build_reference
+
+    report = build_reference(out, device=device)
+    click.echo(f"trained in {report['train_seconds']} s on {report['device']}; wrote {out}/model")
+
+
+@main.command("reference-metrics")
+@click.option("--dir", "ref_dir", default="recipes/reference", show_default=True,
+              type=click.Path(file_okay=False, exists=True), help="Directory holding model/ and suites/.")
+def reference_metrics_command(ref_dir: str) -> None:
+    """Score the reference model on its held-out suites and write metrics.json."""
+    from prep.reference.metrics import TARGETS, measure_reference
+
+    metrics = measure_reference(ref_dir)
+    for key in TARGETS:
+        mark = "ok" if metrics["meets_targets"][key] else "BELOW TARGET"
+        click.echo(f"{key:28s} {metrics[key]:.4f}  (target {TARGETS[key]})  {mark}")
+
+
 if __name__ == "__main__":
     main()

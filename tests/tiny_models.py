@@ -1,7 +1,7 @@
 """Tiny float32 MoE models of the seven supported architectures, built from configs (no downloads).
 
 Each builder returns a `*ForCausalLM` in eval mode with a fixed seed: hidden 32, 2-3 decoder
-layers, 4-8 experts, top-2, vocab 64, and the eager experts implementation (the reference loop of
+layers, 4-8 experts, top-2 (top-3 for DeepSeek-V2), vocab 64, and the eager experts implementation (the reference loop of
 transformers, so recomputations match to float32 rounding). Weights are re-drawn larger than the
 default init (std 0.02 would make every router near-uniform and every expert output ~1e-4), so
 routing is decisive and errors are visible. Each architecture's special case is switched on:
@@ -101,13 +101,14 @@ def phimoe_config():
 
 
 def deepseek_v2_config():
-    # 8 experts in 4 groups, the top 2 groups kept: group-limited routing changes the selection.
+    # 8 experts in 4 groups, top-3 inside the best 2 groups: with topk_group < top_k the group
+    # limit changes the selection (as in DeepSeek-V2: top-6 inside 3 of 8 groups).
     return DeepseekV2Config(
         num_hidden_layers=3,
         intermediate_size=48,
         moe_intermediate_size=16,
         n_routed_experts=8,
-        num_experts_per_tok=2,
+        num_experts_per_tok=3,
         n_shared_experts=2,
         first_k_dense_replace=1,
         topk_method="group_limited_greedy",

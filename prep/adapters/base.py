@@ -254,7 +254,6 @@ class MoeAdapter:
         """Router logits [T, E] -> (expert_ids [T, K] int64, weights [T, K]), as the model does in eval mode."""
         raise NotImplementedError
 
-    @torch.no_grad()
     def route(self, model: nn.Module, layer: int, hidden: torch.Tensor):
         """Route hidden [T, H] through MoE layer `layer` exactly as the model does (eval mode).
 
@@ -326,7 +325,6 @@ class MoeAdapter:
         up = F.linear(x, weights.up, weights.up_bias)  # [T, I]
         return F.linear(self.glu(gate, up), weights.down, weights.down_bias)  # [T, H]
 
-    @torch.no_grad()
     def shared_output(self, model: nn.Module, layer: int, hidden: torch.Tensor) -> torch.Tensor | None:
         """The shared-expert contribution of MoE layer `layer` for hidden [T, H] -> [T, H], or None."""
         if self.shared_attr is None:

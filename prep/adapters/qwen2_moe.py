@@ -22,7 +22,6 @@ class Qwen2MoeAdapter(Qwen3MoeAdapter):
     def shared_intermediate_size(self):
         return self.config.shared_expert_intermediate_size
 
-    @torch.no_grad()
     def shared_output(self, model, layer, hidden):
         hidden = hidden.reshape(-1, self.hidden_size)
         gate = self.moe_block(model, layer).shared_expert_gate  # Linear(H, 1)

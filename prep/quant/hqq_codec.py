@@ -1,7 +1,8 @@
 """The one module that imports hqq: half-quadratic quantization of expert matrices.
 
-For now it offers fake quantization (quantize then dequantize back to float), which is what the
-reference model's quality check and the sensitivity sweep need to measure accuracy loss.
+``encode_matrix`` turns a float matrix into the packed parts ``loader/codec.py`` defines (codes packed
+by our own scheme, float16 scale and zero per group), using hqq only for the optimisation of scale and
+zero; decoding never needs hqq. ``fake_quantize`` is the round trip, for accuracy measurements.
 """
 
 from __future__ import annotations
@@ -9,21 +10,64 @@ from __future__ import annotations
 import torch
 from hqq.core.quantize import Quantizer
 
+from loader.codec import BITS, CodecError, MatrixSpec, RecordLayout, dtype_name, decode_matrix, pack_codes
 from prep.errors import MoeprepError
 
-SUPPORTED_BITS = (8, 4, 3, 2)
+SUPPORTED_BITS = tuple(sorted(BITS.values(), reverse=True))
+
+
+def matrix_spec(name: str, weight: torch.Tensor, precision: str, group_size: int) -> MatrixSpec:
+    """The storage spec of ``weight`` at ``precision``; refuses mismatched group sizes up front.
+
+    Biases and other 1-D tensors always stay in their source precision.
+    """
+    if weight.ndim != 2 and precision != "passthrough":
+        precision, group_size = "passthrough", 0
+    spec = MatrixSpec(name, tuple(weight.shape), precision, dtype_name(weight.dtype),
+                      group_size if precision != "passthrough" else 0)
+    try:
+        spec.check()
+    except CodecError as e:
+        raise MoeprepError(f"cannot quantize {name} of shape {tuple(weight.shape)} to {precision}: {e}; "
+                           "choose a group size that divides the input dimension") from None
+    return spec
+
+
+def encode_matrix(spec: MatrixSpec, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``weight`` as the record parts of ``spec`` (see ``MatrixSpec.parts``)."""
+    if tuple(weight.shape) != spec.shape:
+        raise MoeprepError(f"{spec.name}: shape {tuple(weight.shape)} does not match the layout {spec.shape}")
+    if spec.precision == "passthrough":
+        return {spec.name: weight.detach().contiguous().cpu()}
+    w_q, meta = Quantizer.quantize(weight.detach().float().cpu(), nbits=BITS[spec.precision],
+                                   group_size=spec.group_size, axis=1, optimize=True, bitpack=False,
+                                   compute_dtype=torch.float32, device="cpu")
+    return {
+        f"{spec.name}.codes": pack_codes(w_q.to(torch.int32), BITS[spec.precision]),
+        f"{spec.name}.scale": meta["scale"].reshape(-1).to(torch.float16),
+        f"{spec.name}.zero": meta["zero"].reshape(-1).to(torch.float16),
+    }
+
+
+def encode_expert(tensors: dict[str, torch.Tensor], precision: str, group_size: int
+                  ) -> tuple[RecordLayout, torch.Tensor]:
+    """One expert's named tensors -> (its record layout, its packed uint8 record)."""
+    specs = tuple(matrix_spec(name, t, precision, group_size) for name, t in tensors.items())
+    layout = RecordLayout(specs)
+    parts: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        parts.update(encode_matrix(spec, tensors[spec.name]))
+    return layout, layout.join(parts)
 
 
 def fake_quantize(weight: torch.Tensor, nbits: int, group_size: int) -> torch.Tensor:
-    """``weight`` [out, in] quantized with HQQ to ``nbits`` in groups of ``group_size`` along the input
-    dimension, and dequantized back to ``weight``'s dtype."""
+    """``weight`` [out, in] through the codec at ``nbits`` and back, in ``weight``'s dtype."""
     if nbits not in SUPPORTED_BITS:
         raise MoeprepError(f"unsupported bit-width {nbits}; use one of {SUPPORTED_BITS}")
-    if weight.numel() % group_size or weight.shape[-1] % group_size:
+    if weight.ndim != 2 or weight.shape[-1] % group_size:
         raise MoeprepError(
             f"group size {group_size} does not divide the matrix of shape {tuple(weight.shape)}; "
             "pick a group size that divides its input dimension"
         )
-    w_q, meta = Quantizer.quantize(weight.detach().float().cpu(), nbits=nbits, group_size=group_size, axis=1,
-                                   optimize=True, bitpack=True, compute_dtype=torch.float32, device="cpu")
-    return Quantizer.dequantize(w_q, meta).reshape(weight.shape).to(weight.dtype)
+    spec = matrix_spec("w", weight, f"int{nbits}", group_size)
+    return decode_matrix(spec, encode_matrix(spec, weight))

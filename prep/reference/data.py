@@ -218,8 +218,8 @@ class Split:
 def make_suites(seed: int, sizes: dict[str, int]) -> tuple[dict[str, list[dict]], Split]:
     """The held-out suites (gsm8k, mmlu, truthfulqa) and the split that keeps them out of training.
 
-    A quarter of the facts (at least one per relation) are reserved; the mmlu suite is about half fact
-    questions on reserved facts and half generic items; truthfulqa asks reserved facts.
+    A quarter of the facts (at least one per relation) are reserved; a third of the mmlu suite asks
+    reserved facts, the rest are generic items; truthfulqa asks reserved facts.
     """
     rng = random.Random(seed * 7919 + 1)
     facts = all_facts()
@@ -237,7 +237,7 @@ def make_suites(seed: int, sizes: dict[str, int]) -> tuple[dict[str, list[dict]]
             seen_problems.add(p["question"])
             suites["gsm8k"].append({"question": p["question"], "answer": p["answer"]})
     seen_items: set[str] = set()
-    n_fact = sizes["mmlu"] // 2
+    n_fact = sizes["mmlu"] // 3
     for i in range(n_fact):
         suites["mmlu"].append(fact_item(rng, reserved[i % len(reserved)]))
     while len(suites["mmlu"]) < sizes["mmlu"]:

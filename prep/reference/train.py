@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from prep.errors import MoeprepError
 from prep.reference import data as D
 
 
@@ -45,12 +46,12 @@ class ReferenceSpec:
     num_kv_heads: int = 4
     context: int = 1024
     batch_size: int = 4
-    steps: int = 900
+    steps: int = 700
     lr: float = 2e-3
     warmup: int = 40
     weight_decay: float = 0.1
     router_aux_loss_coef: float = 0.02
-    docs: dict = field(default_factory=lambda: {"math": 6500, "exam": 10000, "qa": 3600, "facts": 9000, "code": 1000})
+    docs: dict = field(default_factory=lambda: {"math": 5200, "exam": 8000, "qa": 2900, "facts": 7200, "code": 800})
     suites: dict = field(default_factory=lambda: {"gsm8k": 300, "mmlu": 400, "truthfulqa": 200})
 
 
@@ -133,6 +134,8 @@ def build_reference(out_dir: str | Path, spec: ReferenceSpec | None = None, devi
     out_dir.mkdir(parents=True, exist_ok=True)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise MoeprepError("--device cuda was asked for but torch sees no CUDA GPU; use --device cpu or auto")
     torch.set_num_threads(os.cpu_count() or 1)
     started = time.time()
 

@@ -1,0 +1,206 @@
+"""Packed expert formats: bit packing, record layout, and decoding back to float matrices.
+
+A quantized matrix [out, in] is stored as codes (unsigned ints of ``bits`` bits, ``group_size``
+consecutive weights of a row share one scale and one zero), packed into bytes, plus float16 scale and
+zero per group: ``W = (code - zero) * scale``. Passthrough matrices are stored as their raw bytes.
+
+One expert is one *record*: all its tensors back to back in one byte string, in an order given by a
+``RecordLayout`` that is the same for every expert of a store, so a cache miss is one read and one
+copy. This module is shared by ``prep`` (which encodes, using hqq for the optimisation) and the loader
+(which only decodes); it needs nothing but torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
+
+
+class CodecError(ValueError):
+    """A record or matrix that does not match its declared layout."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in _DTYPES.items():
+        if value == dtype:
+            return name
+    raise CodecError(f"unsupported dtype {dtype}")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise CodecError(f"unsupported dtype {name!r}") from None
+
+
+# ---------------------------------------------------------------------------------------- bit packing
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned codes (any shape, values < 2**bits) -> flat uint8 bytes, little-endian within a byte.
+
+    8, 4 and 2 bits pack 1, 2 and 4 codes per byte; 3 bits packs 8 codes into 3 bytes.
+    """
+    flat = codes.reshape(-1).to(torch.int32)
+    if bits == 8:
+        return flat.to(torch.uint8)
+    if bits in (4, 2):
+        per = 8 // bits
+        if flat.numel() % per:
+            raise CodecError(f"{flat.numel()} codes do not fill whole bytes at {bits} bits")
+        groups = flat.view(-1, per)
+        out = torch.zeros(groups.shape[0], dtype=torch.int32)
+        for i in range(per):
+            out |= groups[:, i] << (bits * i)
+        return out.to(torch.uint8)
+    if bits == 3:
+        if flat.numel() % 8:
+            raise CodecError(f"{flat.numel()} codes are not a multiple of 8 at 3 bits")
+        groups = flat.view(-1, 8)
+        word = torch.zeros(groups.shape[0], dtype=torch.int32)
+        for i in range(8):
+            word |= groups[:, i] << (3 * i)
+        return torch.stack([(word >> (8 * j)) & 0xFF for j in range(3)], dim=1).reshape(-1).to(torch.uint8)
+    raise CodecError(f"unsupported bit-width {bits}")
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of ``pack_codes``: flat uint8 bytes -> ``count`` codes as uint8."""
+    data = packed.reshape(-1).to(torch.int32)
+    if bits == 8:
+        codes = data
+    elif bits in (4, 2):
+        per = 8 // bits
+        mask = (1 << bits) - 1
+        codes = torch.stack([(data >> (bits * i)) & mask for i in range(per)], dim=1).reshape(-1)
+    elif bits == 3:
+        triples = data.view(-1, 3)
+        word = triples[:, 0] | (triples[:, 1] << 8) | (triples[:, 2] << 16)
+        codes = torch.stack([(word >> (3 * i)) & 7 for i in range(8)], dim=1).reshape(-1)
+    else:
+        raise CodecError(f"unsupported bit-width {bits}")
+    if codes.numel() < count:
+        raise CodecError(f"packed data holds {codes.numel()} codes, {count} expected")
+    return codes[:count].to(torch.uint8)
+
+
+def packed_nbytes(count: int, bits: int) -> int:
+    return count * bits // 8
+
+
+# ---------------------------------------------------------------------------------------- matrices
+
+
+@dataclass(frozen=True)
+class MatrixSpec:
+    """How one matrix of an expert is stored: shape, precision and (for intN) the group size."""
+
+    name: str  # gate, up, down, gate_bias, ...
+    shape: tuple[int, ...]
+    precision: str  # "passthrough" or intN
+    dtype: str  # the source dtype, also the decode dtype
+    group_size: int = 0
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def parts(self) -> list[tuple[str, str, int]]:
+        """(part name, dtype name, byte size) of this matrix's pieces inside a record."""
+        if self.precision == "passthrough":
+            return [(self.name, self.dtype, self.numel * dtype_of(self.dtype).itemsize)]
+        bits = BITS[self.precision]
+        groups = self.numel // self.group_size
+        return [
+            (f"{self.name}.codes", "uint8", packed_nbytes(self.numel, bits)),
+            (f"{self.name}.scale", "float16", groups * 2),
+            (f"{self.name}.zero", "float16", groups * 2),
+        ]
+
+    def check(self) -> None:
+        if self.precision == "passthrough":
+            return
+        if self.precision not in BITS:
+            raise CodecError(f"unknown precision {self.precision!r}; use passthrough or one of {sorted(BITS)}")
+        if len(self.shape) != 2:
+            raise CodecError(f"{self.name}: only 2-D matrices are quantized, got shape {self.shape}")
+        if self.group_size <= 0 or self.shape[1] % self.group_size:
+            raise CodecError(
+                f"{self.name}: group size {self.group_size} does not divide the input dimension {self.shape[1]}"
+            )
+        if (self.numel * BITS[self.precision]) % 8 or (BITS[self.precision] == 3 and self.numel % 8):
+            raise CodecError(f"{self.name}: {self.numel} weights do not pack into whole bytes")
+
+
+def decode_matrix(spec: MatrixSpec, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The float matrix of ``spec`` from its record parts (as produced by ``RecordLayout.split``)."""
+    out_dtype = dtype_of(spec.dtype)
+    if spec.precision == "passthrough":
+        return parts[spec.name].view(out_dtype).reshape(spec.shape)
+    codes = unpack_codes(parts[f"{spec.name}.codes"], BITS[spec.precision], spec.numel)
+    scale = parts[f"{spec.name}.scale"].view(torch.float16).float()[:, None]
+    zero = parts[f"{spec.name}.zero"].view(torch.float16).float()[:, None]
+    w = (codes.view(-1, spec.group_size).float() - zero) * scale
+    return w.reshape(spec.shape).to(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """The byte layout shared by every expert record of one store."""
+
+    matrices: tuple[MatrixSpec, ...]
+
+    def parts(self) -> list[tuple[str, str, int, int]]:
+        """(part name, dtype, offset, size) in record order; every part starts 16-byte aligned."""
+        out, offset = [], 0
+        for spec in self.matrices:
+            for name, dtype, size in spec.parts():
+                out.append((name, dtype, offset, size))
+                offset += (size + 15) // 16 * 16
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        name, dtype, offset, size = self.parts()[-1]
+        return (offset + size + 15) // 16 * 16
+
+    def join(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Record parts -> one uint8 record of ``nbytes``."""
+        record = torch.zeros(self.nbytes, dtype=torch.uint8)
+        for name, _dtype, offset, size in self.parts():
+            raw = parts[name].contiguous().reshape(-1).view(torch.uint8)
+            if raw.numel() != size:
+                raise CodecError(f"record part {name}: {raw.numel()} bytes, layout says {size}")
+            record[offset : offset + size] = raw
+        return record
+
+    def split(self, record: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One uint8 record -> its parts (views, no copies)."""
+        if record.numel() < self.nbytes:
+            raise CodecError(f"record has {record.numel()} bytes, layout needs {self.nbytes}")
+        return {name: record[offset : offset + size] for name, _d, offset, size in self.parts()}
+
+    def decode(self, record: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One record -> {matrix name: float tensor}."""
+        parts = self.split(record)
+        return {spec.name: decode_matrix(spec, parts) for spec in self.matrices}
+
+    def to_json(self) -> list[dict]:
+        return [{"name": s.name, "shape": list(s.shape), "precision": s.precision, "dtype": s.dtype,
+                 "group_size": s.group_size} for s in self.matrices]
+
+    @classmethod
+    def from_json(cls, data: list[dict]) -> RecordLayout:
+        return cls(tuple(MatrixSpec(d["name"], tuple(d["shape"]), d["precision"], d["dtype"], d["group_size"])
+                         for d in data))

@@ -1,0 +1,198 @@
+"""Strict recipes: a YAML file maps one-to-one onto frozen dataclasses; an unknown key is an error.
+
+A recipe names the model, the calibration data and one section per pipeline stage. ``load_recipe``
+reads the YAML, applies ``--set section.key=value`` overrides, checks every key and type, and returns a
+``Recipe``. ``Recipe.to_dict()`` is the resolved recipe stored with every stage result and artifact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from prep.errors import MoeprepError
+
+PRECISIONS = ("passthrough", "int8", "int4", "int3", "int2")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Where the source model comes from: a local directory (relative to the repo root) or a hub id."""
+
+    path: str
+    revision: str | None = None
+
+
+@dataclass(frozen=True)
+class CalibrationSection:
+    """Calibration text: ``reference`` (the reference model's generator), a Hugging Face dataset id,
+    or local ``.txt``/``.jsonl`` files."""
+
+    source: str = "reference"
+    files: tuple[str, ...] = ()
+    dataset: str | None = None
+    dataset_config: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    num_sequences: int = 16
+    sequence_length: int = 256
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TraceSection:
+    hidden_dtype: str = "float16"
+    shard_tokens: int = 4096
+
+
+@dataclass(frozen=True)
+class QuantizeSection:
+    """Expert precision: ``passthrough`` keeps the source dtype; intN is HQQ with ``group_size``."""
+
+    precision: str = "int4"
+    group_size: int = 64
+
+
+@dataclass(frozen=True)
+class PackageSection:
+    """Plan defaults written into the artifact: the share of each layer's experts to cache."""
+
+    cache_fraction: float = 0.5
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    model: ModelSection
+    calibration: CalibrationSection = field(default_factory=CalibrationSection)
+    trace: TraceSection = field(default_factory=TraceSection)
+    quantize: QuantizeSection = field(default_factory=QuantizeSection)
+    package: PackageSection = field(default_factory=PackageSection)
+
+    def to_dict(self) -> dict:
+        return _to_plain(dataclasses.asdict(self))
+
+    def model_path(self, root: Path) -> str:
+        """The model as a path when it is a local directory relative to ``root``, else the id as given."""
+        candidate = (root / self.model.path)
+        return str(candidate) if candidate.exists() else self.model.path
+
+
+def _to_plain(value):
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def _parse_scalar(text: str):
+    return yaml.safe_load(text)
+
+
+def _apply_override(data: dict, assignment: str) -> None:
+    if "=" not in assignment or "." not in assignment.split("=", 1)[0]:
+        raise MoeprepError(f"--set expects section.key=value, got {assignment!r}")
+    dotted, value = assignment.split("=", 1)
+    *path, key = dotted.split(".")
+    node = data
+    for part in path:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise MoeprepError(f"--set {assignment!r}: {part!r} is not a section")
+    node[key] = _parse_scalar(value)
+
+
+def _coerce(value, annotation, where: str):
+    """Check ``value`` against a dataclass field's annotation (str/int/float/bool/None/tuple/dataclass)."""
+    origin = typing.get_origin(annotation)
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise MoeprepError(f"{where} must be a mapping of its keys, got {value!r}")
+        return _build(annotation, value, where)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, where)
+            except MoeprepError:
+                continue
+        raise MoeprepError(f"{where}: {value!r} is not a {annotation}")
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise MoeprepError(f"{where} must be a list, got {value!r}")
+        (item_type, _ellipsis) = typing.get_args(annotation)
+        return tuple(_coerce(v, item_type, f"{where}[{i}]") for i, v in enumerate(value))
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation is bool and not isinstance(value, bool):
+        raise MoeprepError(f"{where} must be true or false, got {value!r}")
+    if annotation in (int, float) and isinstance(value, bool):
+        raise MoeprepError(f"{where} must be a number, got {value!r}")
+    if not isinstance(value, annotation):
+        raise MoeprepError(f"{where} must be {annotation.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls, data: dict, where: str):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise MoeprepError(
+            f"unknown key {', '.join(repr(u) for u in unknown)} in {where}; allowed keys: {', '.join(names)}"
+        )
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            kwargs[f.name] = _coerce(data[f.name], hints[f.name], f"{where}.{f.name}" if where else f.name)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise MoeprepError(f"missing key {f.name!r} in {where or 'the recipe'}")
+    return cls(**kwargs)
+
+
+def _validate(recipe: Recipe) -> None:
+    if recipe.quantize.precision not in PRECISIONS:
+        raise MoeprepError(f"quantize.precision {recipe.quantize.precision!r} unknown; use one of {PRECISIONS}")
+    if recipe.quantize.group_size <= 0:
+        raise MoeprepError("quantize.group_size must be positive")
+    if not 0 < recipe.package.cache_fraction <= 1:
+        raise MoeprepError("package.cache_fraction must be in (0, 1]")
+    if recipe.calibration.num_sequences <= 0 or recipe.calibration.sequence_length <= 1:
+        raise MoeprepError("calibration needs num_sequences >= 1 and sequence_length >= 2")
+
+
+def recipe_from_dict(data: dict, overrides: tuple[str, ...] = ()) -> Recipe:
+    """A validated Recipe from plain data plus ``section.key=value`` overrides."""
+    data = _to_plain(data or {})
+    for assignment in overrides:
+        _apply_override(data, assignment)
+    recipe = _build(Recipe, data, "")
+    _validate(recipe)
+    return recipe
+
+
+def load_recipe(path: str | Path, overrides: tuple[str, ...] = ()) -> Recipe:
+    """Read a recipe YAML (see ``recipes/reference.yaml``) and apply overrides."""
+    path = Path(path)
+    if not path.is_file():
+        available = sorted(p.stem for p in path.parent.glob("*.yaml")) if path.parent.is_dir() else []
+        hint = f"; recipes in {path.parent}: {', '.join(available)}" if available else ""
+        raise MoeprepError(f"recipe {path} not found{hint}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise MoeprepError(f"recipe {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise MoeprepError(f"recipe {path} must be a mapping of sections")
+    data.setdefault("name", path.stem)
+    return recipe_from_dict(data, overrides)

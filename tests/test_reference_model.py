@@ -1,0 +1,131 @@
+"""The committed reference model: its shape, its suites, its held-out rule, and its metrics re-scored."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from prep.evals import suites as S
+from prep.evals import templates as tpl
+from prep.reference import data as D
+from prep.reference.metrics import TARGETS, load_model
+from prep.reference.train import ReferenceSpec
+
+REF = Path(__file__).resolve().parents[1] / "recipes" / "reference"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return load_model(REF / "model")
+
+
+@pytest.fixture(scope="module")
+def metrics() -> dict:
+    return json.loads((REF / "metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def suites() -> dict[str, list[dict]]:
+    return {name: S.read_jsonl(REF / "suites" / f"{name}.jsonl") for name in ("gsm8k", "mmlu", "truthfulqa")}
+
+
+def test_model_shape_and_size(reference):
+    model, tokenizer = reference
+    cfg = model.config
+    assert type(model).__name__ == "MixtralForCausalLM"
+    assert cfg.num_hidden_layers >= 4 and cfg.num_local_experts == 8 and cfg.num_experts_per_tok == 2
+    assert cfg.max_position_embeddings >= 1024
+    weights = sum(p.stat().st_size for p in (REF / "model").glob("*.safetensors"))
+    assert weights <= 50 * 2**20
+    assert not list((REF / "model").glob("*.bin")) and not list((REF / "model").glob("*.pt"))
+    assert tokenizer("Answer: A")["input_ids"][0] == tokenizer.bos_token_id
+
+
+def test_suites_follow_hf_schemas(suites):
+    for item in suites["gsm8k"]:
+        assert set(item) == {"question", "answer"} and "####" in item["answer"]
+    for item in suites["mmlu"]:
+        assert set(item) == {"question", "subject", "choices", "answer"}
+        assert len(item["choices"]) == 4 and item["answer"] in range(4)
+    for item in suites["truthfulqa"]:
+        assert set(item) == {"question", "mc1_targets", "mc2_targets"}
+        assert item["mc1_targets"]["labels"].count(1) == 1
+        assert len(item["mc2_targets"]["choices"]) == len(item["mc2_targets"]["labels"])
+    assert all(len(rows) >= 200 for rows in suites.values())
+
+
+def test_suites_are_regenerated_exactly_and_never_in_training(suites):
+    """The committed suites are what the seed makes, and no suite item occurs in the training corpus."""
+    spec = ReferenceSpec(**json.loads((REF / "training.json").read_text())["spec"])
+    regenerated, split = D.make_suites(spec.seed, spec.suites)
+    assert regenerated == suites
+    docs = D.training_documents(spec.seed, split, spec.docs)
+    corpus = "\n".join(text for domain, text in docs if domain != "code")
+    for item in suites["gsm8k"]:
+        assert item["question"] not in corpus
+    fact_stems = {D.ask(f) for f in D.all_facts()}
+    for item in suites["mmlu"]:
+        if item["question"] in fact_stems or item["question"].startswith("What is "):
+            assert f"{item['question']}\n" not in corpus, item["question"]
+        else:
+            assert D.mmlu_text(item, answer=False) not in corpus
+    for item in suites["truthfulqa"]:
+        assert item["question"] not in corpus
+    # a reserved fact is still taught, as prose
+    reserved = next(f for f in D.all_facts() if f.key in split.suite_facts)
+    assert D.state(reserved) in corpus
+
+
+def test_metrics_meet_targets(metrics):
+    for key, target in TARGETS.items():
+        assert metrics[key] >= target, f"{key} = {metrics[key]} below {target}"
+    layers = metrics["expert_share_per_layer"]
+    assert min(min(row) for row in layers) >= 0.03
+    assert max(metrics["domain_js_divergence_mean_over_layers"].values()) > 0.01
+
+
+@pytest.mark.slow
+def test_metrics_rescored_independently(reference, suites, metrics):
+    """Plain transformers with the harness templates reproduces the committed accuracies."""
+    model, tokenizer = reference
+    with torch.no_grad():
+        mmlu = S.score_mmlu(model, tokenizer, suites["mmlu"], progress=False)
+        tqa = S.score_truthfulqa(model, tokenizer, suites["truthfulqa"], progress=False)
+    assert S.mean(r["correct"] for r in mmlu) == pytest.approx(metrics["mmlu_acc"], abs=1e-9)
+    assert S.mean(r["correct"] for r in tqa) == pytest.approx(metrics["truthfulqa_mc1"], abs=1e-9)
+    shots = S.read_jsonl(REF / "suites" / "gsm8k_fewshot.jsonl")
+    gsm = S.score_gsm8k(model, tokenizer, suites["gsm8k"], shots, progress=False)
+    assert S.mean(r["correct"] for r in gsm) == pytest.approx(metrics["gsm8k_exact_match"], abs=1e-9)
+
+
+def test_gsm8k_prompt_matches_harness_format(suites):
+    shots = S.read_jsonl(REF / "suites" / "gsm8k_fewshot.jsonl")
+    prompt = tpl.gsm8k_fewshot_prompt(suites["gsm8k"][0]["question"], shots)
+    assert prompt.count("Question: ") == len(shots) + 1
+    assert prompt.endswith("\nAnswer:") and "\n\nQuestion: " in prompt
+
+
+def test_greedy_generate_equals_a_plain_argmax_loop(reference, suites):
+    """generate() with a KV cache and stop strings gives the argmax-per-step text, cut at the stop."""
+    from prep.evals.scoring import greedy_generate
+
+    model, tokenizer = reference
+    shots = S.read_jsonl(REF / "suites" / "gsm8k_fewshot.jsonl")[:2]
+    prompt = tpl.gsm8k_fewshot_prompt(suites["gsm8k"][1]["question"], shots)
+    got = greedy_generate(model, tokenizer, prompt, 40, tpl.GSM8K_STOP)
+    ids = tokenizer(prompt)["input_ids"]
+    start = len(ids)
+    with torch.no_grad():
+        for _ in range(40):
+            nxt = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            if nxt == tokenizer.eos_token_id:
+                break
+            ids.append(nxt)
+            if "Question:" in tokenizer.decode(ids[start:]):
+                break
+    expected = tokenizer.decode(ids[start:], skip_special_tokens=True).split("Question:")[0]
+    assert got == expected
+    assert "####" in got
