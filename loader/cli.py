@@ -1,17 +1,116 @@
-"""`moeload`: the device team's command line (generate, verify, info arrive with the loader)."""
+"""`moeload`: the device team's command line: generate, verify, info.
+
+Artifact and loader errors print as ``error: <message>`` without a traceback and exit 1.
+"""
 
 from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
 
 import click
 
 from loader import __version__
+from loader.format import ArtifactError, read_manifest, verify
 
 
-@click.group(help="Run and check moeprep artifacts on a device. "
-                  "The generate, verify and info commands arrive with the loader; none exist yet.")
+class LoaderGroup(click.Group):
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except ArtifactError as e:
+            click.echo(f"error: {e}", err=True)
+            ctx.exit(1)
+
+
+@click.group(cls=LoaderGroup)
 @click.version_option(__version__, prog_name="moeload")
 def main() -> None:
-    """Entry point of the `moeload` console script."""
+    """Run and check moeprep artifacts on a device."""
+
+
+@main.command("verify")
+@click.argument("artifact", type=click.Path())
+def verify_command(artifact: str) -> None:
+    """Check the schema, every file size and every sha256; exit 1 naming each bad file."""
+    bad = verify(artifact)
+    if bad:
+        for line in bad:
+            click.echo(f"BAD  {line}", err=True)
+        sys.exit(1)
+    click.echo(f"ok: {artifact}: every file matches its manifest")
+
+
+@main.command("info")
+@click.argument("artifact", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def info_command(artifact: str, as_json: bool) -> None:
+    """Summarize an artifact: source model, MoE geometry, stores, plan, sizes."""
+    manifest = read_manifest(artifact)
+    raw = manifest.raw
+    report_path = Path(artifact) / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    info = {
+        "schema_version": raw["schema_version"],
+        "producer": raw["producer"],
+        "source_model": raw["source_model"],
+        "architecture": raw["moe"]["architecture"],
+        "moe_layers": len(raw["moe"]["layers"]),
+        "num_experts": raw["moe"]["num_experts"],
+        "top_k": raw["moe"]["top_k"],
+        "stores": {p: {"file": s["file"], "record_bytes": s["record_bytes"]} for p, s in raw["stores"].items()},
+        "plan": raw["plan_summary"],
+        "total_bytes": sum(f["bytes"] for f in raw["files"].values()),
+        "sizes": report.get("sizes", {}),
+        "compression": report.get("compression", {}),
+    }
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    for key, value in info.items():
+        click.echo(f"{key:16s} {json.dumps(value) if isinstance(value, dict) else value}")
+
+
+@main.command("generate")
+@click.argument("artifact", type=click.Path())
+@click.option("--prompt", required=True, help="Text to continue.")
+@click.option("--max-new-tokens", default=32, show_default=True, type=int)
+@click.option("--memory-budget", default=None, help="Bytes, a size like 1.5GiB, or a share like 25%.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--store", default="disk", show_default=True, type=click.Choice(["disk", "host"]))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object {text, token_ids, stats}.")
+def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_budget: str | None, device: str,
+                     store: str, as_json: bool) -> None:
+    """Greedy generation through the offloading runtime; streams the text, then prints the stats."""
+    import torch
+    from transformers import TextStreamer
+
+    from loader.runtime import load
+
+    loaded = load(artifact, device=device, memory_budget=memory_budget, store=store)
+    tok = loaded.tokenizer
+    ids = torch.tensor([tok(prompt)["input_ids"]], device=device)
+    streamer = None if as_json else TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+    with torch.no_grad():
+        out = loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=max_new_tokens, streamer=streamer,
+                                    pad_token_id=tok.pad_token_id)
+    new = out[0, ids.shape[1]:].tolist()
+    stats = loaded.stats()
+    loaded.close()
+    if as_json:
+        click.echo(json.dumps({"text": tok.decode(new, skip_special_tokens=True), "token_ids": new,
+                               "stats": stats}))
+        return
+    click.echo()
+    click.echo(f"tokens {stats['tokens']}  tokens/s {stats['tokens_per_second'] or 0:.1f}  "
+               f"hit rate {stats['hit_rate'] or 0:.3f}  read {stats['bytes_read']:,} B in "
+               f"{stats['read_seconds']:.3f} s  stall {stats['stall_seconds']:.3f} s  "
+               f"peak cache {stats['peak_cache_bytes']:,} B  direct I/O {stats['direct_io']}")
+    for layer, s in stats["layers"].items():
+        click.echo(f"  layer {layer}: slots {s['slots']} hits {s['hits']} misses {s['misses']} "
+                   f"read {s['bytes_read']:,} B stall {s['stall_seconds']:.3f} s")
 
 
 if __name__ == "__main__":

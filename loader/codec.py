@@ -105,6 +105,7 @@ class MatrixSpec:
     precision: str  # "passthrough" or intN
     dtype: str  # the source dtype, also the decode dtype
     group_size: int = 0
+    transposed: bool = False  # stored as its transpose, so groups run along the input dimension
 
     @property
     def numel(self) -> int:
@@ -149,7 +150,8 @@ def decode_matrix(spec: MatrixSpec, parts: dict[str, torch.Tensor]) -> torch.Ten
     scale = parts[f"{spec.name}.scale"].view(torch.float16).float()[:, None]
     zero = parts[f"{spec.name}.zero"].view(torch.float16).float()[:, None]
     w = (codes.view(-1, spec.group_size).float() - zero) * scale
-    return w.reshape(spec.shape).to(out_dtype)
+    w = w.reshape(spec.shape).to(out_dtype)
+    return w.T if spec.transposed else w
 
 
 # ---------------------------------------------------------------------------------------- records
@@ -198,9 +200,9 @@ class RecordLayout:
 
     def to_json(self) -> list[dict]:
         return [{"name": s.name, "shape": list(s.shape), "precision": s.precision, "dtype": s.dtype,
-                 "group_size": s.group_size} for s in self.matrices]
+                 "group_size": s.group_size, "transposed": s.transposed} for s in self.matrices]
 
     @classmethod
     def from_json(cls, data: list[dict]) -> RecordLayout:
-        return cls(tuple(MatrixSpec(d["name"], tuple(d["shape"]), d["precision"], d["dtype"], d["group_size"])
-                         for d in data))
+        return cls(tuple(MatrixSpec(d["name"], tuple(d["shape"]), d["precision"], d["dtype"], d["group_size"],
+                                    d.get("transposed", False)) for d in data))

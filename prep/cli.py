@@ -53,6 +53,30 @@ def inspect_model_command(model: str, as_json: bool) -> None:
     click.echo(json.dumps(info, indent=2) if as_json else _format_table(info))
 
 
+@main.command("prepare")
+@click.option("--recipe", "recipe_path", required=True, type=click.Path(dir_okay=False),
+              help="Recipe YAML, e.g. recipes/reference.yaml.")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
+              help="Override one recipe value (repeatable).")
+@click.option("--output", type=click.Path(file_okay=False), default=None,
+              help="Artifact directory (default artifacts/<recipe name>/artifact).")
+@click.option("--until", default=None, help="Stop after this stage.")
+@click.option("--force", default=None, help="Rerun this stage and every stage after it.")
+def prepare_command(recipe_path: str, overrides: tuple[str, ...], output: str | None, until: str | None,
+                    force: str | None) -> None:
+    """Run the preparation pipeline of a recipe and write its artifact."""
+    from prep.pipeline import prepare
+    from prep.recipe import load_recipe
+
+    summary = prepare(load_recipe(recipe_path, overrides), root=".", output=output, until=until, force=force)
+    for stage, info in summary.items():
+        if stage != "artifact":
+            state = "cached" if info["cached"] else f"{info['seconds']:.1f} s"
+            click.echo(f"{stage:10s} {info['key']}  {state}")
+    if summary["artifact"]:
+        click.echo(f"artifact: {summary['artifact']}")
+
+
 @main.command("reference-model")
 @click.option("--out", default="recipes/reference", show_default=True, type=click.Path(file_okay=False),
               help="Where model/, suites/ and training.json are written.")

@@ -217,3 +217,25 @@ def random_sequences(n: int, length: int, seed: int = 0) -> list[torch.Tensor]:
     """`n` random token sequences (1-D LongTensors) of varying lengths around `length`."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (length + i,), generator=gen) for i in range(n)]
+
+
+def tiny_tokenizer(vocab_size: int):
+    """A character-level fast tokenizer that fits a tiny model's vocabulary (unknown characters -> <unk>)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    chars = [chr(c) for c in range(32, 127)][: vocab_size - len(specials)]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>")
+
+
+def save_tiny_model(arch: str, directory, seed: int = 0):
+    """Save a tiny model of ``arch`` with a character tokenizer to ``directory``; returns the model."""
+    model = build_tiny_model(arch, seed)
+    model.save_pretrained(directory)
+    tiny_tokenizer(model.config.vocab_size).save_pretrained(directory)
+    return model

@@ -16,15 +16,19 @@ from prep.errors import MoeprepError
 SUPPORTED_BITS = tuple(sorted(BITS.values(), reverse=True))
 
 
-def matrix_spec(name: str, weight: torch.Tensor, precision: str, group_size: int) -> MatrixSpec:
+def matrix_spec(name: str, weight: torch.Tensor, precision: str, group_size: int,
+                transposed: bool = False) -> MatrixSpec:
     """The storage spec of ``weight`` at ``precision``; refuses mismatched group sizes up front.
 
-    Biases and other 1-D tensors always stay in their source precision.
+    Biases and other 1-D tensors always stay in their source precision. ``transposed``: the tensor is
+    laid out [in, out] (gpt-oss); it is quantized as its transpose so groups run along the input.
     """
     if weight.ndim != 2 and precision != "passthrough":
         precision, group_size = "passthrough", 0
-    spec = MatrixSpec(name, tuple(weight.shape), precision, dtype_name(weight.dtype),
-                      group_size if precision != "passthrough" else 0)
+    quantized = precision != "passthrough"
+    shape = tuple(weight.T.shape) if transposed and quantized else tuple(weight.shape)
+    spec = MatrixSpec(name, shape, precision, dtype_name(weight.dtype), group_size if quantized else 0,
+                      transposed and quantized)
     try:
         spec.check()
     except CodecError as e:
@@ -35,6 +39,8 @@ def matrix_spec(name: str, weight: torch.Tensor, precision: str, group_size: int
 
 def encode_matrix(spec: MatrixSpec, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """``weight`` as the record parts of ``spec`` (see ``MatrixSpec.parts``)."""
+    if spec.transposed:
+        weight = weight.T
     if tuple(weight.shape) != spec.shape:
         raise MoeprepError(f"{spec.name}: shape {tuple(weight.shape)} does not match the layout {spec.shape}")
     if spec.precision == "passthrough":
@@ -49,10 +55,10 @@ def encode_matrix(spec: MatrixSpec, weight: torch.Tensor) -> dict[str, torch.Ten
     }
 
 
-def encode_expert(tensors: dict[str, torch.Tensor], precision: str, group_size: int
-                  ) -> tuple[RecordLayout, torch.Tensor]:
+def encode_expert(tensors: dict[str, torch.Tensor], precision: str, group_size: int,
+                  transposed: bool = False) -> tuple[RecordLayout, torch.Tensor]:
     """One expert's named tensors -> (its record layout, its packed uint8 record)."""
-    specs = tuple(matrix_spec(name, t, precision, group_size) for name, t in tensors.items())
+    specs = tuple(matrix_spec(name, t, precision, group_size, transposed) for name, t in tensors.items())
     layout = RecordLayout(specs)
     parts: dict[str, torch.Tensor] = {}
     for spec in specs:

@@ -1,0 +1,1 @@
+"""Pipeline stages: one module each, with VERSION, a ``run`` function and the result it writes."""
