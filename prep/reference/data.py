@@ -1,6 +1,6 @@
 """Training corpus and held-out suites for the reference model, generated from a seed.
 
-Five domains, so that experts have something to specialize on:
+Six domains, so that experts have something to specialize on:
 
 - ``math``: grade-school word problems in the gsm8k formats (``Question/Answer ... #### N`` and the
   chain-of-thought ``Q/A ... The answer is N.``);
@@ -8,7 +8,10 @@ Five domains, so that experts have something to specialize on:
   arithmetic;
 - ``qa``: short questions in the TruthfulQA format (with and without the harness's preamble);
 - ``facts``: encyclopedic prose stating every fact of ``world.py`` (the only place held-out facts are seen);
-- ``code``: Python source of the interpreter's own standard library (text found on the machine).
+- ``code``: Python source of the interpreter's own standard library (text found on the machine);
+- ``drills``: in-context retrieval exercises (copy a list, find an option's letter, recall who has
+  what). A small model only answers the exam and word-problem formats once it can copy from its
+  context; these short drills teach that skill directly instead of waiting for it to emerge.
 
 Held-out rule: a suite item is never in the training corpus. Fact questions (capital, habitat, symbol,
 ...) are held out by fact: a fact picked for the suites appears in training only as prose, never as a
@@ -26,7 +29,7 @@ from pathlib import Path
 from prep.evals import templates as tpl
 from prep.reference import world as W
 
-DOMAINS = ("math", "exam", "qa", "facts", "code")
+DOMAINS = ("math", "exam", "qa", "facts", "code", "drills")
 
 
 @dataclass(frozen=True)
@@ -108,28 +111,28 @@ def word_problem(rng: random.Random) -> dict:
     item = rng.choice(W.ITEMS)
     kind = rng.choices(["add", "sub", "mul", "div", "two"], weights=[3, 3, 2, 1, 2])[0]
     if kind == "add":
-        a, b = rng.randint(2, 60), rng.randint(2, 40)
+        a, b = rng.randint(2, 40), rng.randint(2, 20)
         n = a + b
         q = f"{name} has {a} {item}. {name} buys {b} more {item}. How many {item} does {name} have now?"
         steps = [f"{name} has {a} + {b} = {n} {item} now."]
     elif kind == "sub":
-        a = rng.randint(10, 99)
+        a = rng.randint(10, 50)
         b = rng.randint(1, a - 1)
         n = a - b
         q = f"{name} had {a} {item}. {name} gave {b} {item} to {other}. How many {item} does {name} have left?"
         steps = [f"{name} has {a} - {b} = {n} {item} left."]
     elif kind == "mul":
-        a, b = rng.randint(2, 9), rng.randint(2, 12)
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
         n = a * b
         q = f"{name} buys {a} boxes of {item}. Each box has {b} {item}. How many {item} does {name} buy?"
         steps = [f"{name} buys {a} * {b} = {n} {item}."]
     elif kind == "div":
-        n, b = rng.randint(2, 12), rng.randint(2, 6)
+        n, b = rng.randint(2, 9), rng.randint(2, 5)
         a = n * b
         q = f"{name} shares {a} {item} equally among {b} friends. How many {item} does each friend get?"
         steps = [f"Each friend gets {a} / {b} = {n} {item}."]
     else:
-        a, b = rng.randint(5, 40), rng.randint(2, 30)
+        a, b = rng.randint(5, 20), rng.randint(2, 15)
         c = rng.randint(1, a + b - 1)
         s, n = a + b, a + b - c
         q = (f"{name} has {a} {item}. {name} finds {b} more {item} and then loses {c} of them. "
@@ -269,7 +272,7 @@ def _math_doc(rng: random.Random, split: Split) -> str:
 
 def _exam_doc(rng: random.Random, split: Split, trainable: list[Fact]) -> str:
     items = []
-    while len(items) < rng.randint(1, 5):
+    while len(items) < rng.randint(2, 8):
         item = fact_item(rng, rng.choice(trainable)) if rng.random() < 0.5 else generic_item(rng)
         if item_identity(item) not in split.suite_items:
             items.append(item)
@@ -302,6 +305,34 @@ def _facts_doc(rng: random.Random, facts: list[Fact]) -> str:
     return " ".join(sentences)
 
 
+def _drills_doc(rng: random.Random) -> str:
+    """Short in-context retrieval exercises: copying, option lookup, and recall of who has what."""
+    words = [w for ws in W.CATEGORIES.values() for w in ws] + sorted(W.ANIMALS) + list(W.COUNTRIES)
+    parts = []
+    for _ in range(rng.randint(2, 5)):
+        kind = rng.choice(["copy", "letter", "recall"])
+        if kind == "copy":
+            seq = [rng.choice(words) if rng.random() < 0.6 else str(rng.randint(0, 99))
+                   for _ in range(rng.randint(3, 7))]
+            parts.append(f"Copy: {', '.join(seq)}\nCopy: {', '.join(seq)}")
+        elif kind == "letter":
+            options = rng.sample(words, 4)
+            k = rng.randrange(4)
+            lines = "\n".join(f"{letter}. {w}" for letter, w in zip(tpl.LETTERS, options, strict=True))
+            parts.append(f"{lines}\nWhich option is {options[k]}?\nAnswer: {tpl.LETTERS[k]}")
+        else:
+            names = rng.sample(W.NAMES, 3)
+            items = rng.sample(W.ITEMS, 3)
+            counts = [rng.randint(2, 60) for _ in range(3)]
+            facts = " ".join(f"{n} has {c} {i}." for n, c, i in zip(names, counts, items, strict=True))
+            k = rng.randrange(3)
+            if rng.random() < 0.5:
+                parts.append(f"{facts} Who has the {items[k]}? {names[k]}.")
+            else:
+                parts.append(f"{facts} How many {items[k]} does {names[k]} have? {counts[k]}.")
+    return "\n\n".join(parts)
+
+
 def code_chunks(max_chars: int, chunk_chars: int = 1500) -> list[str]:
     """Chunks of the running interpreter's standard-library sources, in sorted file order."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -328,6 +359,7 @@ def training_documents(seed: int, split: Split, counts: dict[str, int]) -> list[
     docs += [("exam", _exam_doc(rng, split, trainable)) for _ in range(counts["exam"])]
     docs += [("qa", _qa_doc(rng, trainable)) for _ in range(counts["qa"])]
     docs += [("facts", _facts_doc(rng, facts)) for _ in range(counts["facts"])]
+    docs += [("drills", _drills_doc(rng)) for _ in range(counts.get("drills", 0))]
     code = code_chunks(max_chars=counts["code"] * 1500)
     docs += [("code", c) for c in code[: counts["code"]]]
     rng.shuffle(docs)

@@ -104,7 +104,7 @@ def measure_reference(ref_dir: str | Path, limit: int | None = None, progress: b
 
     # routing over fresh documents (a seed no training or suite document used)
     split = D.Split(frozenset(), frozenset(), frozenset())
-    fresh = D.training_documents(987654, split, {"math": 40, "exam": 40, "qa": 40, "facts": 40, "code": 40})
+    fresh = D.training_documents(987654, split, {d: 40 for d in D.DOMAINS})
     usage = {}
     for domain in D.DOMAINS:
         texts = [t for d, t in fresh if d == domain][: (limit or 40)]

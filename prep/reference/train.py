@@ -46,12 +46,13 @@ class ReferenceSpec:
     num_kv_heads: int = 4
     context: int = 1024
     batch_size: int = 4
-    steps: int = 700
+    steps: int = 1100
     lr: float = 2e-3
     warmup: int = 40
     weight_decay: float = 0.1
     router_aux_loss_coef: float = 0.02
-    docs: dict = field(default_factory=lambda: {"math": 5200, "exam": 8000, "qa": 2900, "facts": 7200, "code": 800})
+    rope_theta: float = 10000.0
+    docs: dict = field(default_factory=lambda: {"math": 7000, "exam": 11000, "qa": 2300, "facts": 10000, "code": 600, "drills": 4500})
     suites: dict = field(default_factory=lambda: {"gsm8k": 300, "mmlu": 400, "truthfulqa": 200})
 
 
@@ -97,9 +98,25 @@ def model_config(spec: ReferenceSpec, tokenizer):
         num_key_value_heads=spec.num_kv_heads, num_local_experts=spec.num_experts,
         num_experts_per_tok=spec.top_k, max_position_embeddings=spec.context, tie_word_embeddings=False,
         router_aux_loss_coef=spec.router_aux_loss_coef, output_router_logits=False,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+
+
+def per_layer_balance_loss(router_logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Tensor:
+    """Switch-style load-balancing loss averaged over layers: E * sum_e f_e * P_e, per layer.
+
+    transformers' Mixtral loss pools the tokens of all layers, so one layer can starve an expert while
+    another over-uses it; balancing each layer keeps every expert of every layer alive.
+    """
+    losses = []
+    for logits in router_logits:  # [T, E] per layer
+        probs = logits.float().softmax(dim=-1)
+        chosen = torch.topk(probs, top_k, dim=-1).indices
+        share = torch.zeros_like(probs).scatter_(1, chosen, 1.0).mean(dim=0) / top_k  # f_e, sums to 1
+        losses.append(probs.shape[-1] * (share * probs.mean(dim=0)).sum())
+    return torch.stack(losses).mean()
 
 
 def _lr(step: int, spec: ReferenceSpec) -> float:
@@ -156,7 +173,9 @@ def build_reference(out_dir: str | Path, spec: ReferenceSpec | None = None, devi
             shots.append({"question": p["question"], "answer": p["answer"]})
 
     torch.manual_seed(spec.seed)
-    model = MixtralForCausalLM(model_config(spec, tokenizer)).to(device)
+    config = model_config(spec, tokenizer)
+    config.router_aux_loss_coef = 0.0  # transformers' pooled loss off; the per-layer one is added below
+    model = MixtralForCausalLM(config).to(device)
     model.train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -171,21 +190,25 @@ def build_reference(out_dir: str | Path, spec: ReferenceSpec | None = None, devi
         for group in opt.param_groups:
             group["lr"] = _lr(step, spec)
         out = model(input_ids=batch, labels=batch, output_router_logits=True)
-        out.loss.backward()
+        balance = per_layer_balance_loss(out.router_logits, spec.top_k)
+        (out.loss + spec.router_aux_loss_coef * balance).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        lm_loss = (out.loss - spec.router_aux_loss_coef * out.aux_loss).item()
+        lm_loss = out.loss.item()
         losses.append(round(lm_loss, 4))
-        bar.set_postfix(loss=f"{lm_loss:.3f}", aux=f"{out.aux_loss.item():.3f}")
+        bar.set_postfix(loss=f"{lm_loss:.3f}", balance=f"{balance.item():.3f}")
     model.eval()
+    model.config.router_aux_loss_coef = spec.router_aux_loss_coef
     train_seconds = time.time() - started
 
     tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".model-"))
+    tmp.chmod(0o755)
     model.to("cpu").save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     _replace_dir(tmp, out_dir / "model")
     tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".suites-"))
+    tmp.chmod(0o755)
     for name, rows in suites.items():
         _write_jsonl(tmp / f"{name}.jsonl", rows)
     _write_jsonl(tmp / "gsm8k_fewshot.jsonl", shots)

@@ -1,0 +1,29 @@
+"""Session guard: tests must not write into the repository (they use tmp_path)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+_IGNORED = {".venv", ".git", ".pytest_cache", ".ruff_cache", "__pycache__", ".gpu"}
+
+
+def _tree() -> dict[str, float]:
+    out = {}
+    for path in REPO.rglob("*"):
+        if _IGNORED.intersection(path.relative_to(REPO).parts) or path.suffix == ".egg-info":
+            continue
+        if path.is_file() and ".egg-info" not in str(path):
+            out[str(path.relative_to(REPO))] = path.stat().st_mtime
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def repository_is_left_untouched():
+    before = _tree()
+    yield
+    after = _tree()
+    changed = sorted(k for k in after if before.get(k) != after[k])
+    assert not changed, f"tests wrote into the repository: {changed[:10]}"

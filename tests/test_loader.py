@@ -1,0 +1,188 @@
+"""The offloading loader on artifacts of the seven tiny architectures: parity, budgets, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from loader.cli import main as moeload
+from loader.codec import RecordLayout
+from loader.format import ArtifactError, expert_key, read_record_offsets, verify
+from loader.runtime import LoaderError, load, parse_budget
+from prep.adapters import get_adapter
+from prep.pipeline import prepare
+from prep.recipe import recipe_from_dict
+from tests.tiny_models import ARCHITECTURES, save_tiny_model
+
+_BUILT: dict = {}
+
+
+def tiny_artifact(tmp_path_factory, arch: str, precision: str = "passthrough"):
+    """(source model, artifact dir) for a tiny model of ``arch``, built once per session."""
+    if (arch, precision) not in _BUILT:
+        root = tmp_path_factory.mktemp(f"{arch}-{precision}")
+        model = save_tiny_model(arch, root / "model")
+        recipe = recipe_from_dict({"name": "tiny", "model": {"path": "model"},
+                                   "calibration": {"num_sequences": 2, "sequence_length": 16},
+                                   "quantize": {"precision": precision, "group_size": 16}})
+        prepare(recipe, root=root, output=root / "artifact")
+        _BUILT[(arch, precision)] = (model, root / "artifact")
+    return _BUILT[(arch, precision)]
+
+
+def _ids(seed=0):
+    torch.manual_seed(seed)
+    return torch.randint(4, 60, (2, 11))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_passthrough_logits_equal_transformers(tmp_path_factory, arch):
+    model, artifact = tiny_artifact(tmp_path_factory, arch)
+    ids = _ids()
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    for budget in ("100%", 1):  # unlimited, and the minimum (one slot per layer)
+        if budget == 1:
+            with pytest.raises(LoaderError, match="minimum of ([0-9,]+) bytes") as err:
+                load(artifact, memory_budget=1)
+            budget = int(err.value.args[0].split("minimum of ")[1].split(" bytes")[0].replace(",", ""))
+        loaded = load(artifact, memory_budget=budget)
+        with torch.no_grad():
+            got = loaded.model(input_ids=ids).logits
+        assert torch.allclose(got, expected, atol=1e-5), (arch, budget, float((got - expected).abs().max()))
+        if budget != "100%":
+            assert set(loaded.budget["cache_slots"].values()) == {1}
+            assert loaded.stats()["misses"] > len(loaded.layers)  # experts really came and went
+        loaded.close()
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_int4_logits_equal_model_with_decoded_experts(tmp_path_factory, arch):
+    model, artifact = tiny_artifact(tmp_path_factory, arch, "int4")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    store = manifest["stores"]["int4"]
+    layout = RecordLayout.from_json(store["layout"])
+    offsets, record_bytes, _ = read_record_offsets(artifact / store["file"])
+    raw = (artifact / store["file"]).read_bytes()
+    adapter = get_adapter(model)
+    reference = type(model)(model.config).eval()
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for layer in adapter.moe_layers:
+            module = adapter.experts(reference, layer)
+            for e in range(adapter.num_experts):
+                off = offsets[expert_key(layer, e)]
+                record = torch.frombuffer(bytearray(raw[off:off + record_bytes]), dtype=torch.uint8)
+                for name, tensor in layout.decode(record).items():
+                    getattr(module, name)[e].copy_(tensor)
+    ids = _ids(1)
+    loaded = load(artifact, memory_budget="50%")
+    with torch.no_grad():
+        got = loaded.model(input_ids=ids).logits
+        expected = reference(input_ids=ids).logits
+        original = model(input_ids=ids).logits
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert not torch.allclose(got, original, atol=1e-5)  # quantization really happened
+    loaded.close()
+
+
+def test_cache_never_exceeds_budget_and_host_store_agrees(tmp_path_factory):
+    model, artifact = tiny_artifact(tmp_path_factory, "mixtral")
+    minimum = None
+    try:
+        load(artifact, memory_budget=1)
+    except LoaderError as e:
+        minimum = int(str(e).split("minimum of ")[1].split(" bytes")[0].replace(",", ""))
+    record = json.loads((artifact / "manifest.json").read_text())["stores"]["passthrough"]["record_bytes"]
+    budget = minimum + record  # room for one more expert in one layer only
+    for store in ("disk", "host"):
+        loaded = load(artifact, memory_budget=budget, store=store)
+        ids = _ids(2)
+        with torch.no_grad():
+            for t in range(1, ids.shape[1] + 1):
+                loaded.model(input_ids=ids[:, :t])
+        stats = loaded.stats()
+        b = loaded.budget
+        assert stats["peak_cache_bytes"] <= b["limit_bytes"] - b["dense_bytes"] - b["buffer_bytes"]
+        assert stats["peak_cache_bytes"] > 0
+        assert stats["bytes_read"] == stats["misses"] * record
+        loaded.close()
+
+
+def test_budget_parsing_and_refusal(tmp_path_factory):
+    assert parse_budget("1.5GiB") == ("bytes", 1.5 * 2**30)
+    assert parse_budget("25%") == ("fraction", 0.25)
+    assert parse_budget(1000) == ("bytes", 1000.0)
+    with pytest.raises(LoaderError):
+        parse_budget("lots")
+    with pytest.raises(LoaderError):
+        parse_budget("150%")
+    _, artifact = tiny_artifact(tmp_path_factory, "mixtral")
+    with pytest.raises(LoaderError, match="below the minimum"):
+        load(artifact, memory_budget="1KiB")
+    if not torch.cuda.is_available():
+        with pytest.raises(LoaderError, match="no CUDA GPU"):
+            load(artifact, device="cuda")
+
+
+def _copy(artifact, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(artifact, dst)
+    return dst
+
+
+def test_verify_names_each_flipped_file(tmp_path_factory, tmp_path):
+    _, artifact = tiny_artifact(tmp_path_factory, "mixtral")
+    assert verify(artifact) == []
+    names = [p.name for p in artifact.iterdir() if p.name != "manifest.json"]
+    for name in names:
+        copy = _copy(artifact, tmp_path / name)
+        data = bytearray((copy / name).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (copy / name).write_bytes(bytes(data))
+        bad = verify(copy)
+        assert len(bad) == 1 and bad[0].startswith(f"{name}:"), bad
+        result = CliRunner().invoke(moeload, ["verify", str(copy)])
+        assert result.exit_code == 1 and name in result.output
+
+
+def test_truncated_store_and_unknown_schema_are_refused(tmp_path_factory, tmp_path):
+    _, artifact = tiny_artifact(tmp_path_factory, "mixtral")
+    copy = _copy(artifact, tmp_path / "trunc")
+    store = next(copy.glob("experts-*.safetensors"))
+    store.write_bytes(store.read_bytes()[:-5000])
+    with pytest.raises(ArtifactError, match="truncated|damaged"):
+        load(copy)
+    copy = _copy(artifact, tmp_path / "schema")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["schema_version"] = 99
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="schema_version 99"):
+        load(copy)
+    result = CliRunner().invoke(moeload, ["info", str(copy)])
+    assert result.exit_code == 1 and "schema_version" in result.output
+    with pytest.raises(ArtifactError, match="does not exist"):
+        load(tmp_path / "nowhere")
+
+
+def test_records_are_4k_aligned(tmp_path_factory):
+    _, artifact = tiny_artifact(tmp_path_factory, "qwen2_moe")
+    offsets, _, stride = read_record_offsets(next(artifact.glob("experts-*.safetensors")))
+    assert stride % 4096 == 0 and all(o % 4096 == 0 for o in offsets.values())
+
+
+def test_moeload_generate_and_info_json(tmp_path_factory):
+    _, artifact = tiny_artifact(tmp_path_factory, "mixtral")
+    result = CliRunner().invoke(moeload, ["generate", str(artifact), "--prompt", "abc", "--max-new-tokens", "4",
+                                          "--memory-budget", "50%", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert len(out["token_ids"]) == 4 and out["stats"]["tokens"] > 0
+    assert set(out["stats"]["layers"]) == {str(layer) for layer in
+                                           json.loads((artifact / "manifest.json").read_text())["moe"]["layers"]}
+    info = json.loads(CliRunner().invoke(moeload, ["info", str(artifact), "--json"]).output)
+    assert info["architecture"] == "mixtral" and info["num_experts"] > 0

@@ -1,0 +1,111 @@
+"""Recipes and the resumable pipeline: strict keys, overrides, caching, --force/--until, resume."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from prep.cli import main as moeprep
+from prep.errors import MoeprepError
+from prep.pipeline import prepare
+from prep.recipe import load_recipe, recipe_from_dict
+from prep.stages import quantize as quantize_stage
+from tests.tiny_models import save_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _recipe(**quantize):
+    return recipe_from_dict({"name": "tiny", "model": {"path": "model"},
+                             "calibration": {"num_sequences": 2, "sequence_length": 16},
+                             "quantize": {"precision": "int4", "group_size": 16, **quantize}})
+
+
+@pytest.fixture
+def root(tmp_path):
+    save_tiny_model("qwen3_moe", tmp_path / "model")
+    return tmp_path
+
+
+def _hashes(directory: Path) -> dict[str, str]:
+    # report.json holds this run's timings and manifest.json its hash; every other file must match
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())
+            if p.name not in ("report.json", "manifest.json")}
+
+
+def test_shipped_recipes_load():
+    for path in (REPO / "recipes").glob("*.yaml"):
+        recipe = load_recipe(path)
+        assert recipe.name == path.stem
+    assert load_recipe(REPO / "recipes/reference.yaml", ("quantize.group_size=32",)).quantize.group_size == 32
+
+
+def test_unknown_key_names_key_and_allowed(tmp_path):
+    with pytest.raises(MoeprepError, match=r"unknown key 'bits' in quantize; allowed keys: precision, group_size"):
+        load_recipe(REPO / "recipes/reference.yaml", ("quantize.bits=3",))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {path: x}\nquantise: {precision: int4}\n")
+    with pytest.raises(MoeprepError, match="unknown key 'quantise'"):
+        load_recipe(bad)
+    with pytest.raises(MoeprepError, match="not found"):
+        load_recipe(tmp_path / "missing.yaml")
+    with pytest.raises(MoeprepError, match="precision"):
+        recipe_from_dict({"model": {"path": "m"}, "name": "x", "quantize": {"precision": "int5"}})
+    with pytest.raises(MoeprepError, match="must be int"):
+        recipe_from_dict({"model": {"path": "m"}, "name": "x", "quantize": {"group_size": "big"}})
+
+
+def test_cli_errors_are_clean(tmp_path):
+    result = CliRunner().invoke(moeprep, ["prepare", "--recipe", str(REPO / "recipes/reference.yaml"),
+                                          "--set", "trace.colour=red"])
+    assert result.exit_code == 1 and "unknown key 'colour' in trace" in result.output
+    assert "Traceback" not in result.output
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {path: no/such/model}\n")
+    result = CliRunner().invoke(moeprep, ["prepare", "--recipe", str(recipe)])
+    assert result.exit_code == 1 and "no/such/model" in result.output
+
+
+def test_rerun_is_cached_and_force_reruns_from_stage(root):
+    first = prepare(_recipe(), root=root)
+    assert not any(first[s]["cached"] for s in ("trace", "quantize", "package"))
+    second = prepare(_recipe(), root=root)
+    assert all(second[s]["cached"] for s in ("trace", "quantize", "package"))
+    forced = prepare(_recipe(), root=root, force="quantize")
+    assert forced["trace"]["cached"] and not forced["quantize"]["cached"] and not forced["package"]["cached"]
+    changed = prepare(_recipe(group_size=8), root=root)
+    assert changed["trace"]["cached"] and not changed["quantize"]["cached"]
+    partial = prepare(_recipe(precision="int8"), root=root, until="quantize")
+    assert "package" not in partial and partial["artifact"] is None
+    with pytest.raises(MoeprepError, match="not a stage"):
+        prepare(_recipe(), root=root, until="bake")
+
+
+def test_killed_quantize_resumes_to_identical_artifact(root, tmp_path_factory, monkeypatch):
+    clean_root = tmp_path_factory.mktemp("clean")
+    save_tiny_model("qwen3_moe", clean_root / "model")
+    prepare(_recipe(), root=clean_root)
+
+    real = quantize_stage.encode_expert
+    calls = {"n": 0}
+
+    def dies_in_second_layer(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 10:  # the tiny model has 8 experts per layer: layer one done, layer two not
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(quantize_stage, "encode_expert", dies_in_second_layer)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(_recipe(), root=root)
+    assert not (root / "artifacts/tiny/artifact").exists()
+    work = next((root / "artifacts/tiny/stages").glob(".work-quantize-*"))
+    assert [p.name for p in work.glob("layer-*.safetensors")] == ["layer-0.safetensors"]
+
+    monkeypatch.setattr(quantize_stage, "encode_expert", real)
+    resumed = prepare(_recipe(), root=root)
+    assert resumed["trace"]["cached"] and not resumed["quantize"]["cached"]
+    assert _hashes(root / "artifacts/tiny/artifact") == _hashes(clean_root / "artifacts/tiny/artifact")
