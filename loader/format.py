@@ -149,7 +149,7 @@ def verify(artifact: str | Path) -> list[str]:
 # ------------------------------------------------------------------------------- aligned safetensors
 
 
-def write_aligned_records(path: Path, records: dict[str, "bytes | memoryview"], record_bytes: int) -> None:
+def write_aligned_records(path: Path, records: dict[str, bytes | memoryview], record_bytes: int) -> None:
     """Write uint8 records as a valid safetensors file whose every tensor starts on a 4 KiB boundary.
 
     Each record is padded to a multiple of 4 KiB; the JSON header is padded with spaces (allowed by the

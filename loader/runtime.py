@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from loader.cache import POLICIES, LayerCache
 from loader.codec import RecordLayout
 from loader.format import ArtifactError, check_sizes, expert_key, read_manifest
+from loader.routing import InstalledRouting, RoutingPolicy, install_routing
 from loader.store import ExpertStore
 
 IMPLEMENTATION = "moeprep_offload"
@@ -76,18 +77,13 @@ class OffloadedExperts:
         self.layout = layout
         self.stats = LayerStats()
 
-    def _timed_read(self, expert: int) -> tuple[torch.Tensor, float]:
-        start = time.perf_counter()
-        record = self.store.read(expert_key(self.layer, expert))
-        return record, time.perf_counter() - start
-
     def forward(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H]."""
         out = torch.zeros_like(hidden)
         needed = [e for e in top_k_index.unique().tolist() if 0 <= e < module.num_experts]
         resident = {e: r for e in needed if (r := self.cache.get(e)) is not None}
-        pending = {e: self.store._pool.submit(self._timed_read, e) for e in needed if e not in resident}
+        pending = {e: self.store.submit(expert_key(self.layer, e)) for e in needed if e not in resident}
         self.stats.hits += len(resident)
         self.stats.misses += len(pending)
         for expert, record in resident.items():
@@ -141,6 +137,7 @@ class LoadedModel:
     layers: dict[int, OffloadedExperts]
     store: ExpertStore
     budget: dict
+    routing: InstalledRouting | None = None
     _tokens: int = 0
     _seconds: float = 0.0
     _peak_cache_bytes: int = 0
@@ -150,7 +147,7 @@ class LoadedModel:
         return sum(layer.cache.nbytes for layer in self.layers.values())
 
     def stats(self) -> dict:
-        per_layer = {str(l): vars(o.stats).copy() | {"slots": o.cache.slots} for l, o in self.layers.items()}
+        per_layer = {str(layer): vars(o.stats).copy() | {"slots": o.cache.slots} for layer, o in self.layers.items()}
         hits = sum(o.stats.hits for o in self.layers.values())
         misses = sum(o.stats.misses for o in self.layers.values())
         return {
@@ -199,11 +196,12 @@ def _experts_module(model: torch.nn.Module, path: str) -> torch.nn.Module:
 
 
 def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: str = "disk",
-         policy: str = "lru", workers: int = 2) -> LoadedModel:
+         policy: str = "lru", workers: int = 2, routing: RoutingPolicy | None = None) -> LoadedModel:
     """Open ``artifact`` and return a runnable model with its experts offloaded.
 
     memory_budget: None (the plan's cache sizes), bytes, a size string ("1.5GiB") for everything
     resident, or a percentage ("25%") meaning the dense weights plus that share of the expert store.
+    routing: None (the model's own routers) or a ``loader.routing`` policy, e.g. ``ReplayRouting``.
     """
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -280,6 +278,7 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
         "dense_bytes": dense_bytes, "buffer_bytes": buffers, "record_bytes": record,
         "cache_slots": {str(k): v for k, v in slots.items()}, "precision": precision,
     })
+    loaded.routing = install_routing(model, moe["experts_modules"], routing)
     _attach_counters(loaded)
     return loaded
 

@@ -84,8 +84,7 @@ class ExpertStore:
             raise ArtifactError(f"{self.path.name} has no record {key}; the artifact is incomplete") from None
         start = time.perf_counter()
         if self._host is not None:
-            record = self._host[offset : offset + self.record_bytes]
-            record = record.to(self.device, non_blocking=True) if self.device.type != "cpu" else record
+            record = self._to_device(self._host[offset : offset + self.record_bytes])
         else:
             buf = self._buffer()
             n = os.preadv(self._fd, [buf], offset)
@@ -93,16 +92,44 @@ class ExpertStore:
                 raise ArtifactError(f"{self.path.name}: short read at {key}; the file is truncated")
             if not self.direct_io and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(self._fd, offset, self.stride, os.POSIX_FADV_DONTNEED)
-            host = torch.frombuffer(buf, dtype=torch.uint8, count=self.record_bytes).clone()
-            record = host.to(self.device) if self.device.type != "cpu" else host
+            host = torch.frombuffer(buf, dtype=torch.uint8, count=self.record_bytes)
+            if self.device.type == "cuda":
+                staged = torch.empty(self.record_bytes, dtype=torch.uint8, pin_memory=True)
+                record = self._to_device(staged.copy_(host))
+            else:
+                record = host.clone()
         with self._lock:
             self.bytes_read += self.record_bytes
             self.read_seconds += time.perf_counter() - start
         return record
 
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """Copy a (pinned) host record to the device on this thread's own stream, and wait for it there.
+
+        The wait blocks the reader thread, not the compute stream, so copies overlap compute.
+        """
+        if self.device.type != "cuda":
+            return host
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(device=self.device)
+        with torch.cuda.stream(stream):
+            record = host.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()
+        record.record_stream(torch.cuda.default_stream(self.device))  # compute uses it there
+        return record
+
+    def read_timed(self, key: str) -> tuple[torch.Tensor, float]:
+        """``read`` plus the seconds it took (on the calling thread)."""
+        start = time.perf_counter()
+        record = self.read(key)
+        return record, time.perf_counter() - start
+
     def submit(self, key: str) -> Future:
-        """Read ``key`` on a worker thread."""
-        return self._pool.submit(self.read, key)
+        """Read ``key`` on a worker thread; the future gives (record, seconds)."""
+        return self._pool.submit(self.read_timed, key)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -71,10 +71,36 @@ def prepare_command(recipe_path: str, overrides: tuple[str, ...], output: str | 
     summary = prepare(load_recipe(recipe_path, overrides), root=".", output=output, until=until, force=force)
     for stage, info in summary.items():
         if stage != "artifact":
-            state = "cached" if info["cached"] else f"{info['seconds']:.1f} s"
+            state = "skipped" if info.get("skipped") else "cached" if info["cached"] else f"{info['seconds']:.1f} s"
             click.echo(f"{stage:10s} {info['key']}  {state}")
     if summary["artifact"]:
         click.echo(f"artifact: {summary['artifact']}")
+
+
+@main.command("eval")
+@click.option("--artifact", required=True, type=click.Path(file_okay=False), help="The prepared artifact.")
+@click.option("--model", "original", default=None, help="The original model (default: the manifest's source).")
+@click.option("--suites", default="gsm8k,mmlu,truthfulqa", show_default=True, help="Comma-separated suites.")
+@click.option("--data", default=None, help="Suites directory (reference or original layout), or hf: for the hub. "
+              "Default: suites/ beside the original model.")
+@click.option("--limit", type=int, default=None, help="First N items of each suite.")
+@click.option("--num-fewshot", type=int, default=None, help="Override every suite's shot count (0 allowed).")
+@click.option("--gsm8k-format", type=click.Choice(["cot", "plain"]), default="cot", show_default=True,
+              help="cot: the harness's gsm8k_cot (8-shot Q:/A:); plain: gsm8k (5-shot, #### N).")
+@click.option("--memory-budget", default=None, help="Loader budget for the prepared model.")
+@click.option("--output", default=None, type=click.Path(dir_okay=False),
+              help="Report JSON (a .md summary is written beside it). Default: <artifact>/../eval.json.")
+def eval_command(artifact, original, suites, data, limit, num_fewshot, gsm8k_format, memory_budget, output):
+    """Compare the prepared model (through the loader) with the original, item by item."""
+    from pathlib import Path
+
+    from prep.evals.compare import evaluate_artifact, summary_markdown
+
+    output = output or str(Path(artifact).parent / "eval.json")
+    report = evaluate_artifact(artifact, original, tuple(s.strip() for s in suites.split(",") if s.strip()), data,
+                               limit, num_fewshot, memory_budget, gsm8k_format, output=output)
+    click.echo(summary_markdown(report))
+    click.echo(f"wrote {output}")
 
 
 @main.command("reference-model")
@@ -100,6 +126,36 @@ def reference_metrics_command(ref_dir: str) -> None:
     for key in TARGETS:
         mark = "ok" if metrics["meets_targets"][key] else "BELOW TARGET"
         click.echo(f"{key:28s} {metrics[key]:.4f}  (target {TARGETS[key]})  {mark}")
+
+
+@main.command("bench")
+@click.option("--subject", type=click.Choice(["reference", "mixtral-shape", "all"]), default="all",
+              show_default=True, help="What to measure.")
+@click.option("--budgets", default=None,
+              help="Comma-separated shares of the expert store. [default: 12.5%,25%,50%,100%; with --quick: 25%]")
+@click.option("--quick", is_flag=True, help="Smoke-sized: tiny mixtral-shape, one budget, a few tokens.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--output", default="artifacts/bench", show_default=True, type=click.Path(file_okay=False),
+              help="Where bench.json, bench.md, bench.png (and the mixtral-shape model) go.")
+@click.option("--traces", default="../shared/data/traces", show_default=True, type=click.Path(),
+              help="The real routing traces (holding mixtral-8x7b/gsm8k_routing.jsonl).")
+def bench_command(subject, budgets, quick, device, output, traces) -> None:
+    """Decode speed of resident, accelerate offloading, naive offloading and moeprep at each budget."""
+    from pathlib import Path
+
+    from prep.bench.report import goal_check
+    from prep.bench.run import run_bench
+
+    report = run_bench(subject, budgets, quick, device, output, traces, echo=lambda m: click.echo(m, err=True))
+    for r in report["results"]:
+        speed = f"{r['decode_tokens_per_s']:.3g} tok/s" if r.get("decode_tokens_per_s") else r.get("error")
+        click.echo(f"{r['subject']:14s} {r['budget']:>6s} {r['system']:10s} {speed}")
+    goal = goal_check(report)
+    if goal:
+        click.echo(f"goal (25%, mixtral-shape, loader vs accelerate): {goal}")
+    out = Path(output)
+    click.echo(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'} "
+               f"in {report['wall_seconds']:.0f} s")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from prep.errors import MoeprepError
 from prep.recipe import Recipe
-from prep.stages import package, quantize, trace
+from prep.stages import evaluate, package, quantize, trace
 from prep.store import StageStore, stage_key
 
 
@@ -33,6 +33,7 @@ STAGES = (
     Stage("trace", trace.VERSION, "trace"),
     Stage("quantize", quantize.VERSION, "quantize"),
     Stage("package", package.VERSION, "package"),
+    Stage("evaluate", evaluate.VERSION, "evaluate"),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 
@@ -94,7 +95,15 @@ def prepare(recipe: Recipe, root: str | Path = ".", output: str | Path | None = 
         forced = forced or stage.name == force
         if forced:
             store.discard(stage.name, key)
-        cached = store.is_complete(stage.name, key) and not (stage.name == "package" and not (out_dir / "manifest.json").is_file())
+        cached = store.is_complete(stage.name, key)
+        if stage.name == "package":  # its real output lives outside the stage cache: it must still exist
+            cached = cached and (out_dir / "manifest.json").is_file()
+        if stage.name == "evaluate":  # its summary lives in the artifact's report.json: it must be there
+            report = out_dir / "report.json"
+            cached = cached and report.is_file() and '"eval"' in report.read_text()
+        if stage.name == "evaluate" and not recipe.evaluate.enabled:
+            summary[stage.name] = {"key": key[:16], "seconds": 0.0, "cached": False, "skipped": True}
+            continue
         started = time.perf_counter()
         if not cached:
             work = store.work_dir(stage.name, key)
@@ -102,6 +111,8 @@ def prepare(recipe: Recipe, root: str | Path = ".", output: str | Path | None = 
                 result = trace.record_routing(model, adapter, sequences, recipe.trace, work, fingerprints["model"])
             elif stage.name == "quantize":
                 result = quantize.quantize_experts(model, adapter, recipe.quantize, work)
+            elif stage.name == "evaluate":
+                result = evaluate.check_accuracy(out_dir, model_dir, recipe.evaluate, work, root)
             else:
                 q_key = upstream["quantize"]
                 result = package.package_artifact(

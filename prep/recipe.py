@@ -66,6 +66,19 @@ class PackageSection:
 
 
 @dataclass(frozen=True)
+class EvaluateSection:
+    """The accuracy check as the last stage of prepare (``moeprep eval`` with these settings)."""
+
+    enabled: bool = False
+    suites: tuple[str, ...] = ("gsm8k", "mmlu", "truthfulqa")
+    data: str | None = None  # default: suites/ beside the model
+    limit: int | None = 20
+    num_fewshot: int | None = None
+    gsm8k_format: str = "cot"
+    memory_budget: str | None = "50%"
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     model: ModelSection
@@ -73,6 +86,7 @@ class Recipe:
     trace: TraceSection = field(default_factory=TraceSection)
     quantize: QuantizeSection = field(default_factory=QuantizeSection)
     package: PackageSection = field(default_factory=PackageSection)
+    evaluate: EvaluateSection = field(default_factory=EvaluateSection)
 
     def to_dict(self) -> dict:
         return _to_plain(dataclasses.asdict(self))
@@ -167,6 +181,8 @@ def _validate(recipe: Recipe) -> None:
         raise MoeprepError("quantize.group_size must be positive")
     if not 0 < recipe.package.cache_fraction <= 1:
         raise MoeprepError("package.cache_fraction must be in (0, 1]")
+    if recipe.evaluate.gsm8k_format not in ("cot", "plain"):
+        raise MoeprepError("evaluate.gsm8k_format must be cot or plain")
     if recipe.calibration.num_sequences <= 0 or recipe.calibration.sequence_length <= 1:
         raise MoeprepError("calibration needs num_sequences >= 1 and sequence_length >= 2")
 

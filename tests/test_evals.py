@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from prep.errors import MoeprepError
 from prep.evals import templates as tpl
 from prep.evals.scoring import loglikelihoods
 from prep.quant.hqq_codec import fake_quantize
-from prep.errors import MoeprepError
 
 
 def test_mmlu_prompt_is_the_harness_format():

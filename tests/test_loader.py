@@ -186,3 +186,17 @@ def test_moeload_generate_and_info_json(tmp_path_factory):
                                            json.loads((artifact / "manifest.json").read_text())["moe"]["layers"]}
     info = json.loads(CliRunner().invoke(moeload, ["info", str(artifact), "--json"]).output)
     assert info["architecture"] == "mixtral" and info["num_experts"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("store", ["disk", "host"])
+def test_cuda_offloading_matches_cpu(tmp_path_factory, store):
+    model, artifact = tiny_artifact(tmp_path_factory, "mixtral")
+    ids = _ids(3)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        loaded = load(artifact, device="cuda", memory_budget="50%", store=store)
+        got = loaded.model(input_ids=ids.cuda()).logits.cpu()
+    loaded.close()
+    assert torch.allclose(got, expected, atol=1e-4)

@@ -36,3 +36,27 @@ def test_lossless_artifact_generates_exactly_what_transformers_does(tmp_path):
     assert torch.equal(got, expected)
     assert all(int(s) < 8 for s in loaded.budget["cache_slots"].values())  # 30% really offloads
     assert stats["misses"] > 0 and stats["hits"] > 0
+
+
+def test_reference_recipe_end_to_end(tmp_path):
+    """The `make prepare` recipe (4-bit experts, accuracy check on) on the reference model."""
+    import json
+
+    from click.testing import CliRunner
+
+    from loader.cli import main as moeload
+
+    recipe = load_recipe(REPO / "recipes/reference.yaml", (f"model.path={MODEL}", "evaluate.limit=8"))
+    summary = prepare(recipe, root=tmp_path)
+    artifact = Path(summary["artifact"])
+    assert verify(artifact) == []
+    report = json.loads((artifact / "report.json").read_text())
+    assert report["compression"]["int4"] > 5  # float32 source -> 4-bit codes with float16 scale/zero
+    checked = report["eval"]["suites"]
+    assert set(checked) == {"gsm8k", "mmlu", "truthfulqa_mc1", "truthfulqa_mc2"}
+    assert all(0 <= s["mcnemar_p"] <= 1 for s in checked.values())
+    result = CliRunner().invoke(moeload, ["generate", str(artifact), "--prompt", "Q: What is the capital of France?\nA:",
+                                          "--max-new-tokens", "8", "--memory-budget", "25%", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["stats"]["misses"] > 0 and out["stats"]["budget"]["cache_slots"]["0"] == 2

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from hqq.core.quantize import Quantizer
 
-from loader.codec import BITS, CodecError, MatrixSpec, RecordLayout, dtype_name, decode_matrix, pack_codes
+from loader.codec import BITS, CodecError, MatrixSpec, RecordLayout, decode_matrix, dtype_name, pack_codes
 from prep.errors import MoeprepError
 
 SUPPORTED_BITS = tuple(sorted(BITS.values(), reverse=True))

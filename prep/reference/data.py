@@ -256,6 +256,34 @@ def make_suites(seed: int, sizes: dict[str, int]) -> tuple[dict[str, list[dict]]
     return suites, split
 
 
+def fewshot_pools(seed: int, split: Split) -> dict[str, list[dict]]:
+    """Solved examples the few-shot prompts draw from, taken from the training distribution (never a
+    suite item), as the harness draws gsm8k shots from train and MMLU shots from dev:
+    ``gsm8k_fewshot`` (5, ``#### N`` answers), ``gsm8k_cot_fewshot`` (8, ``cot`` answers) and
+    ``mmlu_dev`` (5 per suite subject)."""
+    rng = random.Random(seed + 5)
+    problems: list[dict] = []
+    while len(problems) < 13:
+        p = word_problem(rng)
+        if p["question"] not in split.suite_problems and all(p["question"] != q["question"] for q in problems):
+            problems.append(p)
+    pools = {
+        "gsm8k_fewshot": [{"question": p["question"], "answer": p["answer"]} for p in problems[:5]],
+        "gsm8k_cot_fewshot": [{"question": p["question"], "cot": p["cot"]} for p in problems[5:13]],
+        "mmlu_dev": [],
+    }
+    trainable = [f for f in all_facts() if f.key not in split.suite_facts]
+    subjects = sorted({subject for subject, _ in _ASK.values()} | {"miscellaneous", "elementary_mathematics"})
+    for subject in subjects:
+        found = 0
+        while found < 5:
+            item = fact_item(rng, rng.choice(trainable)) if rng.random() < 0.5 else generic_item(rng)
+            if item["subject"] == subject and item_identity(item) not in split.suite_items:
+                pools["mmlu_dev"].append(item)
+                found += 1
+    return pools
+
+
 # ------------------------------------------------------------------------------------------ training
 
 

@@ -82,9 +82,10 @@ def measure_reference(ref_dir: str | Path, limit: int | None = None, progress: b
               for name in ("gsm8k", "mmlu", "truthfulqa")}
     shots = S.read_jsonl(ref_dir / "suites" / "gsm8k_fewshot.jsonl")
 
-    mmlu = S.score_mmlu(model, tokenizer, suites["mmlu"], progress)
-    tqa = S.score_truthfulqa(model, tokenizer, suites["truthfulqa"], progress)
-    gsm = S.score_gsm8k(model, tokenizer, suites["gsm8k"], shots, progress=progress)
+    mmlu = S.score_mmlu(model, tokenizer, suites["mmlu"], progress=progress)
+    tqa = S.score_truthfulqa(model, tokenizer, suites["truthfulqa"], progress=progress)
+    gsm = S.score_gsm8k(model, tokenizer, suites["gsm8k"], *S.gsm8k_plain(shots), max_new_tokens=96,
+                        progress=progress)
     chance = S.mean(r["chance"] for r in tqa)
     metrics: dict = {
         "mmlu_acc": S.mean(r["correct"] for r in mmlu),
@@ -122,7 +123,7 @@ def measure_reference(ref_dir: str | Path, limit: int | None = None, progress: b
     }
 
     quantize_all_experts(model, nbits=2, group_size=16)
-    mmlu_int2 = S.score_mmlu(model, tokenizer, suites["mmlu"], progress)
+    mmlu_int2 = S.score_mmlu(model, tokenizer, suites["mmlu"], progress=progress)
     metrics["int2_mmlu_acc"] = S.mean(r["correct"] for r in mmlu_int2)
     metrics["int2_mmlu_drop"] = metrics["mmlu_acc"] - metrics["int2_mmlu_acc"]
     metrics["int2_config"] = {"method": "hqq", "nbits": 2, "group_size": 16, "scope": "every routed expert"}

@@ -5,8 +5,9 @@ tokenizer on the corpus, trains a ``MixtralForCausalLM`` from scratch with the r
 loss (so every expert stays in use), and writes, each atomically:
 
 - ``model/``: Hugging Face format (float32 safetensors, config, tokenizer);
-- ``suites/``: held-out ``gsm8k.jsonl``, ``mmlu.jsonl``, ``truthfulqa.jsonl`` and ``gsm8k_fewshot.jsonl``
-  (the five solved training problems the few-shot gsm8k prompt uses, as the harness draws from train);
+- ``suites/``: held-out ``gsm8k.jsonl``, ``mmlu.jsonl``, ``truthfulqa.jsonl`` and the few-shot pools
+  ``gsm8k_fewshot.jsonl``, ``gsm8k_cot_fewshot.jsonl``, ``mmlu_dev.jsonl`` (training-distribution
+  examples, as the harness draws gsm8k shots from train and MMLU shots from dev);
 - ``training.json``: the spec, data sizes per domain, loss curve, wall time, device.
 
 Everything is seeded; on the same machine and device the result is the same.
@@ -142,6 +143,17 @@ def _replace_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old)
 
 
+def write_suites(out_dir: str | Path, spec: ReferenceSpec) -> None:
+    """Write ``out_dir/suites/``: the held-out suites and the few-shot pools (deterministic from the seed)."""
+    out_dir = Path(out_dir)
+    suites, split = D.make_suites(spec.seed, spec.suites)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".suites-"))
+    tmp.chmod(0o755)
+    for name, rows in (suites | D.fewshot_pools(spec.seed, split)).items():
+        _write_jsonl(tmp / f"{name}.jsonl", rows)
+    _replace_dir(tmp, out_dir / "suites")
+
+
 def build_reference(out_dir: str | Path, spec: ReferenceSpec | None = None, device: str = "auto") -> dict:
     """Generate data, train, and write ``model/``, ``suites/`` and ``training.json`` under ``out_dir``."""
     from transformers import MixtralForCausalLM
@@ -156,7 +168,7 @@ def build_reference(out_dir: str | Path, spec: ReferenceSpec | None = None, devi
     torch.set_num_threads(os.cpu_count() or 1)
     started = time.time()
 
-    suites, split = D.make_suites(spec.seed, spec.suites)
+    _suites, split = D.make_suites(spec.seed, spec.suites)
     docs = D.training_documents(spec.seed, split, spec.docs)
     rng = random.Random(spec.seed)
     tokenizer = build_tokenizer([t for _, t in rng.sample(docs, min(len(docs), 8000))], spec.vocab_size)
@@ -164,14 +176,6 @@ def build_reference(out_dir: str | Path, spec: ReferenceSpec | None = None, devi
     for domain, text in docs:
         tokens_per_domain[domain] += len(tokenizer(text)["input_ids"]) + 1
     data = pack([t for _, t in docs], tokenizer, spec.context)
-    # the few-shot exemplars come from training problems, as the harness takes gsm8k's from train
-    shots = []
-    shot_rng = random.Random(spec.seed + 5)
-    while len(shots) < 5:
-        p = D.word_problem(shot_rng)
-        if p["question"] not in split.suite_problems:
-            shots.append({"question": p["question"], "answer": p["answer"]})
-
     torch.manual_seed(spec.seed)
     config = model_config(spec, tokenizer)
     config.router_aux_loss_coef = 0.0  # transformers' pooled loss off; the per-layer one is added below
@@ -207,12 +211,7 @@ def build_reference(out_dir: str | Path, spec: ReferenceSpec | None = None, devi
     model.to("cpu").save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     _replace_dir(tmp, out_dir / "model")
-    tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".suites-"))
-    tmp.chmod(0o755)
-    for name, rows in suites.items():
-        _write_jsonl(tmp / f"{name}.jsonl", rows)
-    _write_jsonl(tmp / "gsm8k_fewshot.jsonl", shots)
-    _replace_dir(tmp, out_dir / "suites")
+    write_suites(out_dir, spec)
     report = {
         "spec": asdict(spec),
         "device": device,

@@ -55,9 +55,10 @@ def package_artifact(model, adapter, tokenizer, recipe, source: dict, quantize_d
     tmp.mkdir(parents=True)
 
     names = {id(m): n for n, m in model.named_modules()}
-    modules = [names[id(adapter.experts(model, layer))] for layer in adapter.moe_layers]
-    expert_params = {f"{path}.{p}" for path in modules
-                     for p, _ in adapter.experts(model, adapter.moe_layers[0]).named_parameters(recurse=False)}
+    experts = [adapter.experts(model, layer) for layer in adapter.moe_layers]
+    modules = [names[id(m)] for m in experts]
+    expert_params = {f"{path}.{p}" for path, m in zip(modules, experts, strict=True)
+                     for p, _ in m.named_parameters(recurse=False)}
     model.config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     dense = _dense_state(model, expert_params)
@@ -78,8 +79,7 @@ def package_artifact(model, adapter, tokenizer, recipe, source: dict, quantize_d
     }
     (tmp / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
 
-    source_bytes = sum(t.numel() * t.element_size() for layer in adapter.moe_layers
-                       for t in _expert_param_slices(adapter, model, layer))
+    source_bytes = sum(p.numel() * p.element_size() for m in experts for p in m.parameters(recurse=False))
     store_bytes = len(ordered) * quantize["record_bytes"]
     dense_bytes = (tmp / "dense.safetensors").stat().st_size
     report = {
@@ -122,7 +122,3 @@ def package_artifact(model, adapter, tokenizer, recipe, source: dict, quantize_d
     os.replace(tmp, out_dir)
     shutil.rmtree(old, ignore_errors=True)
     return report
-
-
-def _expert_param_slices(adapter, model, layer):
-    return [p for _, p in adapter.experts(model, layer).named_parameters(recurse=False)]

@@ -1,0 +1,138 @@
+"""Routing policies: who decides, at run time, which experts each MoE layer uses for each token.
+
+The default is the model's own router. Another policy rewrites the router's decision through a forward
+hook on the router module, so no model class is patched and the same policy installs on any
+transformers model, whether the loader offloads its experts or not. (The bench installs one replay on
+every system it compares, so all of them route identically.)
+
+The routers of every supported architecture (Mixtral, Qwen-MoE, OLMoE, Phi-MoE, DeepSeek-V2, gpt-oss)
+return ``(router_logits, top_k_weights, top_k_index)`` over the flattened tokens; a policy receives
+those and returns the weights and indices the experts will use. The router is found as the sibling
+``gate`` (or ``router``) of each layer's experts module, the path the artifact manifest records.
+
+``ReplayRouting`` hands out recorded decisions (for example the real Mixtral-8x7B traces): each router
+call with T tokens takes the next T records of its layer, so a prefill of T tokens consumes T records
+and each decode step one. Batch size 1: with more sequences the flattened tokens would consume records
+of one stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from loader.format import ArtifactError
+
+ROUTER_NAMES = ("gate", "router")
+
+
+class RoutingError(ArtifactError):
+    """A routing policy that does not fit the model, or a replay that ran out of records."""
+
+
+class RoutingPolicy:
+    """The model's own routing (changes nothing). Subclasses override ``route`` and, if stateful, ``reset``."""
+
+    def bind(self, num_layers: int) -> None:
+        """Called once when installed on a model with ``num_layers`` MoE layers."""
+
+    def route(self, layer: int, logits: torch.Tensor, weights: torch.Tensor,
+              indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """layer: position among the model's MoE layers (0-based); returns (weights [T, K], indices [T, K])."""
+        return weights, indices
+
+    def reset(self) -> None:
+        """Start over (a new sequence)."""
+
+
+class ReplayRouting(RoutingPolicy):
+    """Recorded decisions: expert_ids [T, L, K] (int) and weights [T, L, K] (float), token-major."""
+
+    def __init__(self, expert_ids: torch.Tensor, weights: torch.Tensor) -> None:
+        if expert_ids.dim() != 3 or expert_ids.shape != weights.shape:
+            raise RoutingError(f"replay needs expert_ids and weights of the same shape [T, L, K], got "
+                               f"{tuple(expert_ids.shape)} and {tuple(weights.shape)}")
+        if expert_ids.is_floating_point() or not weights.is_floating_point():
+            raise RoutingError("replay expert_ids must be integers and weights floating point")
+        self.expert_ids = expert_ids.long()
+        self.weights = weights.float()
+        self.cursor = [0] * expert_ids.shape[1]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.expert_ids.shape[0]
+
+    def bind(self, num_layers: int) -> None:
+        if num_layers != self.expert_ids.shape[1]:
+            raise RoutingError(f"the replay has {self.expert_ids.shape[1]} layers but the model has {num_layers} "
+                               "MoE layers; slice the recorded routing to the model's layers")
+
+    def route(self, layer, logits, weights, indices):
+        n, k = indices.shape
+        start, end = self.cursor[layer], self.cursor[layer] + n
+        if end > self.num_tokens:
+            raise RoutingError(f"replay exhausted at MoE layer {layer}: {self.num_tokens} recorded tokens, "
+                               f"{end} asked for; run fewer tokens or record more")
+        if k != self.expert_ids.shape[2]:
+            raise RoutingError(f"the replay has top-{self.expert_ids.shape[2]} decisions, the model routes top-{k}")
+        ids = self.expert_ids[start:end, layer]
+        if int(ids.max()) >= logits.shape[-1]:
+            raise RoutingError(f"the replay names expert {int(ids.max())} but the model has {logits.shape[-1]}")
+        self.cursor[layer] = end
+        return (self.weights[start:end, layer].to(device=weights.device, dtype=weights.dtype),
+                ids.to(device=indices.device, dtype=indices.dtype))
+
+    def reset(self) -> None:
+        self.cursor = [0] * len(self.cursor)
+
+
+def router_module(model: torch.nn.Module, experts_path: str) -> torch.nn.Module:
+    """The router beside the experts module at ``experts_path`` (its sibling ``gate`` or ``router``)."""
+    parent_path = experts_path.rpartition(".")[0]
+    parent = model.get_submodule(parent_path) if parent_path else model
+    for name in ROUTER_NAMES:
+        module = getattr(parent, name, None)
+        if isinstance(module, torch.nn.Module):
+            return module
+    raise RoutingError(f"no router ({' or '.join(ROUTER_NAMES)}) beside experts module {experts_path!r}")
+
+
+class InstalledRouting:
+    """The hooks of one installed policy; ``remove()`` restores the model's own routing."""
+
+    def __init__(self, policy: RoutingPolicy, handles: list) -> None:
+        self.policy = policy
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def install_routing(model: torch.nn.Module, experts_paths: Sequence[str],
+                    policy: RoutingPolicy | None) -> InstalledRouting:
+    """Route ``model``'s MoE layers (given by their experts module paths, in layer order) with ``policy``.
+
+    The default policy (None or a plain ``RoutingPolicy``) installs nothing: the model routes itself.
+    """
+    policy = policy if policy is not None else RoutingPolicy()
+    if type(policy) is RoutingPolicy:
+        return InstalledRouting(policy, [])
+    routers = [router_module(model, path) for path in experts_paths]
+    policy.bind(len(routers))
+
+    def hook_for(layer: int):
+        def hook(module, args, output):
+            if not (isinstance(output, tuple) and len(output) == 3):
+                raise RoutingError(f"router of MoE layer {layer} returned {type(output).__name__}, expected "
+                                   "(logits, weights, indices); this architecture needs its own routing hook")
+            logits, weights, indices = output
+            weights, indices = policy.route(layer, logits, weights, indices)
+            return logits, weights, indices
+
+        return hook
+
+    handles = [router.register_forward_hook(hook_for(i)) for i, router in enumerate(routers)]
+    return InstalledRouting(policy, handles)

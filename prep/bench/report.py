@@ -1,0 +1,163 @@
+"""The bench's human outputs: ``bench.md`` (tables with ratios) and ``bench.png`` (tokens/s against budget).
+
+Ratios are the point (absolute times only hold on the machine that made them): each row's decode speed
+divided by the resident ceiling's and by accelerate's at the same budget.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SYSTEM_ORDER = ("resident", "accelerate", "naive", "moeprep")
+
+
+def _num(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def _rows(report: dict, subject: str) -> list[dict]:
+    return [r for r in report["results"] if r["subject"] == subject]
+
+
+def goal_check(report: dict) -> str | None:
+    """The stated goal: at 25% on mixtral-shape the loader decodes faster than accelerate's offloading."""
+    rows = {r["system"]: r for r in _rows(report, "mixtral-shape") if r["budget"] == "25%"}
+    acc = (rows.get("accelerate") or {}).get("decode_tokens_per_s")
+    if not acc:
+        return None
+    parts = []
+    for system in ("naive", "moeprep"):
+        speed = (rows.get(system) or {}).get("decode_tokens_per_s")
+        if speed:
+            parts.append(f"{system} {speed:.3g} tok/s = {speed / acc:.2f}x accelerate ({acc:.3g} tok/s)")
+    if not parts:
+        return None
+    met = all((rows.get(s) or {}).get("decode_tokens_per_s", 0) > acc for s in ("naive", "moeprep"))
+    return f"{'MET' if met else 'NOT MET'}: " + "; ".join(parts)
+
+
+def write_markdown(report: dict) -> str:
+    m = report["machine"]
+    bw = report["read_bandwidth"]
+    lines = [
+        "# moeprep bench",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gb']} GB RAM; torch {m['torch']}, transformers "
+        f"{m['transformers']}, accelerate {m['accelerate']}; device `{m['device']}`. "
+        f"Run {report['created']}, {report['wall_seconds']} s wall{' (--quick)' if report['quick'] else ''}.",
+        "",
+        f"Disk sequential read bandwidth: **{_num(bw['mb_s'], '.0f')} MB/s** "
+        f"({'O_DIRECT' if bw['direct'] else 'page cache dropped, no O_DIRECT'} reads of "
+        f"{bw['bytes'] / 1e6:.0f} MB of `{bw['file']}`).",
+        "",
+    ]
+    goal = goal_check(report)
+    if goal:
+        lines += [f"Goal (at a 25% budget on mixtral-shape the loader decodes faster than accelerate): {goal}.", ""]
+    for subject, facts in report["subjects"].items():
+        lines += [f"## {subject}", ""]
+        shape = facts.get("shape")
+        if shape:
+            lines.append(f"Mixtral-8x7B architecture scaled down: {shape['num_hidden_layers']} layers, "
+                         f"{shape['num_local_experts']} experts, top-{shape['num_experts_per_tok']}, hidden "
+                         f"{shape['hidden_size']}, expert intermediate {shape['intermediate_size']}, "
+                         f"{shape['dtype']}, random weights. ")
+        lines += [
+            f"Expert store: {facts['experts']} experts x {facts['record_bytes'] / 1e6:.2f} MB "
+            f"({facts['precision']}) = {facts['store_bytes'] / 1e9:.2f} GB; dense weights "
+            f"{facts['dense_bytes'] / 1e6:.0f} MB. Routing: {facts['routing']}. "
+            f"Each measurement: a prefill of {facts['prompt_tokens']} tokens, then {facts['decode_tokens']} "
+            "decode steps of one token (the same tokens for every system).",
+            "",
+            "| budget | system | decode tok/s | vs resident | vs accelerate | prefill s | MB read/token "
+            "| hit rate | stall fraction | peak RSS MB |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        rows = _rows(report, subject)
+        resident = next((r for r in rows if r["system"] == "resident"), {}).get("decode_tokens_per_s")
+        for budget in report["budgets"]:
+            at = {r["system"]: r for r in rows if r["budget"] == budget}
+            acc = (at.get("accelerate") or {}).get("decode_tokens_per_s")
+            for system in SYSTEM_ORDER:
+                r = at.get(system)
+                if r is None:
+                    continue
+                if r.get("error"):
+                    lines.append(f"| {budget} | {system} | failed: {r['error'][:120]} |  |  |  |  |  |  |  |")
+                    continue
+                speed = r["decode_tokens_per_s"]
+                mb = r["bytes_read_per_token"] / 1e6 if r["bytes_read_per_token"] is not None else None
+                lines.append(
+                    f"| {budget} | {system}{' (once)' if r.get('measured_once') else ''} | {speed:.3g} | "
+                    f"{_ratio(speed, resident)} | {_ratio(speed, acc)} | {r['prefill_s']:.2f} | {_num(mb, '.1f')} | "
+                    f"{_num(r['hit_rate'], '.3f')} | {_num(r['stall_fraction'], '.3f')} | {r['peak_rss_mb']:.0f} |")
+        lines.append("")
+    lines += [
+        "## How to read this",
+        "",
+        "- A budget `p%` is the dense weights + the loader's read buffers + p% of the artifact's expert store, "
+        "in bytes; accelerate gets the same bytes as `max_memory`. For `reference` the store is int4, so at "
+        "the same bytes accelerate (which offloads the original weights) has less of its model in memory.",
+        "- `resident`: transformers, every weight in memory (the ceiling); measured once per subject, its row "
+        "repeated at each budget. `accelerate`: `from_pretrained(device_map=\"auto\", max_memory={\"cpu\": "
+        "budget}, offload_folder=...)`, the overflow offloaded to disk. Both use transformers' default experts "
+        "implementation.",
+        "- `naive`: the loader (`loader.runtime.load`) with per-layer LRU caches sized by the budget, no "
+        "prediction, one precision, experts read with O_DIRECT. `moeprep`: the loader with the artifact's plan; "
+        "today the plan is the same per-layer LRU at one precision (its cache sizes yield to the budget), so "
+        "**moeprep is identical to naive for now**; the two rows show the run-to-run noise. Prefetching, "
+        "mixed precision and per-layer allocation will make them differ.",
+        "- Page cache: the loader bypasses it (O_DIRECT). For accelerate the page cache of its offload folder "
+        "and of the model's safetensors files is dropped (`posix_fadvise(DONTNEED)` on each file, after a "
+        "sync) before the prefill and before every decode step, outside the timed region; otherwise the "
+        "offloaded weights would stay in RAM beyond the budget after the first token.",
+        "- MB read/token: the loader's own count of expert bytes read during decode; for accelerate the "
+        "kernel's count of bytes fetched from storage (`/proc/self/io` read_bytes, readahead included). "
+        "Hit rate: the loader's cache hits per expert lookup during decode; for accelerate the share of MoE "
+        "layers whose experts it kept in RAM. Stall fraction: seconds waiting for reads / decode seconds; "
+        "for accelerate the seconds in its weight-loading pre-forward hooks.",
+        "- Peak RSS: VmHWM of the measuring process (one process per system and budget), loading included.",
+        "- Decode tokens are teacher-forced (the given continuation, not the argmax), so every system runs the "
+        "same tokens and the replayed routing lines up with them.",
+    ]
+    lines += [f"- {note}" for note in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_plot(report: dict, path: Path) -> None:
+    """Decode tokens/s against budget, one line per system, one panel per subject; written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    subjects = list(report["subjects"])
+    fig, axes = plt.subplots(1, max(1, len(subjects)), figsize=(6 * max(1, len(subjects)), 4.2), squeeze=False)
+    budgets = report["budgets"]
+    x = [float(b.removesuffix("%")) for b in budgets]
+    for ax, subject in zip(axes[0], subjects, strict=False):
+        rows = _rows(report, subject)
+        for system in SYSTEM_ORDER:
+            by_budget = {r["budget"]: r.get("decode_tokens_per_s") for r in rows if r["system"] == system}
+            ys = [by_budget.get(b) for b in budgets]
+            if any(y for y in ys):
+                ax.plot(x, [y if y else float("nan") for y in ys], marker="o", label=system,
+                        linestyle="--" if system == "resident" else "-")
+        ax.set_title(subject)
+        ax.set_xlabel("memory budget (% of the expert store)")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x, budgets)
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)

@@ -1,0 +1,212 @@
+"""One bench measurement in its own process: one system, one subject, one budget; JSON on stdout.
+
+``python -m prep.bench.worker SPEC.json`` loads the subject with the system the spec names, installs the
+subject's routing (a replay of recorded decisions, or the model's own), runs one prefill of the prompt
+and then decodes the given continuation one token at a time (teacher forcing, so every system
+processes exactly the same tokens), and prints one JSON object as the last line of stdout.
+
+A process per measurement because peak RSS is per process and only ever grows: a fresh process gives
+each system its own peak and hands all its memory back when it ends.
+
+Systems: ``resident`` (transformers, every weight in memory), ``accelerate`` (transformers with
+``device_map="auto"`` and ``max_memory`` at the budget, the overflow offloaded to disk), ``naive`` and
+``moeprep`` (``loader.runtime.load`` at the budget; see ``prep/bench/run.py`` for how they differ).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from loader.routing import ReplayRouting, install_routing
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set (VmHWM), in MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024 / 1e6
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
+
+
+def disk_read_bytes() -> int | None:
+    """Bytes this process made the kernel fetch from storage (/proc/self/io read_bytes); None if unknown."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def drop_page_cache(files: list[Path]) -> None:
+    """Evict ``files`` from the page cache, so the next read of them comes from the disk.
+
+    posix_fadvise(DONTNEED) drops only clean, unmapped pages; callers sync freshly written files first.
+    """
+    for path in files:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _replay(spec: dict) -> ReplayRouting | None:
+    if not spec.get("replay"):
+        return None
+    from safetensors.torch import load_file
+
+    tensors = load_file(spec["replay"])
+    return ReplayRouting(tensors["expert_ids"], tensors["weights"])
+
+
+def _accelerate_probe(model) -> dict:
+    """Time accelerate's weight loading (the pre-forward of every offloaded module) and list what is offloaded."""
+    probe = {"seconds": 0.0, "offloaded": []}
+    for name, module in model.named_modules():
+        hook = getattr(module, "_hf_hook", None)
+        if hook is None or not getattr(hook, "offload", False):
+            continue
+        probe["offloaded"].append(name)
+        original = hook.pre_forward
+
+        def timed(*args, _original=original, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                probe["seconds"] += time.perf_counter() - start
+
+        hook.pre_forward = timed  # the hook is looked up on the instance at each call
+    return probe
+
+
+def _load(spec: dict, routing):
+    """(model, loaded-or-None, accelerate probe-or-None, files whose page cache to drop before each step)."""
+    system, device = spec["system"], spec["device"]
+    model_dir = Path(spec["model_dir"])
+    if system in ("naive", "moeprep"):
+        from loader.runtime import load
+
+        policy = "lru"
+        if system == "moeprep":  # the artifact's plan: its eviction policy (its cache sizes yield to the budget)
+            policy = json.loads((Path(spec["artifact"]) / "plan.json").read_text())["eviction_policy"]
+        loaded = load(spec["artifact"], device=device, memory_budget=spec["budget"],
+                      store="host" if device == "cuda" else "disk", policy=policy, routing=routing)
+        return loaded.model, loaded, None, []
+
+    from transformers import AutoModelForCausalLM
+
+    if system == "resident":
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(device).eval()
+        install_routing(model, spec["experts_modules"], routing)
+        return model, None, None, []
+
+    offload = Path(spec["offload_dir"])
+    if device == "cuda":  # the budget is GPU memory; the overflow goes to (pinned) host RAM
+        max_memory = {0: int(spec["budget_bytes"]), "cpu": int(spec["host_bytes"])}
+    else:  # the budget is RAM; the overflow goes to disk
+        max_memory = {"cpu": int(spec["budget_bytes"])}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto", device_map="auto",
+                                                 max_memory=max_memory, offload_folder=str(offload)).eval()
+    install_routing(model, spec["experts_modules"], routing)
+    probe = _accelerate_probe(model)
+    probe["device_map"] = {k: str(v) for k, v in getattr(model, "hf_device_map", {}).items()}
+    # Offloaded weights are read from the offload folder and from the checkpoint itself.
+    files = [p for p in offload.rglob("*") if p.is_file()] + sorted(model_dir.glob("*.safetensors"))
+    os.sync()  # the offload folder was just written: make its pages clean so they can be dropped
+    return model, None, probe, files
+
+
+def measure(spec: dict) -> dict:
+    routing = _replay(spec)
+    started = time.perf_counter()
+    model, loaded, probe, cached_files = _load(spec, routing)
+    load_seconds = time.perf_counter() - started
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    prompt = torch.tensor([spec["prompt_ids"]], device=device)
+    decode = spec["decode_ids"]
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    with torch.inference_mode():
+        drop_page_cache(cached_files)
+        io_start = disk_read_bytes()
+        start = time.perf_counter()
+        out = model(input_ids=prompt, use_cache=True)
+        sync()
+        prefill = time.perf_counter() - start
+        before = loaded.stats() if loaded else None
+        probe_before = probe["seconds"] if probe else 0.0
+        io_before = disk_read_bytes()
+        decode_seconds = 0.0
+        for token in tqdm(decode, desc=f"{spec['subject']} {spec['system']} {spec['budget']}", unit="tok",
+                          leave=False, file=sys.stderr):
+            # Dropping the page cache before each step keeps accelerate on the budget it was given: without
+            # it, the offloaded weights stay in RAM after the first token and the disk is never read again.
+            drop_page_cache(cached_files)
+            step = torch.tensor([[token]], device=device)
+            start = time.perf_counter()
+            out = model(input_ids=step, past_key_values=out.past_key_values, use_cache=True)
+            sync()
+            decode_seconds += time.perf_counter() - start
+        io_after = disk_read_bytes()
+
+    n = len(decode)
+    io_bytes = (io_after - io_before) / n if io_after is not None and io_before is not None else None
+    result = {"prefill_s": prefill, "decode_s": decode_seconds, "decode_tokens": n,
+              "decode_tokens_per_s": n / decode_seconds, "load_s": load_seconds,
+              "disk_read_bytes_per_token": io_bytes,
+              "prefill_disk_read_bytes": (io_before - io_start) if io_start is not None else None}
+    if loaded is not None:
+        after = loaded.stats()
+        hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+        result |= {"bytes_read_per_token": (after["bytes_read"] - before["bytes_read"]) / n,
+                   "hit_rate": hits / (hits + misses) if hits + misses else None,
+                   "stall_fraction": (after["stall_seconds"] - before["stall_seconds"]) / decode_seconds,
+                   "direct_io": after["direct_io"], "cache_slots": loaded.budget["cache_slots"],
+                   "budget_bytes": loaded.budget["limit_bytes"]}
+        loaded.close()
+    elif probe is not None:
+        moe_modules = spec["experts_modules"]
+        offloaded = set(probe["offloaded"])
+        resident_layers = sum(1 for path in moe_modules if path not in offloaded)
+        result |= {"bytes_read_per_token": io_bytes,
+                   "hit_rate": resident_layers / len(moe_modules),
+                   "stall_fraction": (probe["seconds"] - probe_before) / decode_seconds,
+                   "offloaded_modules": len(offloaded), "budget_bytes": spec["budget_bytes"],
+                   "device_map": probe["device_map"]}
+    else:
+        result |= {"bytes_read_per_token": 0.0, "hit_rate": 1.0, "stall_fraction": 0.0}
+    experts_impl = getattr(model.config, "_experts_implementation", None)
+    result["experts_implementation"] = experts_impl
+    result["peak_rss_mb"] = peak_rss_mb()
+    return result
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m prep.bench.worker SPEC.json")
+    spec = json.loads(Path(argv[0]).read_text())
+    result = measure(spec)
+    sys.stdout.write("\n" + json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,208 @@
+"""The accuracy check: the prepared model (through the loader) against the original, item by item.
+
+Both models get the same prompts and the same scoring (``templates.py``, ``scoring.py``); the output
+pairs them: accuracies, delta, flips (right->wrong, wrong->right), an exact McNemar test on the flips,
+and for choice tasks how often the two argmaxes agree and the mean KL divergence between the two
+models' distributions over the choices.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+from pathlib import Path
+
+import torch
+
+from prep.errors import MoeprepError
+from prep.evals import suites as S
+from prep.evals import templates as tpl
+from prep.evals.data import SUITES, BenchmarkData, load_benchmarks
+
+DEFAULT_SHOTS = {"gsm8k": 8, "mmlu": 5, "truthfulqa": 0}  # gsm8k_cot uses 8, the 5-shot format 5
+
+
+def mcnemar_p(right_to_wrong: int, wrong_to_right: int) -> float:
+    """Exact two-sided McNemar test: binomial(b + c, 1/2) on the discordant pairs."""
+    n = right_to_wrong + wrong_to_right
+    if n == 0:
+        return 1.0
+    k = min(right_to_wrong, wrong_to_right)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def _paired(original: list[bool], prepared: list[bool]) -> dict:
+    r2w = sum(o and not p for o, p in zip(original, prepared, strict=True))
+    w2r = sum(p and not o for o, p in zip(original, prepared, strict=True))
+    return {"flips": {"right_to_wrong": r2w, "wrong_to_right": w2r}, "mcnemar_p": mcnemar_p(r2w, w2r)}
+
+
+def _choice_stats(orig_scores: list[list[float]], prep_scores: list[list[float]]) -> dict:
+    agree, kls = 0, []
+    for o, p in zip(orig_scores, prep_scores, strict=True):
+        lo = torch.log_softmax(torch.tensor(o, dtype=torch.float64), 0)
+        lp = torch.log_softmax(torch.tensor(p, dtype=torch.float64), 0)
+        agree += int(lo.argmax() == lp.argmax())
+        kls.append(float((lo.exp() * (lo - lp)).sum()))
+    return {"argmax_agreement": agree / len(orig_scores), "mean_kl": sum(kls) / len(kls)}
+
+
+_mean = S.mean
+
+
+# --------------------------------------------------------------------------------------------- suites
+
+
+def _mmlu(models, tokenizer, data: BenchmarkData, items, shots, batch_rows) -> dict:
+    runs = {name: S.score_mmlu(m, tokenizer, items, data.mmlu_dev, shots, batch_rows, desc=f"mmlu {name}")
+            for name, m in models.items()}
+    result = {"n": len(items), "num_fewshot": shots}
+    for name, rows in runs.items():
+        by_subject: dict[str, list[bool]] = {}
+        for row, item in zip(rows, items, strict=True):
+            by_subject.setdefault(item["subject"], []).append(row["correct"])
+        result[name] = {"acc": _mean(r["correct"] for r in rows),
+                        "acc_by_subject": {s: _mean(v) for s, v in sorted(by_subject.items())}}
+    result["delta"] = result["prepared"]["acc"] - result["original"]["acc"]
+    o, p = runs["original"], runs["prepared"]
+    return (result | _paired([r["correct"] for r in o], [r["correct"] for r in p])
+            | _choice_stats([r["scores"] for r in o], [r["scores"] for r in p]))
+
+
+def _truthfulqa(models, tokenizer, items, batch_rows) -> tuple[dict, dict]:
+    runs = {name: S.score_truthfulqa(m, tokenizer, items, batch_rows, desc=f"truthfulqa {name}")
+            for name, m in models.items()}
+    mc1 = {"n": len(items), "num_fewshot": 0}
+    mc2 = {"n": len(items), "num_fewshot": 0}
+    for name, rows in runs.items():
+        mc1[name] = {"acc": _mean(r["correct"] for r in rows)}
+        mc2[name] = {"acc": _mean(r["mc2"] for r in rows)}
+    mc1["delta"] = mc1["prepared"]["acc"] - mc1["original"]["acc"]
+    mc2["delta"] = mc2["prepared"]["acc"] - mc2["original"]["acc"]
+    o, p = runs["original"], runs["prepared"]
+    mc1 |= (_paired([r["correct"] for r in o], [r["correct"] for r in p])
+            | _choice_stats([r["mc1_scores"] for r in o], [r["mc1_scores"] for r in p]))
+    # MC2 is continuous: a flip is an item whose true-answer mass crosses one half
+    mc2 |= _paired([r["mc2"] >= 0.5 for r in o], [r["mc2"] >= 0.5 for r in p])
+    return mc1, mc2
+
+
+def _gsm8k(models, tokenizer, data: BenchmarkData, items, shots, fmt, max_new_tokens) -> dict:
+    if fmt == "cot":
+        pool = ([(s["question"], s["cot"]) for s in data.gsm8k_cot_shots] if data.gsm8k_cot_shots is not None
+                else list(tpl.GSM8K_COT_EXEMPLARS))
+        task = S.gsm8k_cot(pool[:shots])
+    else:
+        pool = data.gsm8k_shots
+        task = S.gsm8k_plain(pool[:shots])
+    if len(pool) < shots:
+        raise MoeprepError(f"gsm8k {shots}-shot needs {shots} solved examples, {len(pool)} available; "
+                           "use --num-fewshot with fewer or provide them")
+    runs = {name: S.score_gsm8k(m, tokenizer, items, *task, max_new_tokens=max_new_tokens, desc=f"gsm8k {name}")
+            for name, m in models.items()}
+    result = {"n": len(items), "num_fewshot": shots, "format": "gsm8k_cot" if fmt == "cot" else "gsm8k"}
+    for name, rows in runs.items():
+        result[name] = {"strict_match": _mean(r["correct"] for r in rows),
+                        "flexible_extract": _mean(r["flexible_correct"] for r in rows)}
+    result["delta"] = result["prepared"]["strict_match"] - result["original"]["strict_match"]
+    return result | _paired([r["correct"] for r in runs["original"]], [r["correct"] for r in runs["prepared"]])
+
+
+# ------------------------------------------------------------------------------------------ the check
+
+
+def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, suites: tuple[str, ...] = SUITES,
+                      data: str | Path | None = None, limit: int | None = None, num_fewshot: int | None = None,
+                      memory_budget=None, gsm8k_format: str = "cot", batch_rows: int = 16,
+                      max_new_tokens: int = 256, output: str | Path | None = None) -> dict:
+    """Compare ``artifact`` (through the loader) with its original model; returns and writes the report."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from loader.format import read_manifest
+    from loader.runtime import load
+
+    artifact = Path(artifact)
+    manifest = read_manifest(artifact)
+    original = Path(original or manifest.raw["source_model"]["path"])
+    if not original.is_dir():
+        raise MoeprepError(f"original model {original} not found; pass --model with its directory")
+    if data is None:
+        data = original.parent / "suites"
+        if not data.is_dir():
+            raise MoeprepError("no --data given and the model has no suites/ beside it; pass --data")
+    bench = load_benchmarks(data, tuple(suites))
+    for name in bench.items:
+        bench.items[name] = bench.items[name][:limit]
+    if gsm8k_format not in ("cot", "plain"):
+        raise MoeprepError("--gsm8k-format must be cot or plain")
+    prepared = load(artifact, memory_budget=memory_budget)
+    reference = AutoModelForCausalLM.from_pretrained(original, dtype=getattr(torch, manifest.moe["dtype"])).eval()
+    models = {"original": reference, "prepared": prepared.model}
+    tokenizer = prepared.tokenizer
+    shots = dict(DEFAULT_SHOTS) if num_fewshot is None else dict.fromkeys(DEFAULT_SHOTS, num_fewshot)
+    if num_fewshot is None and gsm8k_format == "plain":
+        shots["gsm8k"] = 5
+    report: dict = {"suites": {}}
+    with torch.no_grad():
+        if "gsm8k" in bench.items:
+            report["suites"]["gsm8k"] = _gsm8k(models, tokenizer, bench, bench.items["gsm8k"], shots["gsm8k"],
+                                               gsm8k_format, max_new_tokens)
+        if "mmlu" in bench.items:
+            report["suites"]["mmlu"] = _mmlu(models, tokenizer, bench, bench.items["mmlu"], shots["mmlu"], batch_rows)
+        if "truthfulqa" in bench.items:
+            mc1, mc2 = _truthfulqa(models, tokenizer, bench.items["truthfulqa"], batch_rows)
+            report["suites"]["truthfulqa_mc1"], report["suites"]["truthfulqa_mc2"] = mc1, mc2
+    report |= {"artifact": str(artifact), "original_model": str(original), "data": bench.source,
+               "data_layout": bench.layout, "memory_budget": memory_budget, "loader_stats": prepared.stats(),
+               "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                            "python": platform.python_version()}}
+    prepared.close()
+    if output:
+        write_report(report, Path(output))
+    merge_into_artifact(artifact, report)
+    return report
+
+
+def merge_into_artifact(artifact: Path, report: dict) -> None:
+    """Put the eval summary into the artifact's report.json and re-hash it in the manifest (atomically)."""
+    from loader.format import MANIFEST, sha256_file
+
+    summary = {name: {k: s[k] for k in ("n", "num_fewshot", "original", "prepared", "delta", "flips", "mcnemar_p")}
+               for name, s in report["suites"].items()}
+    path = artifact / "report.json"
+    current = json.loads(path.read_text()) if path.is_file() else {}
+    current["eval"] = {"suites": summary, "data": report["data"], "memory_budget": report["memory_budget"]}
+    tmp = path.with_name(".report.json.tmp")
+    tmp.write_text(json.dumps(current, indent=2) + "\n")
+    tmp.replace(path)
+    manifest = json.loads((artifact / MANIFEST).read_text())
+    manifest["files"]["report.json"] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    tmp = artifact / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.replace(artifact / MANIFEST)
+
+
+def summary_markdown(report: dict) -> str:
+    lines = ["| suite | n | shots | original | prepared | delta | right->wrong | wrong->right | McNemar p |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, s in report["suites"].items():
+        key = "strict_match" if name == "gsm8k" else "acc"
+        lines.append(f"| {name} | {s['n']} | {s['num_fewshot']} | {s['original'][key]:.4f} | "
+                     f"{s['prepared'][key]:.4f} | {s['delta']:+.4f} | {s['flips']['right_to_wrong']} | "
+                     f"{s['flips']['wrong_to_right']} | {s['mcnemar_p']:.3g} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict, output: Path) -> None:
+    """``output`` (JSON) and a markdown summary beside it (same name, ``.md``), both atomically."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(output)
+    md = output.with_suffix(".md")
+    tmp = md.with_name(f".{md.name}.tmp")
+    tmp.write_text(summary_markdown(report))
+    tmp.replace(md)

@@ -1,0 +1,52 @@
+"""``moeprep bench --quick``: every system measured, the three outputs written (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from prep.bench.run import SYSTEMS, parse_budgets
+from prep.cli import main
+
+TRACES_ROOT = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+
+
+def test_bench_quick_writes_every_system(tmp_path):
+    # Without the real traces the quick run routes with the model's own routers and says so.
+    result = CliRunner().invoke(main, ["bench", "--quick", "--subject", "mixtral-shape", "--output",
+                                       str(tmp_path), "--traces", str(TRACES_ROOT)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert {"cpu", "cores", "ram_gb", "torch", "device"} <= set(report["machine"])
+    assert report["read_bandwidth_mb_s"] > 0
+    rows = report["results"]
+    assert {r["system"] for r in rows} == set(SYSTEMS)
+    for r in rows:
+        assert not r.get("error"), r
+        assert r["subject"] == "mixtral-shape" and r["budget"] == "25%"
+        assert r["decode_tokens_per_s"] > 0 and r["peak_rss_mb"] > 0
+        assert 0 <= r["hit_rate"] <= 1 and r["stall_fraction"] >= 0
+    loader = [r for r in rows if r["system"] in ("naive", "moeprep")]
+    assert all(r["bytes_read_per_token"] > 0 for r in loader)  # a 25% cache misses
+    routing = report["subjects"]["mixtral-shape"]["routing"]
+    assert ("replayed" in routing) == TRACES_ROOT.is_dir()
+    md = (tmp_path / "bench.md").read_text()
+    assert "identical to naive" in md and "| 25% | accelerate |" in md
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_refuses_bad_options(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(main, ["bench", "--quick", "--budgets", "25", "--output", str(tmp_path)])
+    assert result.exit_code == 1 and "share like 25%" in result.output
+    result = runner.invoke(main, ["bench", "--quick", "--device", "cuda", "--output", str(tmp_path)])
+    import torch
+
+    if not torch.cuda.is_available():
+        assert result.exit_code == 1 and "no CUDA GPU" in result.output
+    result = runner.invoke(main, ["bench", "--subject", "mixtral-shape", "--traces", str(tmp_path / "none"),
+                                  "--output", str(tmp_path)])
+    assert result.exit_code == 1 and "traces" in result.output
+    assert parse_budgets("12.5%, 25%") == ["12.5%", "25%"]

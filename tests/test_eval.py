@@ -1,0 +1,131 @@
+"""The accuracy check: data sources, paired statistics, MC2 masking, and a lossless artifact's zero flips."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from prep.errors import MoeprepError
+from prep.evals import templates as tpl
+from prep.evals.compare import _truthfulqa, evaluate_artifact, mcnemar_p
+from prep.evals.data import load_benchmarks
+from prep.pipeline import prepare
+from prep.recipe import recipe_from_dict
+from tests.tiny_models import save_tiny_model
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "benchmarks"
+
+
+def test_mcnemar_exact_values():
+    assert mcnemar_p(0, 0) == 1.0
+    assert mcnemar_p(5, 0) == pytest.approx(2 / 32)
+    assert mcnemar_p(3, 3) == 1.0
+    # b=1, c=9: 2 * (C(10,0) + C(10,1)) / 2^10
+    assert mcnemar_p(1, 9) == pytest.approx(2 * 11 / 1024)
+
+
+def test_gsm8k_gold_with_calculator_annotations():
+    answer = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+              "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
+    assert tpl.gsm8k_gold(answer) == "72"
+    assert tpl.gsm8k_extract_cot("So 48 + 24 = 72. The answer is 72.\n\nQ:") == "72"
+    assert tpl.gsm8k_extract_flexible("She has $1,234.") == "1234"
+
+
+def test_mmlu_fewshot_prompt_template():
+    shot = {"question": "1 + 1?", "subject": "math", "choices": ["1", "2", "3", "4"], "answer": 1}
+    item = {"question": "2 + 2?", "subject": "math", "choices": ["4", "5", "6", "7"], "answer": 0}
+    assert tpl.mmlu_fewshot_prompt(item, [shot]) == (
+        "The following are multiple choice questions (with answers) about math.\n\n"
+        "1 + 1?\nA. 1\nB. 2\nC. 3\nD. 4\nAnswer: B\n\n"
+        "2 + 2?\nA. 4\nB. 5\nC. 6\nD. 7\nAnswer:"
+    )
+
+
+class _FixedScores(torch.nn.Module):
+    """A 'model' whose next-token logits favour token 5 everywhere, to exercise MC2 masking."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, attention_mask=None):
+        logits = torch.zeros(*input_ids.shape, 64)
+        logits[..., 5] = 5.0
+        return type("O", (), {"logits": logits})()
+
+
+class _Tok:
+    pad_token_id = 0
+
+    def __call__(self, text):
+        return {"input_ids": [1] + [5 if c == "T" else 7 for c in text]}
+
+
+def test_mc2_uses_the_label_mask_in_any_order():
+    # choices made of 'T' are likely under the fixed model; true answers are not listed first
+    item = {"question": "q", "mc1_targets": {"choices": ["x", "TT"], "labels": [1, 0]},
+            "mc2_targets": {"choices": ["x", "TT", "y"], "labels": [0, 1, 0]}}
+    models = {"original": _FixedScores(), "prepared": _FixedScores()}
+    mc1, mc2 = _truthfulqa(models, _Tok(), [item], batch_rows=4)
+    assert mc2["original"]["acc"] > 0.9  # the mass sits on 'TT', which is the labelled true answer
+    assert mc1["original"]["acc"] == 0.0  # MC1's true answer 'x' is not the argmax
+    assert mc2["flips"] == {"right_to_wrong": 0, "wrong_to_right": 0}
+
+
+def _tiny_suites(directory: Path) -> None:
+    directory.mkdir()
+    rows = {
+        "gsm8k.jsonl": [{"question": f"WHAT IS {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"}
+                        for i in range(3)],
+        "mmlu.jsonl": [{"question": f"PICK {i}", "subject": "TEST", "choices": ["A1", "B2", "C3", "D4"],
+                        "answer": i % 4} for i in range(6)],
+        "mmlu_dev.jsonl": [{"question": "DEV", "subject": "TEST", "choices": ["1", "2", "3", "4"], "answer": 2}] * 5,
+        "truthfulqa.jsonl": [{"question": f"Q{i}", "mc1_targets": {"choices": ["YES.", "NO."], "labels": [1, 0]},
+                              "mc2_targets": {"choices": ["NO.", "YES.", "YES!"], "labels": [0, 1, 1]}}
+                             for i in range(4)],
+        "gsm8k_cot_fewshot.jsonl": [{"question": "WHAT IS 1 + 1?", "cot": "1 + 1 = 2. The answer is 2."}] * 8,
+    }
+    for name, items in rows.items():
+        (directory / name).write_text("".join(json.dumps(r) + "\n" for r in items))
+
+
+def test_lossless_artifact_has_zero_flips(tmp_path):
+    save_tiny_model("mixtral", tmp_path / "model")
+    _tiny_suites(tmp_path / "suites")
+    recipe = recipe_from_dict({"name": "tiny", "model": {"path": str(tmp_path / "model")},
+                               "calibration": {"num_sequences": 2, "sequence_length": 16},
+                               "quantize": {"precision": "passthrough"}})
+    artifact = Path(prepare(recipe, root=tmp_path)["artifact"])
+    report = evaluate_artifact(artifact, data=tmp_path / "suites", memory_budget="50%", max_new_tokens=8,
+                               output=tmp_path / "eval.json")
+    assert set(report["suites"]) == {"gsm8k", "mmlu", "truthfulqa_mc1", "truthfulqa_mc2"}
+    for suite in report["suites"].values():
+        assert suite["flips"] == {"right_to_wrong": 0, "wrong_to_right": 0}
+        assert suite["delta"] == pytest.approx(0.0, abs=1e-9)
+        assert suite["mcnemar_p"] == 1.0
+    assert report["suites"]["mmlu"]["mean_kl"] < 1e-8
+    assert report["suites"]["mmlu"]["num_fewshot"] == 5
+    assert (tmp_path / "eval.md").is_file()
+    merged = json.loads((artifact / "report.json").read_text())
+    assert "eval" in merged
+    from loader.format import verify
+
+    assert verify(artifact) == []  # the manifest was re-hashed after the merge
+    with pytest.raises(MoeprepError, match="unknown suite"):
+        load_benchmarks(tmp_path / "suites", ("hellaswag",))
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data/benchmarks is absent")
+def test_original_layout_is_read():
+    data = load_benchmarks(SHARED)
+    assert len(data.items["gsm8k"]) == 1319 and len(data.gsm8k_shots) == 5
+    assert len(data.items["mmlu"]) == 14042 and all(len(v) == 5 for v in data.mmlu_dev.values())
+    assert len(data.mmlu_dev) == 57
+    assert len(data.items["truthfulqa"]) == 817
+    first = data.items["truthfulqa"][0]
+    assert first["mc1_targets"]["labels"][0] == 1 and sum(first["mc1_targets"]["labels"]) == 1
+    assert data.items["mmlu"][0]["answer"] in range(4)

@@ -1,0 +1,106 @@
+"""Routing policies: replay hands the experts exactly the recorded decisions; the default changes nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from loader.routing import ReplayRouting, RoutingError, RoutingPolicy, install_routing
+from loader.runtime import load
+from prep.pipeline import prepare
+from prep.recipe import recipe_from_dict
+from tests.tiny_models import save_tiny_model
+
+PROMPT, DECODE = 6, 3
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(transformers model, artifact dir, experts module paths) of a tiny passthrough Mixtral."""
+    root = tmp_path_factory.mktemp("routing")
+    model = save_tiny_model("mixtral", root / "model")
+    recipe = recipe_from_dict({"name": "tiny", "model": {"path": "model"},
+                               "calibration": {"num_sequences": 2, "sequence_length": 16},
+                               "quantize": {"precision": "passthrough"}})
+    prepare(recipe, root=root, output=root / "artifact", until="package")
+    paths = json.loads((root / "artifact" / "manifest.json").read_text())["moe"]["experts_modules"]
+    return model, root / "artifact", paths
+
+
+def _recorded(tokens: int, layers: int, experts: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(tokens * layers)])
+    weights = torch.rand(tokens * layers, 2, generator=gen)
+    weights = weights / weights.sum(-1, keepdim=True)
+    return ids.view(tokens, layers, 2), weights.view(tokens, layers, 2)
+
+
+def _run(model, ids):
+    """Prefill ``PROMPT`` tokens, then decode the rest one token at a time; returns every step's logits."""
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :PROMPT], use_cache=True)
+        logits = [out.logits]
+        for t in range(PROMPT, ids.shape[1]):
+            out = model(input_ids=ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+            logits.append(out.logits)
+    return torch.cat(logits, dim=1)
+
+
+def test_replay_feeds_the_recorded_decisions_to_the_loaders_experts(tiny):
+    model, artifact, paths = tiny
+    expert_ids, weights = _recorded(PROMPT + DECODE, len(paths), model.config.num_local_experts)
+    loaded = load(artifact, memory_budget="50%", routing=ReplayRouting(expert_ids, weights))
+    seen = {i: [] for i in range(len(paths))}
+
+    def capture(layer):
+        def hook(module, args):
+            seen[layer].append((args[1].clone(), args[2].clone()))
+        return hook
+
+    for i, path in enumerate(paths):
+        loaded.model.get_submodule(path).register_forward_pre_hook(capture(i))
+    ids = torch.randint(4, 60, (1, PROMPT + DECODE), generator=torch.Generator().manual_seed(1))
+    got = _run(loaded.model, ids)
+    for layer, calls in seen.items():
+        assert [c[0].shape[0] for c in calls] == [PROMPT] + [1] * DECODE  # prefill consumed PROMPT records
+        assert torch.equal(torch.cat([c[0] for c in calls]), expert_ids[:, layer])
+        assert torch.allclose(torch.cat([c[1] for c in calls]), weights[:, layer])
+    stats = loaded.stats()
+    assert stats["hits"] + stats["misses"] > 0
+
+    # The same replay installed on plain transformers routes identically: same logits.
+    installed = install_routing(model, paths, ReplayRouting(expert_ids, weights))
+    try:
+        expected = _run(model, ids)
+    finally:
+        installed.remove()
+    assert torch.allclose(got, expected, atol=1e-5)
+    loaded.close()
+
+
+def test_default_policy_leaves_the_logits_unchanged(tiny):
+    model, artifact, paths = tiny
+    ids = torch.randint(4, 60, (1, PROMPT + DECODE), generator=torch.Generator().manual_seed(2))
+    expected = _run(model, ids)
+    for routing in (None, RoutingPolicy()):
+        loaded = load(artifact, memory_budget="100%", routing=routing)
+        assert loaded.routing.handles == []  # nothing hooked: the model routes itself
+        assert torch.allclose(_run(loaded.model, ids), expected, atol=1e-5)
+        loaded.close()
+
+
+def test_replay_refuses_what_does_not_fit(tiny):
+    model, artifact, paths = tiny
+    expert_ids, weights = _recorded(PROMPT, len(paths), model.config.num_local_experts)
+    with pytest.raises(RoutingError, match="MoE layers"):
+        install_routing(model, paths, ReplayRouting(expert_ids[:, :1], weights[:, :1]))
+    installed = install_routing(model, paths, ReplayRouting(expert_ids, weights))
+    try:
+        with pytest.raises(RoutingError, match="exhausted"):
+            _run(model, torch.randint(4, 60, (1, PROMPT + 1)))
+    finally:
+        installed.remove()
+    with pytest.raises(RoutingError, match="same shape"):
+        ReplayRouting(expert_ids, weights[:1])
