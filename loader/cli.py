@@ -32,9 +32,13 @@ def main() -> None:
 
 @main.command("verify")
 @click.argument("artifact", type=click.Path())
-def verify_command(artifact: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help='Print one JSON object {"ok", "bad"}.')
+def verify_command(artifact: str, as_json: bool) -> None:
     """Check the schema, every file size and every sha256; exit 1 naming each bad file."""
     bad = verify(artifact)
+    if as_json:
+        click.echo(json.dumps({"artifact": str(artifact), "ok": not bad, "bad": bad}))
+        sys.exit(1 if bad else 0)
     if bad:
         for line in bad:
             click.echo(f"BAD  {line}", err=True)

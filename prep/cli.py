@@ -11,6 +11,7 @@ import json
 
 import click
 
+from loader.format import ArtifactError
 from prep.errors import MoeprepError
 
 
@@ -20,7 +21,7 @@ class MoeprepGroup(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except MoeprepError as e:
+        except (MoeprepError, ArtifactError) as e:  # loader errors reach us through eval and bench
             click.echo(f"error: {e}", err=True)
             ctx.exit(1)
 

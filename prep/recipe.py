@@ -183,6 +183,13 @@ def _validate(recipe: Recipe) -> None:
         raise MoeprepError("package.cache_fraction must be in (0, 1]")
     if recipe.evaluate.gsm8k_format not in ("cot", "plain"):
         raise MoeprepError("evaluate.gsm8k_format must be cot or plain")
+    unknown = sorted(set(recipe.evaluate.suites) - {"gsm8k", "mmlu", "truthfulqa"})
+    if unknown:
+        raise MoeprepError(f"evaluate.suites: unknown suite(s) {unknown}; use gsm8k, mmlu, truthfulqa")
+    if recipe.trace.hidden_dtype not in ("float16", "bfloat16", "float32"):
+        raise MoeprepError(f"trace.hidden_dtype {recipe.trace.hidden_dtype!r} unknown; use float16, bfloat16 or float32")
+    if recipe.calibration.source not in ("reference", "files", "dataset"):
+        raise MoeprepError(f"calibration.source {recipe.calibration.source!r} unknown; use reference, files or dataset")
     if recipe.calibration.num_sequences <= 0 or recipe.calibration.sequence_length <= 1:
         raise MoeprepError("calibration needs num_sequences >= 1 and sequence_length >= 2")
 

@@ -109,6 +109,8 @@ def test_lossless_artifact_has_zero_flips(tmp_path):
         assert suite["mcnemar_p"] == 1.0
     assert report["suites"]["mmlu"]["mean_kl"] < 1e-8
     assert report["suites"]["mmlu"]["num_fewshot"] == 5
+    original = report["suites"]["mmlu"]["original"]
+    assert original["acc_by_category"] == {"other": original["acc"]}  # "TEST" is no MMLU subject
     assert (tmp_path / "eval.md").is_file()
     merged = json.loads((artifact / "report.json").read_text())
     assert "eval" in merged
@@ -125,6 +127,8 @@ def test_original_layout_is_read():
     assert len(data.items["gsm8k"]) == 1319 and len(data.gsm8k_shots) == 5
     assert len(data.items["mmlu"]) == 14042 and all(len(v) == 5 for v in data.mmlu_dev.values())
     assert len(data.mmlu_dev) == 57
+    assert {tpl.mmlu_category(s) for s in data.mmlu_dev} == {"stem", "humanities", "social_sciences", "other"}
+    assert set(data.mmlu_dev) == set(tpl.MMLU_CATEGORY)  # the category map names every real subject
     assert len(data.items["truthfulqa"]) == 817
     first = data.items["truthfulqa"][0]
     assert first["mc1_targets"]["labels"][0] == 1 and sum(first["mc1_targets"]["labels"]) == 1

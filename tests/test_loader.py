@@ -148,6 +148,11 @@ def test_verify_names_each_flipped_file(tmp_path_factory, tmp_path):
         assert len(bad) == 1 and bad[0].startswith(f"{name}:"), bad
         result = CliRunner().invoke(moeload, ["verify", str(copy)])
         assert result.exit_code == 1 and name in result.output
+        result = CliRunner().invoke(moeload, ["verify", "--json", str(copy)])
+        report = json.loads(result.output)
+        assert result.exit_code == 1 and not report["ok"] and report["bad"] == bad
+    result = CliRunner().invoke(moeload, ["verify", "--json", str(artifact)])
+    assert result.exit_code == 0 and json.loads(result.output) == {"artifact": str(artifact), "ok": True, "bad": []}
 
 
 def test_truncated_store_and_unknown_schema_are_refused(tmp_path_factory, tmp_path):

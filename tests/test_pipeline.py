@@ -56,6 +56,11 @@ def test_unknown_key_names_key_and_allowed(tmp_path):
         recipe_from_dict({"model": {"path": "m"}, "name": "x", "quantize": {"precision": "int5"}})
     with pytest.raises(MoeprepError, match="must be int"):
         recipe_from_dict({"model": {"path": "m"}, "name": "x", "quantize": {"group_size": "big"}})
+    for section, key, value, hint in (("trace", "hidden_dtype", "float8", "float16"),
+                                      ("calibration", "source", "web", "reference"),
+                                      ("evaluate", "suites", ["hellaswag"], "gsm8k")):
+        with pytest.raises(MoeprepError, match=f"{section}.{key}.*{hint}"):
+            recipe_from_dict({"model": {"path": "m"}, "name": "x", section: {key: value}})
 
 
 def test_cli_errors_are_clean(tmp_path):

@@ -61,10 +61,13 @@ def _mmlu(models, tokenizer, data: BenchmarkData, items, shots, batch_rows) -> d
     result = {"n": len(items), "num_fewshot": shots}
     for name, rows in runs.items():
         by_subject: dict[str, list[bool]] = {}
+        by_category: dict[str, list[bool]] = {}
         for row, item in zip(rows, items, strict=True):
             by_subject.setdefault(item["subject"], []).append(row["correct"])
+            by_category.setdefault(tpl.mmlu_category(item["subject"]), []).append(row["correct"])
         result[name] = {"acc": _mean(r["correct"] for r in rows),
-                        "acc_by_subject": {s: _mean(v) for s, v in sorted(by_subject.items())}}
+                        "acc_by_subject": {s: _mean(v) for s, v in sorted(by_subject.items())},
+                        "acc_by_category": {c: _mean(v) for c, v in sorted(by_category.items())}}
     result["delta"] = result["prepared"]["acc"] - result["original"]["acc"]
     o, p = runs["original"], runs["prepared"]
     return (result | _paired([r["correct"] for r in o], [r["correct"] for r in p])

@@ -105,6 +105,30 @@ def mmlu_header(subject: str) -> str:
     return f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
 
 
+# MMLU's 57 subjects in the four categories lm-evaluation-harness reports; anything else is "other".
+_MMLU_GROUPS = {
+    "stem": "abstract_algebra anatomy astronomy college_biology college_chemistry college_computer_science "
+            "college_mathematics college_physics computer_security conceptual_physics electrical_engineering "
+            "elementary_mathematics high_school_biology high_school_chemistry high_school_computer_science "
+            "high_school_mathematics high_school_physics high_school_statistics machine_learning",
+    "humanities": "formal_logic high_school_european_history high_school_us_history high_school_world_history "
+                  "international_law jurisprudence logical_fallacies moral_disputes moral_scenarios philosophy "
+                  "prehistory professional_law world_religions",
+    "social_sciences": "econometrics high_school_geography high_school_government_and_politics "
+                       "high_school_macroeconomics high_school_microeconomics high_school_psychology "
+                       "human_sexuality professional_psychology public_relations security_studies sociology "
+                       "us_foreign_policy",
+    "other": "business_ethics clinical_knowledge college_medicine global_facts human_aging management marketing "
+             "medical_genetics miscellaneous nutrition professional_accounting professional_medicine virology",
+}
+MMLU_CATEGORY = {subject: group for group, names in _MMLU_GROUPS.items() for subject in names.split()}
+
+
+def mmlu_category(subject: str) -> str:
+    """The harness's category of an MMLU subject (stem, humanities, social_sciences, other)."""
+    return MMLU_CATEGORY.get(subject, "other")
+
+
 def mmlu_question(question: str, choices: list[str]) -> str:
     lines = [question.strip()] + [f"{letter}. {choice}" for letter, choice in zip(LETTERS, choices, strict=True)]
     return "\n".join(lines) + "\nAnswer:"

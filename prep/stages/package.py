@@ -23,13 +23,15 @@ VERSION = 1
 
 
 def _producer() -> dict:
-    import hqq
+    from importlib.metadata import version
+
     import transformers
 
     from prep import __version__
 
+    # hqq sets no __version__; the installed distribution's metadata knows it
     return {"moeprep": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "hqq": getattr(hqq, "__version__", "0.2.8.post1")}
+            "hqq": version("hqq")}
 
 
 def _dense_state(model, expert_params: set[str]) -> dict[str, torch.Tensor]:
