@@ -60,3 +60,46 @@ def test_reference_recipe_end_to_end(tmp_path):
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
     assert out["stats"]["misses"] > 0 and out["stats"]["budget"]["cache_slots"]["0"] == 2
+
+
+def _mmlu_by_hand(model, tokenizer, item: dict, shots: list[dict]) -> int:
+    """The harness's MMLU scoring written out plainly: one forward per letter, no batching, no padding."""
+    def block(q: dict) -> str:
+        lines = [q["question"].strip()] + [f"{letter}. {c}" for letter, c in zip("ABCD", q["choices"], strict=True)]
+        return "\n".join(lines) + "\nAnswer:"
+
+    subject = item["subject"].replace("_", " ")
+    prompt = f"The following are multiple choice questions (with answers) about {subject}.\n\n"
+    prompt += "".join(f"{block(s)} {'ABCD'[s['answer']]}\n\n" for s in shots) + block(item)
+    context = tokenizer(prompt)["input_ids"]
+    scores = []
+    for letter in "ABCD":
+        whole = tokenizer(prompt + " " + letter)["input_ids"]
+        assert whole[: len(context)] == context
+        with torch.no_grad():
+            logprobs = model(input_ids=torch.tensor([whole])).logits[0].log_softmax(-1)
+        scores.append(sum(float(logprobs[i - 1, whole[i]]) for i in range(len(context), len(whole))))
+    return max(range(4), key=scores.__getitem__)
+
+
+def test_eval_mmlu_agrees_with_an_independent_scorer(tmp_path):
+    """`moeprep eval`'s original-model MMLU accuracy equals a hand-written per-letter scorer's, item by item."""
+    import json
+
+    from prep.evals.compare import evaluate_artifact
+
+    recipe = load_recipe(REPO / "recipes/reference-lossless.yaml", (f"model.path={MODEL}",
+                                                                     "calibration.num_sequences=2"))
+    artifact = Path(prepare(recipe, root=tmp_path)["artifact"])
+    n = 24
+    report = evaluate_artifact(artifact, suites=("mmlu",), limit=n, output=tmp_path / "eval.json")
+    suites = MODEL.parent / "suites"
+    items = [json.loads(line) for line in (suites / "mmlu.jsonl").read_text().splitlines()[:n]]
+    dev = [json.loads(line) for line in (suites / "mmlu_dev.jsonl").read_text().splitlines()]
+    model, tokenizer = load_model(MODEL)
+    right = [_mmlu_by_hand(model, tokenizer, item, [d for d in dev if d["subject"] == item["subject"]][:5])
+             == item["answer"] for item in items]
+    mmlu = report["suites"]["mmlu"]
+    assert mmlu["num_fewshot"] == 5
+    assert mmlu["original"]["acc"] == sum(right) / n
+    assert mmlu["prepared"]["acc"] == mmlu["original"]["acc"]  # lossless
