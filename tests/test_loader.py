@@ -205,3 +205,14 @@ def test_cuda_offloading_matches_cpu(tmp_path_factory, store):
         got = loaded.model(input_ids=ids.cuda()).logits.cpu()
     loaded.close()
     assert torch.allclose(got, expected, atol=1e-4)
+
+
+def test_load_is_reachable_from_the_package(tmp_path_factory):
+    import loader
+
+    _, artifact = tiny_artifact(tmp_path_factory, "mixtral")
+    m = loader.load(artifact, memory_budget="50%")
+    try:
+        assert m.stats()["budget"]["requested"] == "50%"
+    finally:
+        m.close()

@@ -141,6 +141,9 @@ def _run_worker(spec: dict, work: Path) -> dict:
     tag = f"{spec['subject']}-{spec['system']}-{spec['budget'].replace('%', 'pct')}"
     spec_path, log_path = work / f"{tag}.json", work / f"{tag}.log"
     spec_path.write_text(json.dumps(spec, indent=2))
+    # Flush what the previous system wrote (accelerate's offload folder: GBs) before timing the next
+    # one, so its writeback does not compete with the next system's reads.
+    os.sync()
     with open(log_path, "w") as log:
         proc = subprocess.run([sys.executable, "-m", "prep.bench.worker", str(spec_path)], stdout=subprocess.PIPE,
                               stderr=log, text=True)
