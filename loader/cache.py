@@ -52,19 +52,38 @@ class LRUPolicy(EvictionPolicy):
 POLICIES = {"lru": LRUPolicy}
 
 
+class MemoryMeter:
+    """Bytes of expert records held right now (in every cache and in flight) and the most ever held.
+
+    Updated at every change, not sampled between forwards, so the peak it reports is the true peak.
+    """
+
+    def __init__(self) -> None:
+        self.held = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+
+    def sub(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+
 class LayerCache:
     """The resident experts of one MoE layer: at most ``slots`` records."""
 
-    def __init__(self, slots: int, policy: EvictionPolicy) -> None:
+    def __init__(self, slots: int, policy: EvictionPolicy, meter: MemoryMeter | None = None) -> None:
         self.slots = slots
         self.policy = policy
+        self.meter = meter or MemoryMeter()
         self.records: dict[int, torch.Tensor] = {}
         self.hits = 0
         self.misses = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(r.numel() * r.element_size() for r in self.records.values())
+        return sum(_nbytes(r) for r in self.records.values())
 
     def get(self, expert: int) -> torch.Tensor | None:
         record = self.records.get(expert)
@@ -80,8 +99,13 @@ class LayerCache:
             victim = self.policy.victim(self.records, protected)
             if victim is None:
                 return False
-            del self.records[victim]
+            self.meter.sub(_nbytes(self.records.pop(victim)))
             self.policy.on_evict(victim)
         self.records[expert] = record
+        self.meter.add(_nbytes(record))
         self.policy.on_insert(expert)
         return True
+
+
+def _nbytes(record: torch.Tensor) -> int:
+    return record.numel() * record.element_size()

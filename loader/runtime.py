@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from loader.cache import POLICIES, LayerCache
+from loader.cache import POLICIES, LayerCache, MemoryMeter
 from loader.codec import RecordLayout
 from loader.format import ArtifactError, check_sizes, expert_key, read_manifest
 from loader.routing import InstalledRouting, RoutingPolicy, install_routing
@@ -70,33 +71,61 @@ class LayerStats:
 class OffloadedExperts:
     """The offloaded state of one MoE layer: its cache, its store, its record layout, its stats."""
 
-    def __init__(self, layer: int, cache: LayerCache, store: ExpertStore, layout: RecordLayout) -> None:
+    def __init__(self, layer: int, cache: LayerCache, store: ExpertStore, layout: RecordLayout,
+                 max_in_flight: int) -> None:
         self.layer = layer
         self.cache = cache
         self.store = store
         self.layout = layout
+        self.max_in_flight = max(1, max_in_flight)
         self.stats = LayerStats()
 
     def forward(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H]."""
+        """hidden [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H].
+
+        Hits compute while the misses are read; at most ``max_in_flight`` records are being read or
+        waiting outside the cache at any time (the read buffers the budget reserves), so a prefill that
+        needs every expert of the layer stays inside the budget too.
+        """
         out = torch.zeros_like(hidden)
         needed = [e for e in top_k_index.unique().tolist() if 0 <= e < module.num_experts]
         resident = {e: r for e in needed if (r := self.cache.get(e)) is not None}
-        pending = {e: self.store.submit(expert_key(self.layer, e)) for e in needed if e not in resident}
+        misses = [e for e in needed if e not in resident]
         self.stats.hits += len(resident)
-        self.stats.misses += len(pending)
+        self.stats.misses += len(misses)
+        record_bytes = self.store.record_bytes
+        meter = self.cache.meter
+        pending: deque = deque()
+
+        def submit_next() -> None:
+            if misses and len(pending) < self.max_in_flight:
+                expert = misses.pop(0)
+                meter.add(record_bytes)
+                pending.append((expert, self.store.submit(expert_key(self.layer, expert))))
+
+        for _ in range(self.max_in_flight):
+            submit_next()
         for expert, record in resident.items():
             self._compute(module, expert, record, hidden, top_k_index, top_k_weights, out)
         protected = set(needed)
-        for expert, future in pending.items():
+        while pending:
+            expert, future = pending.popleft()
             start = time.perf_counter()
             record, seconds = future.result()
             self.stats.stall_seconds += time.perf_counter() - start
             self.stats.read_seconds += seconds
             self.stats.bytes_read += record.numel()
-            self.cache.put(expert, record, protected)
+            meter.sub(record_bytes)  # it leaves the read buffers: into the cache (counted there) or used once
+            kept = self.cache.put(expert, record, protected)
+            if kept:
+                submit_next()
+            else:
+                meter.add(record_bytes)  # held outside the cache until computed
             self._compute(module, expert, record, hidden, top_k_index, top_k_weights, out)
+            if not kept:
+                meter.sub(record_bytes)
+                submit_next()
         return out
 
     def _compute(self, module, expert, record, hidden, top_k_index, top_k_weights, out) -> None:
@@ -143,6 +172,10 @@ class LoadedModel:
     _peak_cache_bytes: int = 0
     _started: list = field(default_factory=list)
 
+    @property
+    def meter(self):
+        return next(iter(self.layers.values())).cache.meter
+
     def cache_bytes(self) -> int:
         return sum(layer.cache.nbytes for layer in self.layers.values())
 
@@ -162,6 +195,9 @@ class LoadedModel:
             "forward_seconds": self._seconds,
             "tokens_per_second": self._tokens / self._seconds if self._seconds else None,
             "peak_cache_bytes": self._peak_cache_bytes,
+            # caches + records being read or used outside a cache, at the worst moment (always <= the
+            # budget's expert share: slots plus read buffers)
+            "peak_expert_bytes": self.meter.peak,
             "budget": self.budget,
             "direct_io": self.store.direct_io,
         }
@@ -258,12 +294,14 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     _rebuild_meta_buffers(model, dev)
 
     expert_store = ExpertStore(artifact / info.file, mode=store, device=dev, workers=workers)
+    meter = MemoryMeter()  # every layer's cache and reads in flight, counted together
     offloaded: dict[int, OffloadedExperts] = {}
     for layer, path in zip(layers, moe["experts_modules"], strict=True):
         module = _experts_module(model, path)
         for name in [n for n, p in module.named_parameters(recurse=False) if p.is_meta]:
             del module._parameters[name]  # never materialised: experts live in the store and the cache
-        state = OffloadedExperts(layer, LayerCache(slots[layer], POLICIES[policy]()), expert_store, layout)
+        state = OffloadedExperts(layer, LayerCache(slots[layer], POLICIES[policy](), meter), expert_store, layout,
+                                 max_in_flight=buffers // record)
         module._moeprep = state
         offloaded[layer] = state
     _register_implementation()

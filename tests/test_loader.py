@@ -109,8 +109,32 @@ def test_cache_never_exceeds_budget_and_host_store_agrees(tmp_path_factory):
         b = loaded.budget
         assert stats["peak_cache_bytes"] <= b["limit_bytes"] - b["dense_bytes"] - b["buffer_bytes"]
         assert stats["peak_cache_bytes"] > 0
+        # counted at every change, reads in flight included: never past the budget's expert share
+        assert stats["peak_cache_bytes"] < stats["peak_expert_bytes"] <= b["limit_bytes"] - b["dense_bytes"]
         assert stats["bytes_read"] == stats["misses"] * record
         loaded.close()
+
+
+def test_a_prefill_needing_every_expert_stays_inside_the_budget(tmp_path_factory):
+    """A long prompt routes to every expert of a layer at once; the reads must queue behind the read
+    buffers instead of all landing in memory together."""
+    model, artifact = tiny_artifact(tmp_path_factory, "mixtral")
+    try:
+        load(artifact, memory_budget=1)
+    except LoaderError as e:
+        minimum = int(str(e).split("minimum of ")[1].split(" bytes")[0].replace(",", ""))
+    loaded = load(artifact, memory_budget=minimum)  # one slot per layer + top_k read buffers
+    torch.manual_seed(64)
+    ids = torch.randint(4, 60, (2, 48))
+    with torch.no_grad():
+        got = loaded.model(input_ids=ids).logits
+        expected = model(input_ids=ids).logits
+    stats, b = loaded.stats(), loaded.budget
+    loaded.close()
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert max(o["misses"] for o in stats["layers"].values()) > 2  # more misses at once than buffers
+    assert stats["peak_expert_bytes"] <= b["limit_bytes"] - b["dense_bytes"]
+    assert stats["peak_expert_bytes"] == b["limit_bytes"] - b["dense_bytes"]  # a slot per layer + buffers, all used
 
 
 def test_budget_parsing_and_refusal(tmp_path_factory):
