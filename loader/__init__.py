@@ -3,9 +3,9 @@
 __version__ = "0.1.0"
 
 
-def load(artifact, device: str = "cpu", memory_budget=None, store: str = "disk", **options):
-    """Open an artifact for offloaded inference; see ``loader.runtime.load`` (imported lazily so that
-    ``import loader`` stays cheap for the CLI and for format checks)."""
+def load(artifact, **options):
+    """Open an artifact for offloaded inference: ``loader.runtime.load`` (its options and defaults),
+    imported lazily so that ``import loader`` stays cheap for the CLI and for format checks."""
     from loader.runtime import load as _load
 
-    return _load(artifact, device=device, memory_budget=memory_budget, store=store, **options)
+    return _load(artifact, **options)

@@ -167,14 +167,11 @@ class LoadedModel:
     store: ExpertStore
     budget: dict
     routing: InstalledRouting | None = None
+    meter: MemoryMeter = field(default_factory=MemoryMeter)  # shared by every layer's cache
     _tokens: int = 0
     _seconds: float = 0.0
     _peak_cache_bytes: int = 0
     _started: list = field(default_factory=list)
-
-    @property
-    def meter(self):
-        return next(iter(self.layers.values())).cache.meter
 
     def cache_bytes(self) -> int:
         return sum(layer.cache.nbytes for layer in self.layers.values())
@@ -315,7 +312,7 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
         "requested": memory_budget, "limit_bytes": int(limit) if limit is not None else None,
         "dense_bytes": dense_bytes, "buffer_bytes": buffers, "record_bytes": record,
         "cache_slots": {str(k): v for k, v in slots.items()}, "precision": precision,
-    })
+    }, meter=meter)
     loaded.routing = install_routing(model, moe["experts_modules"], routing)
     _attach_counters(loaded)
     return loaded

@@ -95,15 +95,15 @@ def prepare(recipe: Recipe, root: str | Path = ".", output: str | Path | None = 
         forced = forced or stage.name == force
         if forced:
             store.discard(stage.name, key)
+        if stage.name == "evaluate" and not recipe.evaluate.enabled:
+            summary[stage.name] = {"key": key[:16], "seconds": 0.0, "cached": False, "skipped": True}
+            continue
         cached = store.is_complete(stage.name, key)
         if stage.name == "package":  # its real output lives outside the stage cache: it must still exist
             cached = cached and (out_dir / "manifest.json").is_file()
         if stage.name == "evaluate":  # its summary lives in the artifact's report.json: it must be there
             report = out_dir / "report.json"
-            cached = cached and report.is_file() and '"eval"' in report.read_text()
-        if stage.name == "evaluate" and not recipe.evaluate.enabled:
-            summary[stage.name] = {"key": key[:16], "seconds": 0.0, "cached": False, "skipped": True}
-            continue
+            cached = cached and report.is_file() and "eval" in json.loads(report.read_text())
         started = time.perf_counter()
         if not cached:
             work = store.work_dir(stage.name, key)

@@ -169,15 +169,20 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
     return report
 
 
+def eval_summary(report: dict) -> dict:
+    """Per suite the headline figures of a report (what report.json and the evaluate stage keep)."""
+    return {name: {k: s[k] for k in ("n", "num_fewshot", "original", "prepared", "delta", "flips", "mcnemar_p")}
+            for name, s in report["suites"].items()}
+
+
 def merge_into_artifact(artifact: Path, report: dict) -> None:
     """Put the eval summary into the artifact's report.json and re-hash it in the manifest (atomically)."""
     from loader.format import MANIFEST, sha256_file
 
-    summary = {name: {k: s[k] for k in ("n", "num_fewshot", "original", "prepared", "delta", "flips", "mcnemar_p")}
-               for name, s in report["suites"].items()}
     path = artifact / "report.json"
     current = json.loads(path.read_text()) if path.is_file() else {}
-    current["eval"] = {"suites": summary, "data": report["data"], "memory_budget": report["memory_budget"]}
+    current["eval"] = {"suites": eval_summary(report), "data": report["data"],
+                       "memory_budget": report["memory_budget"]}
     tmp = path.with_name(".report.json.tmp")
     tmp.write_text(json.dumps(current, indent=2) + "\n")
     tmp.replace(path)

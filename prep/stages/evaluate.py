@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prep.evals.compare import evaluate_artifact
+from prep.evals.compare import eval_summary, evaluate_artifact
 from prep.recipe import EvaluateSection
 
 VERSION = 1
@@ -20,5 +20,4 @@ def check_accuracy(artifact: Path, model_dir: Path, cfg: EvaluateSection, work: 
         data = root / data
     report = evaluate_artifact(artifact, model_dir, cfg.suites, data, cfg.limit, cfg.num_fewshot,
                                cfg.memory_budget, cfg.gsm8k_format, output=work / "eval.json")
-    return {name: {"original": s["original"], "prepared": s["prepared"], "delta": s["delta"],
-                   "flips": s["flips"], "mcnemar_p": s["mcnemar_p"]} for name, s in report["suites"].items()}
+    return eval_summary(report)
