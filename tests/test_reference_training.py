@@ -1,11 +1,19 @@
-"""Pieces of the reference training: the answer-letter weighting and the weighted loss."""
+"""Pieces of the reference training: the answer-letter weighting, the weighted loss and the attention hints."""
 
 from __future__ import annotations
 
 import torch
 
 from prep.reference.metrics import load_model
-from prep.reference.train import answer_positions, pack, weighted_lm_loss
+from prep.reference.train import (
+    HINTS,
+    answer_positions,
+    choice_hints,
+    head_log_attention,
+    hint_loss,
+    pack,
+    weighted_lm_loss,
+)
 from tests.test_reference_model import REF
 
 
@@ -24,8 +32,94 @@ def test_answer_letters_get_the_extra_weight():
     ids = tokenizer(text)["input_ids"]
     found = answer_positions(ids, tokenizer)
     assert [tokenizer.decode([ids[i]]) for i in found] == [" B", " A"]
-    tokens, weights = pack([text] * 4, tokenizer, context=len(ids) + 1, answer_weight=5.0)  # a row per doc
+    packed = pack([text] * 4, tokenizer, context=len(ids) + 1, answer_weight=5.0)  # a row per doc
+    tokens, weights = packed["tokens"], packed["weights"]
     assert tokens.shape == weights.shape == (4, len(ids) + 1)
     for row in weights:
         assert torch.nonzero(row == 5.0).flatten().tolist() == found
         assert int((row == 1.0).sum()) == len(ids) + 1 - len(found)
+
+
+ITEM = ("About chemistry.\n\nWhat is the chemical symbol of copper?\nA. Pb\nB. Si\nC. salamander\nD. Ar\nAnswer: C\n\n"
+        "A. pear\nB. fig tree\nC. x\nD. y\nWhich option is fig tree?\nAnswer: B")
+
+
+def _hinted(tokenizer, text: str) -> dict[str, dict[str, list[str]]]:
+    """hint -> {token at the query (with its index): the tokens of its target span}."""
+    ids, spans = choice_hints(text, tokenizer)
+    toks = tokenizer.convert_ids_to_tokens(ids)
+    return {name: {f"{i}{toks[i]}": toks[lo:hi] for i, (lo, hi) in enumerate(spans[name]) if lo >= 0}
+            for name in HINTS}
+
+
+def test_choice_hints_point_at_the_letter_the_question_and_the_right_option():
+    _, tokenizer = load_model(REF / "model")
+    hinted = _hinted(tokenizer, ITEM)
+    ids = tokenizer(ITEM)["input_ids"]
+    assert choice_hints(ITEM, tokenizer)[0] == ids
+    toks = tokenizer.convert_ids_to_tokens(ids)
+    first_colon, second_colon = [f"{i}:" for i, t in enumerate(toks) if t == ":"]
+    marks = [f"{i}?" for i, t in enumerate(toks) if t == "?"]
+    assert hinted["answer"] == {first_colon: ["Ġsalamander"], second_colon: ["Ġf", "ig", "Ġt", "re", "e"]}
+    assert hinted["question"] == {first_colon: ["?"], second_colon: ["?"]}
+    assert hinted["subject"] == {marks[0]: ["Ġcopper"], marks[1]: ["e"]}
+    letters = {k: v for k, v in hinted["letter"].items()}
+    assert [v for k, v in letters.items() if k.endswith("Pb") or k.endswith("salamander")] == [["A"], ["C"]]
+    assert sum(v == ["B"] for v in letters.values()) == 1 + 5  # "Si", and the five pieces of "fig tree"
+    assert len(letters) == 4 + 8
+    # option words look at the question's "?" only where the question comes first
+    assert len(hinted["option"]) == 4 and all(v == ["?"] for v in hinted["option"].values())
+
+
+def test_no_hints_without_a_full_block_or_an_answer():
+    _, tokenizer = load_model(REF / "model")
+    assert all(not v for v in _hinted(tokenizer, "Q?\nA. x\nB. y\nAnswer: B").values())  # two options
+    hinted = _hinted(tokenizer, "Q?\nA. w\nB. x\nC. y\nD. z\nAnswer:")  # a prompt: options, no answer
+    assert len(hinted["letter"]) == 4 and not hinted["answer"] and not hinted["question"]
+
+
+def test_pack_keeps_hint_spans_within_their_row():
+    _, tokenizer = load_model(REF / "model")
+    ids, spans = choice_hints(ITEM, tokenizer)
+    n = len(ids) + 1
+    one_row = pack([ITEM] * 2, tokenizer, context=n)
+    for name in HINTS:
+        want = torch.tensor([lo for lo, _ in spans[name]] + [-1])
+        assert torch.equal(one_row[f"{name}_lo"][1], want)
+        assert torch.equal(one_row[f"{name}_hi"][1], torch.tensor([hi for _, hi in spans[name]] + [-1]))
+    # rows of n - 3 tokens: row 1 starts at the last ``:`` of the first copy, whose targets lie in row 0,
+    # then holds the second copy from index 3 on, whose targets keep their offsets (+3)
+    shifted = pack([ITEM] * 2, tokenizer, context=n - 3)
+    colon = len(ids) - 2
+    assert tokenizer.convert_ids_to_tokens(int(shifted["tokens"][1, 0])) == ":" and spans["answer"][colon][0] >= 0
+    assert shifted["answer_lo"][1, 0] == shifted["question_lo"][1, 0] == shifted["answer_hi"][1, 0] == -1
+    mark = next(i for i, (lo, _) in enumerate(spans["subject"]) if lo >= 0)
+    assert shifted["subject_lo"][1, mark + 3] == mark - 1 + 3
+
+
+def test_head_log_attention_is_the_model_attention():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           attn_implementation="eager")
+    model = MixtralForCausalLM(config).eval()
+    seen = {}
+    model.model.layers[1].self_attn.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.update(x=(kw["hidden_states"], *kw["position_embeddings"])), with_kwargs=True)
+    with torch.no_grad():
+        out = model(input_ids=torch.randint(0, 64, (2, 9)), output_attentions=True)
+        for head in range(4):
+            ours = head_log_attention(model.model.layers[1].self_attn, *seen["x"], head=head).exp()
+            assert torch.allclose(ours, out.attentions[1][:, head], atol=1e-6)
+
+
+def test_hint_loss_is_minus_log_mass_in_the_span():
+    logp = torch.randn(1, 3, 5).log_softmax(-1)
+    lo = torch.tensor([[-1, 1, 0]])
+    hi = torch.tensor([[-1, 3, 1]])
+    p = logp.exp()
+    want = -(torch.log(p[0, 1, 1:3].sum()) + torch.log(p[0, 2, 0])) / 2
+    assert torch.allclose(hint_loss(logp, lo, hi), want)
+    assert hint_loss(logp, torch.full_like(lo, -1), hi) is None
