@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from prep import pipeline
 from prep.cli import main as moeprep
 from prep.errors import MoeprepError
-from prep.pipeline import prepare
+from prep.pipeline import model_fingerprint, prepare
 from prep.recipe import load_recipe, recipe_from_dict
 from prep.stages import quantize as quantize_stage
 from tests.tiny_models import save_tiny_model
@@ -87,6 +88,31 @@ def test_rerun_is_cached_and_force_reruns_from_stage(root):
     assert "package" not in partial and partial["artifact"] is None
     with pytest.raises(MoeprepError, match="not a stage"):
         prepare(_recipe(), root=root, until="bake")
+
+
+def test_retrained_weights_of_the_same_shapes_are_not_served_from_cache(root, monkeypatch):
+    """A retrained model keeps names, shapes and header; only its weights change, and that must show."""
+    from safetensors.torch import load_file, save_file
+
+    first = prepare(_recipe(), root=root)
+    shards = sorted((root / "model").glob("*.safetensors"))
+    before = model_fingerprint(root / "model")
+    tensors = load_file(shards[0])
+    name = next(n for n, t in tensors.items() if t.is_floating_point())
+    tensors[name] = tensors[name] + 1e-3
+    save_file(tensors, shards[0], metadata={"format": "pt"})
+    after = model_fingerprint(root / "model")
+    assert after != before
+    rerun = prepare(_recipe(), root=root)
+    assert not rerun["trace"]["cached"] and rerun["trace"]["key"] != first["trace"]["key"]
+    # the sampled path for big files sees the change too
+    monkeypatch.setattr(pipeline, "FULL_HASH_BYTES", 0)
+    monkeypatch.setattr(pipeline, "BLOCK_BYTES", 64)
+    monkeypatch.setattr(pipeline, "SAMPLED_BLOCKS", shards[0].stat().st_size // 64 + 1)
+    sampled = model_fingerprint(root / "model")
+    tensors[name] = tensors[name] - 1e-3
+    save_file(tensors, shards[0], metadata={"format": "pt"})
+    assert model_fingerprint(root / "model") != sampled
 
 
 def test_killed_quantize_resumes_to_identical_artifact(root, tmp_path_factory, monkeypatch):
