@@ -216,7 +216,7 @@ def head_log_attention(attn, hidden: torch.Tensor, cos: torch.Tensor, sin: torch
 @torch.no_grad()
 def init_hint_heads(model, hint_heads: dict, seed: int, copy_scale: float = 0.1) -> None:
     """Start every hinted head as a copier: its value-output map projects the attended token's input onto
-    32 random directions and writes it back, so what a head is taught to look at reaches the next layers
+    head_dim random orthonormal directions and writes it back, so what a head is taught to look at reaches the next layers
     from the first step (with the default small init the copy is ~0 and its gradient too). Answer heads
     also start with query = key, so they first look at what resembles their own input."""
     g = torch.Generator().manual_seed(seed)
