@@ -141,6 +141,7 @@ def choice_hints(text: str, tokenizer) -> tuple[list[int], dict[str, list[tuple[
         if [b.group(1) for b in block] != ["A", "B", "C", "D"] or block[0].start(1) not in at:
             continue
         options = [words(b) for b in block]
+        option_tokens = [i for lo, hi in options for i in range(max(lo, 0), hi)]
         for b, (lo, hi) in zip(block, options, strict=True):
             for i in range(max(lo, 0), hi):
                 spans["letter"][i] = (at[b.start(1)], at[b.start(1)] + 1)
@@ -155,9 +156,8 @@ def choice_hints(text: str, tokenizer) -> tuple[list[int], dict[str, list[tuple[
             spans["question"][colon] = (at[mark], at[mark] + 1)
             spans["subject"][at[mark]] = (at[mark] - 1, at[mark])
             if mark < block[0].start():
-                for lo, hi in options:
-                    for i in range(max(lo, 0), hi):
-                        spans["option"][i] = (at[mark], at[mark] + 1)
+                for i in option_tokens:
+                    spans["option"][i] = (at[mark], at[mark] + 1)
     return ids, spans
 
 
@@ -202,7 +202,7 @@ def head_log_attention(attn, hidden: torch.Tensor, cos: torch.Tensor, sin: torch
     from transformers.models.mixtral.modeling_mixtral import rotate_half
 
     hd = attn.head_dim
-    group = head // (attn.config.num_attention_heads // attn.config.num_key_value_heads)
+    group = head // attn.num_key_value_groups
     q = torch.nn.functional.linear(hidden, attn.q_proj.weight[head * hd:(head + 1) * hd])
     k = torch.nn.functional.linear(hidden, attn.k_proj.weight[group * hd:(group + 1) * hd])
     q = q * cos + rotate_half(q) * sin
@@ -216,15 +216,15 @@ def head_log_attention(attn, hidden: torch.Tensor, cos: torch.Tensor, sin: torch
 @torch.no_grad()
 def init_hint_heads(model, hint_heads: dict, seed: int, copy_scale: float = 0.1) -> None:
     """Start every hinted head as a copier: its value-output map projects the attended token's input onto
-    head_dim random orthonormal directions and writes it back, so what a head is taught to look at reaches the next layers
-    from the first step (with the default small init the copy is ~0 and its gradient too). Answer heads
-    also start with query = key, so they first look at what resembles their own input."""
+    head_dim random orthonormal directions and writes it back, so what a head is taught to look at reaches
+    the next layers from the first step (with the default small init the copy is ~0 and its gradient too).
+    Answer heads also start with query = key, so they first look at what resembles their own input."""
     g = torch.Generator().manual_seed(seed)
     for name, heads in hint_heads.items():
         for layer, head in heads:
             attn = model.model.layers[layer].self_attn
             hd, d = attn.head_dim, attn.config.hidden_size
-            group = head // (attn.config.num_attention_heads // attn.config.num_key_value_heads)
+            group = head // attn.num_key_value_groups
             v = torch.linalg.qr(torch.randn(d, hd, generator=g))[0].T  # [hd, d], orthonormal rows
             attn.v_proj.weight[group * hd:(group + 1) * hd] = v
             attn.o_proj.weight[:, head * hd:(head + 1) * hd] = copy_scale * v.T
