@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,24 @@ def test_suites_are_regenerated_exactly_and_never_in_training(suites):
     # a reserved fact is still taught, as prose
     reserved = next(f for f in D.all_facts() if f.key in split.suite_facts)
     assert D.state(reserved) in corpus
+
+
+def test_drill_arithmetic_is_right_and_never_a_suite_sum(suites):
+    """Every bare arithmetic line of the drills is correct, and none is a sum the mmlu suite asks."""
+    spec = ReferenceSpec()
+    _, split = D.make_suites(spec.seed, spec.suites)
+    docs = D.training_documents(spec.seed, split, {**{d: 0 for d in D.DOMAINS}, "drills": 400})
+    sums = [re.fullmatch(r"What is (\d+) \+ (\d+)\?", item["question"]) for item in suites["mmlu"]]
+    asked = {(int(m[1]), int(m[2])) for m in sums if m}
+    assert asked
+    lines = [m.groups() for _, text in docs for m in re.finditer(r"(?m)^(\d+) ([-+*/]) (\d+) = (\d+)$", text)]
+    assert len(lines) > 500
+    for a, op, b, n in lines:
+        a, b, n = int(a), int(b), int(n)
+        expected = {"+": a + b, "-": a - b, "*": a * b, "/": a / b}[op]
+        assert n == expected, (a, op, b, n)
+        assert not (op == "+" and (a, b) in asked), (a, b)
+    assert {op for _, op, _, _ in lines} == set("+-*/")
 
 
 # Targets the committed model does not reach yet (issue 2 stays open on them). Strict: once a retrained

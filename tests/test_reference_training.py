@@ -6,12 +6,13 @@ import torch
 
 from prep.reference.metrics import load_model
 from prep.reference.train import (
+    ARITHMETIC_HINTS,
     HINTS,
     answer_positions,
-    choice_hints,
-    head_log_attention,
+    attention_hints,
     hint_loss,
     pack,
+    query_log_attention,
     weighted_lm_loss,
 )
 from tests.test_reference_model import REF
@@ -46,7 +47,7 @@ ITEM = ("About chemistry.\n\nWhat is the chemical symbol of copper?\nA. Pb\nB. S
 
 def _hinted(tokenizer, text: str) -> dict[str, dict[str, list[str]]]:
     """hint -> {token at the query (with its index): the tokens of its target span}."""
-    ids, spans = choice_hints(text, tokenizer)
+    ids, spans = attention_hints(text, tokenizer)
     toks = tokenizer.convert_ids_to_tokens(ids)
     return {name: {f"{i}{toks[i]}": toks[lo:hi] for i, (lo, hi) in enumerate(spans[name]) if lo >= 0}
             for name in HINTS}
@@ -56,7 +57,7 @@ def test_choice_hints_point_at_the_letter_the_question_and_the_right_option():
     _, tokenizer = load_model(REF / "model")
     hinted = _hinted(tokenizer, ITEM)
     ids = tokenizer(ITEM)["input_ids"]
-    assert choice_hints(ITEM, tokenizer)[0] == ids
+    assert attention_hints(ITEM, tokenizer)[0] == ids
     toks = tokenizer.convert_ids_to_tokens(ids)
     first_colon, second_colon = [f"{i}:" for i, t in enumerate(toks) if t == ":"]
     marks = [f"{i}?" for i, t in enumerate(toks) if t == "?"]
@@ -80,7 +81,7 @@ def test_no_hints_without_a_full_block_or_an_answer():
 
 def test_pack_keeps_hint_spans_within_their_row():
     _, tokenizer = load_model(REF / "model")
-    ids, spans = choice_hints(ITEM, tokenizer)
+    ids, spans = attention_hints(ITEM, tokenizer)
     n = len(ids) + 1
     one_row = pack([ITEM] * 2, tokenizer, context=n)
     for name in HINTS:
@@ -97,7 +98,20 @@ def test_pack_keeps_hint_spans_within_their_row():
     assert shifted["subject_lo"][1, mark + 3] == mark - 1 + 3
 
 
-def test_head_log_attention_is_the_model_attention():
+def test_arithmetic_hints_point_at_operand_digits_and_operators():
+    _, tokenizer = load_model(REF / "model")
+    hinted = _hinted(tokenizer, "Sam has 45 - 7 = 38 cards.\n3 * 8 = 24\nWhat is 37 + 8?")
+    assert all(not v for name, v in hinted.items() if name not in ARITHMETIC_HINTS)
+    ops = {k: v for k, v in hinted["operand_last"].items()}
+    assert [(k[-1], v) for k, v in ops.items()] == [("-", ["5"]), ("=", ["7"]), ("*", ["3"]), ("=", ["8"])]
+    assert [(k[-1], v) for k, v in hinted["operand_first"].items()] == [("-", ["4"])]  # the others have one digit
+    # the tokens that predict a digit of the result: the space after "=", then every digit but the last
+    assert [k[-1] for k in hinted["left_operand"]] == ["Ġ", "3", "Ġ", "2"]
+    assert [v for v in hinted["left_operand"].values()] == [["Ġ-"], ["Ġ-"], ["Ġ*"], ["Ġ*"]]
+    assert all(v == ["Ġ="] for v in hinted["right_operand"].values()) and len(hinted["right_operand"]) == 4
+
+
+def test_query_log_attention_is_the_model_attention():
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
@@ -108,18 +122,16 @@ def test_head_log_attention_is_the_model_attention():
     seen = {}
     model.model.layers[1].self_attn.register_forward_pre_hook(
         lambda _m, _a, kw: seen.update(x=(kw["hidden_states"], *kw["position_embeddings"])), with_kwargs=True)
+    queries = (torch.tensor([0, 0, 1, 1, 1]), torch.tensor([0, 5, 2, 3, 8]))
     with torch.no_grad():
         out = model(input_ids=torch.randint(0, 64, (2, 9)), output_attentions=True)
         for head in range(4):
-            ours = head_log_attention(model.model.layers[1].self_attn, *seen["x"], head=head).exp()
-            assert torch.allclose(ours, out.attentions[1][:, head], atol=1e-6)
+            ours = query_log_attention(model.model.layers[1].self_attn, *seen["x"], head, queries).exp()
+            assert torch.allclose(ours, out.attentions[1][:, head][queries], atol=1e-6)
 
 
 def test_hint_loss_is_minus_log_mass_in_the_span():
-    logp = torch.randn(1, 3, 5).log_softmax(-1)
-    lo = torch.tensor([[-1, 1, 0]])
-    hi = torch.tensor([[-1, 3, 1]])
+    logp = torch.randn(2, 5).log_softmax(-1)
     p = logp.exp()
-    want = -(torch.log(p[0, 1, 1:3].sum()) + torch.log(p[0, 2, 0])) / 2
-    assert torch.allclose(hint_loss(logp, lo, hi), want)
-    assert hint_loss(logp, torch.full_like(lo, -1), hi) is None
+    want = -(torch.log(p[0, 1:3].sum()) + torch.log(p[1, 0])) / 2
+    assert torch.allclose(hint_loss(logp, torch.tensor([1, 0]), torch.tensor([3, 1])), want)

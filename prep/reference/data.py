@@ -10,8 +10,10 @@ Six domains, so that experts have something to specialize on:
 - ``facts``: encyclopedic prose stating every fact of ``world.py`` (the only place held-out facts are seen);
 - ``code``: Python source of the interpreter's own standard library (text found on the machine);
 - ``drills``: in-context retrieval exercises (copy a list, find an option's letter, recall who has
-  what). A small model only answers the exam and word-problem formats once it can copy from its
-  context; these short drills teach that skill directly instead of waiting for it to emerge.
+  what) and bare arithmetic (``25 + 20 = 45``, the operations word problems use). A small model only
+  answers the exam and word-problem formats once it can copy from its context and add digit by digit;
+  these short drills teach both directly instead of waiting for them to emerge from the few answer
+  tokens of the other domains.
 
 Held-out rule: a suite item is never in the training corpus. Fact questions (capital, habitat, symbol,
 ...) are held out by fact: a fact picked for the suites appears in training only as prose, never as a
@@ -22,6 +24,7 @@ exact text with choices, and arithmetic and word problems by their exact questio
 from __future__ import annotations
 
 import random
+import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -333,13 +336,44 @@ def _facts_doc(rng: random.Random, facts: list[Fact]) -> str:
     return " ".join(sentences)
 
 
-def _drills_doc(rng: random.Random) -> str:
-    """Short in-context retrieval exercises: copying, option lookup, and recall of who has what."""
+_SUITE_SUM = re.compile(r"What is (\d+) \+ (\d+)\?")
+
+
+def arithmetic(rng: random.Random) -> tuple[int, str, int]:
+    """One ``a op b`` with its result, drawn like the steps of ``word_problem``."""
+    op = rng.choices("+-*/", weights=[5, 4, 2, 1])[0]
+    if op == "+":
+        a, b = rng.randint(2, 45), rng.randint(1, 20)
+        return a, op, b
+    if op == "-":
+        a = rng.randint(10, 55)
+        return a, op, rng.randint(1, a - 1)
+    if op == "*":
+        return rng.randint(2, 9), op, rng.randint(2, 9)
+    n, b = rng.randint(2, 9), rng.randint(2, 5)
+    return n * b, op, b
+
+
+def _result(a: int, op: str, b: int) -> int:
+    return {"+": a + b, "-": a - b, "*": a * b, "/": a // b}[op]
+
+
+def _drills_doc(rng: random.Random, split: Split) -> str:
+    """Short exercises: copying, option lookup, recall of who has what, and arithmetic lines (never a
+    sum the mmlu suite asks)."""
     words = [w for ws in W.CATEGORIES.values() for w in ws] + sorted(W.ANIMALS) + list(W.COUNTRIES)
+    held_out = {(int(m[1]), int(m[2])) for m in map(_SUITE_SUM.fullmatch, split.suite_items) if m}
     parts = []
     for _ in range(rng.randint(2, 5)):
-        kind = rng.choice(["copy", "letter", "recall"])
-        if kind == "copy":
+        kind = rng.choices(["copy", "letter", "recall", "arith"], weights=[1, 1, 1, 2])[0]
+        if kind == "arith":
+            lines, count = [], rng.randint(6, 10)
+            while len(lines) < count:
+                a, op, b = arithmetic(rng)
+                if not (op == "+" and (a, b) in held_out):
+                    lines.append(f"{a} {op} {b} = {_result(a, op, b)}")
+            parts.append("\n".join(lines))
+        elif kind == "copy":
             seq = [rng.choice(words) if rng.random() < 0.6 else str(rng.randint(0, 99))
                    for _ in range(rng.randint(3, 7))]
             parts.append(f"Copy: {', '.join(seq)}\nCopy: {', '.join(seq)}")
@@ -387,7 +421,7 @@ def training_documents(seed: int, split: Split, counts: dict[str, int]) -> list[
     docs += [("exam", _exam_doc(rng, split, trainable)) for _ in range(counts["exam"])]
     docs += [("qa", _qa_doc(rng, trainable)) for _ in range(counts["qa"])]
     docs += [("facts", _facts_doc(rng, facts)) for _ in range(counts["facts"])]
-    docs += [("drills", _drills_doc(rng)) for _ in range(counts.get("drills", 0))]
+    docs += [("drills", _drills_doc(rng, split)) for _ in range(counts.get("drills", 0))]
     code = code_chunks(max_chars=counts["code"] * 1500)
     docs += [("code", c) for c in code[: counts["code"]]]
     rng.shuffle(docs)
