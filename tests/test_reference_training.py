@@ -41,6 +41,16 @@ def test_answer_letters_get_the_extra_weight():
         assert int((row == 1.0).sum()) == len(ids) + 1 - len(found)
 
 
+def test_result_digits_get_the_digit_weight():
+    _, tokenizer = load_model(REF / "model")
+    text = "Tom has 5 + 17 = 22 cards.\n7 * 8 = 56"
+    ids = tokenizer(text)["input_ids"]
+    row = pack([text], tokenizer, context=len(ids) + 1, digit_weight=4.0)["weights"][0]
+    heavy = [tokenizer.decode([ids[i]]) for i in torch.nonzero(row == 4.0).flatten().tolist()]
+    assert heavy == ["2", "2", "5", "6"]  # the digits after "=", nothing else
+    assert int((row == 1.0).sum()) == len(ids) + 1 - 4
+
+
 ITEM = ("About chemistry.\n\nWhat is the chemical symbol of copper?\nA. Pb\nB. Si\nC. salamander\nD. Ar\nAnswer: C\n\n"
         "A. pear\nB. fig tree\nC. x\nD. y\nWhich option is fig tree?\nAnswer: B")
 
