@@ -358,11 +358,10 @@ def _result(a: int, op: str, b: int) -> int:
     return {"+": a + b, "-": a - b, "*": a * b, "/": a // b}[op]
 
 
-def _drills_doc(rng: random.Random, split: Split) -> str:
+def _drills_doc(rng: random.Random, held_out: set[tuple[int, int]]) -> str:
     """Short exercises: copying, option lookup, recall of who has what, and arithmetic lines (never a
-    sum the mmlu suite asks)."""
+    sum ``a + b`` in ``held_out``, the sums the mmlu suite asks)."""
     words = [w for ws in W.CATEGORIES.values() for w in ws] + sorted(W.ANIMALS) + list(W.COUNTRIES)
-    held_out = {(int(m[1]), int(m[2])) for m in map(_SUITE_SUM.fullmatch, split.suite_items) if m}
     parts = []
     for _ in range(rng.randint(2, 5)):
         kind = rng.choices(["copy", "letter", "recall", "arith"], weights=[1, 1, 1, 2])[0]
@@ -421,7 +420,8 @@ def training_documents(seed: int, split: Split, counts: dict[str, int]) -> list[
     docs += [("exam", _exam_doc(rng, split, trainable)) for _ in range(counts["exam"])]
     docs += [("qa", _qa_doc(rng, trainable)) for _ in range(counts["qa"])]
     docs += [("facts", _facts_doc(rng, facts)) for _ in range(counts["facts"])]
-    docs += [("drills", _drills_doc(rng, split)) for _ in range(counts.get("drills", 0))]
+    suite_sums = {(int(m[1]), int(m[2])) for m in map(_SUITE_SUM.fullmatch, split.suite_items) if m}
+    docs += [("drills", _drills_doc(rng, suite_sums)) for _ in range(counts.get("drills", 0))]
     code = code_chunks(max_chars=counts["code"] * 1500)
     docs += [("code", c) for c in code[: counts["code"]]]
     rng.shuffle(docs)

@@ -182,8 +182,7 @@ def arithmetic_hints(text: str, offsets: list[tuple[int, int]], spans: dict[str,
     """Fill ``spans`` for ``ARITHMETIC_HINTS`` on every equation ``a op b = n`` (digits are single tokens).
 
     Writing ``n`` digit by digit needs the digits of ``a`` and ``b`` at the place where each digit of ``n``
-    is predicted, which plain training did not route within the CPU budget (sums came out near, not
-    right). So ``operand_last`` and ``operand_first``: at the operator token and at `` =``, the last digit
+    is predicted; without these hints sums came out near, not right, within the CPU budget. So ``operand_last`` and ``operand_first``: at the operator token and at `` =``, the last digit
     and the digit before it of the operand just written; ``left_operand`` and ``right_operand``: at each
     token that predicts a digit of ``n``, the operator token and the `` =`` token, which now carry them.
     """
