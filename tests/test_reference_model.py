@@ -124,6 +124,23 @@ def test_not_yet_met_targets_are_really_unmet(metrics):
     assert not met, f"these targets are met now; remove them from NOT_YET_MET: {met}"
 
 
+def test_every_mmlu_item_has_a_kind_and_kinds_add_up_to_the_accuracy(suites, metrics):
+    """Each suite item's kind matches how it was made, and the per-kind accuracies (fp and INT2) are a
+    partition of the overall ones."""
+    _, split = D.make_suites(ReferenceSpec().seed, ReferenceSpec().suites)
+    reserved = {D.ask(f) for f in D.all_facts() if f.key in split.suite_facts}
+    kinds = [D.item_kind(item) for item in suites["mmlu"]]
+    for item, kind in zip(suites["mmlu"], kinds, strict=True):
+        assert (kind == "fact") == (item["question"] in reserved), item
+        if kind in ("sum", "largest"):
+            assert item["subject"] == "elementary_mathematics"
+    counts = {k: kinds.count(k) for k in set(kinds)}
+    assert set(counts) == {"fact", "category", "animal_class", "sum", "largest"}
+    for overall, by_kind in (("mmlu_acc", "mmlu_acc_by_kind"), ("int2_mmlu_acc", "int2_mmlu_acc_by_kind")):
+        total = sum(metrics[by_kind][k] * n for k, n in counts.items()) / len(kinds)
+        assert total == pytest.approx(metrics[overall], abs=1e-9)
+
+
 def test_routing_is_alive(metrics):
     layers = metrics["expert_share_per_layer"]
     assert min(min(row) for row in layers) >= 0.03

@@ -184,6 +184,20 @@ def generic_item(rng: random.Random) -> dict:
             "choices": [str(x) for x in numbers], "answer": numbers.index(max(numbers))}
 
 
+_KIND_BY_STEM = (("What is ", "sum"), ("Which of the following numbers", "largest"),
+                 ("Which of the following animals", "animal_class"), ("Which of the following", "category"))
+
+
+def item_kind(item: dict) -> str:
+    """Which generator made an exam item: ``fact`` (a reserved fact in the suites) or a generic kind
+    (``category``, ``animal_class``, ``sum``, ``largest``); metrics report accuracy per kind because the
+    kinds fail differently (sums stay at chance, category items do not)."""
+    question = item["question"]
+    if question in {ask(f) for f in all_facts()}:
+        return "fact"
+    return next(kind for stem, kind in _KIND_BY_STEM if question.startswith(stem))
+
+
 def item_identity(item: dict) -> str:
     """What makes two exam items the same item: fact and sum stems by text, generic stems with choices."""
     generic = item["question"].startswith("Which of the following")
