@@ -189,13 +189,13 @@ _KIND_BY_STEM = (("What is ", "sum"), ("Which of the following numbers", "larges
 
 
 def item_kind(item: dict) -> str:
-    """Which generator made an exam item: ``fact`` (a reserved fact in the suites) or a generic kind
-    (``category``, ``animal_class``, ``sum``, ``largest``); metrics report accuracy per kind because the
-    kinds fail differently (sums stay at chance, category items do not)."""
+    """Which generator made an exam item: ``fact`` (asks a fact of the world) or a generic kind
+    (``category``, ``animal_class``, ``sum``, ``largest``), else ``other``; metrics report accuracy per
+    kind because the kinds fail differently (sums stay at chance, category items do not)."""
     question = item["question"]
     if question in {ask(f) for f in all_facts()}:
         return "fact"
-    return next(kind for stem, kind in _KIND_BY_STEM if question.startswith(stem))
+    return next((kind for stem, kind in _KIND_BY_STEM if question.startswith(stem)), "other")
 
 
 def item_identity(item: dict) -> str:
