@@ -127,7 +127,8 @@ def test_not_yet_met_targets_are_really_unmet(metrics):
 def test_every_mmlu_item_has_a_kind_and_kinds_add_up_to_the_accuracy(suites, metrics):
     """Each suite item's kind matches how it was made, and the per-kind accuracies (fp and INT2) are a
     partition of the overall ones."""
-    _, split = D.make_suites(ReferenceSpec().seed, ReferenceSpec().suites)
+    spec = ReferenceSpec()
+    _, split = D.make_suites(spec.seed, spec.suites)
     reserved = {D.ask(f) for f in D.all_facts() if f.key in split.suite_facts}
     kinds = [D.item_kind(item) for item in suites["mmlu"]]
     for item, kind in zip(suites["mmlu"], kinds, strict=True):

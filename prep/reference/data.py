@@ -23,6 +23,7 @@ exact text with choices, and arithmetic and word problems by their exact questio
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 import sysconfig
@@ -188,12 +189,17 @@ _KIND_BY_STEM = (("What is ", "sum"), ("Which of the following numbers", "larges
                  ("Which of the following animals", "animal_class"), ("Which of the following", "category"))
 
 
+@functools.cache
+def _fact_stems() -> frozenset[str]:
+    return frozenset(ask(f) for f in all_facts())
+
+
 def item_kind(item: dict) -> str:
     """Which generator made an exam item: ``fact`` (asks a fact of the world) or a generic kind
     (``category``, ``animal_class``, ``sum``, ``largest``), else ``other``; metrics report accuracy per
     kind because the kinds fail differently (sums stay at chance, category items do not)."""
     question = item["question"]
-    if question in {ask(f) for f in all_facts()}:
+    if question in _fact_stems():
         return "fact"
     return next((kind for stem, kind in _KIND_BY_STEM if question.startswith(stem)), "other")
 
