@@ -127,6 +127,9 @@ def reference_metrics_command(ref_dir: str) -> None:
     for key in TARGETS:
         mark = "ok" if metrics["meets_targets"][key] else "BELOW TARGET"
         click.echo(f"{key:28s} {metrics[key]:.4f}  (target {TARGETS[key]})  {mark}")
+    noise = ", ".join(f"{level}: {acc:.3f}" for level, acc in metrics["expert_noise_mmlu_acc"].items())
+    click.echo(f"MMLU with experts zeroed {metrics['experts_zeroed_mmlu_acc']:.3f}; with expert noise (x std) {noise}; "
+               f"INT2 relative error {metrics['int2_expert_relative_error']:.3f}")
 
 
 @main.command("bench")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from prep.reference.metrics import load_model
+from prep.reference.metrics import gaussian_noise, load_model, perturb_experts, quantize_all_experts
 from prep.reference.train import (
     ARITHMETIC_HINTS,
     HINTS,
@@ -145,3 +145,44 @@ def test_hint_loss_is_minus_log_mass_in_the_span():
     p = logp.exp()
     want = -(torch.log(p[0, 1:3].sum()) + torch.log(p[1, 0])) / 2
     assert torch.allclose(hint_loss(logp, torch.tensor([1, 0]), torch.tensor([3, 1])), want)
+
+
+def _tiny_mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    return MixtralForCausalLM(config).eval()
+
+
+def test_zeroed_experts_make_every_moe_block_output_zero():
+    model = _tiny_mixtral()
+    assert perturb_experts(model, torch.zeros_like) == 1.0
+    outputs = []
+    for layer in model.model.layers:
+        layer.mlp.register_forward_hook(lambda _m, _a, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 64, (1, 7)))
+    assert len(outputs) == 2 and all(float(o.abs().max()) == 0.0 for o in outputs)
+
+
+def test_gaussian_noise_has_the_asked_relative_size_and_is_seeded():
+    model, again = _tiny_mixtral(), _tiny_mixtral()
+    before = [p.clone() for p in model.parameters()]
+    rel = perturb_experts(model, gaussian_noise(0.5, seed=3))
+    assert abs(rel - 0.5) < 0.05  # |noise| / |w| = scale * std(w) / rms(w), and these weights are centred
+    perturb_experts(again, gaussian_noise(0.5, seed=3))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
+    changed = [name for (name, p), b in zip(model.named_parameters(), before, strict=True) if not torch.equal(p, b)]
+    assert changed and all(".experts." in name for name in changed)
+
+
+def test_int2_round_trip_error_is_what_quantize_all_experts_reports():
+    from prep.quant.hqq_codec import fake_quantize
+
+    model = _tiny_mixtral()
+    w = model.model.layers[0].mlp.experts.down_proj[1].detach().clone()
+    rel = quantize_all_experts(model, nbits=2, group_size=16)
+    assert 0.05 < rel < 0.6
+    assert torch.equal(model.model.layers[0].mlp.experts.down_proj[1], fake_quantize(w, 2, 16))

@@ -2,7 +2,8 @@
 
 ``measure_reference(dir)`` loads ``dir/model`` with plain transformers, scores the held-out suites in
 ``dir/suites`` with the harness's templates, records routing over fresh documents of each domain,
-repeats MMLU with every expert quantized to INT2 (HQQ, group 16), and writes ``dir/metrics.json``.
+repeats MMLU with every expert quantized to INT2 (HQQ, group 16), zeroed, and under seeded Gaussian
+noise (to tell reliance on the experts from reliance on their precision), and writes ``dir/metrics.json``.
 """
 
 from __future__ import annotations
@@ -64,14 +65,37 @@ def _js_divergence(p: torch.Tensor, q: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def quantize_all_experts(model, nbits: int, group_size: int) -> None:
-    """Replace every routed expert's matrices by their HQQ round trip, in place."""
+def perturb_experts(model, change) -> float:
+    """Replace every routed expert matrix ``w`` by ``change(w)``, in place; returns the mean relative
+    change ``|change(w) - w| / |w|`` over the matrices (biases and other 1-D tensors are kept)."""
     adapter = get_adapter(model)
+    rel = []
     for layer in adapter.moe_layers:
         for expert in range(adapter.num_experts):
             w = adapter.get_expert(model, layer, expert)
-            q = {name: fake_quantize(t, nbits, group_size) if t.ndim == 2 else t for name, t in w.tensors().items()}
-            adapter.set_expert(model, layer, expert, type(w)(**q))
+            new = {}
+            for name, t in w.tensors().items():
+                new[name] = change(t) if t.ndim == 2 else t
+                if t.ndim == 2:
+                    rel.append(float((new[name] - t).norm() / t.norm().clamp_min(1e-12)))
+            adapter.set_expert(model, layer, expert, type(w)(**new))
+    return sum(rel) / len(rel)
+
+
+def quantize_all_experts(model, nbits: int, group_size: int) -> float:
+    """Replace every routed expert's matrices by their HQQ round trip, in place; returns the mean
+    relative error."""
+    return perturb_experts(model, lambda t: fake_quantize(t, nbits, group_size))
+
+
+def gaussian_noise(scale: float, seed: int = 0):
+    """A change for ``perturb_experts``: add seeded Gaussian noise of ``scale`` times the matrix's std."""
+    g = torch.Generator().manual_seed(seed)
+    return lambda t: t + scale * t.std() * torch.randn(t.shape, generator=g, dtype=t.dtype)
+
+
+# Expert-noise levels the metrics probe, relative to each matrix's std: INT2 g16 errs by about 0.3.
+NOISE_LEVELS = (0.3, 0.5, 1.0)
 
 
 def _by_kind(kinds: list[str], results: list[dict]) -> dict[str, float]:
@@ -130,7 +154,17 @@ def measure_reference(ref_dir: str | Path, limit: int | None = None, progress: b
         for a, b in pairs
     }
 
-    quantize_all_experts(model, nbits=2, group_size=16)
+    # How much MMLU rests on the experts at all (all zeroed), and how much on their precision (noise):
+    # the INT2 drop can only be large if accuracy falls at noise levels near INT2's own error.
+    def mmlu_with(change) -> float:
+        perturbed, _ = load_model(ref_dir / "model")
+        perturb_experts(perturbed, change)
+        return S.mean(r["correct"] for r in S.score_mmlu(perturbed, tokenizer, suites["mmlu"], progress=False))
+
+    metrics["experts_zeroed_mmlu_acc"] = mmlu_with(torch.zeros_like)
+    metrics["expert_noise_mmlu_acc"] = {str(s): mmlu_with(gaussian_noise(s)) for s in NOISE_LEVELS}
+
+    metrics["int2_expert_relative_error"] = quantize_all_experts(model, nbits=2, group_size=16)
     mmlu_int2 = S.score_mmlu(model, tokenizer, suites["mmlu"], progress=progress)
     metrics["int2_mmlu_acc"] = S.mean(r["correct"] for r in mmlu_int2)
     metrics["int2_mmlu_drop"] = metrics["mmlu_acc"] - metrics["int2_mmlu_acc"]
