@@ -16,6 +16,7 @@ from prep.reference.train import (
     weighted_lm_loss,
 )
 from tests.test_reference_model import REF
+from tests.tiny_models import tiny_mixtral
 
 
 def test_weighted_loss_with_unit_weights_is_transformers_loss():
@@ -147,17 +148,8 @@ def test_hint_loss_is_minus_log_mass_in_the_span():
     assert torch.allclose(hint_loss(logp, torch.tensor([1, 0]), torch.tensor([3, 1])), want)
 
 
-def _tiny_mixtral():
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(0)
-    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
-    return MixtralForCausalLM(config).eval()
-
-
 def test_zeroed_experts_make_every_moe_block_output_zero():
-    model = _tiny_mixtral()
+    model = tiny_mixtral()
     assert perturb_experts(model, torch.zeros_like) == 1.0
     outputs = []
     for layer in model.model.layers:
@@ -168,7 +160,7 @@ def test_zeroed_experts_make_every_moe_block_output_zero():
 
 
 def test_gaussian_noise_has_the_asked_relative_size_and_is_seeded():
-    model, again = _tiny_mixtral(), _tiny_mixtral()
+    model, again = tiny_mixtral(), tiny_mixtral()
     before = [p.clone() for p in model.parameters()]
     rel = perturb_experts(model, gaussian_noise(0.5, seed=3))
     assert abs(rel - 0.5) < 0.05  # |noise| / |w| = scale * std(w) / rms(w), and these weights are centred
@@ -181,7 +173,7 @@ def test_gaussian_noise_has_the_asked_relative_size_and_is_seeded():
 def test_int2_round_trip_error_is_what_quantize_all_experts_reports():
     from prep.quant.hqq_codec import fake_quantize
 
-    model = _tiny_mixtral()
+    model = tiny_mixtral()
     w = model.model.layers[0].mlp.experts.down_proj[1].detach().clone()
     rel = quantize_all_experts(model, nbits=2, group_size=16)
     assert 0.05 < rel < 0.6

@@ -73,11 +73,9 @@ def perturb_experts(model, change) -> float:
     for layer in adapter.moe_layers:
         for expert in range(adapter.num_experts):
             w = adapter.get_expert(model, layer, expert)
-            new = {}
-            for name, t in w.tensors().items():
-                new[name] = change(t) if t.ndim == 2 else t
-                if t.ndim == 2:
-                    rel.append(float((new[name] - t).norm() / t.norm().clamp_min(1e-12)))
+            new = {name: change(t) if t.ndim == 2 else t for name, t in w.tensors().items()}
+            rel += [float((new[name] - t).norm() / t.norm().clamp_min(1e-12))
+                    for name, t in w.tensors().items() if t.ndim == 2]
             adapter.set_expert(model, layer, expert, type(w)(**new))
     return sum(rel) / len(rel)
 
