@@ -33,6 +33,14 @@ Expert width. Narrower experts did not make INT2 bite: 96 wide (1550 steps, 32 m
 EPYC) scored MMLU 0.60, GSM8K 0.46 and an INT2 drop of -0.0025; 128 wide at 1300 steps fell to MMLU 0.40.
 The width stays 384, which also keeps HQQ group sizes 64 and 128 dividing every expert matrix.
 
+Hidden width. A narrower model trains faster (on the EPYC, 1.0 s/step at 128, 1.3 at 192, 1.7-2.0 at
+256) but loses arithmetic: 128 wide (1550 steps, 27.5 min) put the learned MMLU kinds at 0.98-1.0 and MMLU
+at 0.59, yet GSM8K fell to 0.11 with an INT2 drop of -0.0025. Two runs on a variant suite (largest and
+smallest of four three-digit numbers drawn from windows of 20 to 900, for graded difficulty; an eighth of
+the suite on reserved facts) did no better: 192 wide at 1250 steps (28.4 min) MMLU 0.41, GSM8K 0.14, INT2
+drop 0.015; 128 wide with digit weight 3, MMLU 0.51, GSM8K 0.04, INT2 drop -0.025, its numeric items at
+0.41-0.43. The width stays 256.
+
 Everything is seeded; on the same machine and device the result is the same.
 """
 
