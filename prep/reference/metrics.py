@@ -8,6 +8,7 @@ noise (to tell reliance on the experts from reliance on their precision), and wr
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -155,7 +156,7 @@ def measure_reference(ref_dir: str | Path, limit: int | None = None, progress: b
     # How much MMLU rests on the experts at all (all zeroed), and how much on their precision (noise):
     # the INT2 drop can only be large if accuracy falls at noise levels near INT2's own error.
     def mmlu_with(change) -> float:
-        perturbed, _ = load_model(ref_dir / "model")
+        perturbed = copy.deepcopy(model)  # the fp model, still untouched here
         perturb_experts(perturbed, change)
         return S.mean(r["correct"] for r in S.score_mmlu(perturbed, tokenizer, suites["mmlu"], progress=False))
 
