@@ -130,6 +130,8 @@ def reference_metrics_command(ref_dir: str) -> None:
     noise = ", ".join(f"{level}: {acc:.3f}" for level, acc in metrics["expert_noise_mmlu_acc"].items())
     click.echo(f"MMLU with experts zeroed {metrics['experts_zeroed_mmlu_acc']:.3f}; with expert noise (x std) {noise}; "
                f"INT2 relative error {metrics['int2_expert_relative_error']:.3f}")
+    click.echo(f"with INT2 experts: MMLU {metrics['int2_mmlu_acc']:.3f}, TruthfulQA MC1 {metrics['int2_truthfulqa_mc1']:.3f}, "
+               f"GSM8K {metrics['int2_gsm8k_exact_match']:.3f}")
 
 
 @main.command("bench")

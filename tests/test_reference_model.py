@@ -183,6 +183,31 @@ def test_metrics_rescored_independently(reference, suites, metrics):
     assert S.mean(r["correct"] for r in gsm) == pytest.approx(metrics["gsm8k_exact_match"], abs=1e-9)
 
 
+
+@pytest.mark.slow
+def test_int2_metrics_rescored_independently(reference, suites, metrics):
+    """Every routed expert through the HQQ INT2 g16 round trip, then the suites re-scored: the committed
+    INT2 figures (MMLU, TruthfulQA, GSM8K) are what the quantized model scores. One item of slack, as
+    HQQ's optimizer runs on whatever CPU kernels this machine has."""
+    import copy
+
+    from prep.reference.metrics import quantize_all_experts
+
+    model, tokenizer = reference
+    quantized = copy.deepcopy(model)
+    assert quantize_all_experts(quantized, nbits=2, group_size=16) == pytest.approx(
+        metrics["int2_expert_relative_error"], rel=1e-3)
+    shots = S.read_jsonl(REF / "suites" / "gsm8k_fewshot.jsonl")
+    with torch.no_grad():
+        mmlu = S.score_mmlu(quantized, tokenizer, suites["mmlu"], progress=False)
+        tqa = S.score_truthfulqa(quantized, tokenizer, suites["truthfulqa"], progress=False)
+        gsm = S.score_gsm8k(quantized, tokenizer, suites["gsm8k"], *S.gsm8k_plain(shots), max_new_tokens=96,
+                            progress=False)
+    for results, key, n in ((mmlu, "int2_mmlu_acc", len(suites["mmlu"])),
+                            (tqa, "int2_truthfulqa_mc1", len(suites["truthfulqa"])),
+                            (gsm, "int2_gsm8k_exact_match", len(suites["gsm8k"]))):
+        assert S.mean(r["correct"] for r in results) == pytest.approx(metrics[key], abs=1.01 / n), key
+
 def test_gsm8k_prompt_matches_harness_format(suites):
     shots = S.read_jsonl(REF / "suites" / "gsm8k_fewshot.jsonl")
     prompt = tpl.gsm8k_fewshot_prompt(suites["gsm8k"][0]["question"], shots)

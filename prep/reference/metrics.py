@@ -3,7 +3,8 @@
 ``measure_reference(dir)`` loads ``dir/model`` with plain transformers, scores the held-out suites in
 ``dir/suites`` with the harness's templates, records routing over fresh documents of each domain,
 repeats MMLU with every expert quantized to INT2 (HQQ, group 16), zeroed, and under seeded Gaussian
-noise (to tell reliance on the experts from reliance on their precision), and writes ``dir/metrics.json``.
+noise (to tell reliance on the experts from reliance on their precision), scores TruthfulQA and GSM8K
+with the INT2 experts too, and writes ``dir/metrics.json``.
 """
 
 from __future__ import annotations
@@ -168,6 +169,12 @@ def measure_reference(ref_dir: str | Path, limit: int | None = None, progress: b
     metrics["int2_mmlu_acc"] = S.mean(r["correct"] for r in mmlu_int2)
     metrics["int2_mmlu_drop"] = metrics["mmlu_acc"] - metrics["int2_mmlu_acc"]
     metrics["int2_mmlu_acc_by_kind"] = _by_kind(kinds, mmlu_int2)
+    # the other suites under the same INT2 experts: where the precision of the experts does show
+    tqa_int2 = S.score_truthfulqa(model, tokenizer, suites["truthfulqa"], progress=progress)
+    gsm_int2 = S.score_gsm8k(model, tokenizer, suites["gsm8k"], *S.gsm8k_plain(shots), max_new_tokens=96,
+                             progress=progress)
+    metrics["int2_truthfulqa_mc1"] = S.mean(r["correct"] for r in tqa_int2)
+    metrics["int2_gsm8k_exact_match"] = S.mean(r["correct"] for r in gsm_int2)
     metrics["int2_config"] = {"method": "hqq", "nbits": 2, "group_size": 16, "scope": "every routed expert"}
     metrics["targets"] = TARGETS
     metrics["meets_targets"] = {k: metrics[k] >= v for k, v in TARGETS.items()}
