@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 from prep.evals import suites as S
 from prep.evals import templates as tpl
 from prep.reference import data as D
-from prep.reference.metrics import NOISE_LEVELS, TARGETS, load_model
+from prep.reference.metrics import NOISE_LEVELS, TARGETS, load_model, quantize_all_experts
 from prep.reference.train import ReferenceSpec
 
 REF = Path(__file__).resolve().parents[1] / "recipes" / "reference"
@@ -183,16 +184,11 @@ def test_metrics_rescored_independently(reference, suites, metrics):
     assert S.mean(r["correct"] for r in gsm) == pytest.approx(metrics["gsm8k_exact_match"], abs=1e-9)
 
 
-
 @pytest.mark.slow
 def test_int2_metrics_rescored_independently(reference, suites, metrics):
     """Every routed expert through the HQQ INT2 g16 round trip, then the suites re-scored: the committed
     INT2 figures (MMLU, TruthfulQA, GSM8K) are what the quantized model scores. One item of slack, as
     HQQ's optimizer runs on whatever CPU kernels this machine has."""
-    import copy
-
-    from prep.reference.metrics import quantize_all_experts
-
     model, tokenizer = reference
     quantized = copy.deepcopy(model)
     assert quantize_all_experts(quantized, nbits=2, group_size=16) == pytest.approx(
@@ -207,6 +203,7 @@ def test_int2_metrics_rescored_independently(reference, suites, metrics):
                             (tqa, "int2_truthfulqa_mc1", len(suites["truthfulqa"])),
                             (gsm, "int2_gsm8k_exact_match", len(suites["gsm8k"]))):
         assert S.mean(r["correct"] for r in results) == pytest.approx(metrics[key], abs=1.01 / n), key
+
 
 def test_gsm8k_prompt_matches_harness_format(suites):
     shots = S.read_jsonl(REF / "suites" / "gsm8k_fewshot.jsonl")

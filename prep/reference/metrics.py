@@ -112,10 +112,14 @@ def measure_reference(ref_dir: str | Path, limit: int | None = None, progress: b
               for name in ("gsm8k", "mmlu", "truthfulqa")}
     shots = S.read_jsonl(ref_dir / "suites" / "gsm8k_fewshot.jsonl")
 
-    mmlu = S.score_mmlu(model, tokenizer, suites["mmlu"], progress=progress)
-    tqa = S.score_truthfulqa(model, tokenizer, suites["truthfulqa"], progress=progress)
-    gsm = S.score_gsm8k(model, tokenizer, suites["gsm8k"], *S.gsm8k_plain(shots), max_new_tokens=96,
-                        progress=progress)
+    def score(which_model) -> tuple[list[dict], list[dict], list[dict]]:
+        """Per-item results on MMLU (0-shot), TruthfulQA and GSM8K (5-shot plain), for fp and INT2 alike."""
+        return (S.score_mmlu(which_model, tokenizer, suites["mmlu"], progress=progress),
+                S.score_truthfulqa(which_model, tokenizer, suites["truthfulqa"], progress=progress),
+                S.score_gsm8k(which_model, tokenizer, suites["gsm8k"], *S.gsm8k_plain(shots), max_new_tokens=96,
+                              progress=progress))
+
+    mmlu, tqa, gsm = score(model)
     chance = S.mean(r["chance"] for r in tqa)
     metrics: dict = {
         "mmlu_acc": S.mean(r["correct"] for r in mmlu),
@@ -165,14 +169,10 @@ def measure_reference(ref_dir: str | Path, limit: int | None = None, progress: b
     metrics["expert_noise_mmlu_acc"] = {str(s): mmlu_with(gaussian_noise(s)) for s in NOISE_LEVELS}
 
     metrics["int2_expert_relative_error"] = quantize_all_experts(model, nbits=2, group_size=16)
-    mmlu_int2 = S.score_mmlu(model, tokenizer, suites["mmlu"], progress=progress)
+    mmlu_int2, tqa_int2, gsm_int2 = score(model)  # the other suites show where expert precision does matter
     metrics["int2_mmlu_acc"] = S.mean(r["correct"] for r in mmlu_int2)
     metrics["int2_mmlu_drop"] = metrics["mmlu_acc"] - metrics["int2_mmlu_acc"]
     metrics["int2_mmlu_acc_by_kind"] = _by_kind(kinds, mmlu_int2)
-    # the other suites under the same INT2 experts: where the precision of the experts does show
-    tqa_int2 = S.score_truthfulqa(model, tokenizer, suites["truthfulqa"], progress=progress)
-    gsm_int2 = S.score_gsm8k(model, tokenizer, suites["gsm8k"], *S.gsm8k_plain(shots), max_new_tokens=96,
-                             progress=progress)
     metrics["int2_truthfulqa_mc1"] = S.mean(r["correct"] for r in tqa_int2)
     metrics["int2_gsm8k_exact_match"] = S.mean(r["correct"] for r in gsm_int2)
     metrics["int2_config"] = {"method": "hqq", "nbits": 2, "group_size": 16, "scope": "every routed expert"}
