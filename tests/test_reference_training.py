@@ -8,9 +8,11 @@ from prep.reference.metrics import gaussian_noise, load_model, perturb_experts, 
 from prep.reference.train import (
     ARITHMETIC_HINTS,
     HINTS,
+    ReferenceSpec,
     answer_positions,
     attention_hints,
     hint_loss,
+    learning_rate,
     pack,
     query_log_attention,
     weighted_lm_loss,
@@ -139,6 +141,15 @@ def test_query_log_attention_is_the_model_attention():
         for head in range(4):
             ours = query_log_attention(model.model.layers[1].self_attn, *seen["x"], head, queries).exp()
             assert torch.allclose(ours, out.attentions[1][:, head][queries], atol=1e-6)
+
+
+def test_learning_rate_warms_up_then_anneals_to_the_floor():
+    spec = ReferenceSpec(lr=1e-3, warmup=10, steps=110, lr_floor=0.0)
+    rates = [learning_rate(s, spec) for s in range(spec.steps)]
+    assert rates[0] == 1e-4 and rates[9] == 1e-3 and rates[10] == 1e-3
+    assert all(a >= b for a, b in zip(rates[10:], rates[11:], strict=False))
+    assert 0 < rates[-1] < 1e-6 and abs(rates[60] - 0.5e-3) < 1e-12  # halfway down the cosine
+    assert abs(learning_rate(109, ReferenceSpec(lr=1e-3, warmup=10, steps=110, lr_floor=0.1)) - 1e-4) < 1e-6
 
 
 def test_hint_loss_is_minus_log_mass_in_the_span():
