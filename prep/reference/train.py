@@ -99,7 +99,7 @@ class ReferenceSpec:
     batch_size: int = 4
     steps: int = 1550
     lr: float = 2e-3
-    lr_floor: float = 0.1  # the cosine schedule ends at lr * lr_floor
+    lr_floor: float = 0.1  # the cosine schedule falls toward lr * lr_floor (see ``learning_rate``)
     warmup: int = 40
     weight_decay: float = 0.1
     router_aux_loss_coef: float = 0.03
