@@ -1,6 +1,7 @@
 """`moeload`: the device team's command line: generate, verify, info.
 
-Artifact and loader errors print as ``error: <message>`` without a traceback and exit 1.
+Every project error (``loader.errors.MoeError``: a damaged artifact, a bad budget, a bad option) prints
+as ``error: <message>`` without a traceback and exits 1; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ from pathlib import Path
 import click
 
 from loader import __version__
-from loader.format import ArtifactError, read_manifest, verify
+from loader.errors import MoeError
+from loader.format import read_manifest, verify
 
 
 class LoaderGroup(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except ArtifactError as e:
+        except MoeError as e:
             click.echo(f"error: {e}", err=True)
             ctx.exit(1)
 

@@ -6,8 +6,9 @@ zero per group: ``W = (code - zero) * scale``. Passthrough matrices are stored a
 
 One expert is one *record*: all its tensors back to back in one byte string, in an order given by a
 ``RecordLayout`` that is the same for every expert of a store, so a cache miss is one read and one
-copy. This module is shared by ``prep`` (which encodes, using hqq for the optimisation) and the loader
-(which only decodes); it needs nothing but torch.
+copy. This module is the decoding side, shared by the loader and ``prep``; it needs nothing but torch.
+The encoding side (packing codes, joining parts into a record, writing stores) lives in
+``prep/records.py`` and ``prep/quant/hqq_codec.py``.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
+from loader.errors import MoeError
+
 BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
 
 
-class CodecError(ValueError):
+class CodecError(MoeError):
     """A record or matrix that does not match its declared layout."""
 
 
@@ -41,36 +44,9 @@ def dtype_of(name: str) -> torch.dtype:
 # ---------------------------------------------------------------------------------------- bit packing
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Unsigned codes (any shape, values < 2**bits) -> flat uint8 bytes, little-endian within a byte.
-
-    8, 4 and 2 bits pack 1, 2 and 4 codes per byte; 3 bits packs 8 codes into 3 bytes.
-    """
-    flat = codes.reshape(-1).to(torch.int32)
-    if bits == 8:
-        return flat.to(torch.uint8)
-    if bits in (4, 2):
-        per = 8 // bits
-        if flat.numel() % per:
-            raise CodecError(f"{flat.numel()} codes do not fill whole bytes at {bits} bits")
-        groups = flat.view(-1, per)
-        out = torch.zeros(groups.shape[0], dtype=torch.int32)
-        for i in range(per):
-            out |= groups[:, i] << (bits * i)
-        return out.to(torch.uint8)
-    if bits == 3:
-        if flat.numel() % 8:
-            raise CodecError(f"{flat.numel()} codes are not a multiple of 8 at 3 bits")
-        groups = flat.view(-1, 8)
-        word = torch.zeros(groups.shape[0], dtype=torch.int32)
-        for i in range(8):
-            word |= groups[:, i] << (3 * i)
-        return torch.stack([(word >> (8 * j)) & 0xFF for j in range(3)], dim=1).reshape(-1).to(torch.uint8)
-    raise CodecError(f"unsupported bit-width {bits}")
-
-
 def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """Inverse of ``pack_codes``: flat uint8 bytes -> ``count`` codes as uint8."""
+    """Flat uint8 bytes -> ``count`` codes as uint8, little-endian within a byte (``prep.records.pack_codes``
+    is the inverse): 8, 4 and 2 bits hold 1, 2 and 4 codes per byte; 3 bits hold 8 codes in 3 bytes."""
     data = packed.reshape(-1).to(torch.int32)
     if bits == 8:
         codes = data
@@ -176,16 +152,6 @@ class RecordLayout:
     def nbytes(self) -> int:
         name, dtype, offset, size = self.parts()[-1]
         return (offset + size + 15) // 16 * 16
-
-    def join(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Record parts -> one uint8 record of ``nbytes``."""
-        record = torch.zeros(self.nbytes, dtype=torch.uint8)
-        for name, _dtype, offset, size in self.parts():
-            raw = parts[name].contiguous().reshape(-1).view(torch.uint8)
-            if raw.numel() != size:
-                raise CodecError(f"record part {name}: {raw.numel()} bytes, layout says {size}")
-            record[offset : offset + size] = raw
-        return record
 
     def split(self, record: torch.Tensor) -> dict[str, torch.Tensor]:
         """One uint8 record -> its parts (views, no copies)."""

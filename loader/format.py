@@ -20,13 +20,15 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from loader.errors import MoeError
+
 FORMAT = "moeprep-artifact"
 SCHEMA_VERSION = 1
 ALIGN = 4096
 MANIFEST = "manifest.json"
 
 
-class ArtifactError(Exception):
+class ArtifactError(MoeError):
     """An artifact that cannot be used as it is; the message names the file and what to do."""
 
 
@@ -59,24 +61,12 @@ class Manifest:
     raw: dict
 
     @property
-    def schema_version(self) -> int:
-        return self.raw["schema_version"]
-
-    @property
     def files(self) -> dict[str, dict]:
         return self.raw["files"]
 
     @property
     def moe(self) -> dict:
         return self.raw["moe"]
-
-    @property
-    def moe_layers(self) -> list[int]:
-        return list(self.raw["moe"]["layers"])
-
-    @property
-    def num_experts(self) -> int:
-        return int(self.raw["moe"]["num_experts"])
 
     @property
     def stores(self) -> dict[str, StoreInfo]:

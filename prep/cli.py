@@ -1,7 +1,8 @@
 """The `moeprep` command line: a thin click layer over the library.
 
-Each command parses its options and calls one library function. Errors a user can cause arrive
-as `MoeprepError`; the group catches them for every command, prints `error: <message>` to stderr
+Each command parses its options and calls one library function. Errors a user can cause arrive as a
+`loader.errors.MoeError` (`MoeprepError` from prep, `ArtifactError`/`PlanError` from the loader that
+eval and bench use); the group catches them for every command, prints `error: <message>` to stderr
 and exits with status 1, without a traceback. Other exceptions are bugs and keep their traceback.
 """
 
@@ -11,17 +12,16 @@ import json
 
 import click
 
-from loader.format import ArtifactError
-from prep.errors import MoeprepError
+from loader.errors import MoeError
 
 
 class MoeprepGroup(click.Group):
-    """A click group that turns MoeprepError from any subcommand into a clean error exit."""
+    """A click group that turns a project error (MoeError) from any subcommand into a clean error exit."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except (MoeprepError, ArtifactError) as e:  # loader errors reach us through eval and bench
+        except MoeError as e:  # MoeprepError, and the loader's errors reaching us through eval and bench
             click.echo(f"error: {e}", err=True)
             ctx.exit(1)
 

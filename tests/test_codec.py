@@ -9,9 +9,11 @@ import pytest
 import torch
 from hqq.core.quantize import Quantizer
 
-from loader.codec import BITS, RecordLayout, decode_matrix, pack_codes, unpack_codes
+from loader.codec import BITS, CodecError, MatrixSpec, RecordLayout, decode_matrix, unpack_codes
+from loader.errors import MoeError
 from prep.errors import MoeprepError
 from prep.quant.hqq_codec import encode_expert, encode_matrix, matrix_spec
+from prep.records import pack_codes
 
 
 @pytest.mark.parametrize("bits", [8, 4, 3, 2])
@@ -80,5 +82,17 @@ def test_decode_needs_no_hqq():
         "out = layout.decode(torch.zeros(layout.nbytes, dtype=torch.uint8))\n"
         "assert out['w'].shape == (4, 16)\n"
         "assert 'hqq' not in sys.modules\n"
+        "assert 'prep' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_codec_errors_are_project_errors():
+    """One error root: a bad record is a MoeError (printed without a traceback), not a bare ValueError."""
+    assert issubclass(CodecError, MoeError) and not issubclass(CodecError, ValueError)
+    assert issubclass(MoeprepError, MoeError)
+    layout = RecordLayout((MatrixSpec("w", (4, 16), "int4", "float32", 16),))
+    with pytest.raises(CodecError, match="layout needs"):
+        layout.decode(torch.zeros(layout.nbytes - 1, dtype=torch.uint8))
+    with pytest.raises(CodecError, match="bit-width"):
+        pack_codes(torch.zeros(8, dtype=torch.uint8), 5)

@@ -1,7 +1,7 @@
 """The one module that imports hqq: half-quadratic quantization of expert matrices.
 
 ``encode_matrix`` turns a float matrix into the packed parts ``loader/codec.py`` defines (codes packed
-by our own scheme, float16 scale and zero per group), using hqq only for the optimisation of scale and
+by our own scheme in ``prep/records.py``, float16 scale and zero per group), using hqq only for the optimisation of scale and
 zero; decoding never needs hqq. ``fake_quantize`` is the round trip, for accuracy measurements.
 """
 
@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 from hqq.core.quantize import Quantizer
 
-from loader.codec import BITS, CodecError, MatrixSpec, RecordLayout, decode_matrix, dtype_name, pack_codes
+from loader.codec import BITS, CodecError, MatrixSpec, RecordLayout, decode_matrix, dtype_name
 from prep.errors import MoeprepError
+from prep.records import join_record, pack_codes
 
 SUPPORTED_BITS = tuple(sorted(BITS.values(), reverse=True))
 
@@ -63,7 +64,7 @@ def encode_expert(tensors: dict[str, torch.Tensor], precision: str, group_size: 
     parts: dict[str, torch.Tensor] = {}
     for spec in specs:
         parts.update(encode_matrix(spec, tensors[spec.name]))
-    return layout, layout.join(parts)
+    return layout, join_record(layout, parts)
 
 
 def fake_quantize(weight: torch.Tensor, nbits: int, group_size: int) -> torch.Tensor:
