@@ -1,62 +1,83 @@
-"""Per-layer expert caches and the eviction policies that choose what leaves them.
+"""The expert cache core: byte-sized pools, eviction groups, an in-flight table, protection, a clock.
 
-A ``LayerCache`` has a fixed number of slots, each holding one packed expert record. What to evict is
-asked of an ``EvictionPolicy`` (LRU here; frequency, layer-distance and the multidimensional policies
-of EdgeMoE and HOBBIT plug in behind the same four calls). Experts named in ``protected`` (predicted or
-in use) are never evicted. The cache counts the bytes it holds so the runtime can prove it never
-exceeds its budget.
+Torch-free and shared by the runtime (which stores record tensors as payloads) and the simulator in
+``prep/sim`` (which stores sizes only), so a policy measured in simulation is the policy that runs.
+
+Entries are keyed (layer, expert, precision). A pool holds records of one precision and has one
+eviction group per MoE layer or one global group; each group has a byte capacity and its own policy
+instance. A request for a precision is satisfied by an entry of that precision or a higher one.
+
+The order of calls per MoE layer is the same in the runtime and the simulator:
+
+1. ``begin_layer(layer, wanted)``: the clock moves to the layer, the wanted experts are protected and
+   their use is recorded with the policies; each wanted expert is classified as a hit (resident), a
+   join (already being read: the demand waits on that read, never a second one) or a miss.
+2. per miss, in order, ``admit(layer, expert, precision, nbytes)``: room is made in the pool's group
+   and an in-flight entry reserved (its bytes count from now), or None when nothing can be evicted
+   (the record is then read into a read buffer and used once); then ``complete(entry, payload)``.
+3. ``end_layer(layer)``: protection of that layer's experts ends (in use, or predicted for it).
+
+``reset()`` starts a new sequence (the policies forget per-sequence records; contents stay);
+``clear()`` also empties the cache (a cold start).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
-import torch
-
-
-class EvictionPolicy:
-    """Decides which resident expert leaves. Subclasses keep whatever records they need."""
-
-    def on_insert(self, expert: int) -> None: ...
-
-    def on_access(self, expert: int) -> None: ...
-
-    def on_evict(self, expert: int) -> None: ...
-
-    def victim(self, resident: Iterable[int], protected: set[int]) -> int | None:
-        raise NotImplementedError
+# Bits per weight, to rank precisions: a higher-ranked record satisfies a request for a lower one.
+PRECISION_BITS = {"passthrough": 32, "float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4,
+                  "int3": 3, "int2": 2}
 
 
-class LRUPolicy(EvictionPolicy):
-    """Least recently used: evict the expert whose last use is oldest."""
-
-    def __init__(self) -> None:
-        self._order: OrderedDict[int, None] = OrderedDict()
-
-    def on_insert(self, expert: int) -> None:
-        self._order[expert] = None
-        self._order.move_to_end(expert)
-
-    def on_access(self, expert: int) -> None:
-        self._order.move_to_end(expert)
-
-    def on_evict(self, expert: int) -> None:
-        self._order.pop(expert, None)
-
-    def victim(self, resident: Iterable[int], protected: set[int]) -> int | None:
-        resident = set(resident)
-        return next((e for e in self._order if e in resident and e not in protected), None)
+def precision_rank(precision: str) -> int:
+    return PRECISION_BITS.get(precision, 0)
 
 
-POLICIES = {"lru": LRUPolicy}
+@dataclass
+class Clock:
+    """Where the model is: the token's position in the sequence, the current MoE layer (0..L-1)."""
+
+    num_layers: int
+    token: int = 0
+    layer: int = 0
+
+
+@dataclass(eq=False)
+class Entry:
+    """One record held (or being read) in a pool. ``payload`` is None while in flight (and always in the
+    simulator); ``ticket`` is the runtime's handle on the read (a future)."""
+
+    layer: int
+    expert: int
+    precision: str
+    nbytes: int
+    pool: str
+    payload: object = None
+    ticket: object = None
+    in_flight: bool = True
+    prefetched: bool = False
+    slot: int = -1  # the runtime's slot in its pool's memory
+
+
+@dataclass
+class LayerCounters:
+    """Demand hits and misses of one MoE layer (a join of an in-flight read counts as a hit), the bytes
+    read for it, prefetches issued and how many were used, and experts the miss policy skipped."""
+
+    hits: int = 0
+    misses: int = 0
+    joins: int = 0
+    bytes_read: int = 0
+    prefetches: int = 0
+    prefetch_used: int = 0
+    skipped: int = 0
 
 
 class MemoryMeter:
-    """Bytes of expert records held right now (in every cache and in flight) and the most ever held.
-
-    Updated at every change, not sampled between forwards, so the peak it reports is the true peak.
-    """
+    """Bytes of expert records held right now (every cache entry, reserved or resident, and every
+    record read outside a cache) and the most ever held. Updated at every change, so the peak is true."""
 
     def __init__(self) -> None:
         self.held = 0
@@ -70,42 +91,417 @@ class MemoryMeter:
         self.held -= nbytes
 
 
-class LayerCache:
-    """The resident experts of one MoE layer: at most ``slots`` records."""
+# ------------------------------------------------------------------------------------------ policies
 
-    def __init__(self, slots: int, policy: EvictionPolicy, meter: MemoryMeter | None = None) -> None:
-        self.slots = slots
-        self.policy = policy
+
+class EvictionPolicy:
+    """Chooses the victim among a group's evictable entries: the lowest ``score`` loses, ties go to the
+    entry inserted first. Records are kept per (layer, expert), whatever the precision of its entry.
+
+    ``on_use`` is called for every expert a layer computes (hit or miss, before any eviction of that
+    layer), with ``high`` telling whether it ran at the group's high precision.
+    """
+
+    name = "base"
+
+    def __init__(self, clock: Clock, num_experts: int, **params) -> None:
+        if params:
+            raise ValueError(f"eviction policy {self.name!r} takes no parameters, got {sorted(params)}")
+        self.clock = clock
+        self.num_experts = num_experts
+        self.tick = 0
+        self.last: dict[tuple[int, int], int] = {}  # (layer, expert) -> tick of its last use
+
+    def on_use(self, layer: int, expert: int, high: bool) -> None:
+        self.tick += 1
+        self.last[(layer, expert)] = self.tick
+
+    def reset(self) -> None:
+        """A new sequence: forget per-sequence records (recency is kept)."""
+
+    def score(self, layer: int, expert: int) -> tuple:
+        return (self.last.get((layer, expert), 0),)
+
+    def victim(self, candidates: list[tuple[int, int]]) -> tuple[int, int]:
+        return min(candidates, key=lambda key: self.score(*key))
+
+    def distance(self, layer: int) -> int:
+        """Layers from the current one forward to ``layer``: 0 for the current layer, 1 for the next."""
+        return (layer - self.clock.layer) % self.clock.num_layers
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used."""
+
+    name = "lru"
+
+
+class LFUPolicy(EvictionPolicy):
+    """Least frequently used in the current sequence (ties: least recently used)."""
+
+    name = "lfu"
+    per_sequence = True
+
+    def __init__(self, clock: Clock, num_experts: int, **params) -> None:
+        super().__init__(clock, num_experts, **params)
+        self.count: dict[tuple[int, int], int] = {}
+
+    def on_use(self, layer, expert, high):
+        super().on_use(layer, expert, high)
+        self.count[(layer, expert)] = self.count.get((layer, expert), 0) + 1
+
+    def reset(self):
+        if self.per_sequence:
+            self.count.clear()
+
+    def score(self, layer, expert):
+        return (self.count.get((layer, expert), 0), self.last.get((layer, expert), 0))
+
+
+class GlobalLFUPolicy(LFUPolicy):
+    """Least frequently used since the loader started (model-level frequency)."""
+
+    name = "lfu-global"
+    per_sequence = False
+
+
+class LHUPolicy(EvictionPolicy):
+    """Least high-precision used (HOBBIT): uses at the high precision in the current sequence."""
+
+    name = "lhu"
+
+    def __init__(self, clock: Clock, num_experts: int, **params) -> None:
+        super().__init__(clock, num_experts, **params)
+        self.high: dict[tuple[int, int], int] = {}
+
+    def on_use(self, layer, expert, high):
+        super().on_use(layer, expert, high)
+        if high:
+            self.high[(layer, expert)] = self.high.get((layer, expert), 0) + 1
+
+    def reset(self):
+        self.high.clear()
+
+    def score(self, layer, expert):
+        return (self.high.get((layer, expert), 0), self.last.get((layer, expert), 0))
+
+
+class FLDPolicy(EvictionPolicy):
+    """Forward layer distance (HOBBIT's term alone): the expert whose layer runs furthest ahead leaves first,
+    so the layer that just ran goes before the next one. Within a layer: least recently used."""
+
+    name = "fld"
+
+    def score(self, layer, expert):
+        return (1 - self.distance(layer) / self.clock.num_layers, self.last.get((layer, expert), 0))
+
+
+class EdgeMoEPolicy(EvictionPolicy):
+    """EdgeMoE's buffer eviction: L = f * ((S - i + I) mod S), the smallest L leaves (digest §1.7).
+
+    f is the expert's use count since the loader started, seeded with ``n0 * share`` from the offline
+    per-layer shares when given (``shares`` [L][E]), so the first tokens are not decided by zeros. The
+    second factor is S - d for an expert d layers ahead and 0 for the current layer's experts (next
+    needed a whole token later).
+    """
+
+    name = "edgemoe"
+
+    def __init__(self, clock: Clock, num_experts: int, shares=None, n0: float = 10.0) -> None:
+        super().__init__(clock, num_experts)
+        self.freq: dict[tuple[int, int], float] = {}
+        if shares is not None:
+            for layer, row in enumerate(shares):
+                for expert, share in enumerate(row):
+                    self.freq[(layer, expert)] = n0 * float(share)
+
+    def on_use(self, layer, expert, high):
+        super().on_use(layer, expert, high)
+        self.freq[(layer, expert)] = self.freq.get((layer, expert), 0.0) + 1
+
+    def score(self, layer, expert):
+        s = self.clock.num_layers
+        closeness = (s - layer + self.clock.layer) % s
+        return (self.freq.get((layer, expert), 0.0) * closeness, self.last.get((layer, expert), 0))
+
+
+class HobbitPolicy(EvictionPolicy):
+    """HOBBIT's multidimensional priority (digest H3), the lowest leaves:
+
+    p = w_lru * R/T + w_lfu * F/T + w_lhu * H/T + w_fld * (1 - d/L)
+
+    R: 1 + the token position of the expert's last use in this sequence (0 if unused), F and H: its uses
+    and high-precision uses in this sequence, T: 1 + the current token position, d: forward layer
+    distance from the current layer. The records reset per sequence.
+    """
+
+    name = "hobbit"
+
+    def __init__(self, clock: Clock, num_experts: int, w_lru: float = 0.25, w_lfu: float = 0.25,
+                 w_lhu: float = 0.25, w_fld: float = 0.25) -> None:
+        super().__init__(clock, num_experts)
+        self.w = (float(w_lru), float(w_lfu), float(w_lhu), float(w_fld))
+        self.recent: dict[tuple[int, int], int] = {}
+        self.count: dict[tuple[int, int], int] = {}
+        self.high: dict[tuple[int, int], int] = {}
+
+    def on_use(self, layer, expert, high):
+        super().on_use(layer, expert, high)
+        key = (layer, expert)
+        self.recent[key] = self.clock.token + 1
+        self.count[key] = self.count.get(key, 0) + 1
+        if high:
+            self.high[key] = self.high.get(key, 0) + 1
+
+    def reset(self):
+        self.recent.clear()
+        self.count.clear()
+        self.high.clear()
+
+    def priority(self, layer: int, expert: int) -> float:
+        key = (layer, expert)
+        t = self.clock.token + 1
+        w_lru, w_lfu, w_lhu, w_fld = self.w
+        return (w_lru * self.recent.get(key, 0) / t + w_lfu * self.count.get(key, 0) / t
+                + w_lhu * self.high.get(key, 0) / t + w_fld * (1 - self.distance(layer) / self.clock.num_layers))
+
+    def score(self, layer, expert):
+        return (self.priority(layer, expert), self.last.get((layer, expert), 0))
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    p.name: p for p in (LRUPolicy, LFUPolicy, GlobalLFUPolicy, LHUPolicy, FLDPolicy, EdgeMoEPolicy, HobbitPolicy)
+}
+
+
+def policy_factory(name: str, params: dict | None = None) -> Callable[[Clock, int], EvictionPolicy]:
+    """A constructor for the named policy with ``params``; a ValueError names the known policies."""
+    if name not in POLICIES:
+        raise ValueError(f"eviction policy {name!r} unknown; use one of {', '.join(POLICIES)}")
+    cls = POLICIES[name]
+    params = dict(params or {})
+    try:
+        cls(Clock(1), 1, **params)  # reject unknown parameters now, not at the first eviction
+    except TypeError as e:
+        raise ValueError(f"eviction policy {name!r}: {e}") from None
+    return lambda clock, num_experts: cls(clock, num_experts, **params)
+
+
+# --------------------------------------------------------------------------------------------- cache
+
+
+@dataclass
+class PoolConfig:
+    """A pool as the cache needs it: name, precision, "layer" or "global" grouping, capacity per group
+    (keyed by layer position, or "global")."""
+
+    name: str
+    precision: str
+    group: str
+    capacity: dict
+
+
+@dataclass
+class _Group:
+    capacity: int
+    policy: EvictionPolicy
+    used: int = 0
+    entries: dict = field(default_factory=dict)  # (layer, expert) -> Entry, in insertion order
+
+
+@dataclass(frozen=True)
+class Request:
+    """One wanted expert of a layer: ``kind`` is "hit", "join" or "miss"; ``entry`` the entry found."""
+
+    expert: int
+    precision: str
+    kind: str
+    entry: Entry | None
+
+
+class LayerView:
+    """Read-only: which experts of one layer are resident or in flight, and at which precision."""
+
+    def __init__(self, cache: ExpertCache, layer: int) -> None:
+        self._cache = cache
+        self.layer = layer
+
+    def entries(self) -> dict[int, list[Entry]]:
+        out: dict[int, list[Entry]] = {}
+        for entry in self._cache.layer_entries(self.layer):
+            out.setdefault(entry.expert, []).append(entry)
+        return out
+
+    def resident(self) -> dict[int, str]:
+        """expert -> its best resident precision."""
+        best: dict[int, str] = {}
+        for entry in self._cache.layer_entries(self.layer):
+            if not entry.in_flight and precision_rank(entry.precision) > precision_rank(best.get(entry.expert, "")):
+                best[entry.expert] = entry.precision
+        return best
+
+    def in_flight(self) -> dict[int, str]:
+        return {e.expert: e.precision for e in self._cache.layer_entries(self.layer) if e.in_flight}
+
+    def has(self, expert: int, precision: str | None = None) -> bool:
+        return self._cache.find(self.layer, expert, precision) is not None
+
+
+class ExpertCache:
+    """Every pool of the loader (or of a simulation), with the clock, protection and counters."""
+
+    def __init__(self, pools: Iterable[PoolConfig], num_layers: int, num_experts: int,
+                 policy: Callable[[Clock, int], EvictionPolicy], meter: MemoryMeter | None = None,
+                 high_precision: str | None = None) -> None:
+        self.clock = Clock(num_layers)
+        self.num_layers = num_layers
+        self.num_experts = num_experts
         self.meter = meter or MemoryMeter()
-        self.records: dict[int, torch.Tensor] = {}
-        self.hits = 0
-        self.misses = 0
+        self.pools: dict[str, dict] = {}  # pool name -> {group key: _Group}
+        self.pool_of: dict[str, str] = {}  # precision -> pool name
+        self.group_kind: dict[str, str] = {}
+        for pool in pools:
+            if pool.group not in ("layer", "global"):
+                raise ValueError(f"pool {pool.name}: group must be 'layer' or 'global', not {pool.group!r}")
+            self.pools[pool.name] = {key: _Group(int(nbytes), policy(self.clock, num_experts))
+                                     for key, nbytes in pool.capacity.items()}
+            self.pool_of[pool.precision] = pool.name
+            self.group_kind[pool.name] = pool.group
+        ranked = sorted(self.pool_of, key=precision_rank, reverse=True)
+        self.high_precision = high_precision or (ranked[0] if ranked else None)
+        self.protected: dict[int, set[int]] = {}  # layer -> experts not to evict until the layer has run
+        self.counters = [LayerCounters() for _ in range(num_layers)]
+        self.on_evict: Callable[[Entry], None] | None = None  # the runtime frees the entry's memory here
+
+    # ---------------------------------------------------------------------------------- structure
+    def _group(self, pool: str, layer: int) -> _Group:
+        groups = self.pools[pool]
+        return groups["global"] if self.group_kind[pool] == "global" else groups[layer]
+
+    def _groups_of_layer(self, layer: int) -> list[_Group]:
+        return [self._group(pool, layer) for pool in self.pools]
+
+    def layer_entries(self, layer: int) -> list[Entry]:
+        return [e for g in self._groups_of_layer(layer) for (lay, _), e in g.entries.items() if lay == layer]
+
+    def find(self, layer: int, expert: int, precision: str | None = None) -> Entry | None:
+        """The best entry (resident or in flight) for (layer, expert) at ``precision`` or higher."""
+        want = precision_rank(precision) if precision is not None else 0
+        best = None
+        for group in self._groups_of_layer(layer):
+            entry = group.entries.get((layer, expert))
+            if entry is not None and precision_rank(entry.precision) >= want:
+                if best is None or precision_rank(entry.precision) > precision_rank(best.precision):
+                    best = entry
+        return best
+
+    def view(self, layer: int) -> LayerView:
+        return LayerView(self, layer)
 
     @property
     def nbytes(self) -> int:
-        return sum(_nbytes(r) for r in self.records.values())
+        """Bytes held by every entry, reserved or resident."""
+        return sum(g.used for groups in self.pools.values() for g in groups.values())
 
-    def get(self, expert: int) -> torch.Tensor | None:
-        record = self.records.get(expert)
-        if record is not None:
-            self.policy.on_access(expert)
-        return record
+    def capacity(self, pool: str) -> dict:
+        return {key: g.capacity for key, g in self.pools[pool].items()}
 
-    def put(self, expert: int, record: torch.Tensor, protected: set[int]) -> bool:
-        """Insert ``record`` if a slot is free or can be freed; returns whether it was kept."""
-        if self.slots <= 0:
-            return False
-        while len(self.records) >= self.slots:
-            victim = self.policy.victim(self.records, protected)
-            if victim is None:
-                return False
-            self.meter.sub(_nbytes(self.records.pop(victim)))
-            self.policy.on_evict(victim)
-        self.records[expert] = record
-        self.meter.add(_nbytes(record))
-        self.policy.on_insert(expert)
-        return True
+    # ------------------------------------------------------------------------------- the layer step
+    def begin_layer(self, layer: int, wanted: list[tuple[int, str]]) -> list[Request]:
+        """Classify each wanted (expert, precision) of ``layer``; protects them and records their use."""
+        self.clock.layer = layer
+        protected = self.protected.setdefault(layer, set())
+        counters = self.counters[layer]
+        requests = []
+        for expert, precision in wanted:
+            protected.add(expert)
+            entry = self.find(layer, expert, precision)
+            if entry is None:
+                kind = "miss"
+                counters.misses += 1
+            else:
+                kind = "join" if entry.in_flight else "hit"
+                counters.hits += 1
+                counters.joins += kind == "join"
+                if entry.prefetched:
+                    counters.prefetch_used += 1
+                    entry.prefetched = False
+            requests.append(Request(expert, precision, kind, entry))
+        for expert, precision in wanted:
+            high = precision_rank(precision) >= precision_rank(self.high_precision or precision)
+            for group in self._groups_of_layer(layer):
+                group.policy.on_use(layer, expert, high)
+        return requests
 
+    def skip(self, layer: int, expert: int) -> None:
+        """The miss policy decided not to compute ``expert``: counted, nothing read."""
+        self.counters[layer].skipped += 1
 
-def _nbytes(record: torch.Tensor) -> int:
-    return record.numel() * record.element_size()
+    def admit(self, layer: int, expert: int, precision: str, nbytes: int, prefetch: bool = False) -> Entry | None:
+        """Reserve room for a record being read into the pool of ``precision``; None if it cannot fit."""
+        pool = self.pool_of.get(precision)
+        if pool is None:
+            return None
+        group = self._group(pool, layer)
+        if nbytes > group.capacity:
+            return None
+        while group.used + nbytes > group.capacity:
+            candidates = [key for key, e in group.entries.items()
+                          if not e.in_flight and key[1] not in self.protected.get(key[0], ())]
+            if not candidates:
+                return None
+            self._evict(group, group.policy.victim(candidates))
+        entry = Entry(layer, expert, precision, nbytes, pool, prefetched=prefetch)
+        if (layer, expert) in group.entries:  # a lower-precision copy in this pool is replaced
+            self._evict(group, (layer, expert))
+        group.entries[(layer, expert)] = entry
+        group.used += nbytes
+        self.meter.add(nbytes)
+        if prefetch:
+            self.protected.setdefault(layer, set()).add(expert)
+            self.counters[layer].prefetches += 1
+        return entry
+
+    def complete(self, entry: Entry, payload=None) -> None:
+        """The read of ``entry`` landed: it is resident now."""
+        entry.payload = payload
+        entry.in_flight = False
+        entry.ticket = None
+
+    def cancel(self, entry: Entry) -> None:
+        """Drop an in-flight entry whose read was cancelled (a prefetch nobody needs any more)."""
+        group = self._group(entry.pool, entry.layer)
+        if group.entries.get((entry.layer, entry.expert)) is entry:
+            self._evict(group, (entry.layer, entry.expert))
+
+    def count_read(self, layer: int, nbytes: int) -> None:
+        self.counters[layer].bytes_read += nbytes
+
+    def end_layer(self, layer: int) -> None:
+        """The layer has run: its experts (used or predicted for it) may be evicted again."""
+        self.protected.pop(layer, None)
+
+    def _evict(self, group: _Group, key: tuple[int, int]) -> None:
+        entry = group.entries.pop(key)
+        group.used -= entry.nbytes
+        self.meter.sub(entry.nbytes)
+        if self.on_evict is not None:
+            self.on_evict(entry)
+
+    # ------------------------------------------------------------------------------------ sequences
+    def reset(self) -> None:
+        """A new sequence: the clock restarts and the policies forget per-sequence records."""
+        self.clock.token = 0
+        self.clock.layer = 0
+        self.protected.clear()
+        for groups in self.pools.values():
+            for group in groups.values():
+                group.policy.reset()
+
+    def clear(self) -> None:
+        """Empty every pool (a cold start), then ``reset``."""
+        for groups in self.pools.values():
+            for group in groups.values():
+                for key in list(group.entries):
+                    self._evict(group, key)
+        self.reset()

@@ -7,8 +7,15 @@ every system it compares, so all of them route identically.)
 
 The routers of every supported architecture (Mixtral, Qwen-MoE, OLMoE, Phi-MoE, DeepSeek-V2, gpt-oss)
 return ``(router_logits, top_k_weights, top_k_index)`` over the flattened tokens; a policy receives
-those and returns the weights and indices the experts will use. The router is found as the sibling
-``gate`` (or ``router``) of each layer's experts module, the path the artifact manifest records.
+those, plus a read-only view of the layer's cache when the experts are offloaded (cache-aware routing),
+and returns the weights and indices the experts will use. The artifact manifest records each MoE
+layer's router module path; for a plain transformers model the router is found as the sibling ``gate``
+(or ``router``) of each layer's experts module.
+
+The hook also feeds the predictors (``loader/predict.py``): after each router they get the router input
+and the chosen experts and name experts to prefetch.
+
+On the experts side, a ``MissPolicy`` decides per missed expert which precision to read, or to skip it.
 
 ``ReplayRouting`` hands out recorded decisions (for example the real Mixtral-8x7B traces): each router
 call with T tokens takes the next T records of its layer, so a prefill of T tokens consumes T records
@@ -22,12 +29,13 @@ from collections.abc import Sequence
 
 import torch
 
-from loader.format import ArtifactError
+from loader.errors import MoeError
 
 ROUTER_NAMES = ("gate", "router")
+SKIP = "skip"  # a miss policy's answer: do not compute this expert
 
 
-class RoutingError(ArtifactError):
+class RoutingError(MoeError):
     """A routing policy that does not fit the model, or a replay that ran out of records."""
 
 
@@ -37,9 +45,11 @@ class RoutingPolicy:
     def bind(self, num_layers: int) -> None:
         """Called once when installed on a model with ``num_layers`` MoE layers."""
 
-    def route(self, layer: int, logits: torch.Tensor, weights: torch.Tensor,
-              indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """layer: position among the model's MoE layers (0-based); returns (weights [T, K], indices [T, K])."""
+    def route(self, layer: int, logits: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+              view=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """layer: position among the model's MoE layers (0-based); logits [T, E], weights and indices
+        [T, K]; view: ``loader.cache.LayerView`` of the layer's cache (None without offloading).
+        Returns (weights [T, K'], indices [T, K'])."""
         return weights, indices
 
     def reset(self) -> None:
@@ -68,7 +78,7 @@ class ReplayRouting(RoutingPolicy):
             raise RoutingError(f"the replay has {self.expert_ids.shape[1]} layers but the model has {num_layers} "
                                "MoE layers; slice the recorded routing to the model's layers")
 
-    def route(self, layer, logits, weights, indices):
+    def route(self, layer, logits, weights, indices, view=None):
         n, k = indices.shape
         start, end = self.cursor[layer], self.cursor[layer] + n
         if end > self.num_tokens:
@@ -98,6 +108,21 @@ def router_module(model: torch.nn.Module, experts_path: str) -> torch.nn.Module:
     raise RoutingError(f"no router ({' or '.join(ROUTER_NAMES)}) beside experts module {experts_path!r}")
 
 
+class MissPolicy:
+    """Per missed expert: the precision to read, or ``SKIP``. The default reads the planned precision."""
+
+    def bind(self, num_layers: int, num_experts: int) -> None:
+        """Called once when the loader starts."""
+
+    def decide(self, layer: int, expert: int, planned: str, indices: torch.Tensor, weights: torch.Tensor) -> str:
+        """layer: MoE layer position; planned: the plan's precision for this expert; indices and weights
+        [T, K]: this call's routing (which tokens use the expert, and how much)."""
+        return planned
+
+    def reset(self) -> None:
+        """Start over (a new sequence)."""
+
+
 class InstalledRouting:
     """The hooks of one installed policy; ``remove()`` restores the model's own routing."""
 
@@ -111,16 +136,28 @@ class InstalledRouting:
         self.handles = []
 
 
-def install_routing(model: torch.nn.Module, experts_paths: Sequence[str],
-                    policy: RoutingPolicy | None) -> InstalledRouting:
+def install_routing(model: torch.nn.Module, experts_paths: Sequence[str], policy: RoutingPolicy | None,
+                    router_paths: Sequence[str] | None = None, view=None, after_router=None) -> InstalledRouting:
     """Route ``model``'s MoE layers (given by their experts module paths, in layer order) with ``policy``.
 
-    The default policy (None or a plain ``RoutingPolicy``) installs nothing: the model routes itself.
+    router_paths: the routers' module paths (the manifest's); default: the experts' sibling gate/router.
+    view: ``view(layer) -> LayerView`` for cache-aware policies. after_router: called with
+    (layer, router input [T, H], indices [T, K]) after the policy, for the predictors.
+    A default policy (None or a plain ``RoutingPolicy``) with no ``after_router`` installs nothing.
     """
     policy = policy if policy is not None else RoutingPolicy()
-    if type(policy) is RoutingPolicy:
+    if type(policy) is RoutingPolicy and after_router is None:
         return InstalledRouting(policy, [])
-    routers = [router_module(model, path) for path in experts_paths]
+    if router_paths is not None:
+        routers = []
+        for path in router_paths:
+            try:
+                routers.append(model.get_submodule(path))
+            except AttributeError:
+                raise RoutingError(f"the manifest names router module {path!r}, which the model does not have; "
+                                   "prepare the artifact again") from None
+    else:
+        routers = [router_module(model, path) for path in experts_paths]
     policy.bind(len(routers))
 
     def hook_for(layer: int):
@@ -129,7 +166,9 @@ def install_routing(model: torch.nn.Module, experts_paths: Sequence[str],
                 raise RoutingError(f"router of MoE layer {layer} returned {type(output).__name__}, expected "
                                    "(logits, weights, indices); this architecture needs its own routing hook")
             logits, weights, indices = output
-            weights, indices = policy.route(layer, logits, weights, indices)
+            weights, indices = policy.route(layer, logits, weights, indices, view(layer) if view else None)
+            if after_router is not None:
+                after_router(layer, args[0] if args else None, indices)
             return logits, weights, indices
 
         return hook

@@ -1,136 +1,247 @@
-"""Run an artifact: dense weights resident, experts streamed from the store through per-layer caches.
+"""Run an artifact: dense weights resident, experts streamed from the stores through the expert cache.
 
 ``load()`` builds the Hugging Face model skeleton on the meta device, assigns the dense weights, drops
 the (never materialised) fused expert parameters, and plugs an offloaded experts forward into
 transformers through its experts-implementation registry (``ALL_EXPERTS_FUNCTIONS``), so every
 architecture whose experts module uses ``@use_experts_implementation`` works without patching classes.
 
-Per MoE layer and call: the experts the router picked are looked up in the layer's cache; reads of
-the misses are submitted to the store's worker threads first, hits compute while they are in flight,
-then each miss is waited for (stall time), inserted if the cache can take it, and computed. An expert
-computes exactly as transformers' eager experts loop does, using the module's own gate function.
+The pieces, each in its own home: the plan and the budget arithmetic (``loader/plan.py``), the cache
+core and eviction policies (``loader/cache.py``), stores, slot memory and the reader threads
+(``loader/store.py``), routing and miss policies (``loader/routing.py``), predictors
+(``loader/predict.py``). ``ExpertRuntime.run_layer`` is the per-layer step that ties them together:
+
+1. the wanted experts (in the order of ``ordered_experts``) at their planned precision go to
+   ``cache.begin_layer``: hits, joins (a read already in flight) and misses;
+2. for each miss the miss policy picks a precision (or skip); the record is read into a cache slot the
+   cache admits, or else into one of the K read buffers, demand reads ahead of prefetches;
+3. hits compute while the reads fly; then each read is waited for (stall time) and computed;
+4. ``cache.end_layer``. Every byte of expert data held (slots in use, read buffers in use) is counted
+   by one meter at every change, and the arenas are sized by the budget, so the budget cannot be passed.
+
+An expert computes exactly as transformers' eager experts loop does, using the module's own gate
+function. Shapes: see the legend in ``loader/plan.py``.
 """
 
 from __future__ import annotations
 
-import json
-import re
+import dataclasses
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from loader.cache import POLICIES, LayerCache, MemoryMeter
+from loader.cache import ExpertCache, MemoryMeter, PoolConfig, policy_factory
 from loader.codec import RecordLayout
 from loader.format import ArtifactError, check_sizes, expert_key, read_manifest
-from loader.routing import InstalledRouting, RoutingPolicy, install_routing
-from loader.store import ExpertStore
+from loader.plan import Capacities, ModelSizes, Plan, PlanError, PolicySpec, capacities, minimum_budget, read_plan
+from loader.predict import PREDICTORS, Predictor, PrefetchRequest
+from loader.routing import SKIP, InstalledRouting, MissPolicy, RoutingPolicy, install_routing
+from loader.store import DEMAND, PREFETCH, ExpertStore, Reader, ReadJob, SlotArena
 
 IMPLEMENTATION = "moeprep_offload"
-_UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
-          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 
 
 class LoaderError(ArtifactError):
     """A request the loader cannot satisfy (budget too small, no GPU, ...); the message says what to do."""
 
 
-def parse_budget(budget) -> tuple[str, float] | None:
-    """None | bytes (int) | "1.5GiB" | "25%" -> None | ("bytes", n) | ("fraction", f)."""
-    if budget is None:
-        return None
-    if isinstance(budget, int | float) and not isinstance(budget, bool):
-        return ("bytes", float(budget))
-    text = str(budget).strip().lower().replace(" ", "")
-    if text.endswith("%"):
-        try:
-            share = float(text[:-1]) / 100
-        except ValueError:
-            share = -1
-        if not 0 < share <= 1:
-            raise LoaderError(f"memory budget {budget!r}: a percentage must be in (0, 100]")
-        return ("fraction", share)
-    match = re.fullmatch(r"([0-9]*\.?[0-9]+)([a-z]*)", text)
-    if not match or match.group(2) not in _UNITS | {"": 1}:
-        raise LoaderError(f"memory budget {budget!r} not understood; use bytes, a size like 1.5GiB, or a share like 25%")
-    return ("bytes", float(match.group(1)) * _UNITS.get(match.group(2), 1))
+def parse_device(device: str) -> torch.device:
+    """'cpu', 'cuda' or 'cuda:N'; anything else (or CUDA on a machine without one) is a LoaderError."""
+    text = str(device).strip().lower()
+    if text != "cpu" and not (text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit())):
+        raise LoaderError(f"device {device!r} is not supported; use 'cpu', 'cuda' or 'cuda:N'")
+    if text.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise LoaderError(f"device {device!r} was asked for but torch sees no CUDA GPU; use device='cpu'")
+        if ":" in text and int(text[5:]) >= torch.cuda.device_count():
+            raise LoaderError(f"device {device!r}: torch sees only {torch.cuda.device_count()} CUDA device(s)")
+    return torch.device(text)
+
+
+def ordered_experts(indices: list[list[int]], num_experts: int) -> list[int]:
+    """The experts a call needs, in first-use order (token by token, best-weighted first); the loader
+    and the simulator both visit misses in this order, so they evict alike."""
+    seen: dict[int, None] = {}
+    for row in indices:
+        for e in row:
+            if 0 <= e < num_experts:
+                seen.setdefault(e, None)
+    return list(seen)
 
 
 @dataclass
-class LayerStats:
-    hits: int = 0
-    misses: int = 0
-    bytes_read: int = 0
+class LayerTimes:
     read_seconds: float = 0.0
     stall_seconds: float = 0.0
 
 
-class OffloadedExperts:
-    """The offloaded state of one MoE layer: its cache, its store, its record layout, its stats."""
+class ExpertRuntime:
+    """The offloading state shared by every MoE layer: plan, cache, stores, slot memory, reader,
+    routing-side hooks (miss policy, predictors), and the per-layer step."""
 
-    def __init__(self, layer: int, cache: LayerCache, store: ExpertStore, layout: RecordLayout,
-                 max_in_flight: int) -> None:
-        self.layer = layer
-        self.cache = cache
-        self.store = store
-        self.layout = layout
-        self.max_in_flight = max(1, max_in_flight)
-        self.stats = LayerStats()
+    def __init__(self, plan: Plan, caps: Capacities, stores: dict[str, ExpertStore],
+                 layouts: dict[str, RecordLayout], top_k: int, device: torch.device, workers: int,
+                 miss_policy: MissPolicy, predictors: list[Predictor]) -> None:
+        self.plan = plan
+        self.caps = caps
+        self.stores = stores
+        self.layouts = layouts
+        self.top_k = top_k
+        self.device = device
+        self.num_layers, self.num_experts = plan.num_layers, plan.num_experts
+        self.slot_bytes = {p: s.stride for p, s in stores.items()}
+        self.meter = MemoryMeter()
+        self.cache = ExpertCache(
+            [PoolConfig(pool.name, pool.precision, pool.group, caps.pools[pool.name]) for pool in plan.pools],
+            plan.num_layers, plan.num_experts, policy_factory(plan.eviction.name, plan.eviction.params),
+            meter=self.meter)
+        self.cache.on_evict = self._free_slot
+        self.arenas = {pool.name: SlotArena(sum(b // self.slot_bytes[pool.precision] for b in caps.pools[pool.name].values()),
+                                            self.slot_bytes[pool.precision], device) for pool in plan.pools}
+        self.buffers = SlotArena(top_k, max(self.slot_bytes.values()), device)
+        self.reader = Reader(workers, device)
+        self.miss_policy = miss_policy
+        self.predictors = predictors
+        self.times = [LayerTimes() for _ in range(plan.num_layers)]
+        self.peak_cache_bytes = 0
+        self._prefetching: list = []  # entries whose prefetch read may still be in flight
+        for p in [miss_policy, *predictors]:
+            p.bind(plan.num_layers, plan.num_experts)
 
-    def forward(self, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H].
+    # ----------------------------------------------------------------------------- slots and reads
+    def _free_slot(self, entry) -> None:
+        """The cache dropped ``entry``: its slot returns to the pool's free list once no read targets it."""
+        if entry.slot < 0:
+            return
+        job = entry.ticket
+        if job is not None and not self.reader.cancel(job):
+            job.wait_done()  # already being read: let it land before the slot is reused
+        self.arenas[entry.pool].give(entry.slot)
+        entry.slot = -1
+        entry.ticket = None
 
-        Hits compute while the misses are read; at most ``max_in_flight`` records are being read or
-        waiting outside the cache at any time (the read buffers the budget reserves), so a prefill that
-        needs every expert of the layer stays inside the budget too.
-        """
+    def _reap(self) -> None:
+        """Mark prefetches whose reads have landed as resident (evictable again); drop failed ones (a
+        demand reads them again and reports the error)."""
+        still = []
+        for entry in self._prefetching:
+            job = entry.ticket
+            if entry.slot < 0 or job is None:
+                continue
+            if job.state == "done":
+                self.cache.complete(entry, True)
+            elif job.state in ("failed", "cancelled"):
+                self.cache.cancel(entry)
+            else:
+                still.append(entry)
+        self._prefetching = still
+
+    def _read_into_entry(self, entry, priority: int) -> ReadJob:
+        arena = self.arenas[entry.pool]
+        entry.slot = arena.take()
+        job = ReadJob(self.stores[entry.precision], expert_key(entry.layer, entry.expert), arena, entry.slot, priority)
+        entry.ticket = job
+        return self.reader.submit(job)
+
+    def _record(self, entry) -> torch.Tensor:
+        return self.arenas[entry.pool].tensor(entry.slot, self.stores[entry.precision].record_bytes)
+
+    def _await(self, layer: int, job: ReadJob) -> None:
+        self.reader.promote(job)
+        start = time.perf_counter()
+        seconds = job.wait()
+        self.times[layer].stall_seconds += time.perf_counter() - start
+        self.times[layer].read_seconds += seconds
+
+    # ------------------------------------------------------------------------------ the layer step
+    def run_layer(self, layer: int, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H]."""
         out = torch.zeros_like(hidden)
-        needed = [e for e in top_k_index.unique().tolist() if 0 <= e < module.num_experts]
-        resident = {e: r for e in needed if (r := self.cache.get(e)) is not None}
-        misses = [e for e in needed if e not in resident]
-        self.stats.hits += len(resident)
-        self.stats.misses += len(misses)
-        record_bytes = self.store.record_bytes
-        meter = self.cache.meter
-        pending: deque = deque()
+        cache = self.cache
+        self._reap()
+        planned = self.plan.expert_precision[layer]
+        wanted = [(e, planned[e]) for e in ordered_experts(top_k_index.tolist(), self.num_experts)]
+        requests = cache.begin_layer(layer, wanted)
+        ready, waiting, misses = [], [], []
+        for req in requests:
+            if req.kind == "hit":
+                ready.append((req.expert, req.entry))
+            elif req.kind == "join":
+                waiting.append((req.expert, req.entry, None))
+            else:
+                misses.append(req)
+        reads = []  # (expert, entry or None, buffer slot or None, job)
+        queue = []
+        for req in misses:
+            precision = self.miss_policy.decide(layer, req.expert, req.precision, top_k_index, top_k_weights)
+            if precision == SKIP:
+                cache.skip(layer, req.expert)
+                continue
+            if precision != req.precision and (entry := cache.find(layer, req.expert, precision)) is not None:
+                (waiting.append((req.expert, entry, None)) if entry.in_flight else ready.append((req.expert, entry)))
+                continue
+            if precision not in self.stores:
+                raise LoaderError(f"the miss policy asked for precision {precision!r}, which the artifact has no "
+                                  f"store for (stores: {sorted(self.stores)})")
+            queue.append((req.expert, precision))
+        buffers_free = self.buffers.count
 
         def submit_next() -> None:
-            if misses and len(pending) < self.max_in_flight:
-                expert = misses.pop(0)
-                meter.add(record_bytes)
-                pending.append((expert, self.store.submit(expert_key(self.layer, expert))))
+            nonlocal buffers_free
+            while queue:
+                expert, precision = queue[0]
+                store = self.stores[precision]
+                entry = cache.admit(layer, expert, precision, self.slot_bytes[precision])
+                if entry is not None:
+                    queue.pop(0)
+                    reads.append((expert, entry, None, self._read_into_entry(entry, DEMAND)))
+                    cache.count_read(layer, store.record_bytes)
+                    continue
+                if buffers_free == 0:
+                    return  # wait for a read buffer to come back
+                queue.pop(0)
+                buffers_free -= 1
+                slot = self.buffers.take()
+                self.meter.add(self.buffers.slot_bytes)
+                job = self.reader.submit(ReadJob(store, expert_key(layer, expert), self.buffers, slot, DEMAND))
+                reads.append((expert, None, slot, job))
+                cache.count_read(layer, store.record_bytes)
 
-        for _ in range(self.max_in_flight):
-            submit_next()
-        for expert, record in resident.items():
-            self._compute(module, expert, record, hidden, top_k_index, top_k_weights, out)
-        protected = set(needed)
-        while pending:
-            expert, future = pending.popleft()
-            start = time.perf_counter()
-            record, seconds = future.result()
-            self.stats.stall_seconds += time.perf_counter() - start
-            self.stats.read_seconds += seconds
-            self.stats.bytes_read += record.numel()
-            meter.sub(record_bytes)  # it leaves the read buffers: into the cache (counted there) or used once
-            kept = self.cache.put(expert, record, protected)
-            if kept:
-                submit_next()
+        submit_next()
+        for expert, entry in ready:
+            self._compute(module, expert, self._record(entry), entry.precision, hidden, top_k_index, top_k_weights, out)
+        for expert, entry, _ in waiting:
+            self._await(layer, entry.ticket)
+            cache.complete(entry, True)
+            self._compute(module, expert, self._record(entry), entry.precision, hidden, top_k_index, top_k_weights, out)
+        while reads:
+            expert, entry, slot, job = reads.pop(0)
+            self._await(layer, job)
+            if entry is not None:
+                cache.complete(entry, True)
+                record, precision = self._record(entry), entry.precision
             else:
-                meter.add(record_bytes)  # held outside the cache until computed
-            self._compute(module, expert, record, hidden, top_k_index, top_k_weights, out)
-            if not kept:
-                meter.sub(record_bytes)
-                submit_next()
+                record, precision = self.buffers.tensor(slot, job.store.record_bytes), job.store.precision
+            self._compute(module, expert, record, precision, hidden, top_k_index, top_k_weights, out)
+            if slot is not None:
+                self.buffers.give(slot)
+                self.meter.sub(self.buffers.slot_bytes)
+                buffers_free += 1
+            submit_next()
+        cache.end_layer(layer)
+        self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self.reader.after_compute = event
         return out
 
-    def _compute(self, module, expert, record, hidden, top_k_index, top_k_weights, out) -> None:
+    def _compute(self, module, expert, record, precision, hidden, top_k_index, top_k_weights, out) -> None:
         tokens, slot = torch.where(top_k_index == expert)
-        w = self.layout.decode(record)
+        w = self.layouts[precision].decode(record)
         x = hidden[tokens]
         if module.is_transposed:
             gate_up = x @ w["gate_up_proj"].to(x.dtype)
@@ -144,6 +255,56 @@ class OffloadedExperts:
             y = y + w["down_proj_bias"].to(x.dtype)
         y = y * top_k_weights[tokens, slot, None]
         out.index_add_(0, tokens, y.to(out.dtype))
+
+    # ----------------------------------------------------------------------------------- prefetch
+    def prefetch(self, requests: list[PrefetchRequest]) -> None:
+        """Read each requested expert into its pool unless present; skipped when no room can be made."""
+        if requests:
+            self._reap()
+        for req in requests:
+            if not (0 <= req.layer < self.num_layers and 0 <= req.expert < self.num_experts):
+                continue
+            precision = req.precision or self.plan.expert_precision[req.layer][req.expert]
+            if precision not in self.stores or self.cache.find(req.layer, req.expert, precision) is not None:
+                continue
+            entry = self.cache.admit(req.layer, req.expert, precision, self.slot_bytes[precision], prefetch=True)
+            if entry is not None:
+                self._read_into_entry(entry, PREFETCH)
+                self._prefetching.append(entry)
+                self.cache.count_read(req.layer, self.stores[precision].record_bytes)
+
+    def after_router(self, layer: int, router_input, indices) -> None:
+        for predictor in self.predictors:
+            self.prefetch(predictor.after_router(layer, router_input, indices))
+
+    def after_last_layer(self, hidden) -> None:
+        for predictor in self.predictors:
+            self.prefetch(predictor.after_last_layer(hidden))
+
+    # ---------------------------------------------------------------------------------- sequences
+    def start_forward(self, past_length: int, tokens: int) -> None:
+        """A model forward of ``tokens`` new tokens after ``past_length`` cached ones; 0 = a new sequence."""
+        if past_length == 0:
+            self.cache.reset()
+            for p in [self.miss_policy, *self.predictors]:
+                p.reset()
+        self.cache.clock.token = past_length + max(tokens, 1) - 1
+
+    def close(self) -> None:
+        self.reader.close()
+        for store in self.stores.values():
+            store.close()
+
+
+class OffloadedExperts:
+    """Attached to one experts module: its MoE layer position and the shared runtime."""
+
+    def __init__(self, layer: int, runtime: ExpertRuntime) -> None:
+        self.layer = layer
+        self.runtime = runtime
+
+    def forward(self, module, hidden, top_k_index, top_k_weights):
+        return self.runtime.run_layer(self.layer, module, hidden, top_k_index, top_k_weights)
 
 
 def _offloaded_forward(module, hidden_states, top_k_index, top_k_weights):
@@ -163,44 +324,49 @@ class LoadedModel:
 
     model: torch.nn.Module
     tokenizer: object
-    layers: dict[int, OffloadedExperts]
-    store: ExpertStore
+    runtime: ExpertRuntime
     budget: dict
     routing: InstalledRouting | None = None
-    meter: MemoryMeter = field(default_factory=MemoryMeter)  # shared by every layer's cache
     _tokens: int = 0
     _seconds: float = 0.0
-    _peak_cache_bytes: int = 0
     _started: list = field(default_factory=list)
 
+    @property
+    def cache(self) -> ExpertCache:
+        return self.runtime.cache
+
+    @property
+    def meter(self) -> MemoryMeter:
+        return self.runtime.meter
+
     def cache_bytes(self) -> int:
-        return sum(layer.cache.nbytes for layer in self.layers.values())
+        return self.runtime.cache.nbytes
 
     def stats(self) -> dict:
-        per_layer = {str(layer): vars(o.stats).copy() | {"slots": o.cache.slots} for layer, o in self.layers.items()}
-        hits = sum(o.stats.hits for o in self.layers.values())
-        misses = sum(o.stats.misses for o in self.layers.values())
+        rt = self.runtime
+        per_layer = {}
+        for layer, counters in enumerate(rt.cache.counters):
+            times = rt.times[layer]
+            per_layer[str(layer)] = dataclasses.asdict(counters) | dataclasses.asdict(times)
+        total = {k: sum(s[k] for s in per_layer.values()) for k in next(iter(per_layer.values()))}
+        hits, misses = total["hits"], total["misses"]
         return {
             "layers": per_layer,
-            "hits": hits,
-            "misses": misses,
+            **total,
             "hit_rate": hits / (hits + misses) if hits + misses else None,
-            "bytes_read": sum(o.stats.bytes_read for o in self.layers.values()),
-            "read_seconds": sum(o.stats.read_seconds for o in self.layers.values()),
-            "stall_seconds": sum(o.stats.stall_seconds for o in self.layers.values()),
             "tokens": self._tokens,
             "forward_seconds": self._seconds,
             "tokens_per_second": self._tokens / self._seconds if self._seconds else None,
-            "peak_cache_bytes": self._peak_cache_bytes,
-            # caches + records being read or used outside a cache, at the worst moment (always <= the
-            # budget's expert share: slots plus read buffers)
-            "peak_expert_bytes": self.meter.peak,
+            "peak_cache_bytes": rt.peak_cache_bytes,
+            # cache slots in use + read buffers in use, at the worst moment (never above the budget's
+            # expert share: the caches' capacities plus the read buffers)
+            "peak_expert_bytes": rt.meter.peak,
             "budget": self.budget,
-            "direct_io": self.store.direct_io,
+            "direct_io": all(s.direct_io for s in rt.stores.values()),
         }
 
     def close(self) -> None:
-        self.store.close()
+        self.runtime.close()
 
 
 def _rebuild_meta_buffers(model: torch.nn.Module, device: torch.device) -> None:
@@ -221,20 +387,42 @@ def _rebuild_meta_buffers(model: torch.nn.Module, device: torch.device) -> None:
             module.register_buffer(buf, getattr(fresh, buf), persistent=False)
 
 
-def _experts_module(model: torch.nn.Module, path: str) -> torch.nn.Module:
+def _submodule(model: torch.nn.Module, path: str, what: str) -> torch.nn.Module:
     try:
         return model.get_submodule(path)
     except AttributeError:
-        raise ArtifactError(f"the manifest names experts module {path!r}, which the model does not have") from None
+        raise ArtifactError(f"the manifest names {what} module {path!r}, which the model does not have; "
+                            "prepare the artifact again") from None
+
+
+def _named(registry: dict, spec: PolicySpec, what: str, default: type):
+    if spec.name in ("topk", "plan", "none") and not spec.params:
+        return default()
+    if spec.name not in registry:
+        raise LoaderError(f"the plan names {what} {spec.name!r}, which this loader does not know "
+                          f"(known: {sorted(registry) or 'none'}); upgrade the loader or prepare the artifact again")
+    return registry[spec.name](**spec.params)
+
+
+def artifact_sizes(manifest, dense_bytes: int) -> ModelSizes:
+    """The sizes the budget arithmetic needs, with one record taking its store's 4 KiB-aligned stride."""
+    moe = manifest.raw["moe"]
+    strides = {p: -(-s["record_bytes"] // 4096) * 4096 for p, s in manifest.raw["stores"].items()}
+    return ModelSizes(len(moe["layers"]), moe["num_experts"], moe["top_k"], dense_bytes,
+                      int(moe["source_expert_bytes"]), strides)
 
 
 def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: str = "disk",
-         policy: str = "lru", workers: int = 2, routing: RoutingPolicy | None = None) -> LoadedModel:
+         policy: str | None = None, workers: int = 2, routing: RoutingPolicy | None = None,
+         predictors: list[Predictor] | None = None, miss_policy: MissPolicy | None = None,
+         plan: Plan | None = None) -> LoadedModel:
     """Open ``artifact`` and return a runnable model with its experts offloaded.
 
-    memory_budget: None (the plan's cache sizes), bytes, a size string ("1.5GiB") for everything
-    resident, or a percentage ("25%") meaning the dense weights plus that share of the expert store.
-    routing: None (the model's own routers) or a ``loader.routing`` policy, e.g. ``ReplayRouting``.
+    memory_budget: None (the plan's default budget), bytes, a size string ("1.5GiB"), a percentage
+    ("25%": the dense weights plus that share of the source model's expert bytes), or "unlimited".
+    policy: an eviction policy name overriding the plan's. routing / predictors / miss_policy: objects
+    overriding the plan's (``loader.routing``, ``loader.predict``). plan: a whole ``Plan`` instead of
+    the artifact's ``plan.json``.
     """
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -242,40 +430,35 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     artifact = Path(artifact)
     manifest = read_manifest(artifact)
     check_sizes(artifact, manifest)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise LoaderError("device 'cuda' was asked for but torch sees no CUDA GPU; use device='cpu'")
-    if policy not in POLICIES:
-        raise LoaderError(f"eviction policy {policy!r} unknown; use one of {sorted(POLICIES)}")
-    dev = torch.device(device)
-    plan = json.loads((artifact / "plan.json").read_text())
-    moe = manifest.moe
-    (precision, info), = manifest.stores.items()  # one precision per artifact for now
-    layout = RecordLayout.from_json(info.layout)
-
-    dense_path = artifact / "dense.safetensors"
-    dense = load_file(dense_path, device=str(dev))
-    dense_bytes = sum(t.numel() * t.element_size() for t in dense.values())
+    dev = parse_device(device)
+    plan = plan or read_plan(artifact)
+    if policy is not None:
+        plan = dataclasses.replace(plan, eviction=PolicySpec(policy))
+    try:
+        policy_factory(plan.eviction.name, plan.eviction.params)
+    except ValueError as e:
+        raise LoaderError(str(e)) from None
+    moe = manifest.raw["moe"]
     layers = moe["layers"]
-    n_experts = moe["num_experts"]
-    record = info.record_bytes
-    buffers = moe["top_k"] * record  # records in flight while a layer waits on reads
-    budget = parse_budget(memory_budget)
-    minimum = dense_bytes + buffers + len(layers) * record
-    if budget is None:
-        slots = {int(k): v for k, v in plan["cache_slots"].items()}
-        limit = None
-    else:
-        if budget[0] == "fraction":
-            limit = dense_bytes + buffers + budget[1] * len(layers) * n_experts * record
-        else:
-            limit = budget[1]
-        if limit < minimum:
-            raise LoaderError(
-                f"memory budget {memory_budget!r} ({int(limit):,} bytes) is below the minimum of {minimum:,} bytes "
-                f"(dense weights {dense_bytes:,} + one expert per layer and read buffers); raise the budget"
-            )
-        per_layer = int((limit - dense_bytes - buffers) // (len(layers) * record))
-        slots = {layer: max(1, min(n_experts, per_layer)) for layer in layers}
+
+    dense = load_file(artifact / "dense.safetensors", device=str(dev))
+    dense_bytes = sum(t.numel() * t.element_size() for t in dense.values())
+    sizes = artifact_sizes(manifest, dense_bytes)
+    stores = {p: ExpertStore(artifact / s["file"], p, mode=store, crc32=s.get("crc32"))
+              for p, s in manifest.raw["stores"].items()}
+    host_bytes = sum(s.host_bytes for s in stores.values())
+    try:
+        if host_bytes and memory_budget is not None:
+            # the host store sits in RAM on top of everything else: it takes its share of the budget
+            sizes = dataclasses.replace(sizes, dense_bytes=dense_bytes + host_bytes)
+        caps = capacities(plan, memory_budget, sizes)
+    except PlanError as e:
+        for s in stores.values():
+            s.close()
+        extra = (f" (store='host' holds the whole expert store, {host_bytes:,} bytes, in RAM inside the budget; "
+                 "use store='disk' for a small budget)") if host_bytes and memory_budget is not None else ""
+        raise LoaderError(f"{e}{extra}") from None
+    layouts = {p: RecordLayout.from_json(s["layout"]) for p, s in manifest.raw["stores"].items()}
 
     config = AutoConfig.from_pretrained(artifact)
     with torch.device("meta"):
@@ -290,17 +473,18 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
         model.tie_weights()
     _rebuild_meta_buffers(model, dev)
 
-    expert_store = ExpertStore(artifact / info.file, mode=store, device=dev, workers=workers)
-    meter = MemoryMeter()  # every layer's cache and reads in flight, counted together
-    offloaded: dict[int, OffloadedExperts] = {}
-    for layer, path in zip(layers, moe["experts_modules"], strict=True):
-        module = _experts_module(model, path)
+    runtime = ExpertRuntime(
+        plan, caps, stores, layouts, moe["top_k"], dev, workers,
+        miss_policy if miss_policy is not None else _named({}, plan.miss, "miss policy", MissPolicy),
+        predictors if predictors is not None else [_named(PREDICTORS, p, "predictor", Predictor) for p in plan.predictors])
+    for position, path in enumerate(moe["experts_modules"]):
+        module = _submodule(model, path, "experts")
+        if getattr(module, "num_experts", moe["num_experts"]) != moe["num_experts"]:
+            raise ArtifactError(f"the manifest says {moe['num_experts']} experts but {path} has {module.num_experts}; "
+                                "the manifest was edited or the artifact is corrupt, prepare it again")
         for name in [n for n, p in module.named_parameters(recurse=False) if p.is_meta]:
             del module._parameters[name]  # never materialised: experts live in the store and the cache
-        state = OffloadedExperts(layer, LayerCache(slots[layer], POLICIES[policy](), meter), expert_store, layout,
-                                 max_in_flight=buffers // record)
-        module._moeprep = state
-        offloaded[layer] = state
+        module._moeprep = OffloadedExperts(position, runtime)
     _register_implementation()
     model.config._experts_implementation = IMPLEMENTATION
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
@@ -308,20 +492,43 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
         raise ArtifactError(f"weights missing from the artifact: {leftover[:5]}")
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(artifact)
-    loaded = LoadedModel(model, tokenizer, offloaded, expert_store, {
-        "requested": memory_budget, "limit_bytes": int(limit) if limit is not None else None,
-        "dense_bytes": dense_bytes, "buffer_bytes": buffers, "record_bytes": record,
-        "cache_slots": {str(k): v for k, v in slots.items()}, "precision": precision,
-    }, meter=meter)
-    loaded.routing = install_routing(model, moe["experts_modules"], routing)
+    budget = caps.to_json() | {"dense_bytes": dense_bytes, "requested": memory_budget if memory_budget is not None else plan.default_budget,
+                               "minimum_bytes": minimum_budget(plan, sizes), "host_store_bytes": host_bytes,
+                               "record_bytes": {p: s.record_bytes for p, s in stores.items()},
+                               "slot_bytes": runtime.slot_bytes, "eviction": plan.eviction.name,
+                               "cache_slots": {name: a.count for name, a in runtime.arenas.items()}}
+    loaded = LoadedModel(model, tokenizer, runtime, budget)
+    loaded.routing = install_routing(
+        model, moe["experts_modules"], routing if routing is not None else _named({}, plan.routing, "routing policy",
+                                                                                  RoutingPolicy),
+        router_paths=moe.get("router_modules"), view=runtime.cache.view,
+        after_router=runtime.after_router if runtime.predictors else None)
+    if runtime.predictors and moe.get("last_decoder_layer"):
+        last = _submodule(model, moe["last_decoder_layer"], "last decoder layer")
+        last.register_forward_hook(
+            lambda _m, _a, output: runtime.after_last_layer(output[0] if isinstance(output, tuple) else output))
     _attach_counters(loaded)
     return loaded
 
 
+def _past_length(args, kwargs) -> int:
+    past = kwargs.get("past_key_values")
+    if past is None:
+        return 0
+    try:
+        return int(past.get_seq_length())
+    except (AttributeError, TypeError):
+        return 0
+
+
 def _attach_counters(loaded: LoadedModel) -> None:
-    """Count tokens, forward time and the cache's peak bytes on every forward of the model."""
+    """On every forward of the model: start the sequence clock (reset on a new sequence), count tokens
+    and forward time."""
 
     def before(_module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        tokens = ids.shape[-1] if ids is not None else 1
+        loaded.runtime.start_forward(_past_length(args, kwargs), tokens)
         loaded._started.append(time.perf_counter())
 
     def after(_module, args, kwargs, output):
@@ -329,7 +536,6 @@ def _attach_counters(loaded: LoadedModel) -> None:
         loaded._seconds += time.perf_counter() - loaded._started.pop()
         if ids is not None:
             loaded._tokens += ids.numel()
-        loaded._peak_cache_bytes = max(loaded._peak_cache_bytes, loaded.cache_bytes())
 
     loaded.model.register_forward_pre_hook(before, with_kwargs=True)
     loaded.model.register_forward_hook(after, with_kwargs=True)

@@ -1,137 +1,282 @@
-"""Expert stores: where a cache miss reads one expert's packed record from.
+"""Expert stores and the reader: where a miss or a prefetch reads a record from, and into what.
 
-``disk``: positioned reads of the artifact file on worker threads. Reads bypass the page cache
-(O_DIRECT into a 4 KiB-aligned buffer; where the filesystem refuses O_DIRECT, plain reads followed by
-``posix_fadvise(DONTNEED)``), so a miss costs what it costs on a device reading from flash.
-``host``: the whole store held in RAM (pinned when the device is CUDA), a miss is one copy.
+One ``ExpertStore`` per precision (``experts-<precision>.safetensors``). ``disk`` mode reads the
+artifact file with positioned reads that bypass the page cache (O_DIRECT when the filesystem allows
+it, else plain reads followed by ``posix_fadvise(DONTNEED)``), so a miss costs what it costs on a
+device reading from flash; ``host`` mode holds the whole store in RAM (pinned on CUDA) and a miss is a
+copy; the runtime counts those bytes against the budget.
 
-Either way a read returns the record as a uint8 tensor on the compute device.
+Records land in memory allocated once (``SlotArena``: page-aligned, so O_DIRECT reads straight into
+it): the caches' slots and the read buffers. No read allocates. On CUDA a read goes through a pinned
+staging buffer allocated once per reader thread, then to the device slot on the reader's own stream.
+
+``Reader`` runs the reads on worker threads from one priority queue: demand reads before queued
+prefetch reads; a queued prefetch can be cancelled, and a demand for a queued prefetch promotes it.
+Every full-record read is checked against the record's crc32 from the manifest.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import mmap
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+import zlib
 from pathlib import Path
 
 import torch
 
 from loader.format import ArtifactError, read_record_offsets
 
+DEMAND, PREFETCH = 0, 1
+
 
 class ExpertStore:
     """Read-only access to the records of one ``experts-<precision>.safetensors`` file."""
 
-    def __init__(self, path: str | Path, mode: str = "disk", device: str | torch.device = "cpu",
-                 workers: int = 2) -> None:
+    def __init__(self, path: str | Path, precision: str, mode: str = "disk",
+                 crc32: dict[str, int] | None = None) -> None:
         if mode not in ("disk", "host"):
             raise ArtifactError(f"store mode {mode!r} unknown; use 'disk' or 'host'")
         self.path = Path(path)
+        self.precision = precision
         self.mode = mode
-        self.device = torch.device(device)
+        self.crc32 = crc32
         self.offsets, self.record_bytes, self.stride = read_record_offsets(self.path)
-        size = self.path.stat().st_size
+        self.size = self.path.stat().st_size
         end = max(self.offsets.values(), default=0) + self.stride
-        if size < end:
-            raise ArtifactError(
-                f"{self.path.name} is truncated: {size} bytes, its records need {end}. "
-                "Copy the artifact again or rerun `moeprep prepare`"
-            )
-        self._local = threading.local()
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moeprep-read")
-        self._lock = threading.Lock()
-        self.bytes_read = 0
-        self.read_seconds = 0.0
+        if self.size < end:
+            raise ArtifactError(f"{self.path.name} is truncated: {self.size} bytes, its records need {end}. "
+                                "Copy the artifact again or rerun `moeprep prepare`")
         self.direct_io = False
         self._host: torch.Tensor | None = None
+        self._fd = -1
+        self._plain_fd = -1
         if mode == "host":
-            data = torch.from_file(str(self.path), shared=False, size=size, dtype=torch.uint8)
-            self._host = data.pin_memory() if self.device.type == "cuda" else data
+            self._host = torch.from_file(str(self.path), shared=False, size=self.size, dtype=torch.uint8)
         else:
             self._fd, self.direct_io = self._open()
+            self._plain_fd = os.open(self.path, os.O_RDONLY) if self.direct_io else self._fd
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes this store holds in RAM (the whole file in host mode)."""
+        return self.size if self._host is not None else 0
 
     def _open(self) -> tuple[int, bool]:
         flag = getattr(os, "O_DIRECT", 0)
         if flag:
+            fd = -1
             try:
                 fd = os.open(self.path, os.O_RDONLY | flag)
-                buf = mmap.mmap(-1, self.stride)
-                os.preadv(fd, [buf], next(iter(self.offsets.values()), 0))  # the filesystem may refuse here
-                buf.close()
+                probe = mmap.mmap(-1, self.stride)
+                try:
+                    os.preadv(fd, [probe], next(iter(self.offsets.values()), 0))  # the filesystem may refuse here
+                finally:
+                    probe.close()
                 return fd, True
             except OSError:
-                try:
+                if fd >= 0:
                     os.close(fd)
-                except (OSError, UnboundLocalError):
-                    pass
         return os.open(self.path, os.O_RDONLY), False
 
-    def _buffer(self) -> mmap.mmap:
-        buf = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = mmap.mmap(-1, self.stride)  # page-aligned, as O_DIRECT needs
-            self._local.buf = buf
-        return buf
-
-    def read(self, key: str) -> torch.Tensor:
-        """The record ``key`` (``layers.{l}.experts.{e}``) as a uint8 tensor on the store's device."""
+    def offset(self, key: str) -> int:
         try:
-            offset = self.offsets[key]
+            return self.offsets[key]
         except KeyError:
-            raise ArtifactError(f"{self.path.name} has no record {key}; the artifact is incomplete") from None
-        start = time.perf_counter()
+            raise ArtifactError(f"{self.path.name} has no record {key}; the artifact is incomplete, "
+                                "rerun `moeprep prepare`") from None
+
+    def read_into(self, key: str, dest: memoryview, start: int = 0, length: int | None = None) -> int:
+        """Read bytes [start, start + length) of record ``key`` into ``dest`` (host memory); returns the
+        number of useful bytes. A full-record read is checked against the manifest's crc32."""
+        length = self.record_bytes - start if length is None else length
+        if start < 0 or length <= 0 or start + length > self.record_bytes:
+            raise ArtifactError(f"byte range [{start}, {start + length}) is outside the {self.record_bytes}-byte "
+                                f"records of {self.path.name}")
+        offset = self.offset(key) + start
         if self._host is not None:
-            record = self._to_device(self._host[offset : offset + self.record_bytes])
+            dest[:length] = memoryview(self._host.numpy())[offset:offset + length]
         else:
-            buf = self._buffer()
-            n = os.preadv(self._fd, [buf], offset)
-            if n < self.record_bytes:
-                raise ArtifactError(f"{self.path.name}: short read at {key}; the file is truncated")
-            if not self.direct_io and hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(self._fd, offset, self.stride, os.POSIX_FADV_DONTNEED)
-            host = torch.frombuffer(buf, dtype=torch.uint8, count=self.record_bytes)
-            if self.device.type == "cuda":
-                staged = torch.empty(self.record_bytes, dtype=torch.uint8, pin_memory=True)
-                record = self._to_device(staged.copy_(host))
+            aligned = self.direct_io and start % 4096 == 0 and len(dest) >= -(-length // 4096) * 4096
+            if aligned:
+                span = -(-length // 4096) * 4096
+                n = os.preadv(self._fd, [dest[:span]], offset)
             else:
-                record = host.clone()
-        with self._lock:
-            self.bytes_read += self.record_bytes
-            self.read_seconds += time.perf_counter() - start
-        return record
-
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """Copy a (pinned) host record to the device on this thread's own stream, and wait for it there.
-
-        The wait blocks the reader thread, not the compute stream, so copies overlap compute.
-        """
-        if self.device.type != "cuda":
-            return host
-        stream = getattr(self._local, "stream", None)
-        if stream is None:
-            stream = self._local.stream = torch.cuda.Stream(device=self.device)
-        with torch.cuda.stream(stream):
-            record = host.to(self.device, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        done.synchronize()
-        record.record_stream(torch.cuda.default_stream(self.device))  # compute uses it there
-        return record
-
-    def read_timed(self, key: str) -> tuple[torch.Tensor, float]:
-        """``read`` plus the seconds it took (on the calling thread)."""
-        start = time.perf_counter()
-        record = self.read(key)
-        return record, time.perf_counter() - start
-
-    def submit(self, key: str) -> Future:
-        """Read ``key`` on a worker thread; the future gives (record, seconds)."""
-        return self._pool.submit(self.read_timed, key)
+                n = os.preadv(self._plain_fd, [dest[:length]], offset)
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(self._plain_fd, offset, length, os.POSIX_FADV_DONTNEED)
+            if n < length:
+                raise ArtifactError(f"{self.path.name}: short read at {key}; the file is truncated. "
+                                    "Copy the artifact again or rerun `moeprep prepare`")
+        if start == 0 and length == self.record_bytes and self.crc32 is not None:
+            expected = self.crc32.get(key)
+            if expected is None or zlib.crc32(dest[:length]) != expected:
+                raise ArtifactError(f"record {key} of {self.path.name} fails its crc32 check (the file was altered "
+                                    "or damaged); run `moeload verify`, then copy the artifact again or rerun "
+                                    "`moeprep prepare`")
+        return length
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        if self._host is None:
-            os.close(self._fd)
+        for fd in {self._fd, self._plain_fd}:
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._plain_fd = -1
+
+
+class SlotArena:
+    """``count`` fixed-size slots of ``slot_bytes`` each, allocated once; page-aligned on the host.
+
+    On CUDA the slots live on the device; reads fill them through a pinned staging buffer.
+    """
+
+    def __init__(self, count: int, slot_bytes: int, device: torch.device) -> None:
+        self.count = count
+        self.slot_bytes = slot_bytes
+        self.device = device
+        self.free = list(range(count - 1, -1, -1))
+        total = max(1, count * slot_bytes)
+        if device.type == "cuda":
+            self._map = None
+            self.data = torch.empty(total, dtype=torch.uint8, device=device)
+        else:
+            self._map = mmap.mmap(-1, total)  # page-aligned, as O_DIRECT needs
+            self.data = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def take(self) -> int:
+        if not self.free:
+            raise RuntimeError("slot arena exhausted: the cache admitted more records than its capacity")
+        return self.free.pop()
+
+    def give(self, slot: int) -> None:
+        self.free.append(slot)
+
+    def tensor(self, slot: int, nbytes: int) -> torch.Tensor:
+        start = slot * self.slot_bytes
+        return self.data[start:start + nbytes]
+
+    def host_view(self, slot: int) -> memoryview:
+        start = slot * self.slot_bytes
+        return memoryview(self._map)[start:start + self.slot_bytes]
+
+
+class ReadJob:
+    """One queued or running read; ``wait()`` returns the seconds the read itself took."""
+
+    def __init__(self, store: ExpertStore, key: str, arena: SlotArena, slot: int, priority: int,
+                 start: int = 0, length: int | None = None) -> None:
+        self.store, self.key, self.arena, self.slot = store, key, arena, slot
+        self.priority = priority
+        self.start, self.length = start, length
+        self.state = "queued"  # queued -> running -> done | failed; or queued -> cancelled
+        self.seconds = 0.0
+        self.nbytes = 0
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+
+    def wait_done(self) -> None:
+        """Block until the job finished, failed or was cancelled, without raising."""
+        self._done.wait()
+
+    def wait(self) -> float:
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+        if self.state == "cancelled":
+            raise RuntimeError(f"read of {self.key} was cancelled and then waited on")
+        return self.seconds
+
+
+class Reader:
+    """Worker threads serving one priority queue of reads (demand before prefetch, then first come)."""
+
+    def __init__(self, workers: int = 2, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")
+        self._heap: list = []
+        self._order = itertools.count()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._local = threading.local()
+        self._staging_bytes = 0
+        self.after_compute = None  # CUDA: an event the copy stream waits on before overwriting a slot
+        self._threads = [threading.Thread(target=self._work, name=f"moeprep-read-{i}", daemon=True)
+                         for i in range(max(1, workers))]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, job: ReadJob) -> ReadJob:
+        with self._cv:
+            heapq.heappush(self._heap, (job.priority, next(self._order), job))
+            self._cv.notify()
+        return job
+
+    def promote(self, job: ReadJob) -> None:
+        """A demand now waits on a queued prefetch: serve it before other prefetches."""
+        with self._cv:
+            if job.state == "queued" and job.priority != DEMAND:
+                job.priority = DEMAND
+                heapq.heappush(self._heap, (DEMAND, next(self._order), job))  # the stale entry is skipped
+                self._cv.notify()
+
+    def cancel(self, job: ReadJob) -> bool:
+        """Cancel a job not yet started; returns whether it was cancelled."""
+        with self._cv:
+            if job.state != "queued":
+                return False
+            job.state = "cancelled"
+        job._done.set()
+        return True
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap and not self._closed:
+                    self._cv.wait()
+                if self._closed and not self._heap:
+                    return
+                priority, _, job = heapq.heappop(self._heap)
+                if job.state != "queued" or priority != job.priority:
+                    continue  # cancelled, or a stale entry of a promoted job
+                job.state = "running"
+            try:
+                start = time.perf_counter()
+                job.nbytes = self._read(job)
+                job.seconds = time.perf_counter() - start
+                job.state = "done"
+            except BaseException as e:  # handed to the waiting thread
+                job.error = e
+                job.state = "failed"
+            job._done.set()
+
+    def _read(self, job: ReadJob) -> int:
+        arena = job.arena
+        if arena.device.type != "cuda":
+            return job.store.read_into(job.key, arena.host_view(job.slot), job.start, job.length)
+        staging = getattr(self._local, "staging", None)
+        if staging is None or staging.numel() < arena.slot_bytes:
+            staging = self._local.staging = torch.empty(arena.slot_bytes, dtype=torch.uint8, pin_memory=True)
+            self._local.stream = torch.cuda.Stream(device=arena.device)
+        n = job.store.read_into(job.key, memoryview(staging.numpy()), job.start, job.length)
+        stream = self._local.stream
+        with torch.cuda.stream(stream):
+            if self.after_compute is not None:
+                stream.wait_event(self.after_compute)  # the slot's previous record may still be in use
+            arena.tensor(job.slot, arena.slot_bytes)[job.start:job.start + n].copy_(staging[:n], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()  # staging is reused by this thread's next read
+        return n
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            for _, _, job in self._heap:
+                if job.state == "queued":
+                    job.state = "cancelled"
+                    job._done.set()
+            self._heap.clear()
+            self._cv.notify_all()
+        for thread in self._threads:
+            thread.join()

@@ -1,0 +1,337 @@
+"""The typed, versioned plan (``plan.json``) and the one function that turns a plan and a budget into bytes.
+
+A plan holds every decision a technique makes about how an artifact runs; each field's default means
+"off", so a plan written by a pipeline that runs no technique reproduces plain offloading (one pool at
+the store's precision, per-layer LRU, the model's own top-k, misses read at the expert's precision).
+
+``capacities()`` is the only place where a memory budget becomes byte capacities per pool and layer:
+the loader, the bench and the simulator all call it, so they can never disagree about what a budget
+buys. Budget semantics (``resolve_budget``): bytes, a size string ("1.5GiB"), a percentage ("25%":
+the dense weights plus that share of the *source* model's expert bytes in its original dtype, so one
+percentage is one number of bytes for a lossless and a 4-bit artifact of one model), ``"unlimited"``
+(every expert of every pool fits), or None (the plan's ``default_budget``).
+
+Shape legend (declared once for the loader): T tokens, L MoE layers, E experts per layer, K top-k,
+H hidden size, I expert intermediate size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loader.errors import MoeError
+
+PLAN_VERSION = 1
+PLAN_FILE = "plan.json"
+GROUPS = ("layer", "global")
+SKIP = "skip"  # a miss policy's answer: do not compute this expert
+_UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+class PlanError(MoeError):
+    """A plan that cannot be used, or a budget that cannot be met; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A named policy and its parameters (JSON scalars, lists or dicts)."""
+
+    name: str
+    params: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "params": dict(self.params)}
+
+    @classmethod
+    def from_json(cls, raw, where: str) -> PolicySpec:
+        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str) or not isinstance(raw.get("params", {}), dict):
+            raise PlanError(f"{PLAN_FILE}: {where} must be {{'name': str, 'params': dict}}, got {raw!r:.80}; "
+                            "prepare the artifact again")
+        return cls(raw["name"], dict(raw.get("params", {})))
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A share of the expert budget holding records of one precision, evicted per layer or globally."""
+
+    name: str
+    precision: str
+    share: float = 1.0
+    group: str = "layer"  # "layer": one eviction group per MoE layer; "global": one across all layers
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "precision": self.precision, "share": self.share, "group": self.group}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a technique decides about running an artifact. Layers are positions 0..L-1 among the
+    model's MoE layers; ``expert_precision[l][e]`` names the store a miss of (l, e) reads by default."""
+
+    num_layers: int
+    num_experts: int
+    expert_precision: tuple[tuple[str, ...], ...]  # [L][E]
+    pools: tuple[Pool, ...]
+    layer_capacity: tuple[float, ...] | None = None  # relative per-layer weights (an allocator's output)
+    eviction: PolicySpec = field(default_factory=lambda: PolicySpec("lru"))
+    predictors: tuple[PolicySpec, ...] = ()
+    routing: PolicySpec = field(default_factory=lambda: PolicySpec("topk"))
+    miss: PolicySpec = field(default_factory=lambda: PolicySpec("plan"))  # read the planned precision
+    default_budget: str = "50%"
+    version: int = PLAN_VERSION
+
+    @classmethod
+    def default(cls, num_layers: int, num_experts: int, precision: str, default_budget: str = "50%") -> Plan:
+        """Every technique off: one per-layer LRU pool at ``precision``."""
+        return cls(num_layers, num_experts, tuple((precision,) * num_experts for _ in range(num_layers)),
+                   (Pool("main", precision),), default_budget=default_budget)
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """Every precision a record may be read at (the pools' and the experts'), in first-seen order."""
+        seen = [p.precision for p in self.pools] + [p for row in self.expert_precision for p in row]
+        return tuple(dict.fromkeys(seen))
+
+    def pool_for(self, precision: str) -> Pool:
+        for pool in self.pools:
+            if pool.precision == precision:
+                return pool
+        raise PlanError(f"{PLAN_FILE} has no pool for precision {precision!r}; pools: "
+                        f"{[p.precision for p in self.pools]}")
+
+    def to_json(self) -> dict:
+        return {
+            "version": self.version,
+            "num_layers": self.num_layers,
+            "num_experts": self.num_experts,
+            "expert_precision": [list(row) for row in self.expert_precision],
+            "pools": [p.to_json() for p in self.pools],
+            "layer_capacity": list(self.layer_capacity) if self.layer_capacity is not None else None,
+            "eviction": self.eviction.to_json(),
+            "predictors": [p.to_json() for p in self.predictors],
+            "routing": self.routing.to_json(),
+            "miss": self.miss.to_json(),
+            "default_budget": self.default_budget,
+        }
+
+    @classmethod
+    def from_json(cls, raw) -> Plan:
+        """Parse and check a plan; every malformed field gets a ``PlanError`` naming it."""
+
+        def bad(what: str):
+            return PlanError(f"{PLAN_FILE}: {what}; the plan is corrupt or from another moeprep, prepare the "
+                             "artifact again")
+
+        if not isinstance(raw, dict):
+            raise bad(f"expected an object, got {type(raw).__name__}")
+        known = {"version", "num_layers", "num_experts", "expert_precision", "pools", "layer_capacity",
+                 "eviction", "predictors", "routing", "miss", "default_budget"}
+        if unknown := sorted(set(raw) - known):
+            raise bad(f"unknown keys {unknown}")
+        if raw.get("version") != PLAN_VERSION or type(raw.get("version")) is not int:
+            raise bad(f"version {raw.get('version')!r}, this loader reads version {PLAN_VERSION}")
+        n_layers, n_experts = raw.get("num_layers"), raw.get("num_experts")
+        if not (_is_int(n_layers) and _is_int(n_experts) and n_layers > 0 and n_experts > 0):
+            raise bad("num_layers and num_experts must be positive integers")
+        rows = raw.get("expert_precision")
+        if (not isinstance(rows, list) or len(rows) != n_layers
+                or any(not isinstance(r, list) or len(r) != n_experts or not all(isinstance(p, str) for p in r)
+                       for r in rows)):
+            raise bad(f"expert_precision must be {n_layers} lists of {n_experts} precision names")
+        pools_raw = raw.get("pools")
+        if not isinstance(pools_raw, list) or not pools_raw:
+            raise bad("pools must be a non-empty list")
+        pools = []
+        for i, p in enumerate(pools_raw):
+            if (not isinstance(p, dict) or set(p) != {"name", "precision", "share", "group"}
+                    or not isinstance(p["name"], str) or not isinstance(p["precision"], str)
+                    or not _is_number(p["share"]) or not 0 < p["share"] <= 1 or p["group"] not in GROUPS):
+                raise bad(f"pool {i} must be {{name, precision, share in (0, 1], group in {GROUPS}}}, got {p!r:.120}")
+            pools.append(Pool(p["name"], p["precision"], float(p["share"]), p["group"]))
+        if len({p.precision for p in pools}) != len(pools):
+            raise bad("two pools hold the same precision")
+        if sum(p.share for p in pools) > 1 + 1e-9:
+            raise bad("the pools' shares add up to more than 1")
+        capacity = raw.get("layer_capacity")
+        if capacity is not None and (not isinstance(capacity, list) or len(capacity) != n_layers
+                                     or not all(_is_number(c) and c > 0 for c in capacity)):
+            raise bad(f"layer_capacity must be null or {n_layers} positive numbers")
+        predictors = raw.get("predictors", [])
+        if not isinstance(predictors, list):
+            raise bad("predictors must be a list")
+        budget = raw.get("default_budget")
+        if not isinstance(budget, str):
+            raise bad("default_budget must be a string such as '50%'")
+        try:
+            parse_budget(budget)
+        except PlanError as e:
+            raise bad(f"default_budget: {e}") from None
+        plan = cls(n_layers, n_experts, tuple(tuple(r) for r in rows), tuple(pools),
+                   tuple(float(c) for c in capacity) if capacity is not None else None,
+                   PolicySpec.from_json(raw.get("eviction"), "eviction"),
+                   tuple(PolicySpec.from_json(p, f"predictors[{i}]") for i, p in enumerate(predictors)),
+                   PolicySpec.from_json(raw.get("routing"), "routing"),
+                   PolicySpec.from_json(raw.get("miss"), "miss"), budget)
+        pooled = {p.precision for p in pools}
+        if missing := sorted({p for row in plan.expert_precision for p in row} - pooled):
+            raise bad(f"experts planned at precisions {missing} that no pool holds")
+        return plan
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def read_plan(artifact: str | Path) -> Plan:
+    path = Path(artifact) / PLAN_FILE
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PlanError(f"{path} is missing; prepare the artifact again") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlanError(f"{path} is not valid JSON ({e}); prepare the artifact again") from None
+    return Plan.from_json(raw)
+
+
+# ----------------------------------------------------------------------------------------- budgets
+
+
+def parse_budget(budget) -> tuple[str, float] | None:
+    """None | bytes (int) | "1.5GiB" | "25%" | "unlimited" -> None | (kind, value).
+
+    kind is "bytes", "fraction" (of the source expert bytes) or "unlimited".
+    """
+    if budget is None:
+        return None
+    if isinstance(budget, int | float) and not isinstance(budget, bool):
+        if not math.isfinite(budget) or budget <= 0:
+            raise PlanError(f"memory budget {budget!r} must be a positive number of bytes")
+        return ("bytes", float(budget))
+    text = str(budget).strip().lower().replace(" ", "")
+    if text in ("unlimited", "inf", "all"):
+        return ("unlimited", math.inf)
+    if text.endswith("%"):
+        try:
+            share = float(text[:-1]) / 100
+        except ValueError:
+            share = -1
+        if not (math.isfinite(share) and share > 0):
+            raise PlanError(f"memory budget {budget!r}: a percentage must be above 0")
+        return ("fraction", share)
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)([a-z]*)", text)
+    if not match or match.group(2) not in _UNITS | {"": 1}:
+        raise PlanError(f"memory budget {budget!r} not understood; use bytes, a size like 1.5GiB, a share "
+                        "like 25%, or 'unlimited'")
+    value = float(match.group(1)) * _UNITS.get(match.group(2), 1)
+    if value <= 0:
+        raise PlanError(f"memory budget {budget!r} must be above 0 bytes")
+    return ("bytes", value)
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """What the budget arithmetic needs to know about an artifact: the sizes of what is held."""
+
+    num_layers: int
+    num_experts: int
+    top_k: int
+    dense_bytes: int
+    source_expert_bytes: int  # every expert of the source model in its original dtype
+    record_bytes: dict  # precision -> bytes of one record of that precision
+
+
+@dataclass(frozen=True)
+class Capacities:
+    """Byte capacities: ``pools[name]`` maps each eviction group ("layer index" or "global") to bytes."""
+
+    limit_bytes: float  # the whole budget (math.inf when unlimited)
+    dense_bytes: int
+    buffer_bytes: int  # read buffers: records being read or used outside a cache
+    pools: dict  # pool name -> {group key: bytes}; group key is the layer position or "global"
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(sum(groups.values()) for groups in self.pools.values())
+
+    def to_json(self) -> dict:
+        return {"limit_bytes": None if math.isinf(self.limit_bytes) else int(self.limit_bytes),
+                "dense_bytes": self.dense_bytes, "buffer_bytes": self.buffer_bytes,
+                "pools": {name: {str(g): b for g, b in groups.items()} for name, groups in self.pools.items()}}
+
+
+def resolve_budget(budget, plan: Plan, sizes: ModelSizes) -> float:
+    """The budget in bytes (math.inf for unlimited); None means the plan's default budget."""
+    parsed = parse_budget(budget if budget is not None else plan.default_budget)
+    kind, value = parsed
+    if kind == "fraction":
+        return sizes.dense_bytes + value * sizes.source_expert_bytes
+    return value
+
+
+def buffer_bytes(plan: Plan, sizes: ModelSizes) -> int:
+    """Read buffers: K records of the largest precision can be in flight or in use outside a cache."""
+    return sizes.top_k * max(sizes.record_bytes[p] for p in plan.precisions)
+
+
+def minimum_budget(plan: Plan, sizes: ModelSizes) -> int:
+    """The smallest budget in bytes that ``capacities`` accepts for this plan."""
+    best = 0
+    for pool in plan.pools:
+        groups = 1 if pool.group == "global" else sizes.num_layers
+        weights = _layer_weights(plan) if pool.group == "layer" else [1.0]
+        # the smallest group must hold one record: bytes * share * (w_min / sum w) >= record
+        need = sizes.record_bytes[pool.precision] * (sum(weights) / min(weights) if groups > 1 else 1) / pool.share
+        best = max(best, need)
+    return int(math.ceil(sizes.dense_bytes + buffer_bytes(plan, sizes) + best))
+
+
+def _layer_weights(plan: Plan) -> list[float]:
+    return list(plan.layer_capacity) if plan.layer_capacity is not None else [1.0] * plan.num_layers
+
+
+def capacities(plan: Plan, budget, sizes: ModelSizes) -> Capacities:
+    """Byte capacities per pool and eviction group for ``budget`` (see ``resolve_budget``).
+
+    The expert share (budget - dense - read buffers) is split among pools by their ``share``; a
+    per-layer pool splits its part across layers by the plan's relative ``layer_capacity`` (equal when
+    absent), so an explicit budget scales the plan's allocation rather than discarding it. No group
+    holds more than all of its experts. A budget below ``minimum_budget`` is refused.
+    """
+    if plan.num_layers != sizes.num_layers or plan.num_experts != sizes.num_experts:
+        raise PlanError(f"{PLAN_FILE} is for {plan.num_layers} layers x {plan.num_experts} experts, the model has "
+                        f"{sizes.num_layers} x {sizes.num_experts}; prepare the artifact again")
+    for p in plan.precisions:
+        if p not in sizes.record_bytes:
+            raise PlanError(f"{PLAN_FILE} uses precision {p!r} but the artifact has no store for it "
+                            f"(stores: {sorted(sizes.record_bytes)}); prepare the artifact again")
+    limit = resolve_budget(budget, plan, sizes)
+    buffers = buffer_bytes(plan, sizes)
+    minimum = minimum_budget(plan, sizes)
+    if limit < minimum:
+        raise PlanError(
+            f"memory budget {budget if budget is not None else plan.default_budget!r} ({int(limit):,} bytes) is "
+            f"below the minimum of {minimum:,} bytes (dense weights {sizes.dense_bytes:,} + read buffers "
+            f"{buffers:,} + one expert per eviction group); raise the budget")
+    share = limit - sizes.dense_bytes - buffers
+    pools: dict = {}
+    for pool in plan.pools:
+        record = sizes.record_bytes[pool.precision]
+        part = share * pool.share
+        if pool.group == "global":
+            full = sizes.num_layers * sizes.num_experts * record
+            pools[pool.name] = {"global": int(min(full, part))}
+        else:
+            weights = _layer_weights(plan)
+            total = sum(weights)
+            full = sizes.num_experts * record
+            pools[pool.name] = {layer: int(min(full, part * w / total)) for layer, w in enumerate(weights)}
+    return Capacities(limit, sizes.dense_bytes, buffers, pools)
