@@ -135,7 +135,7 @@ def prepare(recipe: Recipe, root: str | Path = ".", output: str | Path | None = 
                 q_key = upstream["quantize"]
                 result = package.package_artifact(
                     model, adapter, tokenizer, recipe, source, store.final_dir("quantize", q_key),
-                    store.result("quantize", q_key), timings, out_dir)
+                    store.result("quantize", q_key), out_dir, key)
             result["recipe"] = sections
             store.commit(stage.name, key, work, result)
         seconds = round(time.perf_counter() - started, 3)

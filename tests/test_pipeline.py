@@ -140,3 +140,33 @@ def test_killed_quantize_resumes_to_identical_artifact(root, tmp_path_factory, m
     resumed = prepare(_recipe(), root=root)
     assert resumed["trace"]["cached"] and not resumed["quantize"]["cached"]
     assert _hashes(root / "artifacts/tiny/artifact") == _hashes(clean_root / "artifacts/tiny/artifact")
+
+
+def test_manifest_is_schema_2(root):
+    """The manifest carries what the loader needs without guessing (CONTRACT: schema_version 2)."""
+    import json
+    import zlib
+
+    from loader.format import read_record_offsets
+    from loader.plan import Plan
+
+    summary = prepare(_recipe(), root=root)
+    artifact = Path(summary["artifact"])
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["schema_version"] == 2 and manifest["format"] == "moeprep-artifact"
+    assert len(manifest["package_key"]) == 64 and manifest["package_key"].startswith(summary["package"]["key"])
+    moe = manifest["moe"]
+    assert moe["router_modules"] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    assert moe["experts_modules"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert moe["last_decoder_layer"] == "model.layers.1"
+    assert moe["source_expert_bytes"] == 2 * 8 * 3 * 16 * 32 * 4  # L x E x (gate, up, down) x I x H x float32
+    store = manifest["stores"]["int4"]
+    offsets, record_bytes, _ = read_record_offsets(artifact / store["file"])
+    assert set(store["crc32"]) == set(offsets) and len(offsets) == 16
+    with open(artifact / store["file"], "rb") as f:
+        for key, offset in offsets.items():
+            f.seek(offset)
+            assert zlib.crc32(f.read(record_bytes)) == store["crc32"][key]
+    plan = Plan.from_json(json.loads((artifact / "plan.json").read_text()))
+    assert plan == Plan.default(2, 8, "int4", default_budget="50%")
+    assert set(manifest["files"]) == {p.name for p in artifact.iterdir()} - {"manifest.json"}

@@ -231,6 +231,19 @@ class MoeAdapter:
         """The fused experts module of MoE layer `layer` (holds gate_up_proj / down_proj)."""
         return getattr(self.moe_block(model, layer), self.experts_attr)
 
+    def module_paths(self, model: nn.Module) -> dict:
+        """Dotted module paths in ``model`` that the loader hooks into, so it never guesses names.
+
+        Returns {"experts_modules": [str] (one per MoE layer), "router_modules": [str] (one per MoE
+        layer), "last_decoder_layer": str}.
+        """
+        names = {id(m): n for n, m in model.named_modules()}
+        return {
+            "experts_modules": [names[id(self.experts(model, layer))] for layer in self.moe_layers],
+            "router_modules": [names[id(self.router(model, layer))] for layer in self.moe_layers],
+            "last_decoder_layer": names[id(self.decoder_layers(model)[-1])],
+        }
+
     @staticmethod
     def block_output(output) -> torch.Tensor:
         """The hidden-state output of an MoE block's forward (gpt-oss also returns router scores)."""

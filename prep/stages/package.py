@@ -6,17 +6,17 @@ last, so a directory with a manifest is complete.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import shutil
-import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from loader.format import FORMAT, MANIFEST, SCHEMA_VERSION, expert_key, sha256_file, write_aligned_records
+from loader.files import write_json_atomic
+from loader.format import FORMAT, MANIFEST, SCHEMA_VERSION, expert_key, sha256_file
+from loader.plan import PLAN_FILE, Plan
+from prep.records import write_aligned_records
 from prep.stages.quantize import read_records
 
 VERSION = 1
@@ -49,17 +49,16 @@ def _dense_state(model, expert_params: set[str]) -> dict[str, torch.Tensor]:
 
 
 def package_artifact(model, adapter, tokenizer, recipe, source: dict, quantize_dir: Path, quantize: dict,
-                     timings: dict, out_dir: Path) -> dict:
+                     out_dir: Path, package_key: str) -> dict:
     """Write the artifact to ``out_dir``; returns the report."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
 
-    names = {id(m): n for n, m in model.named_modules()}
+    paths = adapter.module_paths(model)
     experts = [adapter.experts(model, layer) for layer in adapter.moe_layers]
-    modules = [names[id(m)] for m in experts]
-    expert_params = {f"{path}.{p}" for path, m in zip(modules, experts, strict=True)
+    expert_params = {f"{path}.{p}" for path, m in zip(paths["experts_modules"], experts, strict=True)
                      for p, _ in m.named_parameters(recurse=False)}
     model.config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -71,15 +70,11 @@ def package_artifact(model, adapter, tokenizer, recipe, source: dict, quantize_d
     records = read_records(quantize_dir, quantize)
     ordered = {expert_key(layer, e): records[expert_key(layer, e)].numpy().tobytes()
                for layer in adapter.moe_layers for e in range(adapter.num_experts)}
-    write_aligned_records(tmp / store_name, ordered, quantize["record_bytes"])
+    crc32 = write_aligned_records(tmp / store_name, ordered, quantize["record_bytes"])
 
-    slots = max(1, math.ceil(recipe.package.cache_fraction * adapter.num_experts))
-    plan = {
-        "expert_precision": {str(layer): [precision] * adapter.num_experts for layer in adapter.moe_layers},
-        "cache_slots": {str(layer): slots for layer in adapter.moe_layers},
-        "eviction_policy": "lru",
-    }
-    (tmp / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
+    budget = f"{recipe.package.cache_fraction * 100:g}%"
+    plan = Plan.default(len(adapter.moe_layers), adapter.num_experts, precision, default_budget=budget)
+    write_json_atomic(tmp / PLAN_FILE, plan.to_json())
 
     source_bytes = sum(p.numel() * p.element_size() for m in experts for p in m.parameters(recurse=False))
     store_bytes = len(ordered) * quantize["record_bytes"]
@@ -90,34 +85,36 @@ def package_artifact(model, adapter, tokenizer, recipe, source: dict, quantize_d
                   "experts_source_bytes": source_bytes, "store_file_bytes": (tmp / store_name).stat().st_size},
         "compression": {precision: round(source_bytes / store_bytes, 3)},
         "record_bytes": quantize["record_bytes"],
-        "stage_seconds": timings,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_json_atomic(tmp / "report.json", report)
 
     files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(tmp.iterdir()) if p.is_file()}
     manifest = {
         "format": FORMAT,
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": max(SCHEMA_VERSION, 2),  # TODO: SCHEMA_VERSION once format.py reads 2
         "producer": _producer(),
         "source_model": source,
         "recipe": recipe.to_dict(),
+        "package_key": package_key,
         "moe": {
             "architecture": adapter.model_type,
             "layers": adapter.moe_layers,
             "num_experts": adapter.num_experts,
             "top_k": adapter.top_k,
             "dtype": str(model.dtype).removeprefix("torch."),
-            "experts_modules": modules,
+            "experts_modules": paths["experts_modules"],
+            "router_modules": paths["router_modules"],
+            "last_decoder_layer": paths["last_decoder_layer"],
             "expert_params": sorted(expert_params),
+            "source_expert_bytes": source_bytes,
         },
         "stores": {precision: {"file": store_name, "record_bytes": quantize["record_bytes"],
-                               "layout": quantize["layout"]}},
-        "plan_summary": {"precision": precision, "cache_slots_per_layer": slots},
+                               "layout": quantize["layout"], "crc32": crc32}},
+        "plan_summary": {"precision": precision, "default_budget": budget, "eviction": plan.eviction.name},
         "files": files,
     }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")  # last: marks completeness
+    write_json_atomic(tmp / MANIFEST, manifest)  # last: marks completeness
     old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
     if out_dir.exists():
         os.replace(out_dir, old)
