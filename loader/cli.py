@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import click
 
 from loader import __version__
 from loader.errors import MoeError
-from loader.format import read_manifest, verify
+from loader.format import REPORT, ArtifactError, read_json, read_manifest, verify
 
 
 class LoaderGroup(click.Group):
@@ -55,8 +54,9 @@ def info_command(artifact: str, as_json: bool) -> None:
     """Summarize an artifact: source model, MoE geometry, stores, plan, sizes."""
     manifest = read_manifest(artifact)
     raw = manifest.raw
-    report_path = Path(artifact) / "report.json"
-    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    report = read_json(manifest.path(REPORT), REPORT) if REPORT in manifest.files else {}
+    if not isinstance(report, dict):
+        raise ArtifactError(f"{manifest.path(REPORT)} must hold a JSON object; re-run `moeprep prepare`", REPORT)
     info = {
         "schema_version": raw["schema_version"],
         "producer": raw["producer"],
