@@ -1,16 +1,21 @@
 """Calibration token sequences from a recipe's ``calibration`` section.
 
-Sources: ``reference`` (fresh documents from the reference model's generator, all five domains),
-``files`` (local ``.txt`` files, or ``.jsonl`` files read through ``text_field``), or ``dataset`` (a
-Hugging Face dataset id or local dataset directory, read through ``text_field``). Texts are tokenized,
-joined with the end-of-sequence token and cut into ``num_sequences`` windows of ``sequence_length``.
+``SOURCES`` is the registry of calibration sources, by the name ``calibration.source`` uses. A source is
+a function ``(section, root) -> iterable of texts``; an entry may also be a ``"module:function"`` string,
+imported on first use, so that this module depends on no source's package (the ``reference`` source
+lives with the reference model). Built in: ``reference`` (fresh documents from the reference model's
+generator), ``files`` (local ``.txt`` files, or ``.jsonl`` files read through ``text_field``) and
+``dataset`` (a Hugging Face dataset id or local dataset directory, read through ``text_field``).
+``register_calibration_source`` adds one. Texts are tokenized, joined with the end-of-sequence token
+and cut into ``num_sequences`` windows of ``sequence_length``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -18,35 +23,34 @@ import torch
 from prep.errors import MoeprepError
 from prep.recipe import CalibrationSection
 
-
-def _reference_texts(seed: int) -> Iterator[str]:
-    from prep.reference import data as D
-
-    empty = D.Split(frozenset(), frozenset(), frozenset())
-    round_ = 0
-    while True:
-        docs = D.training_documents(seed * 1000 + round_, empty, {d: 8 for d in D.DOMAINS})
-        yield from (text for _, text in docs)
-        round_ += 1
+CalibrationSource = Callable[[CalibrationSection, Path], Iterable[str]]
 
 
-def _file_texts(files: tuple[str, ...], field: str, root: Path) -> Iterator[str]:
-    for name in files:
+def _file_texts(section: CalibrationSection, root: Path) -> Iterator[str]:
+    if not section.files:
+        raise MoeprepError("calibration.source is 'files' but calibration.files is empty")
+    field = section.text_field
+    for name in section.files:
         path = Path(name) if Path(name).is_absolute() else root / name
         if not path.is_file():
             raise MoeprepError(f"calibration file {path} not found; fix calibration.files in the recipe")
         if path.suffix == ".jsonl":
             for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
                 if line.strip():
-                    row = json.loads(line)
-                    if field not in row:
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise MoeprepError(f"{path}:{i + 1} is not valid JSON ({e}); fix or remove that line") from None
+                    if not isinstance(row, dict) or field not in row:
                         raise MoeprepError(f"{path}:{i + 1} has no field {field!r}; set calibration.text_field")
                     yield str(row[field])
         else:
             yield path.read_text(encoding="utf-8")
 
 
-def _dataset_texts(section: CalibrationSection) -> Iterator[str]:
+def _dataset_texts(section: CalibrationSection, root: Path) -> Iterator[str]:
+    if not section.dataset:
+        raise MoeprepError("calibration.source is 'dataset' but calibration.dataset is not set")
     import datasets
 
     try:
@@ -60,20 +64,31 @@ def _dataset_texts(section: CalibrationSection) -> Iterator[str]:
     yield from (str(t) for t in data[section.text_field])
 
 
+SOURCES: dict[str, CalibrationSource | str] = {
+    "reference": "prep.reference:calibration_texts",
+    "files": _file_texts,
+    "dataset": _dataset_texts,
+}
+
+
+def register_calibration_source(name: str, source: CalibrationSource | str) -> None:
+    """Make ``source`` available as ``calibration.source: <name>``."""
+    SOURCES[name] = source
+
+
+def _source(name: str) -> CalibrationSource:
+    if name not in SOURCES:
+        raise MoeprepError(f"calibration.source {name!r} unknown; use {', '.join(SOURCES)}")
+    source = SOURCES[name]
+    if isinstance(source, str):
+        module, _, attr = source.partition(":")
+        source = SOURCES[name] = getattr(importlib.import_module(module), attr)
+    return source
+
+
 def calibration_sequences(section: CalibrationSection, tokenizer, root: Path) -> list[torch.Tensor]:
     """``num_sequences`` LongTensors of ``sequence_length`` tokens each."""
-    if section.source == "reference":
-        texts = _reference_texts(section.seed)
-    elif section.source == "files":
-        if not section.files:
-            raise MoeprepError("calibration.source is 'files' but calibration.files is empty")
-        texts = _file_texts(section.files, section.text_field, root)
-    elif section.source == "dataset":
-        if not section.dataset:
-            raise MoeprepError("calibration.source is 'dataset' but calibration.dataset is not set")
-        texts = _dataset_texts(section)
-    else:
-        raise MoeprepError(f"calibration.source {section.source!r} unknown; use reference, files or dataset")
+    texts = _source(section.source)(section, root)
     need = section.num_sequences * section.sequence_length
     stream: list[int] = []
     eos = tokenizer.eos_token_id

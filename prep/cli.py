@@ -63,13 +63,16 @@ def inspect_model_command(model: str, as_json: bool) -> None:
               help="Artifact directory (default artifacts/<recipe name>/artifact).")
 @click.option("--until", default=None, help="Stop after this stage.")
 @click.option("--force", default=None, help="Rerun this stage and every stage after it.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace --output even when it is not a moeprep artifact (deleting what it holds).")
 def prepare_command(recipe_path: str, overrides: tuple[str, ...], output: str | None, until: str | None,
-                    force: str | None) -> None:
+                    force: str | None, overwrite: bool) -> None:
     """Run the preparation pipeline of a recipe and write its artifact."""
     from prep.pipeline import prepare
     from prep.recipe import load_recipe
 
-    summary = prepare(load_recipe(recipe_path, overrides), root=".", output=output, until=until, force=force)
+    summary = prepare(load_recipe(recipe_path, overrides), root=".", output=output, until=until, force=force,
+                      overwrite=overwrite)
     for stage, info in summary.items():
         if stage != "artifact":
             state = "skipped" if info.get("skipped") else "cached" if info["cached"] else f"{info['seconds']:.1f} s"

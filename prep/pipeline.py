@@ -1,41 +1,58 @@
-"""The ordered stage table, cache keys, resume, ``--until`` and ``--force``.
+"""The stage table, cache keys, resume, ``--until`` and ``--force``.
 
-``prepare(recipe)`` walks ``STAGES`` in order. Each stage's key covers its name and version, its
-recipe section, the keys of the stages before it, and the model and calibration-data fingerprints
-(see ``prep/store.py``); a stage whose key already has a complete result is skipped. ``force`` reruns
-the named stage and every stage after it; ``until`` stops after the named stage.
+``STAGES`` lists the stage modules' declarations (``prep/stages/__init__.py`` says what a stage
+declares). ``prepare(recipe)`` walks the table in order with no per-stage code: for each stage it
+computes the key from what the stage declares (its recipe section; the keys of the stages it reads;
+the model fingerprint when it needs the model; the calibration section and data fingerprint when it
+needs calibration data; the recipe it records), reuses a complete cached result (and, for a stage
+whose output lives outside the stage store, only when ``output_ok`` confirms that output), and
+otherwise runs it. The model, the tokenizer and the calibration data are loaded on first use, so a
+fully cached run loads none of them. ``force`` reruns the named stage and every stage after it;
+``until`` stops after the named stage.
+
+The whole run holds an exclusive lock per artifact name (``artifacts/<name>/.lock``) and, for an
+``--output`` elsewhere, one on that output; leftovers of interrupted runs are tidied first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import json
 import time
-from dataclasses import asdict, dataclass
+import typing
+from functools import cached_property
 from pathlib import Path
 
 from tqdm import tqdm
 
 from prep.errors import MoeprepError
 from prep.recipe import Recipe
-from prep.stages import evaluate, package, quantize, trace
-from prep.store import StageStore, stage_key
+from prep.stages import Stage, StageResult, evaluate, package, quantize, trace
+from prep.store import ArtifactOutput, StageStore, exclusive_lock, stage_key
 
-
-@dataclass(frozen=True)
-class Stage:
-    name: str
-    version: int
-    section: str  # the recipe section that configures it
-
-
-STAGES = (
-    Stage("trace", trace.VERSION, "trace"),
-    Stage("quantize", quantize.VERSION, "quantize"),
-    Stage("package", package.VERSION, "package"),
-    Stage("evaluate", evaluate.VERSION, "evaluate"),
+STAGES: tuple[Stage, ...] = (
+    trace.STAGE,
+    quantize.STAGE,
+    package.STAGE,
+    evaluate.STAGE,
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
+# the recipe section of each config type: Recipe's fields, by their dataclass type
+SECTIONS = {hint: name for name, hint in typing.get_type_hints(Recipe).items() if dataclasses.is_dataclass(hint)}
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _check_table(stages: tuple[Stage, ...]) -> None:
+    seen: set[str] = set()
+    for stage in stages:
+        if stage.config not in SECTIONS:
+            raise TypeError(f"stage {stage.name}: config {stage.config.__name__} is not a section of Recipe")
+        if missing := [r for r in stage.reads if r not in seen]:
+            raise TypeError(f"stage {stage.name} reads {missing}, which do not come before it in the table")
+        seen.add(stage.name)
+
+
+_check_table(STAGES)
 
 
 FULL_HASH_BYTES = 1 << 30  # safetensors files up to this size are hashed whole
@@ -68,85 +85,217 @@ def model_fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()
 
 
+def lineage(stage: Stage, stages: tuple[Stage, ...] = STAGES) -> list[Stage]:
+    """``stage`` and every stage it reads, directly or not, in table order."""
+    by_name = {s.name: s for s in stages}
+    wanted, todo = set(), [stage.name]
+    while todo:
+        name = todo.pop()
+        if name not in wanted:
+            wanted.add(name)
+            todo += by_name[name].reads
+    return [s for s in stages if s.name in wanted]
+
+
+class _Sources:
+    """What stages may need, each loaded or computed on first use and then shared by every stage."""
+
+    def __init__(self, recipe: Recipe, root: Path, model_dir: Path) -> None:
+        self.recipe, self.root, self.model_dir = recipe, root, model_dir
+        self.sections = recipe.to_dict()
+
+    @cached_property
+    def model_fingerprint(self) -> str:
+        return model_fingerprint(self.model_dir)
+
+    @cached_property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_dir)
+
+    @cached_property
+    def sequences(self) -> list:
+        from prep.calibration import calibration_sequences
+
+        return calibration_sequences(self.recipe.calibration, self.tokenizer, self.root)
+
+    @cached_property
+    def data_fingerprint(self) -> str:
+        from prep.calibration import fingerprint_sequences
+
+        return fingerprint_sequences(self.sequences)
+
+    @cached_property
+    def model(self):
+        from prep.adapters import load_model
+
+        return load_model(self.model_dir, dtype="auto")
+
+    @cached_property
+    def adapter(self):
+        from prep.adapters import get_adapter
+
+        return get_adapter(self.model)
+
+    def recipe_of(self, stage: Stage) -> dict:
+        """The resolved recipe ``stage``'s output derives from: name, model, the sections of its lineage,
+        and the calibration section when one of them reads calibration data."""
+        chain = lineage(stage)
+        names = ["name", "model"] + [SECTIONS[s.config] for s in chain]
+        if any("calibration" in s.needs for s in chain):
+            names.append("calibration")
+        return {k: v for k, v in self.sections.items() if k in names}
+
+    def key_inputs(self, stage: Stage) -> tuple[dict, dict]:
+        """(config, fingerprints) of ``stage``'s key: exactly what it declares."""
+        config: dict = {"section": self.sections[SECTIONS[stage.config]]}
+        fingerprints: dict = {}
+        if "model" in stage.needs:
+            fingerprints["model"] = self.model_fingerprint
+        if "calibration" in stage.needs:
+            config["calibration"] = self.sections["calibration"]
+            fingerprints["data"] = self.data_fingerprint
+        if "recipe" in stage.needs:
+            config["recipe"] = self.recipe_of(stage)
+        return config, fingerprints
+
+
+class StageInputs:
+    """What one stage run may use; asking for something the stage did not declare is a bug in that stage
+    (its key would not cover it), so it raises ``TypeError``."""
+
+    def __init__(self, stage: Stage, sources: _Sources, store: StageStore, keys: dict[str, str],
+                 artifact: ArtifactOutput) -> None:
+        self.stage, self._sources, self._store, self._keys, self._artifact = stage, sources, store, keys, artifact
+        self.config = getattr(sources.recipe, SECTIONS[stage.config])
+        self.key = keys[stage.name]
+        self.root, self.model_dir = sources.root, sources.model_dir
+        self.work: Path | None = None
+
+    def _need(self, what: str):
+        if what not in self.stage.needs:
+            raise TypeError(f"stage {self.stage.name} uses {what!r} but does not declare it in needs")
+
+    def upstream(self, name: str) -> tuple[Path, StageResult]:
+        """(stage directory, result) of a stage this one reads."""
+        if name not in self.stage.reads:
+            raise TypeError(f"stage {self.stage.name} reads {name!r} but does not declare it in reads")
+        reader = next(s for s in STAGES if s.name == name)
+        key = self._keys[name]
+        if not self._store.is_complete(name, key):
+            raise MoeprepError(f"stage {self.stage.name} needs the result of stage {name}, which this recipe "
+                               f"switches off; enable it")
+        return self._store.final_dir(name, key), self._store.load(reader, key)
+
+    @property
+    def model(self):
+        self._need("model")
+        return self._sources.model
+
+    @property
+    def adapter(self):
+        self._need("model")
+        return self._sources.adapter
+
+    @property
+    def tokenizer(self):
+        self._need("model")
+        return self._sources.tokenizer
+
+    @property
+    def model_fingerprint(self) -> str:
+        self._need("model")
+        return self._sources.model_fingerprint
+
+    @property
+    def sequences(self) -> list:
+        self._need("calibration")
+        return self._sources.sequences
+
+    @property
+    def recipe(self) -> dict:
+        self._need("recipe")
+        return self._sources.recipe_of(self.stage)
+
+    @property
+    def source(self) -> dict:
+        """The source model as recorded: {path, revision, fingerprint}."""
+        self._need("recipe")
+        self._need("model")
+        model = self._sources.recipe.model
+        return {"path": model.path, "revision": model.revision, "fingerprint": self._sources.model_fingerprint}
+
+    @property
+    def artifact(self) -> ArtifactOutput:
+        self._need("artifact")
+        return self._artifact
+
+
 def _check_stage(name: str | None, what: str) -> None:
     if name is not None and name not in STAGE_NAMES:
         raise MoeprepError(f"{what} {name!r} is not a stage; stages in order: {', '.join(STAGE_NAMES)}")
 
 
 def prepare(recipe: Recipe, root: str | Path = ".", output: str | Path | None = None,
-            until: str | None = None, force: str | None = None) -> dict:
-    """Run the pipeline for ``recipe``; returns {stage: {key, seconds, cached}} and the artifact path."""
-    from prep.adapters import get_adapter, load_model
-    from prep.calibration import calibration_sequences, fingerprint_sequences
+            until: str | None = None, force: str | None = None, overwrite: bool = False) -> dict:
+    """Run the pipeline for ``recipe``; returns {stage: {key, seconds, cached[, skipped]}} and the artifact path.
 
+    ``output`` (default ``artifacts/<name>/artifact`` under ``root``) is replaced only when it is absent,
+    empty or a moeprep artifact, unless ``overwrite``; the model directory, the working directory, the
+    project root and the stage cache are never replaced.
+    """
     _check_stage(until, "--until")
     _check_stage(force, "--force")
     root = Path(root)
-    model_ref = recipe.model_path(root)
-    model_dir = Path(model_ref)
+    model_dir = Path(recipe.model_path(root))
     if not model_dir.is_dir():
         raise MoeprepError(f"model {recipe.model.path!r} is not a local directory (looked in {root}); "
                            "download it first and set model.path to its directory")
     work_root = root / "artifacts" / recipe.name
+    default_output = output is None
+    artifact = ArtifactOutput(
+        work_root / "artifact" if default_output else Path(output),
+        protected=[model_dir, Path.cwd(), root, PROJECT_ROOT, work_root / "stages"], overwrite=overwrite)
+    with exclusive_lock(work_root / ".lock", f"artifact name {recipe.name!r}"):
+        if default_output:
+            return _run_stages(recipe, root, model_dir, work_root, artifact, until, force)
+        with artifact.lock():
+            return _run_stages(recipe, root, model_dir, work_root, artifact, until, force)
+
+
+def _run_stages(recipe: Recipe, root: Path, model_dir: Path, work_root: Path, artifact: ArtifactOutput,
+                until: str | None, force: str | None) -> dict:
+    artifact.tidy()
+    artifact.check_replaceable()
     store = StageStore(work_root / "stages")
-    out_dir = Path(output) if output else work_root / "artifact"
-
-    from transformers import AutoTokenizer
-
-    model = load_model(model_dir, dtype="auto")
-    adapter = get_adapter(model)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    sequences = calibration_sequences(recipe.calibration, tokenizer, root)
-    fingerprints = {"model": model_fingerprint(model_dir), "data": fingerprint_sequences(sequences)}
-    source = {"path": recipe.model.path, "revision": recipe.model.revision, "fingerprint": fingerprints["model"]}
-    sections = recipe.to_dict()
-
-    forced = False
-    upstream: dict[str, str] = {}
+    sources = _Sources(recipe, root, model_dir)
+    keys: dict[str, str] = {}
     summary: dict = {}
-    timings: dict = {}
+    wrote_artifact = False
+    forced = False
     for stage in tqdm(STAGES, desc="prepare", unit="stage", leave=False):
-        config = {"section": sections[stage.section], "calibration": sections["calibration"]}
-        if stage.name == "package":
-            config["output"] = str(out_dir)
-        key = stage_key(stage.name, stage.version, config, dict(upstream), fingerprints)
+        config, fingerprints = sources.key_inputs(stage)
+        key = stage_key(stage.name, stage.version, config, {r: keys[r] for r in stage.reads}, fingerprints)
+        keys[stage.name] = key
         forced = forced or stage.name == force
-        if forced:
-            store.discard(stage.name, key)
-        if stage.name == "evaluate" and not recipe.evaluate.enabled:
+        inputs = StageInputs(stage, sources, store, keys, artifact)
+        if stage.enabled is not None and not stage.enabled(inputs.config):
             summary[stage.name] = {"key": key[:16], "seconds": 0.0, "cached": False, "skipped": True}
-            continue
-        cached = store.is_complete(stage.name, key)
-        if stage.name == "package":  # its real output lives outside the stage cache: it must still exist
-            cached = cached and (out_dir / "manifest.json").is_file()
-        if stage.name == "evaluate":  # its summary lives in the artifact's report.json: it must be there
-            report = out_dir / "report.json"
-            cached = cached and report.is_file() and "eval" in json.loads(report.read_text())
-        started = time.perf_counter()
-        if not cached:
-            work = store.work_dir(stage.name, key)
-            if stage.name == "trace":
-                result = trace.record_routing(model, adapter, sequences, recipe.trace, work, fingerprints["model"])
-            elif stage.name == "quantize":
-                result = quantize.quantize_experts(model, adapter, recipe.quantize, work)
-            elif stage.name == "evaluate":
-                result = evaluate.check_accuracy(out_dir, model_dir, recipe.evaluate, work, root)
-            else:
-                q_key = upstream["quantize"]
-                result = package.package_artifact(
-                    model, adapter, tokenizer, recipe, source, store.final_dir("quantize", q_key),
-                    store.result("quantize", q_key), out_dir, key)
-            result["recipe"] = sections
-            store.commit(stage.name, key, work, result)
-        seconds = round(time.perf_counter() - started, 3)
-        timings[stage.name] = seconds
-        summary[stage.name] = {"key": key[:16], "seconds": seconds, "cached": cached}
-        upstream[stage.name] = key
+        else:
+            if forced:
+                store.discard(stage.name, key)
+            started = time.perf_counter()
+            cached = store.is_complete(stage.name, key) and (
+                stage.output_ok is None or stage.output_ok(inputs, store.load(stage, key)))
+            if not cached:
+                inputs.work = store.work_dir(stage.name, key)
+                result = stage.run(inputs)
+                store.commit(stage.name, key, inputs.work, result, version=stage.version, config=config)
+            summary[stage.name] = {"key": key[:16], "seconds": round(time.perf_counter() - started, 3),
+                                   "cached": cached}
+            wrote_artifact = wrote_artifact or "artifact" in stage.needs
         if stage.name == until:
             break
-    summary["artifact"] = str(out_dir) if "package" in upstream else None
+    summary["artifact"] = str(artifact.path) if wrote_artifact else None
     return summary
-
-
-def describe_stages() -> str:
-    return json.dumps([asdict(s) for s in STAGES])

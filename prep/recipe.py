@@ -2,12 +2,17 @@
 
 A recipe names the model, the calibration data and one section per pipeline stage. ``load_recipe``
 reads the YAML, applies ``--set section.key=value`` overrides, checks every key and type, and returns a
-``Recipe``. ``Recipe.to_dict()`` is the resolved recipe stored with every stage result and artifact.
+``Recipe``. ``Recipe.to_dict()`` is the resolved recipe; each stage records the sections it derives from.
+
+YAML is read with a bounded loader: aliases may not expand the document past ``MAX_YAML_NODES`` nodes
+(a "billion laughs" recipe is refused at once instead of filling memory), and recursive aliases are
+refused. A recipe ``name`` names a directory (``artifacts/<name>/``), so it is one plain path component.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +23,50 @@ import yaml
 from prep.errors import MoeprepError
 
 PRECISIONS = ("passthrough", "int8", "int4", "int3", "int2")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+MAX_YAML_NODES = 10_000  # a recipe has well under a hundred; aliases may not expand past this
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader that refuses documents whose aliases expand past ``MAX_YAML_NODES`` nodes, or loop."""
+
+    def compose_document(self):
+        node = super().compose_document()
+        _expanded_size(node, {}, set())
+        return node
+
+
+def _expanded_size(node, sizes: dict, active: set) -> int:
+    """Nodes in ``node`` with every alias expanded (each shared node counted once per use)."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    if id(node) in active:
+        raise MoeprepError("the recipe YAML has a recursive alias (an anchor used inside itself); remove it")
+    active.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        children = [child for pair in node.value for child in pair]
+    elif isinstance(node, yaml.SequenceNode):
+        children = node.value
+    else:
+        children = []
+    size = 1
+    for child in children:
+        size += _expanded_size(child, sizes, active)
+        if size > MAX_YAML_NODES:
+            raise MoeprepError(f"the recipe YAML expands to more than {MAX_YAML_NODES:,} values through its "
+                               "aliases (&anchor / *alias), far more than a recipe needs; write it out plainly")
+    active.discard(id(node))
+    sizes[id(node)] = size
+    return size
+
+
+def _load_yaml(text: str, what: str):
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as e:
+        raise MoeprepError(f"{what} is not valid YAML: {e}") from None
+    except RecursionError:
+        raise MoeprepError(f"{what} nests too deeply to be a recipe") from None
 
 
 @dataclass(frozen=True)
@@ -106,7 +155,7 @@ def _to_plain(value):
 
 
 def _parse_scalar(text: str):
-    return yaml.safe_load(text)
+    return _load_yaml(text, f"--set value {text!r}")
 
 
 def _apply_override(data: dict, assignment: str) -> None:
@@ -175,6 +224,12 @@ def _build(cls, data: dict, where: str):
 
 
 def _validate(recipe: Recipe) -> None:
+    from prep.calibration import SOURCES
+
+    if not NAME_PATTERN.fullmatch(recipe.name):
+        raise MoeprepError(f"recipe name {recipe.name!r} is not allowed: it names the directory artifacts/<name>, "
+                           "so use letters, digits, '.', '_' and '-', starting with a letter or digit "
+                           "(no '/', no '..'); set name: in the recipe")
     if recipe.quantize.precision not in PRECISIONS:
         raise MoeprepError(f"quantize.precision {recipe.quantize.precision!r} unknown; use one of {PRECISIONS}")
     if recipe.quantize.group_size <= 0:
@@ -188,8 +243,8 @@ def _validate(recipe: Recipe) -> None:
         raise MoeprepError(f"evaluate.suites: unknown suite(s) {unknown}; use gsm8k, mmlu, truthfulqa")
     if recipe.trace.hidden_dtype not in ("float16", "bfloat16", "float32"):
         raise MoeprepError(f"trace.hidden_dtype {recipe.trace.hidden_dtype!r} unknown; use float16, bfloat16 or float32")
-    if recipe.calibration.source not in ("reference", "files", "dataset"):
-        raise MoeprepError(f"calibration.source {recipe.calibration.source!r} unknown; use reference, files or dataset")
+    if recipe.calibration.source not in SOURCES:
+        raise MoeprepError(f"calibration.source {recipe.calibration.source!r} unknown; use {', '.join(SOURCES)}")
     if recipe.calibration.num_sequences <= 0 or recipe.calibration.sequence_length <= 1:
         raise MoeprepError("calibration needs num_sequences >= 1 and sequence_length >= 2")
 
@@ -212,9 +267,10 @@ def load_recipe(path: str | Path, overrides: tuple[str, ...] = ()) -> Recipe:
         hint = f"; recipes in {path.parent}: {', '.join(available)}" if available else ""
         raise MoeprepError(f"recipe {path} not found{hint}")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise MoeprepError(f"recipe {path} is not valid YAML: {e}") from None
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise MoeprepError(f"cannot read recipe {path} ({e}); it must be a UTF-8 YAML file") from None
+    data = _load_yaml(text, f"recipe {path}")
     if not isinstance(data, dict):
         raise MoeprepError(f"recipe {path} must be a mapping of sections")
     data.setdefault("name", path.stem)

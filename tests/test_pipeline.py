@@ -32,9 +32,8 @@ def root(tmp_path):
 
 
 def _hashes(directory: Path) -> dict[str, str]:
-    # report.json holds this run's timings and manifest.json its hash; every other file must match
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())
-            if p.name not in ("report.json", "manifest.json")}
+    # every file of an artifact is a pure function of its inputs (no timestamps, no timings)
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
 
 def test_shipped_recipes_load():
@@ -170,3 +169,132 @@ def test_manifest_is_schema_2(root):
     plan = Plan.from_json(json.loads((artifact / "plan.json").read_text()))
     assert plan == Plan.default(2, 8, "int4", default_budget="50%")
     assert set(manifest["files"]) == {p.name for p in artifact.iterdir()} - {"manifest.json"}
+
+
+def test_changing_a_setting_and_back_serves_the_right_artifact(root):
+    """Issue 15 §7: int4 -> int8 -> int4 must not serve the int8 artifact as "cached"."""
+    import json
+
+    first = prepare(_recipe(), root=root)
+    int4 = _hashes(Path(first["artifact"]))
+    prepare(_recipe(precision="int8"), root=root)
+    back = prepare(_recipe(), root=root)
+    assert back["quantize"]["cached"] and not back["package"]["cached"]  # rebuilt from the cached quantize
+    artifact = Path(back["artifact"])
+    assert _hashes(artifact) == int4
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert list(manifest["stores"]) == ["int4"] and manifest["package_key"].startswith(back["package"]["key"])
+    assert prepare(_recipe(), root=root)["package"]["cached"]
+
+
+def test_keys_cover_only_what_a_stage_declares(root):
+    base = prepare(_recipe(), root=root)
+    # trace settings and calibration data are not inputs of quantize or package
+    for change in ({"trace": {"hidden_dtype": "float32"}}, {"calibration": {"seed": 7}}):
+        recipe = recipe_from_dict(_recipe().to_dict() | change | {
+            "calibration": _recipe().to_dict()["calibration"] | change.get("calibration", {})})
+        rerun = prepare(recipe, root=root)
+        assert not rerun["trace"]["cached"], change
+        assert rerun["quantize"]["cached"] and rerun["package"]["cached"], change
+        assert rerun["quantize"]["key"] == base["quantize"]["key"] and rerun["package"]["key"] == base["package"]["key"]
+    # the package section is not an input of quantize
+    rerun = prepare(recipe_from_dict(_recipe().to_dict() | {"package": {"cache_fraction": 0.25}}), root=root)
+    assert rerun["quantize"]["cached"] and not rerun["package"]["cached"]
+
+
+def test_fully_cached_run_loads_no_model(root, monkeypatch):
+    import prep.adapters
+
+    prepare(_recipe(), root=root)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a fully cached run loaded the model")
+
+    monkeypatch.setattr(prep.adapters, "load_model", refuse)
+    again = prepare(_recipe(), root=root)
+    assert all(again[s]["cached"] for s in ("trace", "quantize", "package"))
+    with pytest.raises(AssertionError, match="loaded the model"):  # a stage that needs it does load it
+        prepare(_recipe(group_size=8), root=root)
+
+
+def test_a_stage_is_one_table_entry_and_gets_only_what_it_declares(root, monkeypatch):
+    """A new stage: a module-level Stage and one entry in STAGES; prepare() needs no change."""
+    from dataclasses import dataclass
+
+    from prep.recipe import TraceSection
+    from prep.stages import Stage, StageResult
+
+    @dataclass(frozen=True)
+    class Count(StageResult):
+        records: int
+
+    def count_records(inputs):
+        directory, packed = inputs.upstream("quantize")
+        return Count(records=len(packed.records(directory)))
+
+    counting = Stage(name="count", version=1, config=TraceSection, result=Count, reads=("quantize",),
+                     run=count_records)
+    monkeypatch.setattr(pipeline, "STAGES", (*pipeline.STAGES, counting))
+    monkeypatch.setattr(pipeline, "STAGE_NAMES", (*pipeline.STAGE_NAMES, "count"))
+    first = prepare(_recipe(), root=root)
+    assert not first["count"]["cached"]
+    stage_dir = next((root / "artifacts/tiny/stages").glob("count-*"))
+    assert Count.load(stage_dir) == Count(records=16)
+    assert prepare(_recipe(), root=root)["count"]["cached"]
+
+    def peeks(inputs):
+        return Count(records=inputs.model.config.num_experts)
+
+    sneaky = Stage(name="sneaky", version=1, config=TraceSection, result=Count, run=peeks)
+    monkeypatch.setattr(pipeline, "STAGES", (*pipeline.STAGES, sneaky))
+    with pytest.raises(TypeError, match="does not declare it in needs"):
+        prepare(_recipe(), root=root)
+
+
+def test_stage_results_round_trip(tmp_path):
+    import torch
+
+    for stage in pipeline.STAGES:
+        assert issubclass(stage.result, pipeline.StageResult) and stage.result.__dataclass_params__.frozen
+    from prep.stages.trace import RoutingTraces
+
+    result = RoutingTraces(tokens=3, layers=[0, 1], expert_share=[[0.5, 0.5], [1.0, 0.0]])
+    result.save(tmp_path, tensors={"x": torch.arange(4)}, stage="trace")
+    assert RoutingTraces.load(tmp_path) == result
+    assert RoutingTraces.load_tensors(tmp_path)["x"].tolist() == [0, 1, 2, 3]
+
+
+def test_prepare_has_no_per_stage_branch():
+    import inspect
+
+    source = inspect.getsource(pipeline._run_stages) + inspect.getsource(pipeline.prepare)
+    for stage in pipeline.STAGE_NAMES:
+        assert f'"{stage}"' not in source and f"'{stage}'" not in source
+    assert not hasattr(pipeline, "describe_stages")
+
+
+def test_calibration_sources_are_a_registry(tmp_path):
+    import ast
+
+    from prep import calibration
+
+    tree = ast.parse(Path(calibration.__file__).read_text())
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not any(m and m.startswith("prep.reference") for m in imported)
+    assert {"reference", "files", "dataset"} <= set(calibration.SOURCES)
+    calibration.register_calibration_source("constant", lambda section, root: iter(["a b c d"] * 100))
+    try:
+        recipe = recipe_from_dict({"name": "x", "model": {"path": "m"},
+                                   "calibration": {"source": "constant", "num_sequences": 2, "sequence_length": 4}})
+
+        class Tok:
+            eos_token_id = 0
+
+            def __call__(self, text):
+                return {"input_ids": [1, 2, 3, 4]}
+
+        seqs = calibration.calibration_sequences(recipe.calibration, Tok(), tmp_path)
+        assert [s.tolist() for s in seqs] == [[1, 2, 3, 4], [0, 1, 2, 3]]
+    finally:
+        del calibration.SOURCES["constant"]

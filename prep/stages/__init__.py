@@ -1,1 +1,86 @@
-"""Pipeline stages: one module each, with VERSION, a ``run`` function and the result it writes."""
+"""The stage contract: every pipeline stage is one module that declares a ``Stage``.
+
+A stage declares
+
+- ``config``: its recipe section, a frozen dataclass of ``prep/recipe.py``;
+- ``result``: a frozen ``StageResult`` subclass, saved as ``result.json`` (+ an optional
+  ``tensors.safetensors``, + any files the stage writes itself) in its stage directory;
+- ``reads``: the upstream stages whose results it reads;
+- ``needs``: what else it uses, from ``NEEDS``:
+  ``model`` (the loaded source model, its adapter and tokenizer; loaded only when such a stage runs),
+  ``calibration`` (the calibration token sequences), ``recipe`` (it records the recipe that made its
+  output: name, model and the sections of the stages it derives from), ``artifact`` (it writes or
+  reads the artifact directory, ``prep.store.ArtifactOutput``);
+- ``run(inputs) -> result``, where ``inputs`` (``prep.pipeline.StageInputs``) hands out only what was
+  declared;
+- optionally ``enabled(config)`` (a stage the recipe can switch off) and ``output_ok(inputs, result)``
+  (for a stage whose real output lives outside the stage store: a cached result is reused only when
+  this says its output is still there and is this key's).
+
+The cache key of a stage covers exactly what it declares (``prep.store.stage_key``); ``prep/pipeline.py``
+walks the table and has no per-stage code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loader.files import write_json_atomic
+
+RESULT = "result.json"
+TENSORS = "tensors.safetensors"
+NEEDS = frozenset({"model", "calibration", "recipe", "artifact"})
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """Base of every stage result: a frozen dataclass of JSON values, saved as ``result.json``."""
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict) -> StageResult:
+        return cls(**{f.name: raw[f.name] for f in dataclasses.fields(cls)})
+
+    def save(self, directory: Path, tensors: dict | None = None, **meta) -> None:
+        """Write ``tensors.safetensors`` (when given), then ``result.json`` last: {"result": ..., **meta}."""
+        if tensors:
+            from safetensors.torch import save_file
+
+            save_file(tensors, str(Path(directory) / TENSORS))
+        write_json_atomic(Path(directory) / RESULT, {"result": self.to_json(), **meta}, sort_keys=True)
+
+    @classmethod
+    def load(cls, directory: Path) -> StageResult:
+        return cls.from_json(json.loads((Path(directory) / RESULT).read_text())["result"])
+
+    @staticmethod
+    def load_tensors(directory: Path) -> dict:
+        from safetensors.torch import load_file
+
+        return load_file(str(Path(directory) / TENSORS))
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One row of the stage table (``prep.pipeline.STAGES``)."""
+
+    name: str
+    version: int  # bump whenever the output changes for the same inputs
+    config: type  # its recipe section dataclass
+    result: type[StageResult]
+    run: Callable[[Any], StageResult]
+    reads: tuple[str, ...] = ()
+    needs: frozenset[str] = frozenset()
+    enabled: Callable[[Any], bool] | None = None
+    output_ok: Callable[[Any, StageResult], bool] | None = None
+
+    def __post_init__(self) -> None:
+        if unknown := set(self.needs) - NEEDS:
+            raise ValueError(f"stage {self.name}: unknown needs {sorted(unknown)}; use {sorted(NEEDS)}")

@@ -1,25 +1,42 @@
 """Stage ``package``: assemble the artifact directory the loader opens (format: ``loader/format.py``).
 
-Built in a temporary directory next to the target and renamed into place; ``manifest.json`` is written
-last, so a directory with a manifest is complete.
+Reads the quantize stage; needs the model (dense weights, config, tokenizer, module paths), the
+recipe (recorded in the manifest) and the artifact output. The files are written into a fresh
+directory beside ``--output`` (``prep.store.ArtifactOutput.build``), ``manifest.json`` last, and the
+finished directory is swapped in with one rename. The manifest records this stage's key
+(``package_key``): a later run reuses the artifact only when that key matches and every listed file
+has its recorded size; otherwise it builds it again. Every file is a pure function of the key's inputs
+(no timestamps, no timings), so a rebuild is byte-identical.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from loader.files import write_json_atomic
-from loader.format import FORMAT, MANIFEST, SCHEMA_VERSION, expert_key, sha256_file
+from loader.format import FORMAT, MANIFEST, SCHEMA_VERSION, sha256_file
 from loader.plan import PLAN_FILE, Plan
+from prep.recipe import PackageSection
 from prep.records import write_aligned_records
-from prep.stages.quantize import read_records
+from prep.stages import Stage, StageResult
+from prep.stages.quantize import PackedExperts
 
-VERSION = 1
+VERSION = 2
+REPORT = "report.json"
+
+
+@dataclass(frozen=True)
+class ArtifactReport(StageResult):
+    """What the artifact holds and how much smaller it is; also written as the artifact's report.json."""
+
+    architecture: str
+    sizes: dict
+    compression: dict
+    record_bytes: int
 
 
 def _producer() -> dict:
@@ -48,54 +65,49 @@ def _dense_state(model, expert_params: set[str]) -> dict[str, torch.Tensor]:
     return out
 
 
-def package_artifact(model, adapter, tokenizer, recipe, source: dict, quantize_dir: Path, quantize: dict,
-                     out_dir: Path, package_key: str) -> dict:
-    """Write the artifact to ``out_dir``; returns the report."""
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quantize_dir: Path,
+                     quantize: PackedExperts, cfg: PackageSection, package_key: str, out: Path) -> ArtifactReport:
+    """Write every artifact file into the empty directory ``out``, ``manifest.json`` last; returns the report.
 
+    ``recipe`` is the resolved recipe the artifact derives from, ``source`` the source model's
+    {path, revision, fingerprint}, ``package_key`` this stage's cache key.
+    """
+    out = Path(out)
     paths = adapter.module_paths(model)
     experts = [adapter.experts(model, layer) for layer in adapter.moe_layers]
     expert_params = {f"{path}.{p}" for path, m in zip(paths["experts_modules"], experts, strict=True)
                      for p, _ in m.named_parameters(recurse=False)}
-    model.config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    dense = _dense_state(model, expert_params)
-    save_file(dense, str(tmp / "dense.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    save_file(_dense_state(model, expert_params), str(out / "dense.safetensors"), metadata={"format": "pt"})
 
-    precision = quantize["precision"]
+    precision = quantize.precision
     store_name = f"experts-{precision}.safetensors"
-    records = read_records(quantize_dir, quantize)
-    ordered = {expert_key(layer, e): records[expert_key(layer, e)].numpy().tobytes()
-               for layer in adapter.moe_layers for e in range(adapter.num_experts)}
-    crc32 = write_aligned_records(tmp / store_name, ordered, quantize["record_bytes"])
+    crc32 = write_aligned_records(out / store_name, quantize.records(quantize_dir), quantize.record_bytes)
 
-    budget = f"{recipe.package.cache_fraction * 100:g}%"
+    budget = f"{cfg.cache_fraction * 100:g}%"
     plan = Plan.default(len(adapter.moe_layers), adapter.num_experts, precision, default_budget=budget)
-    write_json_atomic(tmp / PLAN_FILE, plan.to_json())
+    write_json_atomic(out / PLAN_FILE, plan.to_json())
 
     source_bytes = sum(p.numel() * p.element_size() for m in experts for p in m.parameters(recurse=False))
-    store_bytes = len(ordered) * quantize["record_bytes"]
-    dense_bytes = (tmp / "dense.safetensors").stat().st_size
-    report = {
-        "architecture": adapter.architecture,
-        "sizes": {"dense_bytes": dense_bytes, f"experts_{precision}_bytes": store_bytes,
-                  "experts_source_bytes": source_bytes, "store_file_bytes": (tmp / store_name).stat().st_size},
-        "compression": {precision: round(source_bytes / store_bytes, 3)},
-        "record_bytes": quantize["record_bytes"],
-    }
-    write_json_atomic(tmp / "report.json", report)
+    store_bytes = len(crc32) * quantize.record_bytes
+    report = ArtifactReport(
+        architecture=adapter.architecture,
+        sizes={"dense_bytes": (out / "dense.safetensors").stat().st_size, f"experts_{precision}_bytes": store_bytes,
+               "experts_source_bytes": source_bytes, "store_file_bytes": (out / store_name).stat().st_size},
+        compression={precision: round(source_bytes / store_bytes, 3)},
+        record_bytes=quantize.record_bytes,
+    )
+    write_json_atomic(out / REPORT, report.to_json())
 
     files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-             for p in sorted(tmp.iterdir()) if p.is_file()}
+             for p in sorted(out.iterdir()) if p.is_file()}
     manifest = {
         "format": FORMAT,
-        "schema_version": max(SCHEMA_VERSION, 2),  # TODO: SCHEMA_VERSION once format.py reads 2
+        "schema_version": SCHEMA_VERSION,
         "producer": _producer(),
         "source_model": source,
-        "recipe": recipe.to_dict(),
+        "recipe": recipe,
         "package_key": package_key,
         "moe": {
             "architecture": adapter.model_type,
@@ -109,15 +121,25 @@ def package_artifact(model, adapter, tokenizer, recipe, source: dict, quantize_d
             "expert_params": sorted(expert_params),
             "source_expert_bytes": source_bytes,
         },
-        "stores": {precision: {"file": store_name, "record_bytes": quantize["record_bytes"],
-                               "layout": quantize["layout"], "crc32": crc32}},
+        "stores": {precision: {"file": store_name, "record_bytes": quantize.record_bytes,
+                               "layout": quantize.layout, "crc32": crc32}},
         "plan_summary": {"precision": precision, "default_budget": budget, "eviction": plan.eviction.name},
         "files": files,
     }
-    write_json_atomic(tmp / MANIFEST, manifest)  # last: marks completeness
-    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-    if out_dir.exists():
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    write_json_atomic(out / MANIFEST, manifest)  # last: marks completeness
     return report
+
+
+def _run(inputs) -> ArtifactReport:
+    quantize_dir, quantize = inputs.upstream("quantize")
+    with inputs.artifact.build() as out:
+        return package_artifact(inputs.model, inputs.adapter, inputs.tokenizer, inputs.recipe, inputs.source,
+                                quantize_dir, quantize, inputs.config, inputs.key, out)
+
+
+STAGE = Stage(
+    name="package", version=VERSION, config=PackageSection, result=ArtifactReport,
+    reads=("quantize",), needs=frozenset({"model", "recipe", "artifact"}),
+    run=_run,
+    output_ok=lambda inputs, result: inputs.artifact.matches(inputs.key),
+)

@@ -1,22 +1,41 @@
-"""Stage ``trace``: calibration routing traces (router inputs, logits, selections, last hidden state)."""
+"""Stage ``trace``: calibration routing traces (router inputs, logits, selections, last hidden state).
+
+Needs the model and the calibration data; reads no other stage. The traces go to ``trace/`` in the
+stage directory (``prep.trace.open_trace`` reads them); the result holds the token count and each MoE
+layer's expert shares.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from prep.recipe import TraceSection
+from prep.stages import Stage, StageResult
 from prep.trace import open_trace, record_traces
 
 VERSION = 1
 
 
+@dataclass(frozen=True)
+class RoutingTraces(StageResult):
+    tokens: int
+    layers: list  # model layer indices of the MoE layers, len L
+    expert_share: list  # [L][E]: share of the routed slots each expert took
+
+    @staticmethod
+    def path(directory: Path) -> Path:
+        """The trace directory inside the stage directory."""
+        return Path(directory) / "trace"
+
+
 def record_routing(model, adapter, sequences: list[torch.Tensor], cfg: TraceSection, work: Path,
-                   fingerprint: str) -> dict:
-    """Trace ``sequences`` into ``work/trace``; returns the result summary (tokens, expert shares)."""
+                   fingerprint: str) -> RoutingTraces:
+    """Trace ``sequences`` into ``work/trace``; returns the token count and expert shares."""
     dtype = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.hidden_dtype]
-    path = record_traces(model, sequences, work / "trace", adapter=adapter, shard_tokens=cfg.shard_tokens,
+    path = record_traces(model, sequences, RoutingTraces.path(work), adapter=adapter, shard_tokens=cfg.shard_tokens,
                          hidden_dtype=dtype, fingerprint=fingerprint, overwrite=True, progress=True)
     routing = open_trace(path).routing()
     ids = torch.cat([r.expert_ids for r in routing])  # [T, L, K]
@@ -24,5 +43,13 @@ def record_routing(model, adapter, sequences: list[torch.Tensor], cfg: TraceSect
         (torch.bincount(ids[:, i].flatten(), minlength=adapter.num_experts).float() / ids[:, i].numel()).tolist()
         for i in range(ids.shape[1])
     ]
-    return {"tokens": int(ids.shape[0]), "layers": adapter.moe_layers,
-            "expert_share": [[round(x, 5) for x in row] for row in shares]}
+    return RoutingTraces(tokens=int(ids.shape[0]), layers=list(adapter.moe_layers),
+                         expert_share=[[round(x, 5) for x in row] for row in shares])
+
+
+STAGE = Stage(
+    name="trace", version=VERSION, config=TraceSection, result=RoutingTraces,
+    needs=frozenset({"model", "calibration"}),
+    run=lambda inputs: record_routing(inputs.model, inputs.adapter, inputs.sequences, inputs.config, inputs.work,
+                                      inputs.model_fingerprint),
+)
