@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from loader.errors import MoeError
+from loader.format import MANIFEST, ArtifactError, open_artifact, verify
+from prep.cli import main as moeprep
 from prep.errors import MoeprepError
 from prep.evals import templates as tpl
-from prep.evals.compare import _truthfulqa, evaluate_artifact, mcnemar_p
+from prep.evals.compare import PENDING, _truthfulqa, evaluate_artifact, mcnemar_p, merge_into_artifact
 from prep.evals.data import load_benchmarks
 from prep.pipeline import prepare
 from prep.recipe import recipe_from_dict
@@ -100,7 +105,7 @@ def test_lossless_artifact_has_zero_flips(tmp_path):
                                "calibration": {"num_sequences": 2, "sequence_length": 16},
                                "quantize": {"precision": "passthrough"}})
     artifact = Path(prepare(recipe, root=tmp_path)["artifact"])
-    report = evaluate_artifact(artifact, data=tmp_path / "suites", memory_budget="50%", max_new_tokens=8,
+    report = evaluate_artifact(artifact, data=tmp_path / "suites", memory_budget="90%", max_new_tokens=8,
                                output=tmp_path / "eval.json")
     assert set(report["suites"]) == {"gsm8k", "mmlu", "truthfulqa_mc1", "truthfulqa_mc2"}
     for suite in report["suites"].values():
@@ -114,8 +119,6 @@ def test_lossless_artifact_has_zero_flips(tmp_path):
     assert (tmp_path / "eval.md").is_file()
     merged = json.loads((artifact / "report.json").read_text())
     assert "eval" in merged
-    from loader.format import verify
-
     assert verify(artifact) == []  # the manifest was re-hashed after the merge
     with pytest.raises(MoeprepError, match="unknown suite"):
         load_benchmarks(tmp_path / "suites", ("hellaswag",))
@@ -133,3 +136,128 @@ def test_original_layout_is_read():
     first = data.items["truthfulqa"][0]
     assert first["mc1_targets"]["labels"][0] == 1 and sum(first["mc1_targets"]["labels"]) == 1
     assert data.items["mmlu"][0]["answer"] in range(4)
+
+
+# ------------------------------------------------------------------ merging into the artifact (issue 14 item 9)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A tiny passthrough artifact, built once; tests work on copies."""
+    root = tmp_path_factory.mktemp("eval-artifact")
+    save_tiny_model("mixtral", root / "model")
+    recipe = recipe_from_dict({"name": "tiny", "model": {"path": str(root / "model")},
+                               "calibration": {"num_sequences": 2, "sequence_length": 16},
+                               "quantize": {"precision": "passthrough"}})
+    return Path(prepare(recipe, root=root, output=root / "artifact")["artifact"])
+
+
+@pytest.fixture
+def artifact(built, tmp_path):
+    copy = tmp_path / "artifact"
+    shutil.copytree(built, copy)
+    return copy
+
+
+_REPORT = {"suites": {}, "data": "suites", "memory_budget": "90%"}
+
+
+def _loads(artifact) -> bool:
+    try:
+        open_artifact(artifact)
+        return True
+    except MoeError:
+        return False
+
+
+def test_merge_keeps_the_artifact_loadable_or_verified_at_every_step(artifact, monkeypatch):
+    """After each of merge's writes, the artifact verifies or (at least) loads; at the end it verifies."""
+    import loader.files
+
+    states = []
+    for name in ("write_json_atomic", "write_bytes_atomic"):
+        real = getattr(loader.files, name)
+
+        def wrapped(path, data, *args, _real=real, **kwargs):
+            _real(path, data, *args, **kwargs)
+            states.append((Path(path).name, verify(artifact), _loads(artifact)))
+
+        monkeypatch.setattr(loader.files, name, wrapped)
+    merge_into_artifact(artifact, _REPORT)
+    names = [s[0] for s in states]  # write_json_atomic goes through write_bytes_atomic: one write shows twice
+    assert [n for i, n in enumerate(names) if i == 0 or n != names[i - 1]] == [PENDING, "report.json", MANIFEST]
+    for _name, bad, loads in states:
+        assert loads and (bad == [] or (len(bad) == 1 and bad[0].startswith("report.json:")))
+    assert verify(artifact) == [] and not (artifact / PENDING).exists()
+    assert json.loads((artifact / "report.json").read_text())["eval"]["memory_budget"] == "90%"
+
+
+@pytest.mark.parametrize("killed_at", ["report.json", "manifest.json"])
+def test_a_kill_inside_merge_leaves_it_loadable_and_the_next_eval_finishes(artifact, monkeypatch, killed_at):
+    import loader.files
+
+    for name in ("write_json_atomic", "write_bytes_atomic"):
+        real = getattr(loader.files, name)
+
+        def dying(path, data, *args, _real=real, **kwargs):
+            if Path(path).name == killed_at:
+                raise KeyboardInterrupt  # as a SIGKILL right before this rename
+            _real(path, data, *args, **kwargs)
+
+        monkeypatch.setattr(loader.files, name, dying)
+    with pytest.raises(KeyboardInterrupt):
+        merge_into_artifact(artifact, _REPORT)
+    monkeypatch.undo()
+    assert _loads(artifact)
+    bad = verify(artifact)
+    assert bad == [] if killed_at == "report.json" else (len(bad) == 1 and bad[0].startswith("report.json:"))
+    merge_into_artifact(artifact, _REPORT)  # the report it wrote is recognised as its own
+    assert verify(artifact) == [] and not (artifact / PENDING).exists()
+
+
+def test_merge_never_reblesses_a_report_it_did_not_write(artifact):
+    path = artifact / "report.json"
+    altered = json.loads(path.read_text()) | {"compression": {"passthrough": 99.0}}
+    path.write_text(json.dumps(altered))
+    with pytest.raises(ArtifactError, match="altered"):
+        merge_into_artifact(artifact, _REPORT)
+    assert json.loads(path.read_text()) == altered  # untouched, and still flagged
+    assert [line.split(":")[0] for line in verify(artifact)] == ["report.json"]
+    (artifact / PENDING).write_text(json.dumps({"sha256": "0" * 64}))  # a stale pending record blesses nothing
+    with pytest.raises(ArtifactError, match="altered"):
+        merge_into_artifact(artifact, _REPORT)
+    result = CliRunner().invoke(moeprep, ["eval", "--artifact", str(artifact), "--data", str(artifact)])
+    assert result.exit_code == 1 and result.output.startswith("error: ") and "Traceback" not in result.output
+
+
+# ------------------------------------------------------------------------- input edges (issue 14 item 10)
+
+
+@pytest.mark.parametrize("limit", ["0", "-1"])
+def test_eval_limit_below_one_is_refused(tmp_path, limit):
+    with pytest.raises(MoeprepError, match="limit must be a whole number >= 1"):
+        evaluate_artifact(tmp_path, limit=int(limit))
+    result = CliRunner().invoke(moeprep, ["eval", "--artifact", str(tmp_path), "--limit", limit])
+    assert result.exit_code == 1 and "error: limit must be" in result.output and "Traceback" not in result.output
+
+
+def test_empty_and_malformed_suite_files_name_the_file_and_line(tmp_path):
+    _tiny_suites(tmp_path / "suites")
+    suites = tmp_path / "suites"
+    (suites / "mmlu.jsonl").write_text("\n")
+    with pytest.raises(MoeprepError, match=r"mmlu\.jsonl holds no items"):
+        load_benchmarks(suites, ("mmlu",))
+    item = {"question": "Q", "subject": "TEST", "choices": ["a", "b", "c", "d"], "answer": 1}
+    (suites / "mmlu.jsonl").write_text(json.dumps(item) + "\n" + '{"question": "Q", "subj\n')
+    with pytest.raises(MoeprepError, match=r"mmlu\.jsonl:2: not valid JSON"):
+        load_benchmarks(suites, ("mmlu",))
+    (suites / "mmlu.jsonl").write_text(json.dumps(item) + "\n[1, 2]\n")
+    with pytest.raises(MoeprepError, match=r"mmlu\.jsonl:2: expected a JSON object"):
+        load_benchmarks(suites, ("mmlu",))
+    (suites / "mmlu.jsonl").write_text(json.dumps(item | {"answer": 7}) + "\n")
+    with pytest.raises(MoeprepError, match=r"mmlu\.jsonl: item 1 has a missing or malformed answer"):
+        load_benchmarks(suites, ("mmlu",))
+    (suites / "gsm8k.jsonl").write_bytes(b'{"question": "\xff"}\n')
+    with pytest.raises(MoeprepError, match=r"gsm8k\.jsonl is not UTF-8"):
+        load_benchmarks(suites, ("gsm8k",))
+    assert len(load_benchmarks(suites, ("truthfulqa",)).items["truthfulqa"]) == 4  # the sound file still reads

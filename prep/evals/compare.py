@@ -8,6 +8,7 @@ models' distributions over the choices.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import platform
@@ -120,15 +121,25 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
                       data: str | Path | None = None, limit: int | None = None, num_fewshot: int | None = None,
                       memory_budget=None, gsm8k_format: str = "cot", batch_rows: int = 16,
                       max_new_tokens: int = 256, output: str | Path | None = None) -> dict:
-    """Compare ``artifact`` (through the loader) with its original model; returns and writes the report."""
+    """Compare ``artifact`` (through the loader) with its original model; returns and writes the report.
+
+    The summary is merged into the artifact's report.json (``merge_into_artifact``).
+    """
     import transformers
     from transformers import AutoModelForCausalLM
 
     from loader.format import read_manifest
     from loader.runtime import load
 
-    artifact = Path(artifact)
-    manifest = read_manifest(artifact)
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise MoeprepError(f"limit must be a whole number >= 1 (the first N items of each suite), got {limit!r}; "
+                           "leave it out to use every item")
+    if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
+        raise MoeprepError(f"num_fewshot must be a whole number >= 0, got {num_fewshot!r}")
+    if gsm8k_format not in ("cot", "plain"):
+        raise MoeprepError("--gsm8k-format must be cot or plain")
+    manifest = read_manifest(artifact)  # the directory is resolved once: load and merge use this version
+    artifact = manifest.root
     original = Path(original or manifest.raw["source_model"]["path"])
     if not original.is_dir():
         raise MoeprepError(f"original model {original} not found; pass --model with its directory")
@@ -139,8 +150,6 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
     bench = load_benchmarks(data, tuple(suites))
     for name in bench.items:
         bench.items[name] = bench.items[name][:limit]
-    if gsm8k_format not in ("cot", "plain"):
-        raise MoeprepError("--gsm8k-format must be cot or plain")
     prepared = load(artifact, memory_budget=memory_budget)
     reference = AutoModelForCausalLM.from_pretrained(original, dtype=getattr(torch, manifest.moe["dtype"])).eval()
     models = {"original": reference, "prepared": prepared.model}
@@ -165,7 +174,7 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
     prepared.close()
     if output:
         write_report(report, Path(output))
-    merge_into_artifact(artifact, report)
+    merge_into_artifact(artifact, report, package_key=manifest.raw["package_key"])
     return report
 
 
@@ -175,22 +184,57 @@ def eval_summary(report: dict) -> dict:
             for name, s in report["suites"].items()}
 
 
-def merge_into_artifact(artifact: Path, report: dict) -> None:
-    """Put the eval summary into the artifact's report.json and re-hash it in the manifest (atomically)."""
-    from loader.format import MANIFEST, sha256_file
+PENDING = ".eval-pending.json"  # the hash of a report.json being blessed, while eval updates the artifact
 
-    path = artifact / "report.json"
-    current = json.loads(path.read_text()) if path.is_file() else {}
+
+def merge_into_artifact(artifact: str | Path, report: dict, package_key: str | None = None) -> None:
+    """Put the eval summary into the artifact's report.json and list its new hash in the manifest.
+
+    Never re-blesses a report.json it did not write: the current one must hash as the manifest says (or
+    as ``PENDING`` says, when an earlier eval was killed between its two renames), else the artifact
+    was altered and this refuses. The update is two atomic renames, report.json then manifest.json,
+    after the new hash is recorded in ``PENDING``. Loading never depends on report.json's hash, so the
+    artifact loads at every instant; ``verify`` passes before and after (and between the renames names
+    report.json only). ``package_key``: the artifact evaluated; if it was re-prepared meanwhile, refuse.
+    """
+    from loader.files import write_bytes_atomic, write_json_atomic
+    from loader.format import MANIFEST, REPORT, ArtifactError, read_json, read_manifest, sha256_file
+
+    manifest = read_manifest(artifact)
+    root = manifest.root
+    if package_key is not None and manifest.raw["package_key"] != package_key:
+        raise MoeprepError(f"{root} was prepared again while eval ran; its report.json is left as it is. "
+                           "Run `moeprep eval` again on the new artifact")
+    path, pending = manifest.path(REPORT), root / PENDING
+    listed = manifest.files.get(REPORT)
+    if path.exists():
+        digest = sha256_file(path)
+        ours = listed is not None and digest == listed["sha256"]
+        if not ours and pending.is_file():
+            try:
+                ours = read_json(pending, PENDING).get("sha256") == digest
+            except (ArtifactError, AttributeError):
+                ours = False
+        if not ours:
+            raise ArtifactError(f"{path} is not the report.json the manifest lists (its sha256 differs): the "
+                                "artifact was altered, and eval will not bless a file it did not write. Run "
+                                "`moeload verify`, then re-run `moeprep prepare`", file=REPORT)
+        current = read_json(path, REPORT)
+        if not isinstance(current, dict):
+            raise ArtifactError(f"{path} must hold a JSON object; re-run `moeprep prepare`", file=REPORT)
+    elif listed is not None:
+        raise ArtifactError(f"{path} is missing though the manifest lists it: the artifact is damaged. Run "
+                            "`moeload verify`, then re-run `moeprep prepare`", file=REPORT)
+    else:
+        current = {}
     current["eval"] = {"suites": eval_summary(report), "data": report["data"],
                        "memory_budget": report["memory_budget"]}
-    tmp = path.with_name(".report.json.tmp")
-    tmp.write_text(json.dumps(current, indent=2) + "\n")
-    tmp.replace(path)
-    manifest = json.loads((artifact / MANIFEST).read_text())
-    manifest["files"]["report.json"] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
-    tmp = artifact / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    tmp.replace(artifact / MANIFEST)
+    data = (json.dumps(current, indent=2) + "\n").encode()
+    entry = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    write_json_atomic(pending, {"sha256": entry["sha256"]})
+    write_bytes_atomic(path, data)
+    write_json_atomic(root / MANIFEST, manifest.raw | {"files": manifest.files | {REPORT: entry}})
+    pending.unlink(missing_ok=True)
 
 
 def summary_markdown(report: dict) -> str:
@@ -206,11 +250,8 @@ def summary_markdown(report: dict) -> str:
 
 def write_report(report: dict, output: Path) -> None:
     """``output`` (JSON) and a markdown summary beside it (same name, ``.md``), both atomically."""
+    from loader.files import write_json_atomic, write_text_atomic
+
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    tmp.replace(output)
-    md = output.with_suffix(".md")
-    tmp = md.with_name(f".{md.name}.tmp")
-    tmp.write_text(summary_markdown(report))
-    tmp.replace(md)
+    write_json_atomic(output, report)
+    write_text_atomic(output.with_suffix(".md"), summary_markdown(report))

@@ -35,25 +35,81 @@ class BenchmarkData:
     mmlu_dev: dict[str, list[dict]] = field(default_factory=dict)  # subject -> dev items
 
 
+def _is_text(x) -> bool:
+    return isinstance(x, str)
+
+
+def _is_targets(x) -> bool:
+    return (isinstance(x, dict) and isinstance(x.get("choices"), list) and isinstance(x.get("labels"), list)
+            and len(x["choices"]) == len(x["labels"]) > 0 and all(map(_is_text, x["choices"]))
+            and all(label in (0, 1) and not isinstance(label, float) for label in x["labels"]))
+
+
+# the fields each kind of item needs, and what each must be
+_SCHEMAS = {
+    "gsm8k": {"question": _is_text, "answer": _is_text},
+    "gsm8k_cot": {"question": _is_text, "cot": _is_text},
+    "mmlu": {"question": _is_text, "subject": _is_text,
+             "choices": lambda x: isinstance(x, list) and len(x) == 4 and all(map(_is_text, x)),
+             "answer": lambda x: isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 4},
+    "truthfulqa": {"question": _is_text, "mc1_targets": _is_targets, "mc2_targets": _is_targets},
+}
+_SHAPES = {"gsm8k": "{question: str, answer: str}", "gsm8k_cot": "{question: str, cot: str}",
+           "mmlu": "{question: str, subject: str, choices: 4 str, answer: 0-3}",
+           "truthfulqa": "{question: str, mc1_targets and mc2_targets: {choices: [str], labels: [0|1]}}"}
+
+
+def check_items(items: list[dict], kind: str, source: str | Path, allow_empty: bool = False) -> list[dict]:
+    """``items`` of ``kind`` (a key of ``_SCHEMAS``) read from ``source``; a MoeprepError names the first
+    bad item (1-based, counting items, not blank lines) and the fields it needs."""
+    if not items and not allow_empty:
+        raise MoeprepError(f"{source} holds no items; add some, or drop the suite from --suites")
+    for number, item in enumerate(items, 1):
+        bad = [k for k, ok in _SCHEMAS[kind].items() if not isinstance(item, dict) or not ok(item.get(k))]
+        if bad:
+            raise MoeprepError(f"{source}: item {number} has a missing or malformed {', '.join(bad)}; a {kind} "
+                               f"item is {_SHAPES[kind]}")
+    return items
+
+
 def _mmlu_csv(path: Path, subject: str) -> list[dict]:
-    with open(path, encoding="utf-8", newline="") as f:
-        rows = list(csv.reader(f))
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            rows = list(csv.reader(f))
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise MoeprepError(f"{path} is not a UTF-8 CSV file ({e})") from None
+    start = 1
     if rows and rows[0][:2] == ["question", "choice0"]:
-        rows = rows[1:]
+        rows, start = rows[1:], 2
     items = []
-    for row in rows:
+    for number, row in enumerate(rows, start):
         if len(row) != 6:
-            raise MoeprepError(f"{path}: a row has {len(row)} fields, 6 expected (question, 4 choices, answer)")
+            raise MoeprepError(f"{path}:{number}: {len(row)} fields, 6 expected (question, 4 choices, answer)")
         answer = row[5].strip()
-        index = "ABCD".index(answer) if answer in "ABCD" and answer else int(answer)
+        if answer and answer in "ABCD":
+            index = "ABCD".index(answer)
+        elif answer in ("0", "1", "2", "3"):
+            index = int(answer)
+        else:
+            raise MoeprepError(f"{path}:{number}: answer {answer!r} is not A-D or 0-3")
         items.append({"question": row[0], "subject": subject, "choices": row[1:5], "answer": index})
     return items
 
 
 def _truthfulqa_mc_task(path: Path) -> list[dict]:
     """mc_task.json (answers as dict keys) -> HF multiple_choice schema, keeping the key order."""
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise MoeprepError(f"{path} is not valid JSON ({str(e)[:80]})") from None
+    if not isinstance(rows, list):
+        raise MoeprepError(f"{path} must hold a list of questions")
     items = []
-    for row in json.loads(path.read_text(encoding="utf-8")):
+    for number, row in enumerate(rows, 1):
+        if (not isinstance(row, dict) or not isinstance(row.get("question"), str)
+                or not isinstance(row.get("mc1_targets"), dict) or not isinstance(row.get("mc2_targets"), dict)):
+            raise MoeprepError(f"{path}: question {number} must be {{question, mc1_targets: {{answer: 0|1}}, "
+                               "mc2_targets: {answer: 0|1}}")
         items.append({
             "question": row["question"],
             "mc1_targets": {"choices": list(row["mc1_targets"]), "labels": list(row["mc1_targets"].values())},
@@ -68,13 +124,14 @@ def _load_reference_layout(root: Path, suites: tuple[str, ...]) -> BenchmarkData
         path = root / f"{suite}.jsonl"
         if not path.is_file():
             raise MoeprepError(f"{root} has no {suite}.jsonl; drop {suite} from --suites or add the file")
-        data.items[suite] = read_jsonl(path)
-    if (root / "gsm8k_fewshot.jsonl").is_file():
-        data.gsm8k_shots = read_jsonl(root / "gsm8k_fewshot.jsonl")
-    if (root / "gsm8k_cot_fewshot.jsonl").is_file():
-        data.gsm8k_cot_shots = read_jsonl(root / "gsm8k_cot_fewshot.jsonl")
+        data.items[suite] = check_items(read_jsonl(path), suite, path)
+    for name, kind, attr in (("gsm8k_fewshot.jsonl", "gsm8k", "gsm8k_shots"),
+                             ("gsm8k_cot_fewshot.jsonl", "gsm8k_cot", "gsm8k_cot_shots")):
+        if (root / name).is_file():
+            setattr(data, attr, check_items(read_jsonl(root / name), kind, root / name, allow_empty=True))
     if (root / "mmlu_dev.jsonl").is_file():
-        for item in read_jsonl(root / "mmlu_dev.jsonl"):
+        path = root / "mmlu_dev.jsonl"
+        for item in check_items(read_jsonl(path), "mmlu", path, allow_empty=True):
             data.mmlu_dev.setdefault(item["subject"], []).append(item)
     return data
 
@@ -85,9 +142,9 @@ def _load_original_layout(root: Path, suites: tuple[str, ...]) -> BenchmarkData:
         test = root / "gsm8k" / "test.jsonl"
         if not test.is_file():
             raise MoeprepError(f"{test} is missing; the original layout needs gsm8k/test.jsonl")
-        data.items["gsm8k"] = read_jsonl(test)
-        if (root / "gsm8k" / "train.jsonl").is_file():
-            data.gsm8k_shots = read_jsonl(root / "gsm8k" / "train.jsonl")[:5]  # the harness takes the first
+        data.items["gsm8k"] = check_items(read_jsonl(test), "gsm8k", test)
+        if (train := root / "gsm8k" / "train.jsonl").is_file():  # the harness takes the first five
+            data.gsm8k_shots = check_items(read_jsonl(train)[:5], "gsm8k", train, allow_empty=True)
     if "mmlu" in suites:
         tests = sorted((root / "mmlu" / "test").glob("*_test.csv"))
         if not tests:
@@ -99,11 +156,12 @@ def _load_original_layout(root: Path, suites: tuple[str, ...]) -> BenchmarkData:
             dev = root / "mmlu" / "dev" / f"{subject}_dev.csv"
             if dev.is_file():
                 data.mmlu_dev[subject] = _mmlu_csv(dev, subject)
+        check_items(data.items["mmlu"], "mmlu", root / "mmlu" / "test")
     if "truthfulqa" in suites:
         path = root / "truthfulqa" / "mc_task.json"
         if not path.is_file():
             raise MoeprepError(f"{path} is missing; the original layout needs truthfulqa/mc_task.json")
-        data.items["truthfulqa"] = _truthfulqa_mc_task(path)
+        data.items["truthfulqa"] = check_items(_truthfulqa_mc_task(path), "truthfulqa", path)
     return data
 
 
@@ -125,6 +183,8 @@ def _load_hub(source: str, suites: tuple[str, ...]) -> BenchmarkData:
     except Exception as e:  # no network: datasets raises several kinds
         raise MoeprepError(f"cannot load the benchmarks from the hub ({type(e).__name__}); pass --data with a "
                            "local directory (reference layout or ../shared/data/benchmarks layout)") from None
+    for suite, items in data.items.items():
+        check_items(items, suite, f"{source} ({suite})")
     return data
 
 

@@ -21,8 +21,27 @@ from prep.evals.scoring import batch_loglikelihoods, greedy_generate
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """One JSON object per non-blank line; a bad line is a MoeprepError naming the file and line."""
+    items = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    item = json.loads(line)
+                except (ValueError, RecursionError) as e:
+                    raise MoeprepError(f"{path}:{number}: not valid JSON ({str(e)[:80]}); fix or remove the "
+                                       "line") from None
+                if not isinstance(item, dict):
+                    raise MoeprepError(f"{path}:{number}: expected a JSON object, got {type(item).__name__}; "
+                                       "each line holds one item")
+                items.append(item)
+    except UnicodeDecodeError:
+        raise MoeprepError(f"{path} is not UTF-8 text; save it as UTF-8 JSON lines") from None
+    except OSError as e:
+        raise MoeprepError(f"cannot read {path} ({e.strerror or e})") from None
+    return items
 
 
 def mean(values) -> float:
