@@ -7,6 +7,7 @@ as ``error: <message>`` without a traceback and exits 1; anything else is a bug 
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import click
@@ -78,6 +79,21 @@ def info_command(artifact: str, as_json: bool) -> None:
         click.echo(f"{key:16s} {json.dumps(value) if isinstance(value, dict) else value}")
 
 
+def check_device(device: str) -> None:
+    """``cpu``, ``cuda`` or ``cuda:N`` (an existing GPU); anything else is a MoeError listing those."""
+    import torch
+
+    match = re.fullmatch(r"cpu|cuda(?::(\d+))?", device)
+    if not match:
+        raise MoeError(f"--device {device!r} is not supported; use cpu, cuda or cuda:N (N a GPU index)")
+    if device.startswith("cuda"):
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise MoeError(f"--device {device}: torch sees no CUDA GPU here; use --device cpu")
+        if match.group(1) is not None and int(match.group(1)) >= count:
+            raise MoeError(f"--device {device}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
+
+
 @main.command("generate")
 @click.argument("artifact", type=click.Path())
 @click.option("--prompt", required=True, help="Text to continue.")
@@ -94,9 +110,15 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
 
     from loader.runtime import load
 
+    if max_new_tokens < 1:
+        raise MoeError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    check_device(device)
     loaded = load(artifact, device=device, memory_budget=memory_budget, store=store)
     tok = loaded.tokenizer
-    ids = torch.tensor([tok(prompt)["input_ids"]], device=device)
+    ids = torch.tensor([tok(prompt)["input_ids"]], dtype=torch.long, device=device)
+    if ids.numel() == 0:
+        loaded.close()
+        raise MoeError("--prompt encodes to no tokens; give some text to continue")
     streamer = None if as_json else TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     with torch.no_grad():
         out = loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -115,7 +137,7 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
                f"{stats['read_seconds']:.3f} s  stall {stats['stall_seconds']:.3f} s  "
                f"peak cache {stats['peak_cache_bytes']:,} B  direct I/O {stats['direct_io']}")
     for layer, s in stats["layers"].items():
-        click.echo(f"  layer {layer}: slots {s['slots']} hits {s['hits']} misses {s['misses']} "
+        click.echo(f"  layer {layer}: hits {s['hits']} misses {s['misses']} "
                    f"read {s['bytes_read']:,} B stall {s['stall_seconds']:.3f} s")
 
 
