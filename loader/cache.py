@@ -433,6 +433,23 @@ class ExpertCache:
                 group.policy.on_use(layer, expert, high)
         return requests
 
+    def protect(self, layer: int, expert: int) -> None:
+        """Keep (layer, expert) until ``layer`` has run (a predicted expert, resident or about to be read)."""
+        self.protected.setdefault(layer, set()).add(expert)
+
+    def prefetch(self, requests: list[tuple[int, int, str, int]]) -> list[Entry]:
+        """Predicted (layer, expert, precision, nbytes): protect every one of them first (so making room for
+        one never evicts another), then admit those not already held; returns the entries to read."""
+        for layer, expert, _, _ in requests:
+            self.protect(layer, expert)
+        admitted = []
+        for layer, expert, precision, nbytes in requests:
+            if self.find(layer, expert, precision) is None:
+                entry = self.admit(layer, expert, precision, nbytes, prefetch=True)
+                if entry is not None:
+                    admitted.append(entry)
+        return admitted
+
     def skip(self, layer: int, expert: int) -> None:
         """The miss policy decided not to compute ``expert``: counted, nothing read."""
         self.counters[layer].skipped += 1
@@ -458,7 +475,7 @@ class ExpertCache:
         group.used += nbytes
         self.meter.add(nbytes)
         if prefetch:
-            self.protected.setdefault(layer, set()).add(expert)
+            self.protect(layer, expert)
             self.counters[layer].prefetches += 1
         return entry
 

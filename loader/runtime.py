@@ -34,8 +34,9 @@ import torch.nn.functional as F
 
 from loader.cache import ExpertCache, MemoryMeter, PoolConfig, policy_factory
 from loader.codec import RecordLayout
-from loader.format import ArtifactError, check_sizes, expert_key, read_manifest
-from loader.plan import Capacities, ModelSizes, Plan, PlanError, PolicySpec, capacities, minimum_budget, read_plan
+from loader.format import ArtifactError, check_model, check_record, expert_key, open_artifact, read_manifest
+from loader.plan import Capacities, ModelSizes, Plan, PlanError, PolicySpec, capacities, read_plan
+from loader.plan import minimum_budget as minimum_budget_of
 from loader.predict import PREDICTORS, Predictor, PrefetchRequest
 from loader.routing import SKIP, InstalledRouting, MissPolicy, RoutingPolicy, install_routing
 from loader.store import DEMAND, PREFETCH, ExpertStore, Reader, ReadJob, SlotArena
@@ -83,15 +84,16 @@ class ExpertRuntime:
 
     def __init__(self, plan: Plan, caps: Capacities, stores: dict[str, ExpertStore],
                  layouts: dict[str, RecordLayout], top_k: int, device: torch.device, workers: int,
-                 miss_policy: MissPolicy, predictors: list[Predictor]) -> None:
+                 miss_policy: MissPolicy, predictors: list[Predictor], layer_ids: list[int]) -> None:
         self.plan = plan
+        self.layer_ids = layer_ids  # position among the MoE layers -> the model's layer index (record keys)
         self.caps = caps
         self.stores = stores
         self.layouts = layouts
         self.top_k = top_k
         self.device = device
         self.num_layers, self.num_experts = plan.num_layers, plan.num_experts
-        self.slot_bytes = {p: s.stride for p, s in stores.items()}
+        self.slot_bytes = {p: slot_bytes(s) for p, s in stores.items()}
         self.meter = MemoryMeter()
         self.cache = ExpertCache(
             [PoolConfig(pool.name, pool.precision, pool.group, caps.pools[pool.name]) for pool in plan.pools],
@@ -141,9 +143,12 @@ class ExpertRuntime:
     def _read_into_entry(self, entry, priority: int) -> ReadJob:
         arena = self.arenas[entry.pool]
         entry.slot = arena.take()
-        job = ReadJob(self.stores[entry.precision], expert_key(entry.layer, entry.expert), arena, entry.slot, priority)
+        job = ReadJob(self.stores[entry.precision], self.key(entry.layer, entry.expert), arena, entry.slot, priority)
         entry.ticket = job
         return self.reader.submit(job)
+
+    def key(self, layer: int, expert: int) -> str:
+        return expert_key(self.layer_ids[layer], expert)
 
     def _record(self, entry) -> torch.Tensor:
         return self.arenas[entry.pool].tensor(entry.slot, self.stores[entry.precision].record_bytes)
@@ -206,7 +211,7 @@ class ExpertRuntime:
                 buffers_free -= 1
                 slot = self.buffers.take()
                 self.meter.add(self.buffers.slot_bytes)
-                job = self.reader.submit(ReadJob(store, expert_key(layer, expert), self.buffers, slot, DEMAND))
+                job = self.reader.submit(ReadJob(store, self.key(layer, expert), self.buffers, slot, DEMAND))
                 reads.append((expert, None, slot, job))
                 cache.count_read(layer, store.record_bytes)
 
@@ -258,20 +263,22 @@ class ExpertRuntime:
 
     # ----------------------------------------------------------------------------------- prefetch
     def prefetch(self, requests: list[PrefetchRequest]) -> None:
-        """Read each requested expert into its pool unless present; skipped when no room can be made."""
-        if requests:
-            self._reap()
+        """Read each requested expert into its pool unless held (then it is only protected); skipped when
+        no room can be made. Protection lasts until the expert's layer has run."""
+        if not requests:
+            return
+        self._reap()
+        wanted = []
         for req in requests:
             if not (0 <= req.layer < self.num_layers and 0 <= req.expert < self.num_experts):
                 continue
             precision = req.precision or self.plan.expert_precision[req.layer][req.expert]
-            if precision not in self.stores or self.cache.find(req.layer, req.expert, precision) is not None:
-                continue
-            entry = self.cache.admit(req.layer, req.expert, precision, self.slot_bytes[precision], prefetch=True)
-            if entry is not None:
-                self._read_into_entry(entry, PREFETCH)
-                self._prefetching.append(entry)
-                self.cache.count_read(req.layer, self.stores[precision].record_bytes)
+            if precision in self.stores:
+                wanted.append((req.layer, req.expert, precision, self.slot_bytes[precision]))
+        for entry in self.cache.prefetch(wanted):
+            self._read_into_entry(entry, PREFETCH)
+            self._prefetching.append(entry)
+            self.cache.count_read(entry.layer, self.stores[entry.precision].record_bytes)
 
     def after_router(self, layer: int, router_input, indices) -> None:
         for predictor in self.predictors:
@@ -404,12 +411,41 @@ def _named(registry: dict, spec: PolicySpec, what: str, default: type):
     return registry[spec.name](**spec.params)
 
 
-def artifact_sizes(manifest, dense_bytes: int) -> ModelSizes:
-    """The sizes the budget arithmetic needs, with one record taking its store's 4 KiB-aligned stride."""
+def slot_bytes(store: ExpertStore) -> int:
+    """Memory one cached record takes: its 4 KiB-aligned stride when reads are O_DIRECT (which reads
+    whole aligned blocks), else the record itself rounded up to 64 bytes."""
+    return store.stride if store.direct_io else -(-store.record_bytes // 64) * 64
+
+
+def artifact_sizes(manifest, dense_bytes: int, stores: dict[str, ExpertStore]) -> ModelSizes:
+    """The sizes the budget arithmetic needs; a record counts the memory its slot takes."""
     moe = manifest.raw["moe"]
-    strides = {p: -(-s["record_bytes"] // 4096) * 4096 for p, s in manifest.raw["stores"].items()}
     return ModelSizes(len(moe["layers"]), moe["num_experts"], moe["top_k"], dense_bytes,
-                      int(moe["source_expert_bytes"]), strides)
+                      int(moe["source_expert_bytes"]), {p: slot_bytes(s) for p, s in stores.items()})
+
+
+def _dense_bytes(path: Path) -> int:
+    """Bytes of the tensors in a safetensors file: the file minus its 8-byte length and JSON header."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if len(head) < 8:
+        raise ArtifactError(f"{path.name} is truncated; copy the artifact again or rerun `moeprep prepare`")
+    return path.stat().st_size - 8 - int.from_bytes(head, "little")
+
+
+def minimum_budget(artifact: str | Path, store: str = "disk", plan: Plan | None = None) -> int:
+    """The smallest memory budget in bytes that ``load(artifact, ...)`` accepts (dense weights, the read
+    buffers, and one record per eviction group); with ``store='host'`` the store held in RAM counts too."""
+    manifest = read_manifest(artifact)
+    plan = plan or read_plan(manifest.root)
+    stores = {p: ExpertStore(manifest.path(s.file), p, mode=store) for p, s in manifest.stores.items()}
+    try:
+        host = sum(s.host_bytes for s in stores.values())
+        sizes = artifact_sizes(manifest, _dense_bytes(manifest.path("dense.safetensors")) + host, stores)
+        return minimum_budget_of(plan, sizes)
+    finally:
+        for s in stores.values():
+            s.close()
 
 
 def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: str = "disk",
@@ -427,11 +463,10 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    artifact = Path(artifact)
-    manifest = read_manifest(artifact)
-    check_sizes(artifact, manifest)
+    manifest = open_artifact(artifact)
+    artifact = manifest.root
     dev = parse_device(device)
-    plan = plan or read_plan(artifact)
+    plan = plan or manifest.plan
     if policy is not None:
         plan = dataclasses.replace(plan, eviction=PolicySpec(policy))
     try:
@@ -441,11 +476,12 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     moe = manifest.raw["moe"]
     layers = moe["layers"]
 
-    dense = load_file(artifact / "dense.safetensors", device=str(dev))
-    dense_bytes = sum(t.numel() * t.element_size() for t in dense.values())
-    sizes = artifact_sizes(manifest, dense_bytes)
-    stores = {p: ExpertStore(artifact / s["file"], p, mode=store, crc32=s.get("crc32"))
-              for p, s in manifest.raw["stores"].items()}
+    dense_path = manifest.path("dense.safetensors")
+    dense_bytes = _dense_bytes(dense_path)
+    stores = {p: ExpertStore(manifest.path(s.file), p, mode=store,
+                             check=lambda key, data, p=p: check_record(manifest, p, key, data))
+              for p, s in manifest.stores.items()}
+    sizes = artifact_sizes(manifest, dense_bytes, stores)
     host_bytes = sum(s.host_bytes for s in stores.values())
     try:
         if host_bytes and memory_budget is not None:
@@ -463,6 +499,13 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     config = AutoConfig.from_pretrained(artifact)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, moe["dtype"]))
+    try:
+        check_model(manifest, model)
+    except ArtifactError:
+        for s in stores.values():
+            s.close()
+        raise
+    dense = load_file(dense_path, device=str(dev))
     missing, unexpected = model.load_state_dict(dense, strict=False, assign=True)
     expert_params = set(moe["expert_params"])
     tied = {k for k in missing if k.endswith("lm_head.weight")} if config.get_text_config().tie_word_embeddings else set()
@@ -476,7 +519,8 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     runtime = ExpertRuntime(
         plan, caps, stores, layouts, moe["top_k"], dev, workers,
         miss_policy if miss_policy is not None else _named({}, plan.miss, "miss policy", MissPolicy),
-        predictors if predictors is not None else [_named(PREDICTORS, p, "predictor", Predictor) for p in plan.predictors])
+        predictors if predictors is not None else [_named(PREDICTORS, p, "predictor", Predictor) for p in plan.predictors],
+        list(layers))
     for position, path in enumerate(moe["experts_modules"]):
         module = _submodule(model, path, "experts")
         if getattr(module, "num_experts", moe["num_experts"]) != moe["num_experts"]:
@@ -493,7 +537,7 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(artifact)
     budget = caps.to_json() | {"dense_bytes": dense_bytes, "requested": memory_budget if memory_budget is not None else plan.default_budget,
-                               "minimum_bytes": minimum_budget(plan, sizes), "host_store_bytes": host_bytes,
+                               "minimum_bytes": minimum_budget_of(plan, sizes), "host_store_bytes": host_bytes,
                                "record_bytes": {p: s.record_bytes for p, s in stores.items()},
                                "slot_bytes": runtime.slot_bytes, "eviction": plan.eviction.name,
                                "cache_slots": {name: a.count for name, a in runtime.arenas.items()}}

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from loader.cli import main as moeload
 from loader.codec import RecordLayout
 from loader.format import ArtifactError, expert_key, read_record_offsets, verify
-from loader.runtime import LoaderError, load, parse_budget
+from loader.plan import PlanError, parse_budget
+from loader.runtime import LoaderError, load, minimum_budget
 from prep.adapters import get_adapter
 from prep.pipeline import prepare
 from prep.recipe import recipe_from_dict
@@ -45,18 +46,21 @@ def test_passthrough_logits_equal_transformers(tmp_path_factory, arch):
     ids = _ids()
     with torch.no_grad():
         expected = model(input_ids=ids).logits
-    for budget in ("100%", 1):  # unlimited, and the minimum (one slot per layer)
-        if budget == 1:
-            with pytest.raises(LoaderError, match="minimum of ([0-9,]+) bytes") as err:
-                load(artifact, memory_budget=1)
-            budget = int(err.value.args[0].split("minimum of ")[1].split(" bytes")[0].replace(",", ""))
+    minimum = minimum_budget(artifact)
+    with pytest.raises(LoaderError, match=f"minimum of {minimum:,} bytes"):
+        load(artifact, memory_budget=minimum - 1)
+    for budget in ("unlimited", minimum):  # everything cached, and one record per layer
         loaded = load(artifact, memory_budget=budget)
         with torch.no_grad():
             got = loaded.model(input_ids=ids).logits
         assert torch.allclose(got, expected, atol=1e-5), (arch, budget, float((got - expected).abs().max()))
-        if budget != "100%":
-            assert set(loaded.budget["cache_slots"].values()) == {1}
-            assert loaded.stats()["misses"] > len(loaded.layers)  # experts really came and went
+        slot = next(iter(loaded.budget["slot_bytes"].values()))
+        per_layer = {b // slot for b in loaded.budget["pools"]["main"].values()}
+        if budget == minimum:
+            assert per_layer == {1}
+            assert loaded.stats()["misses"] > loaded.runtime.num_layers  # experts really came and went
+        else:
+            assert per_layer == {loaded.runtime.num_experts}
         loaded.close()
 
 
@@ -80,7 +84,7 @@ def test_int4_logits_equal_model_with_decoded_experts(tmp_path_factory, arch):
                 for name, tensor in layout.decode(record).items():
                     getattr(module, name)[e].copy_(tensor)
     ids = _ids(1)
-    loaded = load(artifact, memory_budget="50%")
+    loaded = load(artifact, memory_budget=minimum_budget(artifact))
     with torch.no_grad():
         got = loaded.model(input_ids=ids).logits
         expected = reference(input_ids=ids).logits
@@ -92,15 +96,10 @@ def test_int4_logits_equal_model_with_decoded_experts(tmp_path_factory, arch):
 
 def test_cache_never_exceeds_budget_and_host_store_agrees(tmp_path_factory):
     model, artifact = tiny_artifact(tmp_path_factory, "mixtral")
-    minimum = None
-    try:
-        load(artifact, memory_budget=1)
-    except LoaderError as e:
-        minimum = int(str(e).split("minimum of ")[1].split(" bytes")[0].replace(",", ""))
     record = json.loads((artifact / "manifest.json").read_text())["stores"]["passthrough"]["record_bytes"]
-    budget = minimum + record  # room for one more expert in one layer only
     for store in ("disk", "host"):
-        loaded = load(artifact, memory_budget=budget, store=store)
+        minimum = minimum_budget(artifact, store=store)  # host: the store held in RAM counts too
+        loaded = load(artifact, memory_budget=minimum + 4096, store=store)  # a little more than the minimum
         ids = _ids(2)
         with torch.no_grad():
             for t in range(1, ids.shape[1] + 1):
@@ -119,10 +118,7 @@ def test_a_prefill_needing_every_expert_stays_inside_the_budget(tmp_path_factory
     """A long prompt routes to every expert of a layer at once; the reads must queue behind the read
     buffers instead of all landing in memory together."""
     model, artifact = tiny_artifact(tmp_path_factory, "mixtral")
-    try:
-        load(artifact, memory_budget=1)
-    except LoaderError as e:
-        minimum = int(str(e).split("minimum of ")[1].split(" bytes")[0].replace(",", ""))
+    minimum = minimum_budget(artifact)
     loaded = load(artifact, memory_budget=minimum)  # one slot per layer + top_k read buffers
     torch.manual_seed(64)
     ids = torch.randint(4, 60, (2, 48))
@@ -141,13 +137,18 @@ def test_budget_parsing_and_refusal(tmp_path_factory):
     assert parse_budget("1.5GiB") == ("bytes", 1.5 * 2**30)
     assert parse_budget("25%") == ("fraction", 0.25)
     assert parse_budget(1000) == ("bytes", 1000.0)
-    with pytest.raises(LoaderError):
-        parse_budget("lots")
-    with pytest.raises(LoaderError):
-        parse_budget("150%")
+    assert parse_budget("unlimited")[0] == "unlimited"
+    for bad in ("lots", "-5%", "0", 0, -3, "12 parsecs"):
+        with pytest.raises(PlanError):
+            parse_budget(bad)
     _, artifact = tiny_artifact(tmp_path_factory, "mixtral")
     with pytest.raises(LoaderError, match="below the minimum"):
         load(artifact, memory_budget="1KiB")
+    with pytest.raises(LoaderError, match="store='host' holds the whole expert store"):
+        load(artifact, memory_budget=minimum_budget(artifact), store="host")
+    for device in ("gpu", "mps", "meta", "cuda:x"):
+        with pytest.raises(LoaderError, match="not supported"):
+            load(artifact, device=device)
     if not torch.cuda.is_available():
         with pytest.raises(LoaderError, match="no CUDA GPU"):
             load(artifact, device="cuda")
@@ -207,7 +208,7 @@ def test_records_are_4k_aligned(tmp_path_factory):
 def test_moeload_generate_and_info_json(tmp_path_factory):
     _, artifact = tiny_artifact(tmp_path_factory, "mixtral")
     result = CliRunner().invoke(moeload, ["generate", str(artifact), "--prompt", "abc", "--max-new-tokens", "4",
-                                          "--memory-budget", "50%", "--json"])
+                                          "--memory-budget", "unlimited", "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
     assert len(out["token_ids"]) == 4 and out["stats"]["tokens"] > 0
@@ -225,7 +226,7 @@ def test_cuda_offloading_matches_cpu(tmp_path_factory, store):
     ids = _ids(3)
     with torch.no_grad():
         expected = model(input_ids=ids).logits
-        loaded = load(artifact, device="cuda", memory_budget="50%", store=store)
+        loaded = load(artifact, device="cuda", memory_budget=minimum_budget(artifact, store=store), store=store)
         got = loaded.model(input_ids=ids.cuda()).logits.cpu()
     loaded.close()
     assert torch.allclose(got, expected, atol=1e-4)
@@ -235,8 +236,8 @@ def test_load_is_reachable_from_the_package(tmp_path_factory):
     import loader
 
     _, artifact = tiny_artifact(tmp_path_factory, "mixtral")
-    m = loader.load(artifact, memory_budget="50%")
+    m = loader.load(artifact, memory_budget="150%")
     try:
-        assert m.stats()["budget"]["requested"] == "50%"
+        assert m.stats()["budget"]["requested"] == "150%"
     finally:
         m.close()

@@ -51,7 +51,7 @@ def _run(model, ids):
 def test_replay_feeds_the_recorded_decisions_to_the_loaders_experts(tiny):
     model, artifact, paths = tiny
     expert_ids, weights = _recorded(PROMPT + DECODE, len(paths), model.config.num_local_experts)
-    loaded = load(artifact, memory_budget="50%", routing=ReplayRouting(expert_ids, weights))
+    loaded = load(artifact, memory_budget="unlimited", routing=ReplayRouting(expert_ids, weights))
     seen = {i: [] for i in range(len(paths))}
 
     def capture(layer):
@@ -85,7 +85,7 @@ def test_default_policy_leaves_the_logits_unchanged(tiny):
     ids = torch.randint(4, 60, (1, PROMPT + DECODE), generator=torch.Generator().manual_seed(2))
     expected = _run(model, ids)
     for routing in (None, RoutingPolicy()):
-        loaded = load(artifact, memory_budget="100%", routing=routing)
+        loaded = load(artifact, memory_budget="unlimited", routing=routing)
         assert loaded.routing.handles == []  # nothing hooked: the model routes itself
         assert torch.allclose(_run(loaded.model, ids), expected, atol=1e-5)
         loaded.close()
