@@ -262,9 +262,9 @@ def _validate(raw, root: Path) -> None:
     if version != SCHEMA_VERSION:
         older = version < SCHEMA_VERSION
         raise ArtifactError(
-            f"{root / MANIFEST} has schema_version {version}; this loader reads schema_version {SCHEMA_VERSION}. "
-            + ("Re-run `moeprep prepare` to rebuild the artifact in the current format" if older
-               else "Upgrade the loader, or prepare the artifact with a matching moeprep"), file=MANIFEST)
+            f"{root / MANIFEST} has schema_version {version}; this loader reads schema_version {SCHEMA_VERSION}: "
+            + ("re-run `moeprep prepare` to rebuild the artifact in the current format" if older
+               else "upgrade the loader, or prepare the artifact with a matching moeprep"), file=MANIFEST)
     c.only(raw, _TOP_KEYS, "")
     producer = c.get(raw, "producer", "", "dict")
     for key in ("moeprep", "torch", "transformers", "hqq"):
