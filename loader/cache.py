@@ -91,6 +91,18 @@ class MemoryMeter:
         self.held -= nbytes
 
 
+def ordered_experts(indices: list[list[int]], num_experts: int) -> list[int]:
+    """The experts a layer call needs (``indices`` [T][K], token by token, best-weighted first), in
+    first-use order. The runtime and the simulator both visit a call's experts in this order, so they
+    classify and evict alike."""
+    seen: dict[int, None] = {}
+    for row in indices:
+        for e in row:
+            if 0 <= e < num_experts:
+                seen.setdefault(e, None)
+    return list(seen)
+
+
 # ------------------------------------------------------------------------------------------ policies
 
 

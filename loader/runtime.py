@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from loader.cache import ExpertCache, MemoryMeter, PoolConfig, policy_factory
+from loader.cache import ExpertCache, MemoryMeter, PoolConfig, ordered_experts, policy_factory
 from loader.codec import RecordLayout
 from loader.format import ArtifactError, check_model, check_record, expert_key, open_artifact, read_manifest
-from loader.plan import Capacities, ModelSizes, Plan, PlanError, PolicySpec, capacities, read_plan
+from loader.plan import Capacities, ModelSizes, Plan, PlanError, PolicySpec, capacities, read_plan, resolve_budget
 from loader.plan import minimum_budget as minimum_budget_of
 from loader.predict import PREDICTORS, Predictor, PrefetchRequest
 from loader.routing import SKIP, InstalledRouting, MissPolicy, RoutingPolicy, install_routing
@@ -59,17 +59,6 @@ def parse_device(device: str) -> torch.device:
         if ":" in text and int(text[5:]) >= torch.cuda.device_count():
             raise LoaderError(f"device {device!r}: torch sees only {torch.cuda.device_count()} CUDA device(s)")
     return torch.device(text)
-
-
-def ordered_experts(indices: list[list[int]], num_experts: int) -> list[int]:
-    """The experts a call needs, in first-use order (token by token, best-weighted first); the loader
-    and the simulator both visit misses in this order, so they evict alike."""
-    seen: dict[int, None] = {}
-    for row in indices:
-        for e in row:
-            if 0 <= e < num_experts:
-                seen.setdefault(e, None)
-    return list(seen)
 
 
 @dataclass
@@ -433,19 +422,29 @@ def _dense_bytes(path: Path) -> int:
     return path.stat().st_size - 8 - int.from_bytes(head, "little")
 
 
-def minimum_budget(artifact: str | Path, store: str = "disk", plan: Plan | None = None) -> int:
-    """The smallest memory budget in bytes that ``load(artifact, ...)`` accepts (dense weights, the read
-    buffers, and one record per eviction group); with ``store='host'`` the store held in RAM counts too."""
+def _artifact_budget_inputs(artifact: str | Path, store: str, plan: Plan | None) -> tuple[Plan, ModelSizes]:
+    """(plan, sizes) as ``load`` computes them, without building the model (host-mode store bytes count)."""
     manifest = read_manifest(artifact)
     plan = plan or read_plan(manifest.root)
     stores = {p: ExpertStore(manifest.path(s.file), p, mode=store) for p, s in manifest.stores.items()}
     try:
         host = sum(s.host_bytes for s in stores.values())
-        sizes = artifact_sizes(manifest, _dense_bytes(manifest.path("dense.safetensors")) + host, stores)
-        return minimum_budget_of(plan, sizes)
+        return plan, artifact_sizes(manifest, _dense_bytes(manifest.path("dense.safetensors")) + host, stores)
     finally:
         for s in stores.values():
             s.close()
+
+
+def minimum_budget(artifact: str | Path, store: str = "disk", plan: Plan | None = None) -> int:
+    """The smallest memory budget in bytes that ``load(artifact, ...)`` accepts (dense weights, the read
+    buffers, and one record per eviction group); with ``store='host'`` the store held in RAM counts too."""
+    return minimum_budget_of(*_artifact_budget_inputs(artifact, store, plan))
+
+
+def budget_bytes(artifact: str | Path, memory_budget, store: str = "disk", plan: Plan | None = None) -> int:
+    """What ``memory_budget`` means in bytes for ``artifact`` (the bench gives accelerate the same number)."""
+    plan, sizes = _artifact_budget_inputs(artifact, store, plan)
+    return int(min(resolve_budget(memory_budget, plan, sizes), 2**62))
 
 
 def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: str = "disk",

@@ -33,7 +33,7 @@ def test_bench_quick_writes_every_system(tmp_path):
     routing = report["subjects"]["mixtral-shape"]["routing"]
     assert ("replayed" in routing) == TRACES_ROOT.is_dir()
     md = (tmp_path / "bench.md").read_text()
-    assert "identical to naive" in md and "| 25% | accelerate |" in md
+    assert "| 25% | accelerate |" in md
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -34,7 +34,7 @@ def test_lossless_artifact_generates_exactly_what_transformers_does(tmp_path):
     stats = loaded.stats()
     loaded.close()
     assert torch.equal(got, expected)
-    assert all(int(s) < 8 for s in loaded.budget["cache_slots"].values())  # 30% really offloads
+    assert loaded.budget["cache_slots"]["main"] < 4 * 8  # 30% really offloads (4 MoE layers of 8 experts)
     assert stats["misses"] > 0 and stats["hits"] > 0
 
 
@@ -56,10 +56,11 @@ def test_reference_recipe_end_to_end(tmp_path):
     assert set(checked) == {"gsm8k", "mmlu", "truthfulqa_mc1", "truthfulqa_mc2"}
     assert all(0 <= s["mcnemar_p"] <= 1 for s in checked.values())
     result = CliRunner().invoke(moeload, ["generate", str(artifact), "--prompt", "Q: What is the capital of France?\nA:",
-                                          "--max-new-tokens", "8", "--memory-budget", "25%", "--json"])
+                                          "--max-new-tokens", "8", "--memory-budget", "5%", "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.output)
-    assert out["stats"]["misses"] > 0 and out["stats"]["budget"]["cache_slots"]["0"] == 2
+    # 5% of the float32 experts' bytes holds about a quarter of the 4-bit records
+    assert out["stats"]["misses"] > 0 and out["stats"]["budget"]["cache_slots"]["main"] < 4 * 8
 
 
 def _mmlu_by_hand(model, tokenizer, item: dict, shots: list[dict]) -> int:

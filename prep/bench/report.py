@@ -100,18 +100,18 @@ def write_markdown(report: dict) -> str:
     lines += [
         "## How to read this",
         "",
-        "- A budget `p%` is the dense weights + the loader's read buffers + p% of the artifact's expert store, "
-        "in bytes; accelerate gets the same bytes as `max_memory`. For `reference` the store is int4, so at "
-        "the same bytes accelerate (which offloads the original weights) has less of its model in memory.",
+        "- A budget `p%` is the dense weights + p% of the source model's expert bytes in their original dtype "
+        "(the loader's read buffers included), in bytes; accelerate gets the same bytes as `max_memory`. For "
+        "`reference` the store is int4, so at the same bytes accelerate (which offloads the original weights) "
+        "has less of its model in memory.",
         "- `resident`: transformers, every weight in memory (the ceiling); measured once per subject, its row "
         "repeated at each budget. `accelerate`: `from_pretrained(device_map=\"auto\", max_memory={\"cpu\": "
         "budget}, offload_folder=...)`, the overflow offloaded to disk. Both use transformers' default experts "
         "implementation.",
         "- `naive`: the loader (`loader.runtime.load`) with per-layer LRU caches sized by the budget, no "
-        "prediction, one precision, experts read with O_DIRECT. `moeprep`: the loader with the artifact's plan; "
-        "today the plan is the same per-layer LRU at one precision (its cache sizes yield to the budget), so "
-        "**moeprep is identical to naive for now**; the two rows show the run-to-run noise. Prefetching, "
-        "mixed precision and per-layer allocation will make them differ.",
+        "prediction, one precision, experts read with O_DIRECT. `moeprep`: the loader with the artifact's plan "
+        "(`plan.json`: pools, eviction policy, predictors, routing and miss policies) scaled to the budget; "
+        "where the plan turns no technique on, the two rows differ only by run-to-run noise.",
         "- Page cache: the loader bypasses it (O_DIRECT). For accelerate the page cache of its offload folder "
         "and of the model's safetensors files is dropped (`posix_fadvise(DONTNEED)` on each file, after a "
         "sync) before the prefill and before every decode step, outside the timed region; otherwise the "

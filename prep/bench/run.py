@@ -5,12 +5,12 @@ Systems (DESIGN.md section 7, "Speed"):
   per subject, its row repeated at each budget.
 - ``accelerate``: transformers with accelerate's offloading at the same budget, what users do today.
 - ``naive``: the loader with per-layer LRU caches, no prediction, one precision.
-- ``moeprep``: the loader with the artifact's plan. Today the plan is exactly that (per-layer LRU at one
-  precision, its cache sizes replaced by the budget's), so it equals ``naive``; it becomes the plan's
-  prefetching, mixed precision and allocation as those land.
+- ``moeprep``: the loader with the artifact's plan (``plan.json``: its pools, eviction policy, predictors,
+  routing and miss policies), scaled to the budget.
 
-A budget ``p%`` is the dense weights + the loader's read buffers + p% of the artifact's expert store, in
-bytes; accelerate gets the same number of bytes as ``max_memory``. Each measurement runs in its own
+A budget ``p%`` is what the loader makes of it (``loader.runtime.budget_bytes``: the dense weights + p% of
+the source model's expert bytes, read buffers included); accelerate gets the same number of bytes as
+``max_memory``. Each measurement runs in its own
 process (``prep/bench/worker.py``) so peak RSS is per system and memory is handed back between systems.
 """
 
@@ -130,10 +130,10 @@ def read_bandwidth(path: Path, limit: int, chunk: int = 16 << 20) -> dict:
 
 
 def _budget_bytes(subject: Subject, budget: str) -> int:
-    """The loader's reading of a share budget, in bytes: dense + read buffers + share of the store."""
-    f = subject.facts
-    share = float(budget.removesuffix("%")) / 100
-    return int(f["dense_bytes"] + f["top_k"] * f["record_bytes"] + share * f["store_bytes"])
+    """The loader's reading of a share budget, in bytes (one function for the loader, bench and simulator)."""
+    from loader.runtime import budget_bytes
+
+    return budget_bytes(subject.artifact, budget)
 
 
 def _run_worker(spec: dict, work: Path) -> dict:

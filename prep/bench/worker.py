@@ -99,13 +99,15 @@ def _load(spec: dict, routing):
     system, device = spec["system"], spec["device"]
     model_dir = Path(spec["model_dir"])
     if system in ("naive", "moeprep"):
+        from loader.plan import Plan, read_plan
         from loader.runtime import load
 
-        policy = "lru"
-        if system == "moeprep":  # the artifact's plan: its eviction policy (its cache sizes yield to the budget)
-            policy = json.loads((Path(spec["artifact"]) / "plan.json").read_text())["eviction_policy"]
+        plan = None  # moeprep: the artifact's own plan, scaled to the budget
+        if system == "naive":  # per-layer LRU at the plan's first pool's precision, nothing else
+            own = read_plan(spec["artifact"])
+            plan = Plan.default(own.num_layers, own.num_experts, own.pools[0].precision)
         loaded = load(spec["artifact"], device=device, memory_budget=spec["budget"],
-                      store="host" if device == "cuda" else "disk", policy=policy, routing=routing)
+                      store="host" if device == "cuda" else "disk", plan=plan, routing=routing)
         return loaded.model, loaded, None, []
 
     from transformers import AutoModelForCausalLM
