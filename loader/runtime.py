@@ -35,7 +35,16 @@ import torch.nn.functional as F
 from loader.cache import ExpertCache, MemoryMeter, PoolConfig, ordered_experts, policy_factory
 from loader.codec import RecordLayout
 from loader.format import ArtifactError, check_model, check_record, expert_key, open_artifact, read_manifest
-from loader.plan import Capacities, ModelSizes, Plan, PlanError, PolicySpec, capacities, read_plan, resolve_budget
+from loader.plan import (
+    Capacities,
+    ModelSizes,
+    Plan,
+    PlanError,
+    PolicySpec,
+    capacities,
+    read_plan,
+    resolve_budget,
+)
 from loader.plan import minimum_budget as minimum_budget_of
 from loader.predict import PREDICTORS, Predictor, PrefetchRequest
 from loader.routing import SKIP, InstalledRouting, MissPolicy, RoutingPolicy, install_routing
