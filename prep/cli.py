@@ -167,5 +167,70 @@ def bench_command(subject, budgets, quick, device, output, traces) -> None:
                f"in {report['wall_seconds']:.0f} s")
 
 
+@main.command("simulate")
+@click.option("--trace", required=True, type=click.Path(),
+              help="A trace directory (index.json) or the real Mixtral traces (gsm8k_routing.jsonl, its directory, or "
+              "../shared/data/traces).")
+@click.option("--plan", "plan", default=None, type=click.Path(),
+              help="plan.json or an artifact directory: capacities from the plan and --budget, as the loader builds them.")
+@click.option("--budget", default=None, help="With --plan: memory budget (bytes, 1.5GiB, 25%; default: the plan's).")
+@click.option("--policy", default=None,
+              help="Eviction policy: lru, lfu, lfu-global, lhu, fld, edgemoe, hobbit, belady; comma-separated or 'all' "
+              "for a sweep. Default: the plan's, else lru.")
+@click.option("--capacity", default=None, help="Experts cached per layer, e.g. 4, or 2,4,6 for a sweep.")
+@click.option("--group", type=click.Choice(["layer", "global", "both"]), default="layer", show_default=True,
+              help="One eviction group per layer, or one global pool of N x layers records.")
+@click.option("--param", "params", multiple=True, metavar="KEY=VALUE", help="A policy parameter (JSON value), repeatable.")
+@click.option("--record-bytes", type=int, default=None,
+              help="Bytes of one expert record when there is no artifact [default: 99090432, one Mixtral-8x7B expert "
+              "at int4 with group-64 float16 scales and zeros].")
+@click.option("--profile", default=None, type=click.Path(dir_okay=False),
+              help="Device profile JSON (moeprep profile-device) for modelled seconds.")
+@click.option("--warm", is_flag=True, help="Keep the cache across sequences (reset only), instead of a cold start each.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (a single run, or {'runs': [...]}).")
+@click.option("--plot", default=None, type=click.Path(dir_okay=False),
+              help="Write miss rate against capacity (one line per policy, Belady the floor) to this PNG.")
+def simulate_command(trace, plan, budget, policy, capacity, group, params, record_bytes, profile, warm, as_json, plot):
+    """Replay a routing trace through the loader's expert cache and report hits, misses, bytes and seconds."""
+    from prep.sim.report import format_result, format_sweep, plot_sweep
+    from prep.sim.simulate import parse_params, simulate_trace
+
+    groups = ("layer", "global") if group == "both" else (group,)
+    replay, runs = simulate_trace(trace, plan, budget, policy, capacity, groups, parse_params(params), record_bytes,
+                                  profile=profile, cold_start=not warm)
+    if plot:
+        plot_sweep(runs, plot, title=f"{replay.source}: miss rate, {replay.num_layers} layers x {replay.num_experts} experts")
+    if as_json:
+        out = runs[0].to_json() if len(runs) == 1 else {"trace": replay.source, "runs": [r.to_json() for r in runs]}
+        click.echo(json.dumps(out, indent=2))
+    elif len(runs) == 1:
+        click.echo(format_result(runs[0]))
+    else:
+        click.echo(format_sweep(runs, replay.num_experts, replay.num_layers, seconds=profile is not None))
+    if plot and not as_json:
+        click.echo(f"wrote {plot}")
+
+
+@main.command("profile-device")
+@click.option("--output", default="device.json", show_default=True, type=click.Path(dir_okay=False),
+              help="Where the profile JSON goes.")
+@click.option("--dir", "directory", default=None, type=click.Path(file_okay=False, exists=True),
+              help="Measure reads on this directory's disk (default: the temp directory); put it where artifacts live.")
+@click.option("--file-mb", default=256, show_default=True, type=click.IntRange(16, 4096),
+              help="Size of the temporary read-test file.")
+@click.option("--device", default="cpu", show_default=True, help="Where expert compute is timed: cpu or cuda.")
+def profile_device_command(output, directory, file_mb, device):
+    """Measure this machine's read bandwidth and latency (page cache bypassed) and per-expert compute."""
+    from prep.sim.device import measure_device, write_profile
+
+    profile = measure_device(directory, file_mb << 20, device=device)
+    write_profile(profile, output)
+    click.echo(f"read  {profile.read_bandwidth / 1e6:,.0f} MB/s, latency {profile.read_latency * 1e3:.3f} ms "
+               f"(direct I/O: {'yes' if profile.extra.get('direct_io') else 'no, fadvise'})")
+    compute = ", ".join(f"{p} {s * 1e3:.1f} ms" for p, s in profile.compute_seconds.items())
+    click.echo(f"compute per expert ({profile.device}): {compute}")
+    click.echo(f"wrote {output}")
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,281 @@
+"""Device profiles: what a read and an expert's compute cost on a machine, for the simulator's cost model.
+
+A profile is a small JSON file (``moeprep profile-device`` writes one for this machine):
+
+    {"format": "moeprep-device-profile", "version": 1, "device": "...",
+     "read_bandwidth_bytes_per_s": float, "read_latency_s": float, "direct_io": bool,
+     "compute_seconds_per_expert": {precision: float, ...},    # one token through one expert
+     "expert_shape": {"hidden": H, "intermediate": I}, ...}
+
+The cost model is deliberately plain: a demand miss stalls its layer for ``read_latency_s + bytes /
+read_bandwidth_bytes_per_s``; every computed expert costs ``compute_seconds_per_expert[precision]``;
+nothing overlaps (no prefetching is modelled yet). Modelled seconds are therefore an upper bound
+for a loader that overlaps reads with compute.
+
+Measurement (``measure_device``): reads bypass the page cache (O_DIRECT where the filesystem allows
+it, else ``posix_fadvise(DONTNEED)`` before reading) from a temporary file of a few hundred MB; the
+bandwidth is that of large sequential record-sized reads, the latency the median of small random
+4 KiB reads. Compute is timed on a scaled-down expert (H/4, I/4) and scaled by the weight count to
+the target expert shape (decode is a matrix-vector product: its time grows with the weights read):
+``passthrough``/``bfloat16``/``float16``/``float32`` run the three matrices at that dtype; intN first
+dequantizes the packed record with the loader's own codec (``loader.codec.decode_matrix``), then
+runs in bfloat16, as the loader does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loader.files import write_json_atomic
+from prep.errors import MoeprepError
+
+PROFILE_FORMAT = "moeprep-device-profile"
+PROFILE_VERSION = 1
+MIXTRAL_SHAPE = (4096, 14336)  # (hidden H, expert intermediate I) of Mixtral-8x7B
+MEASURED_PRECISIONS = ("float32", "bfloat16", "int8", "int4", "int3", "int2")
+_ALIGN = 4096
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Costs of one machine: reads (bandwidth, latency) and one token's compute per expert and precision."""
+
+    read_bandwidth: float  # bytes per second
+    read_latency: float  # seconds per read, on top of the transfer
+    compute_seconds: dict = field(default_factory=dict)  # precision -> seconds per expert per token
+    device: str = ""
+    extra: dict = field(default_factory=dict)  # everything else the file records (shapes, sizes, direct_io)
+
+    def read_seconds(self, nbytes: int) -> float:
+        return self.read_latency + nbytes / self.read_bandwidth
+
+    def compute(self, precision: str) -> float:
+        try:
+            return self.compute_seconds[precision]
+        except KeyError:
+            raise MoeprepError(f"the device profile has no compute time for precision {precision!r} (it has "
+                               f"{sorted(self.compute_seconds)}); measure again with `moeprep profile-device` "
+                               "or add the precision to compute_seconds_per_expert") from None
+
+    def to_json(self) -> dict:
+        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "device": self.device,
+                "read_bandwidth_bytes_per_s": self.read_bandwidth, "read_latency_s": self.read_latency,
+                "compute_seconds_per_expert": dict(self.compute_seconds)} | self.extra
+
+    @classmethod
+    def from_json(cls, raw: dict, where: str = "device profile") -> DeviceProfile:
+        fix = "write one with `moeprep profile-device --output device.json`"
+        if not isinstance(raw, dict) or raw.get("format") != PROFILE_FORMAT or raw.get("version") != PROFILE_VERSION:
+            raise MoeprepError(f"{where} is not a {PROFILE_FORMAT} version {PROFILE_VERSION} file; {fix}")
+        bw, latency, compute = (raw.get("read_bandwidth_bytes_per_s"), raw.get("read_latency_s"),
+                                raw.get("compute_seconds_per_expert"))
+        if not (_positive(bw) and _number(latency) and latency >= 0 and isinstance(compute, dict)
+                and all(isinstance(k, str) and _number(v) and v >= 0 for k, v in compute.items())):
+            raise MoeprepError(f"{where}: read_bandwidth_bytes_per_s (> 0), read_latency_s (>= 0) and "
+                               f"compute_seconds_per_expert ({{precision: seconds}}) are required; {fix}")
+        known = {"format", "version", "device", "read_bandwidth_bytes_per_s", "read_latency_s",
+                 "compute_seconds_per_expert"}
+        return cls(float(bw), float(latency), {k: float(v) for k, v in compute.items()}, str(raw.get("device", "")),
+                   {k: v for k, v in raw.items() if k not in known})
+
+
+def _number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _positive(x) -> bool:
+    return _number(x) and x > 0
+
+
+def load_profile(path: str | Path) -> DeviceProfile:
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise MoeprepError(f"device profile {path} does not exist; write one with "
+                           f"`moeprep profile-device --output {path}`") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MoeprepError(f"device profile {path} is not valid JSON ({e}); measure it again with "
+                           "`moeprep profile-device`") from None
+    return DeviceProfile.from_json(raw, str(path))
+
+
+# ------------------------------------------------------------------------------------------ reads
+
+
+def _aligned_buffer(nbytes: int) -> mmap.mmap:
+    return mmap.mmap(-1, (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)  # anonymous maps are page aligned
+
+
+def _write_file(path: Path, nbytes: int) -> None:
+    block = os.urandom(1 << 20)
+    with open(path, "wb") as f:
+        for _ in range(nbytes // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _open_uncached(path: Path) -> tuple[int, bool]:
+    """A descriptor whose reads bypass the page cache: (fd, True) with O_DIRECT, else (fd, False)."""
+    if hasattr(os, "O_DIRECT"):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            buf = _aligned_buffer(_ALIGN)
+            os.preadv(fd, [buf], 0)  # some filesystems accept the flag and fail the read
+            return fd, True
+        except OSError:
+            try:
+                os.close(fd)
+            except (OSError, UnboundLocalError):
+                pass
+    return os.open(path, os.O_RDONLY), False
+
+
+def _drop_cache(fd: int, offset: int = 0, length: int = 0) -> None:
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+
+def measure_reads(directory: str | Path | None = None, file_bytes: int = 256 << 20,
+                  block_bytes: int = 8 << 20, small_reads: int = 64, seed: int = 0) -> dict:
+    """Read bandwidth and latency of the disk holding ``directory`` (default: the temp dir).
+
+    Writes a temporary file of ``file_bytes``, reads it back in ``block_bytes`` reads (bandwidth) and
+    with ``small_reads`` random 4 KiB reads (latency, the median), bypassing the page cache. Returns
+    {read_bandwidth_bytes_per_s, read_latency_s, direct_io, read_file_bytes, read_block_bytes}.
+    """
+    import random
+
+    if file_bytes < block_bytes or block_bytes % _ALIGN:
+        raise MoeprepError(f"read test: file_bytes ({file_bytes}) must hold one block and block_bytes "
+                           f"({block_bytes}) be a multiple of {_ALIGN}")
+    file_bytes = file_bytes // block_bytes * block_bytes
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="moeprep-profile-", dir=directory) as tmp:
+        path = Path(tmp) / "read-test.bin"
+        _write_file(path, file_bytes)
+        fd, direct = _open_uncached(path)
+        try:
+            _drop_cache(fd)
+            buf = _aligned_buffer(block_bytes)
+            start = time.perf_counter()
+            for offset in range(0, file_bytes, block_bytes):
+                if not direct:
+                    _drop_cache(fd, offset, block_bytes)
+                os.preadv(fd, [buf], offset)
+            bandwidth = file_bytes / (time.perf_counter() - start)
+            small = _aligned_buffer(_ALIGN)
+            latencies = []
+            for _ in range(small_reads):
+                offset = rng.randrange(file_bytes // _ALIGN) * _ALIGN
+                if not direct:
+                    _drop_cache(fd, offset, _ALIGN)
+                start = time.perf_counter()
+                os.preadv(fd, [small], offset)
+                latencies.append(time.perf_counter() - start)
+        finally:
+            os.close(fd)
+    return {"read_bandwidth_bytes_per_s": bandwidth, "read_latency_s": statistics.median(latencies),
+            "direct_io": direct, "read_file_bytes": file_bytes, "read_block_bytes": block_bytes}
+
+
+# ---------------------------------------------------------------------------------------- compute
+
+
+def measure_compute(expert_shape: tuple[int, int] = MIXTRAL_SHAPE, scale: int = 4, repeats: int = 5,
+                    device: str = "cpu", group_size: int = 64) -> dict:
+    """Seconds for one token through one expert of ``expert_shape`` (H, I), per precision.
+
+    Timed on (H/scale, I/scale) and scaled up by the weight count (scale**2). Returns
+    {precision: seconds} for float32, bfloat16 (also float16 and passthrough: the source dtype of the
+    models we target) and int8/int4/int3/int2 (dequantize with the loader's codec, then bfloat16).
+    """
+    import torch
+
+    from loader.codec import MatrixSpec, RecordLayout
+
+    hidden, inter = expert_shape[0] // scale, expert_shape[1] // scale
+    if hidden < group_size or inter % group_size or hidden % group_size:
+        raise MoeprepError(f"expert shape {expert_shape} / {scale} = ({hidden}, {inter}) must be multiples of the "
+                           f"group size {group_size}")
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def timed(fn) -> float:
+        fn()  # warm-up
+        sync()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def expert(weights, x):
+        gate, up, down = weights
+        return (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+    shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    out: dict[str, float] = {}
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            weights = [torch.randn(s, generator=gen).to(dev, dtype) for s in shapes.values()]
+            x = torch.randn(1, hidden, generator=gen).to(dev, dtype)
+            out[str(dtype).removeprefix("torch.")] = timed(lambda w=weights, x=x: expert(w, x))
+        for precision in ("int8", "int4", "int3", "int2"):
+            specs = [MatrixSpec(name, shape, precision, "bfloat16", group_size) for name, shape in shapes.items()]
+            layout = RecordLayout(tuple(specs))
+            record = torch.randint(0, 256, (layout.nbytes,), dtype=torch.uint8, generator=gen).to(dev)
+            # valid float16 scales and zeros, so the decode does the real arithmetic
+            for _name, dtype, offset, size in layout.parts():
+                if dtype == "float16":
+                    record[offset:offset + size] = torch.rand(size // 2, generator=gen).half().view(torch.uint8).to(dev)
+            x = torch.randn(1, hidden, generator=gen).to(dev, torch.bfloat16)
+
+            def run(layout=layout, record=record, x=x):
+                return expert([w.to(torch.bfloat16) for w in layout.decode(record).values()], x)
+
+            out[precision] = timed(run)
+    factor = scale * scale
+    seconds = {p: s * factor for p, s in out.items()}
+    seconds["float16"] = seconds["passthrough"] = seconds["bfloat16"]
+    return dict(sorted(seconds.items()))
+
+
+def measure_device(directory: str | Path | None = None, file_bytes: int = 256 << 20,
+                   expert_shape: tuple[int, int] = MIXTRAL_SHAPE, device: str = "cpu") -> DeviceProfile:
+    """Measure this machine: reads from ``directory``'s disk and one expert's compute on ``device``."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise MoeprepError("--device cuda was asked for but CUDA is not available; use --device cpu")
+    reads = measure_reads(directory, file_bytes)
+    compute = measure_compute(expert_shape, device=device)
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else (platform.processor() or platform.machine())
+    extra = {k: v for k, v in reads.items() if not k.startswith("read_bandwidth") and k != "read_latency_s"}
+    extra |= {"expert_shape": {"hidden": expert_shape[0], "intermediate": expert_shape[1]},
+              "compute_device": device, "torch_threads": torch.get_num_threads(),
+              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return DeviceProfile(reads["read_bandwidth_bytes_per_s"], reads["read_latency_s"], compute,
+                         f"{device}: {name}", extra)
+
+
+def write_profile(profile: DeviceProfile, path: str | Path) -> Path:
+    path = Path(path)
+    write_json_atomic(path, profile.to_json())
+    return path

@@ -1,0 +1,99 @@
+"""Routing to replay: every token's chosen experts at every MoE layer, from a trace on disk.
+
+The simulator needs only which experts each token used at each MoE layer, so a trace is turned into
+plain Python tuples once (``Replay``), which keeps the replay loop free of tensor indexing. Two
+sources are read:
+
+- a project trace directory written by ``prep.trace.record_traces`` (any architecture): one
+  sequence per recorded sequence, layers are the traced MoE layers in order, E from its index;
+- the real Mixtral-8x7B GSM8K decode traces (``prep.trace.read_mixtral_traces``: the
+  ``gsm8k_routing.jsonl`` file, its directory or the traces root): one sequence per problem, 32
+  layers, E = 8. Each problem's layers are trimmed to its shortest layer (see that function).
+
+Layers are positions 0..L-1 among the model's MoE layers, as everywhere in the cache and the plan.
+Shape legend: T tokens, L layers, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from prep.errors import MoeprepError
+
+MIXTRAL_EXPERTS = 8
+
+
+@dataclass(frozen=True)
+class Replay:
+    """Recorded routing of one or more sequences.
+
+    sequences[s][t][l] is the tuple of experts token t of sequence s used at MoE layer l, in the
+    router's slot order (K of them, no repeats).
+    """
+
+    sequences: tuple[tuple[tuple[tuple[int, ...], ...], ...], ...]  # [S][T][L] -> K experts
+    num_layers: int
+    num_experts: int
+    top_k: int
+    source: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(seq) for seq in self.sequences)
+
+    @property
+    def requests(self) -> int:
+        """Expert requests: one per (token, layer, distinct chosen expert)."""
+        return sum(len(experts) for seq in self.sequences for token in seq for experts in token)
+
+
+def replay_from_routing(traces: Sequence, num_experts: int | None = None, source: str = "") -> Replay:
+    """A ``Replay`` from ``prep.trace.RoutingTrace`` objects (expert_ids [T, L, K]) of one model.
+
+    num_experts: E of the model; None takes the largest expert id seen + 1.
+    """
+    if not traces:
+        raise MoeprepError(f"no routed sequences in {source or 'the trace'}; record a trace with tokens in it")
+    shapes = {(t.num_layers, t.top_k) for t in traces}
+    if len(shapes) != 1:
+        raise MoeprepError(f"the sequences of {source or 'the trace'} disagree on (layers, top-k): {sorted(shapes)}")
+    num_layers, top_k = shapes.pop()
+    sequences = []
+    seen_max = -1
+    for trace in traces:
+        rows = trace.expert_ids.tolist()  # [T][L][K]
+        seq = tuple(tuple(tuple(dict.fromkeys(int(e) for e in experts)) for experts in token) for token in rows)
+        for token in seq:
+            for experts in token:
+                seen_max = max(seen_max, *experts) if experts else seen_max
+        if min((min(experts) for token in seq for experts in token if experts), default=0) < 0:
+            raise MoeprepError(f"{source or 'the trace'} has a negative expert id; record the trace again")
+        if seq:
+            sequences.append(seq)
+    if not sequences:
+        raise MoeprepError(f"every sequence of {source or 'the trace'} is empty; nothing to replay")
+    if num_experts is None:
+        num_experts = seen_max + 1
+    elif seen_max >= num_experts:
+        raise MoeprepError(f"{source or 'the trace'} names expert {seen_max} but the model has {num_experts} experts")
+    return Replay(tuple(sequences), num_layers, int(num_experts), top_k, source)
+
+
+def load_replay(path: str | Path) -> Replay:
+    """The routing of a project trace directory (with ``index.json``) or of the real Mixtral traces.
+
+    path: a trace directory written by ``record_traces``; or ``gsm8k_routing.jsonl``, its directory, or
+    the traces root holding ``mixtral-8x7b/``. Raises ``MoeprepError`` when nothing is there.
+    """
+    from prep.trace import INDEX_NAME, open_trace, read_mixtral_traces
+
+    path = Path(path)
+    if not path.exists():
+        raise MoeprepError(f"trace {path} does not exist; pass a trace directory written by `moeprep prepare` "
+                           "(stages/trace-*/trace) or the real Mixtral traces (../shared/data/traces)")
+    if path.is_dir() and (path / INDEX_NAME).is_file():
+        trace = open_trace(path)
+        return replay_from_routing(trace.routing(), int(trace.index["num_experts"]), str(path))
+    return replay_from_routing(read_mixtral_traces(path), MIXTRAL_EXPERTS, str(path))

@@ -1,0 +1,444 @@
+"""Replay recorded routing through the loader's own expert cache and count what the loader would do.
+
+The cache is ``loader.cache.ExpertCache`` with the loader's eviction policies (plus ``belady``, the
+clairvoyant floor, which exists only here); entries hold sizes, never tensors. The order of calls is
+the runtime's, one call per token per MoE layer as in decode:
+
+    cache.clock.token = t                                  # the token's position in its sequence
+    for each MoE layer l in order:
+        requests = cache.begin_layer(l, [(e, precision[l][e]) for the token's experts at l])
+        for each miss, in the router's slot order:
+            entry = cache.admit(l, e, precision, slot_bytes[precision])
+            cache.count_read(l, record_bytes[precision])   # a miss reads its record either way
+            cache.complete(entry) if entry is not None     # else: read into a buffer and used once
+        cache.end_layer(l)
+
+``begin_layer`` protects all of a token's experts before any is admitted, so a token's experts are
+inserted together and neither can evict the other (the convention of SOURCES.md and of the loader).
+Each sequence starts cold (``cache.clear()``) unless ``cold_start=False``, in which case it only
+``reset()``s (per-sequence policy records forgotten, contents kept).
+
+Capacity comes from a ``loader.plan.Plan`` and a budget through ``loader.plan.capacities`` (the same
+arithmetic as the loader: ``plan_spec``; ``artifact_spec`` also takes the artifact's record and slot
+sizes exactly as ``loader.runtime.load`` does), or from a number of experts per layer
+(``capacity_spec``): N records per layer group, or one global group of N x L records.
+
+Shape legend: T tokens, L layers, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from loader.cache import POLICIES, ExpertCache, PoolConfig, policy_factory
+from loader.plan import Capacities, ModelSizes, Plan, PlanError, capacities
+from prep.errors import MoeprepError
+from prep.sim.belady import BeladyPolicy, FutureUses
+from prep.sim.device import DeviceProfile
+from prep.sim.replay import Replay
+
+POLICY_NAMES = (*POLICIES, "belady")  # every policy the simulator runs; belady only here
+GROUPS = ("layer", "global")
+MIXTRAL_GROUP_SIZE = 64
+
+
+def mixtral_record_bytes(precision: str = "int4", group_size: int = MIXTRAL_GROUP_SIZE) -> int:
+    """Bytes of one Mixtral-8x7B expert record in this project's store format.
+
+    The expert is three matrices of 4096 x 14336 (gate, up: [I, H]; down: [H, I]), 176,160,768
+    weights. intN stores N-bit codes plus a float16 scale and zero per group of ``group_size``
+    weights, each part 16-byte aligned (``loader.codec.RecordLayout``); int4 with groups of 64:
+    3 x (29,360,128 + 2 x 1,835,008) = 99,090,432 bytes (94.5 MiB). ``passthrough`` is the source
+    bfloat16: 352,321,536 bytes.
+    """
+    from loader.codec import BITS, MatrixSpec, RecordLayout
+
+    hidden, inter = 4096, 14336
+    if precision not in BITS and precision != "passthrough":
+        raise MoeprepError(f"no record size for precision {precision!r}; use passthrough or one of {sorted(BITS)}")
+    shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    return RecordLayout(tuple(MatrixSpec(n, s, precision, "bfloat16", group_size if precision != "passthrough" else 0)
+                              for n, s in shapes.items())).nbytes
+
+
+DEFAULT_RECORD_BYTES = 99_090_432  # mixtral_record_bytes("int4"), checked by a test
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What a simulated cache holds: its pools (byte capacity per eviction group), the precision each expert
+    is requested at ([L][E]), the bytes a cached record takes (``slot_bytes``) and the bytes a miss reads
+    (``record_bytes``) per precision, the eviction policy the plan names, and the capacity as reported."""
+
+    pools: tuple[PoolConfig, ...]
+    expert_precision: tuple[tuple[str, ...], ...]
+    record_bytes: dict
+    capacity: object  # N experts per layer, or the pools' byte capacities
+    group: str  # "layer", "global" or "plan"
+    slot_bytes: dict | None = None  # None: a record takes its own size
+    eviction: tuple[str, dict] = ("lru", {})
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.expert_precision)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.expert_precision[0])
+
+
+def capacity_spec(num_layers: int, num_experts: int, capacity: int, group: str = "layer",
+                  record_bytes: int = DEFAULT_RECORD_BYTES, precision: str = "int4") -> CacheSpec:
+    """One pool at ``precision`` holding ``capacity`` records per layer (``group="layer"``) or one global
+    group of ``capacity * num_layers`` records (``group="global"``)."""
+    if group not in GROUPS:
+        raise MoeprepError(f"--group must be one of {', '.join(GROUPS)}, not {group!r}")
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= num_experts:
+        raise MoeprepError(f"capacity {capacity!r} must be a whole number of experts per layer from 1 to "
+                           f"{num_experts} (the model's experts per layer)")
+    if isinstance(record_bytes, bool) or not isinstance(record_bytes, int) or record_bytes < 1:
+        raise MoeprepError(f"record bytes {record_bytes!r} must be a positive number of bytes")
+    per_group = ({layer: capacity * record_bytes for layer in range(num_layers)} if group == "layer"
+                 else {"global": capacity * num_layers * record_bytes})
+    return CacheSpec((PoolConfig("main", precision, group, per_group),),
+                     tuple((precision,) * num_experts for _ in range(num_layers)), {precision: record_bytes},
+                     capacity, group)
+
+
+_DEFAULT_HOOKS = ("topk", "plan", "none")  # the names that mean "off" for routing and the miss policy
+
+
+def capacities_spec(plan: Plan, caps: Capacities, record_bytes: dict, slot_bytes: dict | None = None) -> CacheSpec:
+    """The pools of ``plan`` with byte capacities ``caps`` (from ``loader.plan.capacities``).
+
+    record_bytes: bytes a miss reads per precision; slot_bytes: bytes a cached record takes (the loader's
+    slot, which ``capacities`` was given as the record size); None means the same as record_bytes.
+    """
+    for what, spec in (("routing policy", plan.routing), ("miss policy", plan.miss)):
+        if spec.name not in _DEFAULT_HOOKS or spec.params:
+            raise MoeprepError(f"the plan's {what} {spec.name!r} is not simulated yet; simulate the plan with "
+                               f"that {what} off ({'/'.join(_DEFAULT_HOOKS)})")
+    if plan.predictors:
+        raise MoeprepError(f"the plan's predictors {[p.name for p in plan.predictors]} are not simulated yet; "
+                           "simulate the plan without predictors")
+    pools = tuple(PoolConfig(p.name, p.precision, p.group, dict(caps.pools[p.name])) for p in plan.pools)
+    slot_bytes = dict(slot_bytes if slot_bytes is not None else record_bytes)
+    missing = sorted(set(plan.precisions) - set(record_bytes) - set(slot_bytes))
+    if missing:
+        raise MoeprepError(f"no record size for precisions {missing}; give the artifact's sizes")
+    return CacheSpec(pools, plan.expert_precision, dict(record_bytes),
+                     {name: {str(k): v for k, v in groups.items()} for name, groups in caps.pools.items()}, "plan",
+                     slot_bytes, (plan.eviction.name, dict(plan.eviction.params)))
+
+
+def plan_spec(plan: Plan, budget, sizes) -> CacheSpec:
+    """The cache the loader builds for ``plan`` under ``budget`` (``loader.plan.capacities``);
+    ``sizes.record_bytes`` are both what a record takes and what a miss reads."""
+    try:
+        caps = capacities(plan, budget, sizes)
+    except PlanError as e:
+        raise MoeprepError(str(e)) from None
+    return capacities_spec(plan, caps, sizes.record_bytes)
+
+
+def artifact_spec(artifact, budget=None, plan: Plan | None = None, store: str = "disk") -> CacheSpec:
+    """The cache ``loader.runtime.load(artifact, memory_budget=budget, store=store)`` builds: its plan (or
+    ``plan``), the artifact's sizes, slots as the loader sizes them, records as its stores hold them."""
+    from pathlib import Path
+
+    from loader.format import read_manifest
+    from loader.plan import read_plan
+    from loader.runtime import _dense_bytes, artifact_sizes, slot_bytes
+    from loader.store import ExpertStore
+
+    artifact = Path(artifact)
+    manifest = read_manifest(artifact)
+    plan = plan or read_plan(artifact)
+    stores = {p: ExpertStore(artifact / s["file"], p, mode=store) for p, s in manifest.raw["stores"].items()}
+    try:
+        sizes = artifact_sizes(manifest, _dense_bytes(artifact / "dense.safetensors"), stores)
+        host = sum(s.host_bytes for s in stores.values())
+        if host and budget is not None:
+            sizes = dataclasses.replace(sizes, dense_bytes=sizes.dense_bytes + host)
+        try:
+            caps = capacities(plan, budget, sizes)
+        except PlanError as e:
+            raise MoeprepError(str(e)) from None
+        return capacities_spec(plan, caps, {p: s.record_bytes for p, s in stores.items()},
+                               {p: slot_bytes(s) for p, s in stores.items()})
+    finally:
+        for s in stores.values():
+            s.close()
+
+
+# ------------------------------------------------------------------------------------------ results
+
+
+@dataclass
+class LayerResult:
+    requests: int = 0
+    hits: int = 0
+    misses: int = 0
+    joins: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    compute_seconds: float = 0.0
+
+    def to_json(self, layer: int, modelled: bool) -> dict:
+        out = {"layer": layer, "requests": self.requests, "hits": self.hits, "misses": self.misses,
+               "joins": self.joins, "miss_rate": self.misses / self.requests if self.requests else None,
+               "bytes_read": self.bytes_read}
+        if modelled:
+            out |= {"read_seconds": self.read_seconds, "compute_seconds": self.compute_seconds,
+                    "seconds": self.read_seconds + self.compute_seconds}
+        return out
+
+
+@dataclass
+class SimResult:
+    """What one replay counted: totals and per MoE layer; modelled seconds when a profile was given."""
+
+    policy: str
+    params: dict
+    capacity: object
+    group: str
+    source: str
+    sequences: int
+    tokens: int
+    record_bytes: dict
+    cold_start: bool
+    layers: list[LayerResult] = field(default_factory=list)
+    profile: DeviceProfile | None = None
+
+    @property
+    def requests(self) -> int:
+        return sum(r.requests for r in self.layers)
+
+    @property
+    def hits(self) -> int:
+        return sum(r.hits for r in self.layers)
+
+    @property
+    def misses(self) -> int:
+        return sum(r.misses for r in self.layers)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r.bytes_read for r in self.layers)
+
+    @property
+    def miss_rate(self) -> float:
+        return self.misses / self.requests if self.requests else 0.0
+
+    @property
+    def seconds(self) -> float | None:
+        if self.profile is None:
+            return None
+        return sum(r.read_seconds + r.compute_seconds for r in self.layers)
+
+    def to_json(self) -> dict:
+        modelled = self.profile is not None
+        out = {
+            "policy": self.policy, "params": self.params, "capacity": self.capacity, "group": self.group,
+            "trace": self.source, "sequences": self.sequences, "tokens": self.tokens,
+            "requests": self.requests, "hits": self.hits, "misses": self.misses,
+            "joins": sum(r.joins for r in self.layers), "miss_rate": self.miss_rate,
+            "bytes_read": self.bytes_read, "bytes_read_per_token": self.bytes_read / self.tokens if self.tokens else None,
+            "record_bytes": self.record_bytes, "cold_start": self.cold_start,
+            "convention": "one call per token per MoE layer; a token's experts inserted together",
+            "seconds": None,
+        }
+        if modelled:
+            read = sum(r.read_seconds for r in self.layers)
+            compute = sum(r.compute_seconds for r in self.layers)
+            out["seconds"] = {"total": read + compute, "per_token": (read + compute) / self.tokens if self.tokens else None,
+                              "read": read, "compute": compute, "device": self.profile.device}
+        out["layers"] = [r.to_json(layer, modelled) for layer, r in enumerate(self.layers)]
+        return out
+
+
+# ------------------------------------------------------------------------------------------- replay
+
+
+def _factory(policy: str, params: dict | None, future: FutureUses | None):
+    if policy == "belady":
+        if params:
+            raise MoeprepError(f"the belady policy takes no parameters, got {sorted(params)}")
+        return lambda clock, num_experts: BeladyPolicy(clock, num_experts, future)
+    try:
+        return policy_factory(policy, params)
+    except ValueError as e:
+        raise MoeprepError(f"{e}; the simulator also runs 'belady'") from None
+
+
+def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params: dict | None = None,
+             profile: DeviceProfile | None = None, cold_start: bool = True) -> SimResult:
+    """Replay ``replay`` through an ``ExpertCache`` built from ``spec`` with eviction ``policy``.
+
+    policy: a name of ``POLICY_NAMES`` with ``params``; None takes the spec's (a plan's) eviction policy.
+    Returns a ``SimResult``: hits, misses, joins and bytes read per MoE layer (a miss reads one record of
+    its precision whether or not the cache keeps it), and with ``profile`` the modelled read and
+    compute seconds (``prep.sim.device``).
+    """
+    if policy is None:
+        policy, params = spec.eviction[0], (params if params is not None else spec.eviction[1])
+    if policy not in POLICY_NAMES:
+        raise MoeprepError(f"eviction policy {policy!r} unknown; use one of {', '.join(POLICY_NAMES)}")
+    if (replay.num_layers, replay.num_experts) != (spec.num_layers, spec.num_experts):
+        raise MoeprepError(f"the trace has {replay.num_layers} MoE layers x {replay.num_experts} experts but the "
+                           f"cache is for {spec.num_layers} x {spec.num_experts}; use a plan made for this model")
+    future = FutureUses() if policy == "belady" else None
+    try:
+        cache = ExpertCache(spec.pools, spec.num_layers, spec.num_experts, _factory(policy, params, future))
+    except ValueError as e:
+        raise MoeprepError(str(e)) from None
+    layers = [LayerResult() for _ in range(spec.num_layers)]
+    precision, record_bytes = spec.expert_precision, spec.record_bytes
+    slot_bytes = spec.slot_bytes if spec.slot_bytes is not None else record_bytes
+    for sequence in replay.sequences:
+        cache.clear() if cold_start else cache.reset()
+        if future is not None:
+            future.start(sequence)
+        for t, token in enumerate(sequence):
+            cache.clock.token = t
+            for layer, experts in enumerate(token):
+                counts = layers[layer]
+                requests = cache.begin_layer(layer, [(e, precision[layer][e]) for e in experts])
+                for request in requests:
+                    counts.requests += 1
+                    if request.kind == "miss":
+                        nbytes = record_bytes[request.precision]
+                        entry = cache.admit(layer, request.expert, request.precision, slot_bytes[request.precision])
+                        cache.count_read(layer, nbytes)
+                        if entry is not None:
+                            cache.complete(entry)
+                        if profile is not None:
+                            counts.read_seconds += profile.read_seconds(nbytes)
+                            counts.compute_seconds += profile.compute(request.precision)
+                    elif profile is not None:
+                        counts.compute_seconds += profile.compute(request.entry.precision)
+                cache.end_layer(layer)
+    for layer, counts in enumerate(layers):
+        c = cache.counters[layer]
+        counts.hits, counts.misses, counts.joins, counts.bytes_read = c.hits, c.misses, c.joins, c.bytes_read
+    return SimResult(policy, dict(params or {}), spec.capacity, spec.group, replay.source, len(replay.sequences),
+                     replay.num_tokens, dict(record_bytes), cold_start, layers, profile)
+
+
+def sweep(replay: Replay, policies: Iterable[str], capacities_per_layer: Iterable[int],
+          groups: Iterable[str] = ("layer",), record_bytes: int = DEFAULT_RECORD_BYTES, precision: str = "int4",
+          params: dict | None = None, profile: DeviceProfile | None = None,
+          cold_start: bool = True) -> list[SimResult]:
+    """``simulate`` for every (group, capacity, policy), in that nesting order. ``params`` go to every
+    policy that is not belady (so pass them only with one policy)."""
+    results = []
+    policies = list(policies)
+    for group in groups:
+        for capacity in capacities_per_layer:
+            spec = capacity_spec(replay.num_layers, replay.num_experts, capacity, group, record_bytes, precision)
+            for policy in policies:
+                results.append(simulate(replay, spec, policy, params if policy != "belady" else None, profile,
+                                        cold_start))
+    return results
+
+
+def _synthetic_sizes(plan: Plan, replay: Replay, record_bytes: int | None) -> ModelSizes:
+    """Sizes for a plan without its artifact: Mixtral-8x7B-shaped records (``mixtral_record_bytes``; or
+    ``record_bytes`` for every precision), no dense weights, source experts in bfloat16."""
+    sizes = {p: record_bytes or mixtral_record_bytes(p) for p in plan.precisions}
+    return ModelSizes(plan.num_layers, plan.num_experts, replay.top_k, 0,
+                      plan.num_layers * plan.num_experts * (record_bytes or mixtral_record_bytes("passthrough")), sizes)
+
+
+def parse_list(text: str | None, what: str, convert=str) -> list:
+    """"a,b,c" -> [a, b, c] converted; an unconvertible item is a MoeprepError naming ``what``."""
+    if text is None:
+        return []
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    try:
+        return [convert(t) for t in items]
+    except ValueError:
+        raise MoeprepError(f"{what} {text!r} is not a comma-separated list of {convert.__name__} values") from None
+
+
+def simulate_trace(trace, plan=None, budget=None, policies=None, capacity=None, groups=("layer",),
+                   params: dict | None = None, record_bytes: int | None = None, precision: str = "int4",
+                   profile=None, cold_start: bool = True) -> tuple[Replay, list[SimResult]]:
+    """What ``moeprep simulate`` runs: load the trace, build the cache(s), replay.
+
+    trace: a project trace directory or the real Mixtral traces (``load_replay``). Either ``plan`` (a
+    ``plan.json`` path, an artifact directory, or a ``Plan``) with ``budget`` (None: the plan's default),
+    or ``capacity`` (experts per layer: an int, a list, or "2,4,6") with ``groups``. policies: names,
+    "a,b", "all", or None (the plan's policy; "lru" without a plan). profile: a ``DeviceProfile`` or a
+    path to one. Returns the replay and one ``SimResult`` per (group, capacity, policy).
+    """
+    import json
+    from pathlib import Path
+
+    from prep.sim.device import DeviceProfile, load_profile
+    from prep.sim.replay import load_replay
+
+    replay = load_replay(trace)
+    if profile is not None and not isinstance(profile, DeviceProfile):
+        profile = load_profile(profile)
+    if isinstance(policies, str):
+        policies = list(POLICY_NAMES) if policies.strip() == "all" else parse_list(policies, "--policy")
+    for name in policies or ():
+        if name not in POLICY_NAMES:
+            raise MoeprepError(f"eviction policy {name!r} unknown; use one of {', '.join(POLICY_NAMES)} or 'all'")
+    if plan is not None and capacity is not None:
+        raise MoeprepError("give either --plan (capacities from the plan and a budget) or --capacity, not both")
+    if plan is not None:
+        if isinstance(plan, Plan):
+            spec = plan_spec(plan, budget, _synthetic_sizes(plan, replay, record_bytes))
+        else:
+            path = Path(plan)
+            if path.is_dir():
+                if not (path / "manifest.json").is_file():
+                    raise MoeprepError(f"{path} is not an artifact (no manifest.json); pass its plan.json or an artifact")
+                spec = artifact_spec(path, budget)
+            elif path.name == "plan.json" and (path.parent / "manifest.json").is_file():
+                spec = artifact_spec(path.parent, budget)
+            else:
+                try:
+                    raw = json.loads(path.read_text())
+                except FileNotFoundError:
+                    raise MoeprepError(f"plan {path} does not exist; pass a plan.json or an artifact directory") from None
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise MoeprepError(f"plan {path} is not valid JSON ({e})") from None
+                try:
+                    loaded = Plan.from_json(raw)
+                except PlanError as e:
+                    raise MoeprepError(str(e)) from None
+                spec = plan_spec(loaded, budget, _synthetic_sizes(loaded, replay, record_bytes))
+        runs = [simulate(replay, spec, p, params if p != "belady" else None, profile, cold_start)
+                for p in (policies or [None])]
+        return replay, runs
+    if capacity is None:
+        raise MoeprepError("give --plan PLAN.json, or --policy NAME with --capacity N (experts per layer)")
+    if budget is not None:
+        raise MoeprepError("--budget goes with --plan; with --capacity the cache holds N experts per layer")
+    capacities_ = capacity if isinstance(capacity, list | tuple) else (
+        parse_list(capacity, "--capacity", int) if isinstance(capacity, str) else [capacity])
+    if not capacities_:
+        raise MoeprepError("--capacity needs at least one number of experts per layer")
+    return replay, sweep(replay, policies or ["lru"], capacities_, groups,
+                         record_bytes or DEFAULT_RECORD_BYTES, precision, params, profile, cold_start)
+
+
+def parse_params(items) -> dict:
+    """["w_lru=0.4", "shares=[[...]]"] -> {"w_lru": 0.4, ...}: each value JSON, else the plain string."""
+    import json
+
+    params = {}
+    for item in items or ():
+        key, sep, value = str(item).partition("=")
+        if not sep or not key.strip():
+            raise MoeprepError(f"--param {item!r} must be KEY=VALUE, e.g. --param w_lru=0.4")
+        try:
+            params[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            params[key.strip()] = value
+    return params
