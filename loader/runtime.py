@@ -107,6 +107,7 @@ class ExpertRuntime:
         self.times = [LayerTimes() for _ in range(plan.num_layers)]
         self.peak_cache_bytes = 0
         self._prefetching: list = []  # entries whose prefetch read may still be in flight
+        self.routing: RoutingPolicy | None = None  # the installed routing policy (reset with the sequence)
         for p in [miss_policy, *predictors]:
             p.bind(plan.num_layers, plan.num_experts)
 
@@ -291,7 +292,7 @@ class ExpertRuntime:
         """A model forward of ``tokens`` new tokens after ``past_length`` cached ones; 0 = a new sequence."""
         if past_length == 0:
             self.cache.reset()
-            for p in [self.miss_policy, *self.predictors]:
+            for p in [self.miss_policy, *self.predictors, *([self.routing] if self.routing else [])]:
                 p.reset()
         self.cache.clock.token = past_length + max(tokens, 1) - 1
 
@@ -555,6 +556,7 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
                                                                                   RoutingPolicy),
         router_paths=moe.get("router_modules"), view=runtime.cache.view,
         after_router=runtime.after_router if runtime.predictors else None)
+    runtime.routing = loaded.routing.policy
     if runtime.predictors and moe.get("last_decoder_layer"):
         last = _submodule(model, moe["last_decoder_layer"], "last decoder layer")
         last.register_forward_hook(

@@ -34,7 +34,7 @@ import json
 import os
 import shutil
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -421,13 +421,3 @@ def read_mixtral_traces(path: str | Path) -> list[RoutingTrace]:
         traces.append(RoutingTrace(torch.stack(ids, dim=1), torch.stack(weights, dim=1), tuple(layers)))
     return traces
 
-
-def stack_routing(traces: Sequence[RoutingTrace]) -> RoutingTrace:
-    """Concatenate the routing of several sequences along T (for statistics that ignore boundaries)."""
-    if not traces:
-        raise MoeprepError("no routing traces to stack")
-    return RoutingTrace(
-        torch.cat([t.expert_ids for t in traces]),
-        torch.cat([t.expert_weights for t in traces]),
-        traces[0].layers,
-    )

@@ -251,15 +251,22 @@ def test_a_new_sequence_resets_the_clock_and_the_predictors(tmp_path_factory):
     _, artifact = tiny_artifact(tmp_path_factory, "mixtral")
     predictor = _NextLayerOracle(None, bogus=False)
     predictor.future = lambda layer: []
-    loaded = load(artifact, memory_budget="unlimited", predictors=[predictor])
+
+    class Counting(RoutingPolicy):
+        resets = 0
+
+        def reset(self):
+            Counting.resets += 1
+
+    loaded = load(artifact, memory_budget="unlimited", predictors=[predictor], routing=Counting())
     ids = _ids(7, seed=2)
     with torch.no_grad():
         out = loaded.model(input_ids=ids, use_cache=True)
-        assert loaded.cache.clock.token == 6 and predictor.resets == 1
+        assert loaded.cache.clock.token == 6 and predictor.resets == Counting.resets == 1
         loaded.model(input_ids=ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
-        assert loaded.cache.clock.token == 7 and predictor.resets == 1  # same sequence
+        assert loaded.cache.clock.token == 7 and predictor.resets == Counting.resets == 1  # same sequence
         loaded.model(input_ids=ids[:, :3])
-        assert loaded.cache.clock.token == 2 and predictor.resets == 2  # a new one
+        assert loaded.cache.clock.token == 2 and predictor.resets == Counting.resets == 2  # a new one
     loaded.close()
 
 
