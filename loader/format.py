@@ -43,12 +43,15 @@ from pathlib import Path, PurePosixPath
 
 from loader.codec import BITS, CodecError, RecordLayout
 from loader.errors import MoeError
+from loader.files import write_json_atomic
 from loader.plan import PLAN_FILE, Plan, read_plan
 
 FORMAT = "moeprep-artifact"
 SCHEMA_VERSION = 2
 ALIGN = 4096
 MANIFEST = "manifest.json"
+DIGEST = "digest"  # the manifest's own sha256 (``manifest_digest``): the manifest protects itself too
+DIGEST_REQUIRED = False  # TODO: True once package writes through write_manifest
 CONFIG = "config.json"
 DENSE = "dense.safetensors"
 REPORT = "report.json"
@@ -245,7 +248,7 @@ class _Checker:
 
 
 _TOP_KEYS = {"format", "schema_version", "producer", "source_model", "recipe", "package_key", "moe", "stores",
-             "plan_summary", "files"}
+             "plan_summary", "files", "digest"}
 _MOE_KEYS = {"architecture", "layers", "num_experts", "top_k", "dtype", "experts_modules", "router_modules",
              "last_decoder_layer", "expert_params", "source_expert_bytes"}
 
@@ -349,6 +352,26 @@ def _validate(raw, root: Path) -> None:
     needed = [*REQUIRED_FILES, *(s["file"] for s in stores.values())]
     if missing := [n for n in needed if n not in files]:
         raise c.fail(f"files does not list {missing}")
+    if DIGEST_REQUIRED or DIGEST in raw:
+        if c.get(raw, DIGEST, "", "hex64") != manifest_digest(raw):
+            raise c.fail(f"its content does not match its {DIGEST} (a key was changed after it was written)")
+
+
+def manifest_digest(raw: dict) -> str:
+    """sha256 of the manifest's canonical JSON (sorted keys, no spaces), without the digest key itself."""
+    body = {k: v for k, v in raw.items() if k != DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_manifest(directory: str | Path, raw: dict) -> dict:
+    """Seal ``raw`` with its digest and write it as ``directory/manifest.json`` atomically; returns it.
+
+    Every writer of a manifest goes through here (package, ``moeprep eval``), so an edit by hand or a
+    flipped bit anywhere in the manifest is refused at load rather than silently obeyed.
+    """
+    sealed = {k: v for k, v in raw.items() if k != DIGEST} | {DIGEST: manifest_digest(raw)}
+    write_json_atomic(Path(directory) / MANIFEST, sealed)
+    return sealed
 
 
 def _layout(c: _Checker, raw: list, where: str, precision: str, dtype: str) -> RecordLayout:
@@ -640,8 +663,11 @@ def check_model(manifest: Manifest, model) -> None:
         except AttributeError:
             raise fail(f"it names the module {path!r}, which the model does not have") from None
 
-    for path in moe["router_modules"]:
-        module(path)
+    for path in moe["router_modules"]:  # a router scores every expert: it holds a parameter of E rows
+        params = module(path)._parameters.values()
+        if not any(p is not None and p.dim() >= 1 and p.shape[0] == moe["num_experts"] for p in params):
+            raise fail(f"its router module {path!r} holds no parameter with {moe['num_experts']} rows (one per "
+                       "expert): it is not this model's router")
     module(moe["last_decoder_layer"])
     for path in moe["experts_modules"]:
         experts = module(path)

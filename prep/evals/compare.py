@@ -198,7 +198,7 @@ def merge_into_artifact(artifact: str | Path, report: dict, package_key: str | N
     report.json only). ``package_key``: the artifact evaluated; if it was re-prepared meanwhile, refuse.
     """
     from loader.files import write_bytes_atomic, write_json_atomic
-    from loader.format import MANIFEST, REPORT, ArtifactError, read_json, read_manifest, sha256_file
+    from loader.format import REPORT, ArtifactError, read_json, read_manifest, sha256_file, write_manifest
 
     manifest = read_manifest(artifact)
     root = manifest.root
@@ -233,7 +233,7 @@ def merge_into_artifact(artifact: str | Path, report: dict, package_key: str | N
     entry = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     write_json_atomic(pending, {"sha256": entry["sha256"]})
     write_bytes_atomic(path, data)
-    write_json_atomic(root / MANIFEST, manifest.raw | {"files": manifest.files | {REPORT: entry}})
+    write_manifest(root, manifest.raw | {"files": manifest.files | {REPORT: entry}})
     pending.unlink(missing_ok=True)
 
 
