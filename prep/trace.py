@@ -43,6 +43,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from loader.files import write_json_atomic
 from prep.adapters import MoeAdapter, get_adapter
 from prep.errors import MoeprepError
 
@@ -197,9 +198,7 @@ class _ShardWriter:
 
 
 def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, obj)
 
 
 def record_traces(

@@ -6,8 +6,10 @@ divided by the resident ceiling's and by accelerate's at the same budget.
 
 from __future__ import annotations
 
-import os
+import io
 from pathlib import Path
+
+from loader.files import write_bytes_atomic
 
 SYSTEM_ORDER = ("resident", "accelerate", "naive", "moeprep")
 
@@ -157,7 +159,7 @@ def write_plot(report: dict, path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
-    fig.savefig(tmp, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
+    write_bytes_atomic(path, png.getvalue())

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from loader.files import write_bytes_atomic
 from prep.bench.subjects import Subject, mixtral_shape_subject, reference_subject
 from prep.errors import MoeprepError
 from prep.trace import MIXTRAL_TRACE_FILE
@@ -155,9 +156,7 @@ def _run_worker(spec: dict, work: Path) -> dict:
 
 
 def _write_atomic(path: Path, data: str | bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data if isinstance(data, bytes) else data.encode())
-    os.replace(tmp, path)
+    write_bytes_atomic(path, data if isinstance(data, bytes) else data.encode())
 
 
 def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = False, device: str = "cpu",

@@ -10,12 +10,12 @@ with the INT2 experts too, and writes ``dir/metrics.json``.
 from __future__ import annotations
 
 import copy
-import json
 import math
 from pathlib import Path
 
 import torch
 
+from loader.files import write_json_atomic
 from prep.adapters import get_adapter
 from prep.evals import suites as S
 from prep.quant.hqq_codec import fake_quantize
@@ -180,7 +180,5 @@ def measure_reference(ref_dir: str | Path, limit: int | None = None, progress: b
     metrics["meets_targets"] = {k: metrics[k] >= v for k, v in TARGETS.items()}
     metrics["mmlu_chance"] = 0.25
     if limit is None:
-        tmp = ref_dir / ".metrics.json.tmp"
-        tmp.write_text(json.dumps(metrics, indent=2) + "\n")
-        tmp.replace(ref_dir / "metrics.json")
+        write_json_atomic(ref_dir / "metrics.json", metrics)
     return metrics

@@ -71,6 +71,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from loader.files import write_json_atomic
 from prep.errors import MoeprepError
 from prep.reference import data as D
 
@@ -489,7 +490,5 @@ def build_reference(out_dir: str | Path, spec: ReferenceSpec | None = None, devi
         "loss_every_50": losses[::50],
         "hint_loss_every_50": hints[::50],
     }
-    tmp_file = out_dir / ".training.json.tmp"
-    tmp_file.write_text(json.dumps(report, indent=2) + "\n")
-    tmp_file.replace(out_dir / "training.json")
+    write_json_atomic(out_dir / "training.json", report)
     return report
