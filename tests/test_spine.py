@@ -7,6 +7,7 @@ import json
 import shutil
 import threading
 import time
+import zlib
 
 import torch
 
@@ -297,3 +298,32 @@ def test_an_oracle_prefetch_turns_misses_into_hits_without_double_reads(tmp_path
     assert sum(s["misses"] for s in later) == 0  # every later layer's experts were prefetched in time
     assert sum(s["prefetch_used"] for s in later) > 0
     assert stats["bytes_read"] == (stats["misses"] + stats["prefetches"]) * record
+
+
+def test_store_reads_whole_records_and_byte_ranges_into_given_memory(tmp_path):
+    from loader.store import ExpertStore
+    from prep.records import write_aligned_records
+
+    gen = torch.Generator().manual_seed(0)
+    records = {f"layers.0.experts.{e}": torch.randint(0, 256, (10000,), dtype=torch.uint8, generator=gen).numpy().tobytes()
+               for e in range(3)}
+    crcs = write_aligned_records(tmp_path / "s.safetensors", records, 10000)
+    assert crcs == {k: zlib.crc32(v) for k, v in records.items()}
+    checked = []
+
+    def check(key, data):
+        checked.append(key)
+        if zlib.crc32(data) != crcs[key]:
+            raise ValueError(key)
+
+    for mode in ("disk", "host"):
+        store = ExpertStore(tmp_path / "s.safetensors", "x", mode=mode, check=check)
+        arena = SlotArena(2, store.stride, torch.device("cpu"))
+        for key, data in records.items():
+            assert store.read_into(key, arena.host_view(0)) == 10000
+            assert bytes(arena.host_view(0)[:10000]) == data
+            for start, length in ((4096, 4096), (10, 777), (9000, 1000)):
+                assert store.read_into(key, arena.host_view(1), start, length) == length
+                assert bytes(arena.host_view(1)[:length]) == data[start:start + length]
+        store.close()
+    assert checked == list(records) * 2  # whole-record reads are checked, ranges are not
