@@ -371,3 +371,24 @@ def test_simulator_matches_loader(tiny_artifact, one_thread):
                 assert got == want, (group, budget, policy)
                 checked += 1
     assert checked == 2 * 2 * len(POLICIES)
+
+
+def test_cli_plan_from_an_artifact(tiny_artifact):
+    """--plan takes an artifact (or its plan.json): capacities as the loader builds them, the plan's policy."""
+    from loader.runtime import minimum_budget
+
+    trace = next(tiny_artifact.parent.rglob("index.json")).parent  # the pipeline's own trace stage
+    budget = str(minimum_budget(tiny_artifact))
+    runner = CliRunner()
+    result = runner.invoke(main, ["simulate", "--trace", str(trace), "--plan", str(tiny_artifact), "--budget", budget,
+                                  "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["policy"] == "lru" and out["group"] == "plan" and set(out["capacity"]) == {"main"}
+    assert out["requests"] == sum(layer["requests"] for layer in out["layers"]) > 0
+    sweep = runner.invoke(main, ["simulate", "--trace", str(trace), "--plan", str(tiny_artifact / "plan.json"),
+                                 "--budget", budget, "--policy", "all", "--json"])
+    runs = {r["policy"]: r["misses"] for r in json.loads(sweep.stdout)["runs"]}
+    assert runs["lru"] == out["misses"] and min(runs.values()) == runs["belady"]
+    low = runner.invoke(main, ["simulate", "--trace", str(trace), "--plan", str(tiny_artifact), "--budget", "1KB"])
+    assert low.exit_code == 1 and "raise the budget" in low.stderr

@@ -6,8 +6,8 @@ the runtime's, one call per token per MoE layer as in decode:
 
     cache.clock.token = t                                  # the token's position in its sequence
     for each MoE layer l in order:
-        requests = cache.begin_layer(l, [(e, precision[l][e]) for the token's experts at l])
-        for each miss, in the router's slot order:
+        requests = cache.begin_layer(l, [(e, precision[l][e]) for e in ordered_experts([token's experts at l])])
+        for each miss, in that order (the router's slot order, best-weighted first):
             entry = cache.admit(l, e, precision, slot_bytes[precision])
             cache.count_read(l, record_bytes[precision])   # a miss reads its record either way
             cache.complete(entry) if entry is not None     # else: read into a buffer and used once
@@ -32,7 +32,7 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from loader.cache import POLICIES, ExpertCache, PoolConfig, policy_factory
+from loader.cache import POLICIES, ExpertCache, PoolConfig, ordered_experts, policy_factory
 from loader.plan import Capacities, ModelSizes, Plan, PlanError, capacities
 from prep.errors import MoeprepError
 from prep.sim.belady import BeladyPolicy, FutureUses
@@ -144,23 +144,20 @@ def plan_spec(plan: Plan, budget, sizes) -> CacheSpec:
 
 
 def artifact_spec(artifact, budget=None, plan: Plan | None = None, store: str = "disk") -> CacheSpec:
-    """The cache ``loader.runtime.load(artifact, memory_budget=budget, store=store)`` builds: its plan (or
-    ``plan``), the artifact's sizes, slots as the loader sizes them, records as its stores hold them."""
-    from pathlib import Path
-
+    """The cache ``loader.runtime.load(artifact, memory_budget=budget, store=store, plan=plan)`` builds: the
+    artifact's plan (or ``plan``), its sizes, slots as the loader sizes them, records as its stores hold them."""
     from loader.format import read_manifest
     from loader.plan import read_plan
     from loader.runtime import _dense_bytes, artifact_sizes, slot_bytes
     from loader.store import ExpertStore
 
-    artifact = Path(artifact)
     manifest = read_manifest(artifact)
-    plan = plan or read_plan(artifact)
-    stores = {p: ExpertStore(artifact / s["file"], p, mode=store) for p, s in manifest.raw["stores"].items()}
+    plan = plan or read_plan(manifest.root)
+    stores = {p: ExpertStore(manifest.path(s.file), p, mode=store) for p, s in manifest.stores.items()}
     try:
-        sizes = artifact_sizes(manifest, _dense_bytes(artifact / "dense.safetensors"), stores)
+        sizes = artifact_sizes(manifest, _dense_bytes(manifest.path("dense.safetensors")), stores)
         host = sum(s.host_bytes for s in stores.values())
-        if host and budget is not None:
+        if host and budget is not None:  # as load(): a host-mode store sits in RAM inside the budget
             sizes = dataclasses.replace(sizes, dense_bytes=sizes.dense_bytes + host)
         try:
             caps = capacities(plan, budget, sizes)
@@ -297,6 +294,7 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
     layers = [LayerResult() for _ in range(spec.num_layers)]
     precision, record_bytes = spec.expert_precision, spec.record_bytes
     slot_bytes = spec.slot_bytes if spec.slot_bytes is not None else record_bytes
+    num_experts = spec.num_experts
     for sequence in replay.sequences:
         cache.clear() if cold_start else cache.reset()
         if future is not None:
@@ -305,7 +303,8 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
             cache.clock.token = t
             for layer, experts in enumerate(token):
                 counts = layers[layer]
-                requests = cache.begin_layer(layer, [(e, precision[layer][e]) for e in experts])
+                wanted = ordered_experts([experts], num_experts)  # the runtime's visiting order
+                requests = cache.begin_layer(layer, [(e, precision[layer][e]) for e in wanted])
                 for request in requests:
                     counts.requests += 1
                     if request.kind == "miss":
