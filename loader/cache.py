@@ -10,12 +10,15 @@ instance. A request for a precision is satisfied by an entry of that precision o
 The order of calls per MoE layer is the same in the runtime and the simulator:
 
 1. ``begin_layer(layer, wanted)``: the clock moves to the layer, the wanted experts are protected and
-   their use is recorded with the policies; each wanted expert is classified as a hit (resident), a
-   join (already being read: the demand waits on that read, never a second one) or a miss.
-2. per miss, in order, ``admit(layer, expert, precision, nbytes)``: room is made in the pool's group
+   each is classified as a hit (resident), a join (already being read: the demand waits on that read,
+   never a second one) or a miss.
+2. ``use(layer, expert, precision)`` for every expert the layer computes, in the wanted order, at the
+   precision it is computed at (a skipped expert is not used; a miss read at a lower precision is a
+   low-precision use);
+3. per miss, in order, ``admit(layer, expert, precision, nbytes)``: room is made in the pool's group
    and an in-flight entry reserved (its bytes count from now), or None when nothing can be evicted
    (the record is then read into a read buffer and used once); then ``complete(entry, payload)``.
-3. ``end_layer(layer)``: protection of that layer's experts ends (in use, or predicted for it).
+4. ``end_layer(layer)``: protection of that layer's experts ends (in use, or predicted for it).
 
 ``reset()`` starts a new sequence (the policies forget per-sequence records; contents stay);
 ``clear()`` also empties the cache (a cold start).
@@ -420,7 +423,8 @@ class ExpertCache:
 
     # ------------------------------------------------------------------------------- the layer step
     def begin_layer(self, layer: int, wanted: list[tuple[int, str]]) -> list[Request]:
-        """Classify each wanted (expert, precision) of ``layer``; protects them and records their use."""
+        """Classify each wanted (expert, precision) of ``layer`` and protect them (uses are recorded by
+        ``use`` once the precision each is computed at is known)."""
         self.clock.layer = layer
         protected = self.protected.setdefault(layer, set())
         counters = self.counters[layer]
@@ -439,11 +443,14 @@ class ExpertCache:
                     counters.prefetch_used += 1
                     entry.prefetched = False
             requests.append(Request(expert, precision, kind, entry))
-        for expert, precision in wanted:
-            high = precision_rank(precision) >= precision_rank(self.high_precision or precision)
-            for group in self._groups_of_layer(layer):
-                group.policy.on_use(layer, expert, high)
         return requests
+
+    def use(self, layer: int, expert: int, precision: str) -> None:
+        """``expert`` of ``layer`` is computed at ``precision``: the policies record the use (a high-precision
+        use when ``precision`` ranks with the highest pool's)."""
+        high = precision_rank(precision) >= precision_rank(self.high_precision or precision)
+        for group in self._groups_of_layer(layer):
+            group.policy.on_use(layer, expert, high)
 
     def protect(self, layer: int, expert: int) -> None:
         """Keep (layer, expert) until ``layer`` has run (a predicted expert, resident or about to be read)."""

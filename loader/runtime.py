@@ -169,28 +169,27 @@ class ExpertRuntime:
         planned = self.plan.expert_precision[layer]
         wanted = [(e, planned[e]) for e in ordered_experts(top_k_index.tolist(), self.num_experts)]
         requests = cache.begin_layer(layer, wanted)
-        ready, waiting, misses = [], [], []
+        ready, waiting, queue = [], [], []  # queue: misses to read, (expert, precision)
         for req in requests:
-            if req.kind == "hit":
-                ready.append((req.expert, req.entry))
-            elif req.kind == "join":
-                waiting.append((req.expert, req.entry, None))
+            entry, precision = req.entry, None
+            if req.kind == "miss":
+                precision = self.miss_policy.decide(layer, req.expert, req.precision, top_k_index, top_k_weights)
+                if precision == SKIP:
+                    cache.skip(layer, req.expert)
+                    continue
+                if precision != req.precision:  # a lower precision may be held already
+                    entry = cache.find(layer, req.expert, precision)
+                if entry is None and precision not in self.stores:
+                    raise LoaderError(f"the miss policy asked for precision {precision!r}, which the artifact has "
+                                      f"no store for (stores: {sorted(self.stores)})")
+            if entry is None:
+                queue.append((req.expert, precision))
+            elif entry.in_flight:
+                waiting.append((req.expert, entry))
             else:
-                misses.append(req)
+                ready.append((req.expert, entry))
+            cache.use(layer, req.expert, entry.precision if entry is not None else precision)
         reads = []  # (expert, entry or None, buffer slot or None, job)
-        queue = []
-        for req in misses:
-            precision = self.miss_policy.decide(layer, req.expert, req.precision, top_k_index, top_k_weights)
-            if precision == SKIP:
-                cache.skip(layer, req.expert)
-                continue
-            if precision != req.precision and (entry := cache.find(layer, req.expert, precision)) is not None:
-                (waiting.append((req.expert, entry, None)) if entry.in_flight else ready.append((req.expert, entry)))
-                continue
-            if precision not in self.stores:
-                raise LoaderError(f"the miss policy asked for precision {precision!r}, which the artifact has no "
-                                  f"store for (stores: {sorted(self.stores)})")
-            queue.append((req.expert, precision))
         buffers_free = self.buffers.count
 
         def submit_next() -> None:
@@ -217,7 +216,7 @@ class ExpertRuntime:
         submit_next()
         for expert, entry in ready:
             self._compute(module, expert, self._record(entry), entry.precision, hidden, top_k_index, top_k_weights, out)
-        for expert, entry, _ in waiting:
+        for expert, entry in waiting:
             self._await(layer, entry.ticket)
             cache.complete(entry, True)
             self._compute(module, expert, self._record(entry), entry.precision, hidden, top_k_index, top_k_weights, out)
@@ -416,13 +415,6 @@ def slot_bytes(store: ExpertStore) -> int:
     return store.stride if store.direct_io else -(-store.record_bytes // 64) * 64
 
 
-def artifact_sizes(manifest, dense_bytes: int, stores: dict[str, ExpertStore]) -> ModelSizes:
-    """The sizes the budget arithmetic needs; a record counts the memory its slot takes."""
-    moe = manifest.raw["moe"]
-    return ModelSizes(len(moe["layers"]), moe["num_experts"], moe["top_k"], dense_bytes,
-                      int(moe["source_expert_bytes"]), {p: slot_bytes(s) for p, s in stores.items()})
-
-
 def _dense_bytes(path: Path) -> int:
     """Bytes of the tensors in a safetensors file: the file minus its 8-byte length and JSON header."""
     with open(path, "rb") as f:
@@ -432,28 +424,76 @@ def _dense_bytes(path: Path) -> int:
     return path.stat().st_size - 8 - int.from_bytes(head, "little")
 
 
-def _artifact_budget_inputs(artifact: str | Path, store: str, plan: Plan | None) -> tuple[Plan, ModelSizes]:
-    """(plan, sizes) as ``load`` computes them, without building the model (host-mode store bytes count)."""
+def artifact_sizes(manifest, stores: dict[str, ExpertStore], device: torch.device) -> ModelSizes:
+    """The sizes the budget arithmetic needs. A record counts the memory its slot takes; the dense weights
+    count their tensor bytes, plus a host-mode store's whole file when the budget is RAM (CPU device)."""
+    moe = manifest.raw["moe"]
+    held = _dense_bytes(manifest.path("dense.safetensors"))
+    if device.type == "cpu":
+        held += sum(s.host_bytes for s in stores.values())
+    return ModelSizes(len(moe["layers"]), moe["num_experts"], moe["top_k"], held,
+                      int(moe["source_expert_bytes"]), {p: slot_bytes(s) for p, s in stores.items()})
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What ``load`` builds for a budget: the plan, the sizes, the byte capacities, and per precision the
+    bytes a record takes in memory (its slot) and the bytes a read fetches."""
+
+    plan: Plan
+    sizes: ModelSizes
+    capacities: Capacities
+    slot_bytes: dict
+    record_bytes: dict
+
+
+def _layout(manifest, plan: Plan, stores: dict[str, ExpertStore], memory_budget, device: torch.device) -> CacheLayout:
+    sizes = artifact_sizes(manifest, stores, device)
+    try:
+        caps = capacities(plan, memory_budget, sizes)
+    except PlanError as e:
+        host = sum(s.host_bytes for s in stores.values())
+        extra = (f" (store='host' holds the whole expert store, {host:,} bytes, in RAM inside the budget; use "
+                 "store='disk' for a small budget)") if host and device.type == "cpu" else ""
+        raise LoaderError(f"{e}{extra}") from None
+    return CacheLayout(plan, sizes, caps, dict(sizes.record_bytes), {p: s.record_bytes for p, s in stores.items()})
+
+
+def cache_layout(artifact: str | Path, memory_budget=None, store: str = "disk", plan: Plan | None = None,
+                 device: str = "cpu") -> CacheLayout:
+    """The cache ``load(artifact, memory_budget, store=store, plan=plan, device=device)`` builds, without
+    building the model (the simulator replays traces through exactly this)."""
     manifest = read_manifest(artifact)
     plan = plan or read_plan(manifest.root)
     stores = {p: ExpertStore(manifest.path(s.file), p, mode=store) for p, s in manifest.stores.items()}
     try:
-        host = sum(s.host_bytes for s in stores.values())
-        return plan, artifact_sizes(manifest, _dense_bytes(manifest.path("dense.safetensors")) + host, stores)
+        return _layout(manifest, plan, stores, memory_budget, torch.device(device))
     finally:
         for s in stores.values():
             s.close()
 
 
-def minimum_budget(artifact: str | Path, store: str = "disk", plan: Plan | None = None) -> int:
+def _budget_inputs(artifact: str | Path, store: str, plan: Plan | None, device: str) -> tuple[Plan, ModelSizes]:
+    manifest = read_manifest(artifact)
+    plan = plan or read_plan(manifest.root)
+    stores = {p: ExpertStore(manifest.path(s.file), p, mode=store) for p, s in manifest.stores.items()}
+    try:
+        return plan, artifact_sizes(manifest, stores, torch.device(device))
+    finally:
+        for s in stores.values():
+            s.close()
+
+
+def minimum_budget(artifact: str | Path, store: str = "disk", plan: Plan | None = None, device: str = "cpu") -> int:
     """The smallest memory budget in bytes that ``load(artifact, ...)`` accepts (dense weights, the read
-    buffers, and one record per eviction group); with ``store='host'`` the store held in RAM counts too."""
-    return minimum_budget_of(*_artifact_budget_inputs(artifact, store, plan))
+    buffers, and one record per eviction group); with ``store='host'`` on a CPU the store counts too."""
+    return minimum_budget_of(*_budget_inputs(artifact, store, plan, device))
 
 
-def budget_bytes(artifact: str | Path, memory_budget, store: str = "disk", plan: Plan | None = None) -> int:
+def budget_bytes(artifact: str | Path, memory_budget, store: str = "disk", plan: Plan | None = None,
+                 device: str = "cpu") -> int:
     """What ``memory_budget`` means in bytes for ``artifact`` (the bench gives accelerate the same number)."""
-    plan, sizes = _artifact_budget_inputs(artifact, store, plan)
+    plan, sizes = _budget_inputs(artifact, store, plan, device)
     return int(min(resolve_budget(memory_budget, plan, sizes), 2**62))
 
 
@@ -486,23 +526,17 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     layers = moe["layers"]
 
     dense_path = manifest.path("dense.safetensors")
-    dense_bytes = _dense_bytes(dense_path)
     stores = {p: ExpertStore(manifest.path(s.file), p, mode=store,
                              check=lambda key, data, p=p: check_record(manifest, p, key, data))
               for p, s in manifest.stores.items()}
-    sizes = artifact_sizes(manifest, dense_bytes, stores)
-    host_bytes = sum(s.host_bytes for s in stores.values())
     try:
-        if host_bytes and memory_budget is not None:
-            # the host store sits in RAM on top of everything else: it takes its share of the budget
-            sizes = dataclasses.replace(sizes, dense_bytes=dense_bytes + host_bytes)
-        caps = capacities(plan, memory_budget, sizes)
-    except PlanError as e:
+        layout = _layout(manifest, plan, stores, memory_budget, dev)
+    except LoaderError:
         for s in stores.values():
             s.close()
-        extra = (f" (store='host' holds the whole expert store, {host_bytes:,} bytes, in RAM inside the budget; "
-                 "use store='disk' for a small budget)") if host_bytes and memory_budget is not None else ""
-        raise LoaderError(f"{e}{extra}") from None
+        raise
+    caps, sizes = layout.capacities, layout.sizes
+    host_bytes = sum(s.host_bytes for s in stores.values())
     layouts = {p: RecordLayout.from_json(s["layout"]) for p, s in manifest.raw["stores"].items()}
 
     config = AutoConfig.from_pretrained(artifact)
@@ -545,7 +579,7 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
         raise ArtifactError(f"weights missing from the artifact: {leftover[:5]}")
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(artifact)
-    budget = caps.to_json() | {"dense_bytes": dense_bytes, "requested": memory_budget if memory_budget is not None else plan.default_budget,
+    budget = caps.to_json() | {"dense_bytes": _dense_bytes(dense_path), "requested": memory_budget if memory_budget is not None else plan.default_budget,
                                "minimum_bytes": minimum_budget_of(plan, sizes), "host_store_bytes": host_bytes,
                                "record_bytes": {p: s.record_bytes for p, s in stores.items()},
                                "slot_bytes": runtime.slot_bytes, "eviction": plan.eviction.name,

@@ -48,7 +48,10 @@ def step(cache: ExpertCache, layer: int, experts, token: int | None = None, prec
         cache.clock.token = token
     wanted = [e if isinstance(e, tuple) else (e, precision) for e in experts]
     evicted = []
-    for request in cache.begin_layer(layer, wanted):
+    requests = cache.begin_layer(layer, wanted)
+    for request in requests:  # every computed expert's use first, in order, as the runtime records it
+        cache.use(layer, request.expert, request.entry.precision if request.entry else request.precision)
+    for request in requests:
         if request.kind == "miss":
             before = resident(cache)
             nbytes = (sizes or {}).get(request.expert, REC)
@@ -87,12 +90,13 @@ def lfu_scenario(factory):
 
 
 def lhu_scenario(factory):
-    """High-precision uses: 0 is used once at int8 then often at int4 (served by its int8 copy), 1 twice at
-    int8. LHU evicts 0 (1 high use < 2); LRU and LFU would evict 1."""
+    """High-precision uses: 0 is computed three times at int4 (its int4 copy) and then once at int8, 1 twice at
+    int8. The int8 miss of 2 evicts 0 from the int8 pool (1 high use < 2); LRU and LFU would evict 1."""
     lo = PoolConfig("lo", "int4", "layer", {0: 2 * REC})
     cache = make_cache(factory, 2, precision="int8", extra_pools=[lo])
     out = []
-    for t, (e, p) in enumerate([(0, "int8"), (1, "int8"), (1, "int8"), (0, "int4"), (0, "int4"), (2, "int8")]):
+    sequence = [(0, "int4"), (0, "int4"), (0, "int4"), (1, "int8"), (1, "int8"), (0, "int8"), (2, "int8")]
+    for t, (e, p) in enumerate(sequence):
         out += step(cache, 0, [(e, p)], token=t)
     return out
 
@@ -132,10 +136,11 @@ def edgemoe_product_scenario(factory):
 
 def _hobbit_setup(factory):
     """Global group of 3 records over L = 4 layers. Token 0: layers 0, 1, 2 read expert 0. Token 1: layer 0
-    uses expert 0 again at int4 (served by its int8 entry: a low-precision use), layer 1 misses expert 1.
+    uses expert 0 again, asked at int4 but served by its int8 entry (so computed at int8: a high-precision
+    use), layer 1 misses expert 1.
 
     At that eviction T = 2, current layer 1:
-      (0,0): R = 2, F = 2, H = 1, distance 3 -> FLD term 1 - 3/4 = 0.25
+      (0,0): R = 2, F = 2, H = 2, distance 3 -> FLD term 1 - 3/4 = 0.25
       (1,0): R = 1, F = 1, H = 1, distance 0 -> 1
       (2,0): R = 1, F = 1, H = 1, distance 1 -> 0.75
     """
@@ -148,14 +153,14 @@ def _hobbit_setup(factory):
 
 
 def hobbit_scenario(factory):
-    """Weights (0.4, 0.3, 0.2, 0.1): p(0,0) = 0.4*2/2 + 0.3*2/2 + 0.2*1/2 + 0.1*0.25 = 0.825,
+    """Weights (0.4, 0.3, 0.2, 0.1): p(0,0) = 0.4*2/2 + 0.3*2/2 + 0.2*2/2 + 0.1*0.25 = 0.925,
     p(1,0) = 0.4/2 + 0.3/2 + 0.2/2 + 0.1*1 = 0.55, p(2,0) = 0.45 + 0.1*0.75 = 0.525: (2,0) leaves."""
     cache = _hobbit_setup(factory)
     return step(cache, 1, [(1, "int8")], token=1)
 
 
 def hobbit_fld_scenario(factory):
-    """Weights (0.1, 0.1, 0.1, 0.7): p(0,0) = 0.1 + 0.1 + 0.05 + 0.7*0.25 = 0.425,
+    """Weights (0.1, 0.1, 0.1, 0.7): p(0,0) = 0.1 + 0.1 + 0.1 + 0.7*0.25 = 0.475,
     p(1,0) = 0.15 + 0.7 = 0.85, p(2,0) = 0.15 + 0.525 = 0.675: (0,0) leaves."""
     cache = _hobbit_setup(factory)
     return step(cache, 1, [(1, "int8")], token=1)
@@ -235,7 +240,7 @@ def test_hobbit_priorities_by_hand():
     cache = _hobbit_setup(policy_factory("hobbit", HOBBIT_A))
     cache.clock.layer = 1
     policy = cache.pools["main"]["global"].policy
-    assert policy.priority(0, 0) == pytest.approx(0.825)
+    assert policy.priority(0, 0) == pytest.approx(0.925)
     assert policy.priority(1, 0) == pytest.approx(0.55)
     assert policy.priority(2, 0) == pytest.approx(0.525)
     cache.reset()  # per-sequence records go: only the FLD term is left, at T = 1, current layer 0
@@ -322,6 +327,7 @@ def test_a_demand_for_an_entry_in_flight_is_a_join():
     cache = make_cache(policy_factory("lru"), 2)
     entry = cache.admit(0, 3, "int4", REC, prefetch=True)  # the read is under way
     (request,) = cache.begin_layer(0, [(3, "int4")])
+    cache.use(0, 3, "int4")
     assert request.kind == "join" and request.entry is entry
     counters = cache.counters[0]
     assert (counters.hits, counters.joins, counters.misses, counters.prefetch_used) == (1, 1, 0, 1)
@@ -382,3 +388,24 @@ def test_global_group_spans_layers_per_layer_groups_do_not():
     assert resident(shared) == {(0, 0, "int4"), (0, 1, "int4")}
     assert step(shared, 1, [0], token=1) == [(0, 0)]
     assert shared.capacity("main") == {"global": 2 * REC}
+
+
+def test_uses_count_at_the_computed_precision_and_skips_count_nothing():
+    """Digest H3: a low-precision use does not raise H; a skipped expert updates no record. The cache
+    records a use only through ``use``, at the precision the expert is computed at."""
+    hi = PoolConfig("hi", "int8", "layer", {0: 2 * REC})
+    lo = PoolConfig("lo", "int4", "layer", {0: 2 * REC})
+    cache = ExpertCache([hi, lo], 1, 8, policy_factory("lhu"))
+    (miss,) = cache.begin_layer(0, [(3, "int8")])  # planned high, the miss policy reads it low
+    cache.use(0, 3, "int4")
+    cache.complete(cache.admit(0, 3, "int4", REC))
+    cache.end_layer(0)
+    policy = cache.pools["hi"][0].policy
+    assert miss.kind == "miss" and policy.high.get((0, 3), 0) == 0 and (0, 3) in policy.last
+    cache.begin_layer(0, [(5, "int8")])
+    cache.skip(0, 5)  # skipped: never used
+    cache.end_layer(0)
+    assert (0, 5) not in policy.last and cache.counters[0].skipped == 1
+    (hit,) = cache.begin_layer(0, [(3, "int4")])
+    cache.use(0, 3, hit.entry.precision)
+    assert policy.high.get((0, 3), 0) == 0  # computed from its int4 entry: still low

@@ -7,6 +7,7 @@ the runtime's, one call per token per MoE layer as in decode:
     cache.clock.token = t                                  # the token's position in its sequence
     for each MoE layer l in order:
         requests = cache.begin_layer(l, [(e, precision[l][e]) for e in ordered_experts([token's experts at l])])
+        cache.use(l, e, precision) for each request, in that order (a routing-only replay computes them all)
         for each miss, in that order (the router's slot order, best-weighted first):
             entry = cache.admit(l, e, precision, slot_bytes[precision])
             cache.count_read(l, record_bytes[precision])   # a miss reads its record either way
@@ -28,11 +29,11 @@ Shape legend: T tokens, L layers, E experts, K top-k.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from loader.cache import POLICIES, ExpertCache, PoolConfig, ordered_experts, policy_factory
+from loader.errors import MoeError
 from loader.plan import Capacities, ModelSizes, Plan, PlanError, capacities
 from prep.errors import MoeprepError
 from prep.sim.belady import BeladyPolicy, FutureUses
@@ -144,30 +145,15 @@ def plan_spec(plan: Plan, budget, sizes) -> CacheSpec:
 
 
 def artifact_spec(artifact, budget=None, plan: Plan | None = None, store: str = "disk") -> CacheSpec:
-    """The cache ``loader.runtime.load(artifact, memory_budget=budget, store=store, plan=plan)`` builds: the
-    artifact's plan (or ``plan``), its sizes, slots as the loader sizes them, records as its stores hold them."""
-    from loader.format import read_manifest
-    from loader.plan import read_plan
-    from loader.runtime import _dense_bytes, artifact_sizes, slot_bytes
-    from loader.store import ExpertStore
+    """The cache ``loader.runtime.load(artifact, memory_budget=budget, store=store, plan=plan)`` builds
+    (``loader.runtime.cache_layout``, the function ``load`` itself uses)."""
+    from loader.runtime import cache_layout
 
-    manifest = read_manifest(artifact)
-    plan = plan or read_plan(manifest.root)
-    stores = {p: ExpertStore(manifest.path(s.file), p, mode=store) for p, s in manifest.stores.items()}
     try:
-        sizes = artifact_sizes(manifest, _dense_bytes(manifest.path("dense.safetensors")), stores)
-        host = sum(s.host_bytes for s in stores.values())
-        if host and budget is not None:  # as load(): a host-mode store sits in RAM inside the budget
-            sizes = dataclasses.replace(sizes, dense_bytes=sizes.dense_bytes + host)
-        try:
-            caps = capacities(plan, budget, sizes)
-        except PlanError as e:
-            raise MoeprepError(str(e)) from None
-        return capacities_spec(plan, caps, {p: s.record_bytes for p, s in stores.items()},
-                               {p: slot_bytes(s) for p, s in stores.items()})
-    finally:
-        for s in stores.values():
-            s.close()
+        layout = cache_layout(artifact, budget, store=store, plan=plan)
+    except MoeError as e:
+        raise MoeprepError(str(e)) from None
+    return capacities_spec(layout.plan, layout.capacities, layout.record_bytes, layout.slot_bytes)
 
 
 # ------------------------------------------------------------------------------------------ results
@@ -305,6 +291,8 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
                 counts = layers[layer]
                 wanted = ordered_experts([experts], num_experts)  # the runtime's visiting order
                 requests = cache.begin_layer(layer, [(e, precision[layer][e]) for e in wanted])
+                for request in requests:  # as the runtime: every use first, at its computed precision
+                    cache.use(layer, request.expert, request.entry.precision if request.entry else request.precision)
                 for request in requests:
                     counts.requests += 1
                     if request.kind == "miss":
