@@ -1,4 +1,8 @@
-"""moeprep loader: the lean device runtime that executes a prepared artifact (never imports prep)."""
+"""moeprep loader: the lean device runtime that executes a prepared artifact (never imports prep).
+
+Shape legend, declared here once for both packages (``loader`` and ``prep``): T tokens, L (MoE) layers,
+E experts per layer, K top-k, H hidden size, I expert intermediate size.
+"""
 
 __version__ = "0.1.0"
 

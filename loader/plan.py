@@ -11,8 +11,7 @@ the dense weights plus that share of the *source* model's expert bytes in its or
 percentage is one number of bytes for a lossless and a 4-bit artifact of one model), ``"unlimited"``
 (every expert of every pool fits), or None (the plan's ``default_budget``).
 
-Shape legend (declared once for the loader): T tokens, L MoE layers, E experts per layer, K top-k,
-H hidden size, I expert intermediate size.
+Shapes use the legend declared in ``loader/__init__.py``.
 """
 
 from __future__ import annotations

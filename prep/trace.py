@@ -25,7 +25,7 @@ shards): `token_ids` [T] int64, `last_hidden` [T, H], and for every MoE layer l 
 `layers.{l}.router_input` [T, H], `layers.{l}.router_logits` [T, E] float32, `layers.{l}.expert_ids`
 [T, K] int64, `layers.{l}.expert_weights` [T, K] float32. Hidden states are float32 or float16.
 
-Shape legend: T tokens, L layers, E experts, K top-k, H hidden, I expert intermediate.
+Shapes use the legend declared in ``loader/__init__.py``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ sources are read:
   layers, E = 8. Each problem's layers are trimmed to its shortest layer (see that function).
 
 Layers are positions 0..L-1 among the model's MoE layers, as everywhere in the cache and the plan.
-Shape legend: T tokens, L layers, E experts, K top-k.
+Shapes use the legend declared in ``loader/__init__.py``.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ arithmetic as the loader: ``plan_spec``; ``artifact_spec`` also takes the artifa
 sizes exactly as ``loader.runtime.load`` does), or from a number of experts per layer
 (``capacity_spec``): N records per layer group, or one global group of N x L records.
 
-Shape legend: T tokens, L layers, E experts, K top-k.
+Shapes use the legend declared in ``loader/__init__.py``.
 """
 
 from __future__ import annotations
