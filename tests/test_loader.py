@@ -84,14 +84,16 @@ def test_int4_logits_equal_model_with_decoded_experts(tmp_path_factory, arch):
                 for name, tensor in layout.decode(record).items():
                     getattr(module, name)[e].copy_(tensor)
     ids = _ids(1)
-    loaded = load(artifact, memory_budget=minimum_budget(artifact))
     with torch.no_grad():
-        got = loaded.model(input_ids=ids).logits
         expected = reference(input_ids=ids).logits
         original = model(input_ids=ids).logits
-    assert torch.allclose(got, expected, atol=1e-5)
-    assert not torch.allclose(got, original, atol=1e-5)  # quantization really happened
-    loaded.close()
+    for budget in ("unlimited", minimum_budget(artifact)):
+        loaded = load(artifact, memory_budget=budget)
+        with torch.no_grad():
+            got = loaded.model(input_ids=ids).logits
+        loaded.close()
+        assert torch.allclose(got, expected, atol=1e-5), (arch, budget)
+        assert not torch.allclose(got, original, atol=1e-5)  # quantization really happened
 
 
 def test_cache_never_exceeds_budget_and_host_store_agrees(tmp_path_factory):
