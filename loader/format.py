@@ -392,6 +392,8 @@ def _layout(c: _Checker, raw: list, where: str, precision: str, dtype: str) -> R
                          f"got {json.dumps(d)[:120]}")
     if len({d["name"] for d in raw}) != len(raw):
         raise c.fail(f"{where}layout names one matrix twice")
+    if any(d["precision"] == "passthrough" and (d["group_size"] or d["transposed"]) for d in raw):
+        raise c.fail(f"{where}layout: a passthrough matrix has no group_size (0) and is not transposed")
     layout = RecordLayout.from_json(raw)
     try:
         for spec in layout.matrices:
@@ -675,6 +677,10 @@ def check_model(manifest: Manifest, model) -> None:
     for path in moe["experts_modules"]:
         experts = module(path)
         for info in manifest.stores.values():
+            names = [spec["name"] for spec in info.layout]
+            if names != list(experts._parameters):  # a record holds every parameter, in the module's order
+                raise fail(f"the {info.precision} layout holds {names}, the experts module {path!r} has "
+                           f"{list(experts._parameters)} in this order")
             for spec in RecordLayout.from_json(info.layout).matrices:
                 param = experts._parameters.get(spec.name)
                 shape = spec.shape[::-1] if spec.transposed else spec.shape

@@ -189,9 +189,9 @@ def _mutate_paths(rng, artifact: Path, outside: Path) -> str:
         raw["files"]["../outside/secret.txt"] = {"bytes": len(body), "sha256": hashlib.sha256(body).hexdigest()}
         what = "files lists ../outside/secret.txt with its true hash"
     elif op == 2:
-        raw["stores"]["int4"]["file"] = rng.choice(["../other/experts-int4.safetensors", "/tmp/experts-int4.safetensors",
-                                                    "experts-int4.safetensors/.."])
-        what = f"store file -> {raw['stores']['int4']['file']!r}"
+        store = next(iter(raw["stores"].values()))
+        store["file"] = rng.choice([f"../other/{store['file']}", f"/tmp/{store['file']}", f"{store['file']}/.."])
+        what = f"store file -> {store['file']!r}"
     elif op in (3, 4):
         shutil.copy(artifact / name, outside / name)  # identical bytes: only the path is wrong
         (artifact / name).unlink()
