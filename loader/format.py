@@ -719,22 +719,25 @@ def _hash_store(manifest: Manifest, precision: str, chunk: int = 1 << 24) -> str
         return str(e)
     digest = hashlib.sha256()
     crcs = {}
-    with open(manifest.path(info.file), "rb") as f:
-        start = min(offsets.values())
-        digest.update(f.read(start))
-        for key in manifest.expert_keys():  # records lie in this order, one stride apart
-            crc, left, crc_left = 0, info.stride, info.record_bytes
-            while left:
-                block = f.read(min(chunk, left))
-                if not block:
-                    return "truncated"
-                digest.update(block)
-                if crc_left:
-                    crc = zlib.crc32(block[:crc_left], crc)
-                    crc_left -= min(crc_left, len(block))
-                left -= len(block)
-            crcs[key] = crc
-        digest.update(f.read())
+    try:
+        with open(manifest.path(info.file), "rb") as f:
+            start = min(offsets.values())
+            digest.update(f.read(start))
+            for key in manifest.expert_keys():  # records lie in this order, one stride apart
+                crc, left, crc_left = 0, info.stride, info.record_bytes
+                while left:
+                    block = f.read(min(chunk, left))
+                    if not block:
+                        return "truncated"
+                    digest.update(block)
+                    if crc_left:
+                        crc = zlib.crc32(block[:crc_left], crc)
+                        crc_left -= min(crc_left, len(block))
+                    left -= len(block)
+                crcs[key] = crc
+            digest.update(f.read())
+    except OSError as e:  # e.g. removed by a concurrent prepare that swapped in a new version
+        return f"cannot be read ({e.strerror or e})"
     if digest.hexdigest() != manifest.files[info.file]["sha256"]:
         return "sha256 mismatch (content changed)"
     if bad := [k for k, v in crcs.items() if v != info.crc32[k]]:
