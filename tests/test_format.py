@@ -20,6 +20,8 @@ from loader.cli import main as moeload
 from loader.codec import CodecError
 from loader.errors import MoeError
 from loader.format import (
+    DIGEST,
+    DIGEST_REQUIRED,
     ArtifactError,
     check_model,
     check_record,
@@ -29,6 +31,7 @@ from loader.format import (
     read_safetensors_header,
     store_offsets,
     verify,
+    write_manifest,
 )
 from loader.plan import PlanError, read_plan
 from prep.cli import main as moeprep
@@ -46,7 +49,10 @@ def built(tmp_path_factory) -> Path:
     recipe = recipe_from_dict({"name": "tiny", "model": {"path": str(root / "model")},
                                "calibration": {"num_sequences": 2, "sequence_length": 16},
                                "quantize": {"precision": "int4", "group_size": 16}})
-    return Path(prepare(recipe, root=root, output=root / "artifact")["artifact"]).resolve()
+    artifact = Path(prepare(recipe, root=root, output=root / "artifact")["artifact"]).resolve()
+    if DIGEST not in _manifest(artifact):  # until package seals its manifests itself
+        write_manifest(artifact, _manifest(artifact))
+    return artifact
 
 
 @pytest.fixture
@@ -61,9 +67,14 @@ def _manifest(artifact: Path) -> dict:
 
 
 def _edit(artifact: Path, change) -> None:
+    """Change the manifest and seal it again, so the check under test is the one that speaks (a raw edit
+    is refused by the manifest's digest first: ``test_a_hand_edited_manifest_is_refused_by_its_digest``)."""
     raw = _manifest(artifact)
     change(raw)
-    (artifact / "manifest.json").write_text(json.dumps(raw))
+    if isinstance(raw, dict):
+        write_manifest(artifact, raw)
+    else:
+        (artifact / "manifest.json").write_text(json.dumps(raw))
 
 
 def _rebless(artifact: Path, name: str) -> None:
@@ -260,6 +271,25 @@ def test_check_model_refuses_a_layout_that_fits_its_bytes_but_not_the_model(arti
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with pytest.raises(ArtifactError, match=r"down_proj is \(4, 32, 16\) in the model"):
         check_model(manifest, model)
+
+
+def test_a_hand_edited_manifest_is_refused_by_its_digest(artifact):
+    """The manifest protects itself: an edit that keeps every type and cross-check (here a crc32 of a
+    record this load may never read) is refused at once, however the JSON is formatted."""
+    _edit(artifact, lambda raw: None)  # sealed, as package writes it
+    raw = _manifest(artifact)
+    key = "layers.0.experts.1"
+    raw["stores"]["int4"]["crc32"][key] ^= 1
+    (artifact / "manifest.json").write_text(json.dumps(raw, indent=4, sort_keys=True))
+    bad = _refused(artifact, "does not match its digest")
+    assert bad[0].startswith("manifest.json:")
+    raw["stores"]["int4"]["crc32"][key] ^= 1
+    (artifact / "manifest.json").write_text(json.dumps(raw))  # any formatting of the same content is fine
+    assert verify(artifact) == []
+    if DIGEST_REQUIRED:  # once package seals every manifest, an unsealed one is refused too
+        del raw[DIGEST]
+        (artifact / "manifest.json").write_text(json.dumps(raw))
+        _refused(artifact, "digest is missing")
 
 
 # ------------------------------------------------------------------------------ malformed input (item 7)
