@@ -11,7 +11,7 @@ import zlib
 
 import torch
 
-from loader.format import sha256_file
+from loader.format import sha256_file, write_manifest
 from loader.plan import Plan, Pool
 from loader.predict import Predictor, PrefetchRequest
 from loader.routing import SKIP, MissPolicy, RoutingPolicy
@@ -202,7 +202,7 @@ def _mixed_artifact(tmp_path_factory, tmp_path):
     (art / "plan.json").write_text(json.dumps(plan.to_json()))
     for name in (store["file"], "plan.json"):
         manifest["files"][name] = {"bytes": (art / name).stat().st_size, "sha256": sha256_file(art / name)}
-    (art / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(art, manifest)
     return model, art, full, low
 
 

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from loader.files import write_json_atomic
-from loader.format import FORMAT, MANIFEST, SCHEMA_VERSION, sha256_file
+from loader.format import FORMAT, SCHEMA_VERSION, sha256_file, write_manifest
 from loader.plan import PLAN_FILE, Plan
 from prep.recipe import PackageSection
 from prep.records import write_aligned_records
@@ -126,7 +126,7 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
         "plan_summary": {"precision": precision, "default_budget": budget, "eviction": plan.eviction.name},
         "files": files,
     }
-    write_json_atomic(out / MANIFEST, manifest)  # last: marks completeness
+    write_manifest(out, manifest)  # last (sealed with its digest): marks completeness
     return report
 
 
