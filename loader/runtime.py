@@ -508,7 +508,23 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     policy: an eviction policy name overriding the plan's. routing / predictors / miss_policy: objects
     overriding the plan's (``loader.routing``, ``loader.predict``). plan: a whole ``Plan`` instead of
     the artifact's ``plan.json``.
+
+    ``prepare`` publishes a new artifact by swapping a symlink and then deletes the old version; a load
+    that was reading the old version when it went is retried once on the new one.
     """
+    args = dict(device=device, memory_budget=memory_budget, store=store, policy=policy, workers=workers,
+                routing=routing, predictors=predictors, miss_policy=miss_policy, plan=plan)
+    resolved = Path(artifact).resolve()
+    try:
+        return _load(artifact, **args)
+    except (ArtifactError, OSError):
+        if Path(artifact).resolve() == resolved:
+            raise
+    return _load(artifact, **args)  # the artifact was swapped under us: once more, on the new version
+
+
+def _load(artifact, device, memory_budget, store, policy, workers, routing, predictors, miss_policy,
+          plan) -> LoadedModel:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

@@ -327,3 +327,35 @@ def test_store_reads_whole_records_and_byte_ranges_into_given_memory(tmp_path):
                 assert bytes(arena.host_view(1)[:length]) == data[start:start + length]
         store.close()
     assert checked == list(records) * 2  # whole-record reads are checked, ranges are not
+
+
+def test_a_load_racing_a_swap_retries_on_the_new_version(tmp_path_factory, tmp_path, monkeypatch):
+    """prepare swaps the artifact symlink and deletes the old version; a load caught in between (it resolved
+    the old version, whose files then vanish) loads the new one instead of failing."""
+    import loader.runtime as runtime
+
+    _, artifact = tiny_artifact(tmp_path_factory, "mixtral")
+    old, new = tmp_path / ".art.v-1", tmp_path / ".art.v-2"
+    shutil.copytree(artifact.resolve(), old)
+    shutil.copytree(artifact.resolve(), new)
+    link = tmp_path / "art"
+    link.symlink_to(old.name)
+    real_check = runtime.check_model
+    swaps = []
+
+    def check_then_swap(manifest, model):
+        if not swaps:  # the first load has resolved the old version: publish the new one, delete the old
+            tmp = tmp_path / ".art.link"
+            tmp.symlink_to(new.name)
+            tmp.replace(link)
+            shutil.rmtree(old)
+            swaps.append(manifest.root)
+        return real_check(manifest, model)
+
+    monkeypatch.setattr(runtime, "check_model", check_then_swap)
+    loaded = load(link, memory_budget="unlimited")
+    with torch.no_grad():
+        loaded.model(input_ids=_ids())
+    assert swaps == [old] and loaded.stats()["misses"] > 0
+    assert all(s.path.parent == new for s in loaded.runtime.stores.values())
+    loaded.close()
