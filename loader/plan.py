@@ -191,13 +191,19 @@ def _is_number(x) -> bool:
 
 
 def read_plan(artifact: str | Path) -> Plan:
-    path = Path(artifact) / PLAN_FILE
+    """The checked ``plan.json`` of an artifact directory."""
+    return read_plan_file(Path(artifact) / PLAN_FILE)
+
+
+def read_plan_file(path: str | Path, fix: str = "prepare the artifact again") -> Plan:
+    """A checked plan from any JSON file; ``fix`` ends the message of a missing or unparsable file."""
+    path = Path(path)
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
-        raise PlanError(f"{path} is missing; prepare the artifact again") from None
+        raise PlanError(f"{path} is missing; {fix}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PlanError(f"{path} is not valid JSON ({e}); prepare the artifact again") from None
+        raise PlanError(f"{path} is not valid JSON ({e}); {fix}") from None
     return Plan.from_json(raw)
 
 

@@ -447,53 +447,51 @@ class CacheLayout:
     record_bytes: dict
 
 
-def _layout(manifest, plan: Plan, stores: dict[str, ExpertStore], memory_budget, device: torch.device) -> CacheLayout:
-    sizes = artifact_sizes(manifest, stores, device)
+def _capacities(plan: Plan, sizes: ModelSizes, memory_budget, host_bytes: int, device: torch.device) -> Capacities:
+    """``capacities`` with the loader's error: a host-mode store on a CPU is named as what used the budget."""
     try:
-        caps = capacities(plan, memory_budget, sizes)
+        return capacities(plan, memory_budget, sizes)
     except PlanError as e:
-        host = sum(s.host_bytes for s in stores.values())
-        extra = (f" (store='host' holds the whole expert store, {host:,} bytes, in RAM inside the budget; use "
-                 "store='disk' for a small budget)") if host and device.type == "cpu" else ""
+        extra = (f" (store='host' holds the whole expert store, {host_bytes:,} bytes, in RAM inside the budget; "
+                 "use store='disk' for a small budget)") if host_bytes and device.type == "cpu" else ""
         raise LoaderError(f"{e}{extra}") from None
-    return CacheLayout(plan, sizes, caps, dict(sizes.record_bytes), {p: s.record_bytes for p, s in stores.items()})
+
+
+def _budget_inputs(artifact: str | Path, store: str, plan: Plan | None,
+                   device: torch.device) -> tuple[Plan, ModelSizes, dict, int]:
+    """(plan, sizes, record bytes per precision, host-store bytes) as ``load`` sees them, without the model."""
+    manifest = read_manifest(artifact)
+    plan = plan or read_plan(manifest.root)
+    stores = {p: ExpertStore(manifest.path(s.file), p, mode=store) for p, s in manifest.stores.items()}
+    try:
+        return (plan, artifact_sizes(manifest, stores, device), {p: s.record_bytes for p, s in stores.items()},
+                sum(s.host_bytes for s in stores.values()))
+    finally:
+        for s in stores.values():
+            s.close()
 
 
 def cache_layout(artifact: str | Path, memory_budget=None, store: str = "disk", plan: Plan | None = None,
                  device: str = "cpu") -> CacheLayout:
     """The cache ``load(artifact, memory_budget, store=store, plan=plan, device=device)`` builds, without
     building the model (the simulator replays traces through exactly this)."""
-    manifest = read_manifest(artifact)
-    plan = plan or read_plan(manifest.root)
-    stores = {p: ExpertStore(manifest.path(s.file), p, mode=store) for p, s in manifest.stores.items()}
-    try:
-        return _layout(manifest, plan, stores, memory_budget, torch.device(device))
-    finally:
-        for s in stores.values():
-            s.close()
-
-
-def _budget_inputs(artifact: str | Path, store: str, plan: Plan | None, device: str) -> tuple[Plan, ModelSizes]:
-    manifest = read_manifest(artifact)
-    plan = plan or read_plan(manifest.root)
-    stores = {p: ExpertStore(manifest.path(s.file), p, mode=store) for p, s in manifest.stores.items()}
-    try:
-        return plan, artifact_sizes(manifest, stores, torch.device(device))
-    finally:
-        for s in stores.values():
-            s.close()
+    dev = torch.device(device)
+    plan, sizes, record_bytes, host = _budget_inputs(artifact, store, plan, dev)
+    caps = _capacities(plan, sizes, memory_budget, host, dev)
+    return CacheLayout(plan, sizes, caps, dict(sizes.record_bytes), record_bytes)
 
 
 def minimum_budget(artifact: str | Path, store: str = "disk", plan: Plan | None = None, device: str = "cpu") -> int:
     """The smallest memory budget in bytes that ``load(artifact, ...)`` accepts (dense weights, the read
     buffers, and one record per eviction group); with ``store='host'`` on a CPU the store counts too."""
-    return minimum_budget_of(*_budget_inputs(artifact, store, plan, device))
+    plan, sizes, _, _ = _budget_inputs(artifact, store, plan, torch.device(device))
+    return minimum_budget_of(plan, sizes)
 
 
 def budget_bytes(artifact: str | Path, memory_budget, store: str = "disk", plan: Plan | None = None,
                  device: str = "cpu") -> int:
     """What ``memory_budget`` means in bytes for ``artifact`` (the bench gives accelerate the same number)."""
-    plan, sizes = _budget_inputs(artifact, store, plan, device)
+    plan, sizes, _, _ = _budget_inputs(artifact, store, plan, torch.device(device))
     return int(min(resolve_budget(memory_budget, plan, sizes), 2**62))
 
 
@@ -545,14 +543,14 @@ def _load(artifact, device, memory_budget, store, policy, workers, routing, pred
     stores = {p: ExpertStore(manifest.path(s.file), p, mode=store,
                              check=lambda key, data, p=p: check_record(manifest, p, key, data))
               for p, s in manifest.stores.items()}
+    host_bytes = sum(s.host_bytes for s in stores.values())
+    sizes = artifact_sizes(manifest, stores, dev)
     try:
-        layout = _layout(manifest, plan, stores, memory_budget, dev)
+        caps = _capacities(plan, sizes, memory_budget, host_bytes, dev)
     except LoaderError:
         for s in stores.values():
             s.close()
         raise
-    caps, sizes = layout.capacities, layout.sizes
-    host_bytes = sum(s.host_bytes for s in stores.values())
     layouts = {p: RecordLayout.from_json(s["layout"]) for p, s in manifest.raw["stores"].items()}
 
     config = AutoConfig.from_pretrained(artifact)

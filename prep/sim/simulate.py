@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from loader.cache import POLICIES, ExpertCache, PoolConfig, ordered_experts, policy_factory
 from loader.errors import MoeError
-from loader.plan import Capacities, ModelSizes, Plan, PlanError, capacities
+from loader.plan import Capacities, ModelSizes, Plan, PlanError, capacities, read_plan_file
 from prep.errors import MoeprepError
 from prep.sim.belady import BeladyPolicy, FutureUses
 from prep.sim.device import DeviceProfile
@@ -361,7 +361,6 @@ def simulate_trace(trace, plan=None, budget=None, policies=None, capacity=None, 
     "a,b", "all", or None (the plan's policy; "lru" without a plan). profile: a ``DeviceProfile`` or a
     path to one. Returns the replay and one ``SimResult`` per (group, capacity, policy).
     """
-    import json
     from pathlib import Path
 
     from prep.sim.device import DeviceProfile, load_profile
@@ -390,13 +389,7 @@ def simulate_trace(trace, plan=None, budget=None, policies=None, capacity=None, 
                 spec = artifact_spec(path.parent, budget)
             else:
                 try:
-                    raw = json.loads(path.read_text())
-                except FileNotFoundError:
-                    raise MoeprepError(f"plan {path} does not exist; pass a plan.json or an artifact directory") from None
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise MoeprepError(f"plan {path} is not valid JSON ({e})") from None
-                try:
-                    loaded = Plan.from_json(raw)
+                    loaded = read_plan_file(path, fix="pass a plan.json or an artifact directory")
                 except PlanError as e:
                     raise MoeprepError(str(e)) from None
                 spec = plan_spec(loaded, budget, _synthetic_sizes(loaded, replay, record_bytes))
