@@ -20,6 +20,15 @@ def _tree() -> dict[str, float]:
     return out
 
 
+@pytest.fixture
+def root(tmp_path):
+    """A prepare root holding a tiny Qwen3-MoE under ``model/`` (``tests.tiny_models.tiny_recipe`` finds it)."""
+    from tests.tiny_models import save_tiny_model
+
+    save_tiny_model("qwen3_moe", tmp_path / "model")
+    return tmp_path
+
+
 @pytest.fixture(scope="session", autouse=True)
 def repository_is_left_untouched():
     before = _tree()

@@ -36,20 +36,14 @@ from loader.format import (
 from loader.plan import PlanError, read_plan
 from prep.cli import main as moeprep
 from prep.errors import MoeprepError
-from prep.pipeline import prepare
-from prep.recipe import recipe_from_dict
-from tests.tiny_models import save_tiny_model
+from tests.tiny_models import prepare_tiny_artifact
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
     """A tiny int4 mixtral artifact, prepared once for the module (tests work on copies)."""
-    root = tmp_path_factory.mktemp("format")
-    save_tiny_model("mixtral", root / "model")
-    recipe = recipe_from_dict({"name": "tiny", "model": {"path": str(root / "model")},
-                               "calibration": {"num_sequences": 2, "sequence_length": 16},
-                               "quantize": {"precision": "int4", "group_size": 16}})
-    artifact = Path(prepare(recipe, root=root, output=root / "artifact")["artifact"]).resolve()
+    _, artifact = prepare_tiny_artifact(tmp_path_factory.mktemp("format"), precision="int4")
+    artifact = artifact.resolve()
     assert DIGEST in _manifest(artifact)  # package seals its manifests
     return artifact
 

@@ -33,9 +33,7 @@ from loader.errors import MoeError
 from loader.format import DIGEST, open_artifact, verify, write_manifest
 from loader.plan import read_plan
 from loader.runtime import load
-from prep.pipeline import prepare
-from prep.recipe import recipe_from_dict
-from tests.tiny_models import save_tiny_model
+from tests.tiny_models import prepare_tiny_artifact
 
 SEED = 1415
 RAW_CASES = 560
@@ -47,12 +45,8 @@ ODD_VALUES = (None, True, False, 0, 1, -1, 2**64, 0.5, float("nan"), "", "x", []
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """(artifact dir, reference logits, token ids) of a tiny int4 mixtral, prepared once."""
-    root = tmp_path_factory.mktemp("fuzz")
-    save_tiny_model("mixtral", root / "model")
-    recipe = recipe_from_dict({"name": "tiny", "model": {"path": "model"},  # relative: the same bytes anywhere
-                               "calibration": {"num_sequences": 2, "sequence_length": 16},
-                               "quantize": {"precision": "int4", "group_size": 16}})
-    artifact = Path(prepare(recipe, root=root, output=root / "artifact")["artifact"]).resolve()
+    _, artifact = prepare_tiny_artifact(tmp_path_factory.mktemp("fuzz"), precision="int4")
+    artifact = artifact.resolve()
     assert DIGEST in json.loads((artifact / "manifest.json").read_text())  # package seals its manifests
     ids = torch.randint(4, 60, (2, 24), generator=torch.Generator().manual_seed(SEED))
     logits, reads = _forward(artifact, ids)

@@ -15,24 +15,7 @@ from loader.format import ArtifactError, expert_key, read_record_offsets, verify
 from loader.plan import PlanError, parse_budget
 from loader.runtime import LoaderError, load, minimum_budget
 from prep.adapters import get_adapter
-from prep.pipeline import prepare
-from prep.recipe import recipe_from_dict
-from tests.tiny_models import ARCHITECTURES, save_tiny_model
-
-_BUILT: dict = {}
-
-
-def tiny_artifact(tmp_path_factory, arch: str, precision: str = "passthrough"):
-    """(source model, artifact dir) for a tiny model of ``arch``, built once per session."""
-    if (arch, precision) not in _BUILT:
-        root = tmp_path_factory.mktemp(f"{arch}-{precision}")
-        model = save_tiny_model(arch, root / "model")
-        recipe = recipe_from_dict({"name": "tiny", "model": {"path": "model"},
-                                   "calibration": {"num_sequences": 2, "sequence_length": 16},
-                                   "quantize": {"precision": precision, "group_size": 16}})
-        prepare(recipe, root=root, output=root / "artifact")
-        _BUILT[(arch, precision)] = (model, root / "artifact")
-    return _BUILT[(arch, precision)]
+from tests.tiny_models import ARCHITECTURES, tiny_artifact
 
 
 def _ids(seed=0):

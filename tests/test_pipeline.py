@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import pytest
@@ -14,26 +13,11 @@ from prep.errors import MoeprepError
 from prep.pipeline import model_fingerprint, prepare
 from prep.recipe import load_recipe, recipe_from_dict
 from prep.stages import quantize as quantize_stage
-from tests.tiny_models import save_tiny_model
+from tests.tiny_models import file_hashes, save_tiny_model, tiny_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _recipe(**quantize):
-    return recipe_from_dict({"name": "tiny", "model": {"path": "model"},
-                             "calibration": {"num_sequences": 2, "sequence_length": 16},
-                             "quantize": {"precision": "int4", "group_size": 16, **quantize}})
-
-
-@pytest.fixture
-def root(tmp_path):
-    save_tiny_model("qwen3_moe", tmp_path / "model")
-    return tmp_path
-
-
-def _hashes(directory: Path) -> dict[str, str]:
-    # every file of an artifact is a pure function of its inputs (no timestamps, no timings)
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
 
 def test_shipped_recipes_load():
@@ -75,25 +59,25 @@ def test_cli_errors_are_clean(tmp_path):
 
 
 def test_rerun_is_cached_and_force_reruns_from_stage(root):
-    first = prepare(_recipe(), root=root)
+    first = prepare(tiny_recipe(), root=root)
     assert not any(first[s]["cached"] for s in ("trace", "quantize", "package"))
-    second = prepare(_recipe(), root=root)
+    second = prepare(tiny_recipe(), root=root)
     assert all(second[s]["cached"] for s in ("trace", "quantize", "package"))
-    forced = prepare(_recipe(), root=root, force="quantize")
+    forced = prepare(tiny_recipe(), root=root, force="quantize")
     assert forced["trace"]["cached"] and not forced["quantize"]["cached"] and not forced["package"]["cached"]
-    changed = prepare(_recipe(group_size=8), root=root)
+    changed = prepare(tiny_recipe(group_size=8), root=root)
     assert changed["trace"]["cached"] and not changed["quantize"]["cached"]
-    partial = prepare(_recipe(precision="int8"), root=root, until="quantize")
+    partial = prepare(tiny_recipe(precision="int8"), root=root, until="quantize")
     assert "package" not in partial and partial["artifact"] is None
     with pytest.raises(MoeprepError, match="not a stage"):
-        prepare(_recipe(), root=root, until="bake")
+        prepare(tiny_recipe(), root=root, until="bake")
 
 
 def test_retrained_weights_of_the_same_shapes_are_not_served_from_cache(root, monkeypatch):
     """A retrained model keeps names, shapes and header; only its weights change, and that must show."""
     from safetensors.torch import load_file, save_file
 
-    first = prepare(_recipe(), root=root)
+    first = prepare(tiny_recipe(), root=root)
     shards = sorted((root / "model").glob("*.safetensors"))
     before = model_fingerprint(root / "model")
     tensors = load_file(shards[0])
@@ -102,7 +86,7 @@ def test_retrained_weights_of_the_same_shapes_are_not_served_from_cache(root, mo
     save_file(tensors, shards[0], metadata={"format": "pt"})
     after = model_fingerprint(root / "model")
     assert after != before
-    rerun = prepare(_recipe(), root=root)
+    rerun = prepare(tiny_recipe(), root=root)
     assert not rerun["trace"]["cached"] and rerun["trace"]["key"] != first["trace"]["key"]
     # the sampled path for big files sees the change too
     monkeypatch.setattr(pipeline, "FULL_HASH_BYTES", 0)
@@ -117,7 +101,7 @@ def test_retrained_weights_of_the_same_shapes_are_not_served_from_cache(root, mo
 def test_killed_quantize_resumes_to_identical_artifact(root, tmp_path_factory, monkeypatch):
     clean_root = tmp_path_factory.mktemp("clean")
     save_tiny_model("qwen3_moe", clean_root / "model")
-    prepare(_recipe(), root=clean_root)
+    prepare(tiny_recipe(), root=clean_root)
 
     real = quantize_stage.encode_expert
     calls = {"n": 0}
@@ -130,15 +114,15 @@ def test_killed_quantize_resumes_to_identical_artifact(root, tmp_path_factory, m
 
     monkeypatch.setattr(quantize_stage, "encode_expert", dies_in_second_layer)
     with pytest.raises(KeyboardInterrupt):
-        prepare(_recipe(), root=root)
+        prepare(tiny_recipe(), root=root)
     assert not (root / "artifacts/tiny/artifact").exists()
     work = next((root / "artifacts/tiny/stages").glob(".work-quantize-*"))
     assert [p.name for p in work.glob("layer-*.safetensors")] == ["layer-0.safetensors"]
 
     monkeypatch.setattr(quantize_stage, "encode_expert", real)
-    resumed = prepare(_recipe(), root=root)
+    resumed = prepare(tiny_recipe(), root=root)
     assert resumed["trace"]["cached"] and not resumed["quantize"]["cached"]
-    assert _hashes(root / "artifacts/tiny/artifact") == _hashes(clean_root / "artifacts/tiny/artifact")
+    assert file_hashes(root / "artifacts/tiny/artifact") == file_hashes(clean_root / "artifacts/tiny/artifact")
 
 
 def test_manifest_is_schema_2(root):
@@ -149,7 +133,7 @@ def test_manifest_is_schema_2(root):
     from loader.format import read_record_offsets
     from loader.plan import Plan
 
-    summary = prepare(_recipe(), root=root)
+    summary = prepare(tiny_recipe(), root=root)
     artifact = Path(summary["artifact"])
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["schema_version"] == 2 and manifest["format"] == "moeprep-artifact"
@@ -175,46 +159,46 @@ def test_changing_a_setting_and_back_serves_the_right_artifact(root):
     """Issue 15 §7: int4 -> int8 -> int4 must not serve the int8 artifact as "cached"."""
     import json
 
-    first = prepare(_recipe(), root=root)
-    int4 = _hashes(Path(first["artifact"]))
-    prepare(_recipe(precision="int8"), root=root)
-    back = prepare(_recipe(), root=root)
+    first = prepare(tiny_recipe(), root=root)
+    int4 = file_hashes(Path(first["artifact"]))
+    prepare(tiny_recipe(precision="int8"), root=root)
+    back = prepare(tiny_recipe(), root=root)
     assert back["quantize"]["cached"] and not back["package"]["cached"]  # rebuilt from the cached quantize
     artifact = Path(back["artifact"])
-    assert _hashes(artifact) == int4
+    assert file_hashes(artifact) == int4
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert list(manifest["stores"]) == ["int4"] and manifest["package_key"].startswith(back["package"]["key"])
-    assert prepare(_recipe(), root=root)["package"]["cached"]
+    assert prepare(tiny_recipe(), root=root)["package"]["cached"]
 
 
 def test_keys_cover_only_what_a_stage_declares(root):
-    base = prepare(_recipe(), root=root)
+    base = prepare(tiny_recipe(), root=root)
     # trace settings and calibration data are not inputs of quantize or package
     for change in ({"trace": {"hidden_dtype": "float32"}}, {"calibration": {"seed": 7}}):
-        recipe = recipe_from_dict(_recipe().to_dict() | change | {
-            "calibration": _recipe().to_dict()["calibration"] | change.get("calibration", {})})
+        recipe = recipe_from_dict(tiny_recipe().to_dict() | change | {
+            "calibration": tiny_recipe().to_dict()["calibration"] | change.get("calibration", {})})
         rerun = prepare(recipe, root=root)
         assert not rerun["trace"]["cached"], change
         assert rerun["quantize"]["cached"] and rerun["package"]["cached"], change
         assert rerun["quantize"]["key"] == base["quantize"]["key"] and rerun["package"]["key"] == base["package"]["key"]
     # the package section is not an input of quantize
-    rerun = prepare(recipe_from_dict(_recipe().to_dict() | {"package": {"cache_fraction": 0.25}}), root=root)
+    rerun = prepare(recipe_from_dict(tiny_recipe().to_dict() | {"package": {"cache_fraction": 0.25}}), root=root)
     assert rerun["quantize"]["cached"] and not rerun["package"]["cached"]
 
 
 def test_fully_cached_run_loads_no_model(root, monkeypatch):
     import prep.adapters
 
-    prepare(_recipe(), root=root)
+    prepare(tiny_recipe(), root=root)
 
     def refuse(*args, **kwargs):
         raise AssertionError("a fully cached run loaded the model")
 
     monkeypatch.setattr(prep.adapters, "load_model", refuse)
-    again = prepare(_recipe(), root=root)
+    again = prepare(tiny_recipe(), root=root)
     assert all(again[s]["cached"] for s in ("trace", "quantize", "package"))
     with pytest.raises(AssertionError, match="loaded the model"):  # a stage that needs it does load it
-        prepare(_recipe(group_size=8), root=root)
+        prepare(tiny_recipe(group_size=8), root=root)
 
 
 def test_a_stage_is_one_table_entry_and_gets_only_what_it_declares(root, monkeypatch):
@@ -236,11 +220,11 @@ def test_a_stage_is_one_table_entry_and_gets_only_what_it_declares(root, monkeyp
                      run=count_records)
     monkeypatch.setattr(pipeline, "STAGES", (*pipeline.STAGES, counting))
     monkeypatch.setattr(pipeline, "STAGE_NAMES", (*pipeline.STAGE_NAMES, "count"))
-    first = prepare(_recipe(), root=root)
+    first = prepare(tiny_recipe(), root=root)
     assert not first["count"]["cached"]
     stage_dir = next((root / "artifacts/tiny/stages").glob("count-*"))
     assert Count.load(stage_dir) == Count(records=16)
-    assert prepare(_recipe(), root=root)["count"]["cached"]
+    assert prepare(tiny_recipe(), root=root)["count"]["cached"]
 
     def peeks(inputs):
         return Count(records=inputs.model.config.num_experts)
@@ -248,7 +232,7 @@ def test_a_stage_is_one_table_entry_and_gets_only_what_it_declares(root, monkeyp
     sneaky = Stage(name="sneaky", version=1, config=TraceSection, result=Count, run=peeks)
     monkeypatch.setattr(pipeline, "STAGES", (*pipeline.STAGES, sneaky))
     with pytest.raises(TypeError, match="does not declare it in needs"):
-        prepare(_recipe(), root=root)
+        prepare(tiny_recipe(), root=root)
 
 
 def test_stage_results_round_trip(tmp_path):

@@ -13,7 +13,6 @@ version is renamed into place, right before the symlink is renamed over the arti
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import queue
@@ -30,7 +29,7 @@ import pytest
 from loader.format import read_manifest, verify
 from prep.pipeline import prepare
 from prep.recipe import recipe_from_dict
-from tests.tiny_models import save_tiny_model
+from tests.tiny_models import file_hashes, save_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -133,8 +132,6 @@ def _recipe_dict(precision: str, group_size: int, seed: int) -> dict:
             "quantize": {"precision": precision, "group_size": group_size}}
 
 
-def _hashes(directory: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
 
 class Child:
@@ -232,7 +229,7 @@ def test_sigkill_at_seeded_points_never_loses_the_artifact_and_resumes_identical
         if key not in clean_cache:
             home = tmp_path_factory.mktemp("clean")
             save_tiny_model("qwen3_moe", home / "model")
-            clean_cache[key] = _hashes(Path(prepare(recipe_from_dict(recipe), root=home)["artifact"]))
+            clean_cache[key] = file_hashes(Path(prepare(recipe_from_dict(recipe), root=home)["artifact"]))
         return clean_cache[key]
 
     child = Child(tmp_path_factory.mktemp("log") / "child.stderr")
@@ -245,7 +242,7 @@ def test_sigkill_at_seeded_points_never_loses_the_artifact_and_resumes_identical
         seen = {("start", "load"): forked}
         while (line := child.next())[0][0] != "exit":
             seen[tuple(line[0][:2])] = line[1]
-        assert ("done",) in seen and _hashes(home / "artifacts/tiny/artifact") == clean(first), seen
+        assert ("done",) in seen and file_hashes(home / "artifacts/tiny/artifact") == clean(first), seen
         durations = {"load": seen[("start", "trace")] - forked}
         durations |= {p: seen[("end", p)] - seen[("start", p)] for p in PHASES[1:]}
 
@@ -253,7 +250,7 @@ def test_sigkill_at_seeded_points_never_loses_the_artifact_and_resumes_identical
         work = tmp_path_factory.mktemp("work")
         save_tiny_model("qwen3_moe", work / "model")
         artifact = Path(prepare(recipe_from_dict(first), root=work)["artifact"])
-        previous = _hashes(artifact)
+        previous = file_hashes(artifact)
         watcher = Watcher(artifact)
         schedule = (["load"] + ["trace"] * 2 + ["quantize"] * 2 + ["package"] * 2
                     + ["after-version-rename", "before-swap", "after-swap"])
@@ -280,15 +277,15 @@ def test_sigkill_at_seeded_points_never_loses_the_artifact_and_resumes_identical
                 reached = [w[1] for w in lines if w[0] == "start"]
                 # right after the kill: the previous artifact, or the new one if it was swapped in
                 assert read_manifest(artifact) and verify(artifact) == [], point
-                after_kill = _hashes(artifact)
+                after_kill = file_hashes(artifact)
                 assert after_kill in (previous, clean(recipe)), point
                 rerun = prepare(recipe_from_dict(recipe), root=work)
-                identical = _hashes(artifact) == clean(recipe)
+                identical = file_hashes(artifact) == clean(recipe)
                 outcomes.append({"point": point, "delay_s": delay and round(delay, 4), "killed": killed,
                                  "stages_started": reached, "swapped_before_kill": after_kill != previous,
                                  "rerun_cached": [s for s in ("trace", "quantize", "package") if rerun[s]["cached"]],
                                  "identical": identical})
-                previous = _hashes(artifact)
+                previous = file_hashes(artifact)
         finally:
             watcher.close()
     finally:

@@ -8,7 +8,6 @@ subprocess with SIGKILL.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -26,27 +25,13 @@ from prep.errors import MoeprepError
 from prep.pipeline import prepare
 from prep.recipe import load_recipe, recipe_from_dict
 from prep.store import ArtifactOutput, exclusive_lock
-from tests.tiny_models import save_tiny_model
+from tests.tiny_models import file_hashes, save_tiny_model, tiny_recipe
 
 
 class _Killed(BaseException):
     """Stands for a kill at one exact step: nothing catches it, so no cleanup code runs."""
 
 
-def _recipe(**quantize):
-    return recipe_from_dict({"name": "tiny", "model": {"path": "model"},
-                             "calibration": {"num_sequences": 2, "sequence_length": 16},
-                             "quantize": {"precision": "int4", "group_size": 16, **quantize}})
-
-
-@pytest.fixture
-def root(tmp_path):
-    save_tiny_model("qwen3_moe", tmp_path / "model")
-    return tmp_path
-
-
-def _hashes(directory: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
 
 def _loadable(artifact: Path) -> bool:
@@ -72,20 +57,20 @@ def test_output_holding_other_files_is_refused_and_left_alone(root):
     notes.mkdir()
     (notes / "todo.txt").write_text("buy milk\n")
     with pytest.raises(MoeprepError, match="not a moeprep artifact.*--overwrite"):
-        prepare(_recipe(), root=root, output=notes)
+        prepare(tiny_recipe(), root=root, output=notes)
     assert (notes / "todo.txt").read_text() == "buy milk\n"
     a_file = root / "file.txt"
     a_file.write_text("keep")
     with pytest.raises(MoeprepError, match="--overwrite"):
-        prepare(_recipe(), root=root, output=a_file)
+        prepare(tiny_recipe(), root=root, output=a_file)
     assert a_file.read_text() == "keep"
     # with --overwrite the user asked for it
-    prepare(_recipe(), root=root, output=notes, overwrite=True)
+    prepare(tiny_recipe(), root=root, output=notes, overwrite=True)
     assert _loadable(notes) and not (notes / "todo.txt").exists()
     # an empty directory holds nothing to lose
     empty = root / "empty"
     empty.mkdir()
-    prepare(_recipe(), root=root, output=empty)
+    prepare(tiny_recipe(), root=root, output=empty)
     assert empty.is_symlink() and _loadable(empty)
 
 
@@ -99,7 +84,7 @@ def test_model_dir_cwd_root_and_their_ancestors_are_refused_even_with_overwrite(
     for output in (model, root, root.parent, elsewhere, Path("."), Path(".."), root / "artifacts" / "tiny",
                    root / "artifacts" / "tiny" / "stages", root / "to-model"):
         with pytest.raises(MoeprepError, match="refusing --output"):
-            prepare(_recipe(), root=root, output=output, overwrite=True)
+            prepare(tiny_recipe(), root=root, output=output, overwrite=True)
     assert {p.name: p.read_bytes() for p in model.iterdir()} == weights
     assert (root / "to-model").resolve() == model.resolve()
 
@@ -128,8 +113,8 @@ def test_a_symlink_moeprep_did_not_make_is_replaced_only_with_overwrite(root):
     link = root / "link"
     link.symlink_to(target)
     with pytest.raises(MoeprepError, match="symlink.*--overwrite"):
-        prepare(_recipe(), root=root, output=link)
-    prepare(_recipe(), root=root, output=link, overwrite=True)
+        prepare(tiny_recipe(), root=root, output=link)
+    prepare(tiny_recipe(), root=root, output=link, overwrite=True)
     assert _loadable(link) and (target / "data.txt").read_text() == "x"  # the link is replaced, not its target
 
 
@@ -155,7 +140,7 @@ def _kill_when(monkeypatch, name: str, when):
 def _clean_hashes(tmp_path_factory, **quantize) -> dict[str, str]:
     clean = tmp_path_factory.mktemp("clean")
     save_tiny_model("qwen3_moe", clean / "model")
-    return _hashes(Path(prepare(_recipe(**quantize), root=clean)["artifact"]))
+    return file_hashes(Path(prepare(tiny_recipe(**quantize), root=clean)["artifact"]))
 
 
 KILL_POINTS = {
@@ -172,19 +157,19 @@ KILL_POINTS = {
 
 @pytest.mark.parametrize("point", list(KILL_POINTS))
 def test_a_kill_at_any_step_of_the_swap_leaves_a_loadable_artifact(root, tmp_path_factory, monkeypatch, point):
-    artifact = Path(prepare(_recipe(), root=root)["artifact"])
-    old = _hashes(artifact)
+    artifact = Path(prepare(tiny_recipe(), root=root)["artifact"])
+    old = file_hashes(artifact)
     new = _clean_hashes(tmp_path_factory, precision="int8")
     name, when = KILL_POINTS[point]
     with monkeypatch.context() as m:
         _kill_when(m, name, when)
         with pytest.raises(_Killed):
-            prepare(_recipe(precision="int8"), root=root)
+            prepare(tiny_recipe(precision="int8"), root=root)
     assert _loadable(artifact)
-    assert _hashes(artifact) in (old, new)
-    rerun = prepare(_recipe(precision="int8"), root=root)
+    assert file_hashes(artifact) in (old, new)
+    rerun = prepare(tiny_recipe(precision="int8"), root=root)
     assert rerun["quantize"]["cached"]
-    assert _hashes(artifact) == new and _loadable(artifact)
+    assert file_hashes(artifact) == new and _loadable(artifact)
     _only_one_version(artifact)
 
 
@@ -197,7 +182,7 @@ def _make_plain(artifact: Path) -> None:
 
 
 def test_a_plain_artifact_of_an_older_moeprep_is_exchanged_in_one_step(root, tmp_path_factory, monkeypatch):
-    artifact = Path(prepare(_recipe(), root=root)["artifact"])
+    artifact = Path(prepare(tiny_recipe(), root=root)["artifact"])
     _make_plain(artifact)
     new = _clean_hashes(tmp_path_factory, precision="int8")
     with monkeypatch.context() as m:  # killed right after the exchange: the old directory is not yet removed
@@ -209,46 +194,46 @@ def test_a_plain_artifact_of_an_older_moeprep_is_exchanged_in_one_step(root, tmp
 
         m.setattr(prep.store, "_remove", remove)
         with pytest.raises(_Killed):
-            prepare(_recipe(precision="int8"), root=root)
-    assert artifact.is_symlink() and _hashes(artifact) == new
-    prepare(_recipe(precision="int8"), root=root)
+            prepare(tiny_recipe(precision="int8"), root=root)
+    assert artifact.is_symlink() and file_hashes(artifact) == new
+    prepare(tiny_recipe(precision="int8"), root=root)
     _only_one_version(artifact)
 
 
 def test_without_rename_exchange_the_migration_is_repaired_by_the_next_run(root, tmp_path_factory, monkeypatch):
-    artifact = Path(prepare(_recipe(), root=root)["artifact"])
-    old = _hashes(artifact)
+    artifact = Path(prepare(tiny_recipe(), root=root)["artifact"])
+    old = file_hashes(artifact)
     _make_plain(artifact)
     new = _clean_hashes(tmp_path_factory, precision="int8")
     with monkeypatch.context() as m:  # the documented window: killed between the fallback's two renames
         m.setattr(prep.store, "_exchange", lambda a, b: False)
         _kill_when(m, "replace", lambda src, dst, *a: "before" if Path(dst).name == "artifact" else None)
         with pytest.raises(_Killed):
-            prepare(_recipe(precision="int8"), root=root)
+            prepare(tiny_recipe(precision="int8"), root=root)
     assert not artifact.exists()
     ArtifactOutput(artifact, protected=[]).tidy()  # what the next run does first, before any work
-    assert _loadable(artifact) and _hashes(artifact) in (old, new)
+    assert _loadable(artifact) and file_hashes(artifact) in (old, new)
     with monkeypatch.context() as m:  # and without the kill, the fallback migrates
         artifact_target = artifact.resolve()
         artifact.unlink()
         shutil.copytree(artifact_target, artifact)
         m.setattr(prep.store, "_exchange", lambda a, b: False)
-        prepare(_recipe(precision="int8"), root=root, force="package")
-    assert _hashes(artifact) == new
+        prepare(tiny_recipe(precision="int8"), root=root, force="package")
+    assert file_hashes(artifact) == new
     _only_one_version(artifact)
 
 
 def test_leftovers_of_killed_runs_do_not_pile_up(root):
-    artifact = Path(prepare(_recipe(), root=root)["artifact"])
+    artifact = Path(prepare(tiny_recipe(), root=root)["artifact"])
     parent = artifact.parent
     for name in (".artifact.tmp-999", ".artifact.v-0123456789ab", ".artifact.old-77"):
         (parent / name).mkdir()
         (parent / name / "dense.safetensors").write_bytes(b"\0" * 4096)
     (parent / ".artifact.link-5").symlink_to(".artifact.v-0123456789ab")
-    again = prepare(_recipe(), root=root)
+    again = prepare(tiny_recipe(), root=root)
     assert again["package"]["cached"]
     _only_one_version(artifact)
-    prepare(_recipe(precision="int8"), root=root)  # the replaced version goes too
+    prepare(tiny_recipe(precision="int8"), root=root)  # the replaced version goes too
     _only_one_version(artifact)
 
 
@@ -259,8 +244,8 @@ def test_leftovers_of_killed_runs_do_not_pile_up(root):
 def test_a_damaged_artifact_is_rebuilt_by_running_prepare_again(root, damage):
     import json
 
-    artifact = Path(prepare(_recipe(), root=root)["artifact"])
-    good = _hashes(artifact)
+    artifact = Path(prepare(tiny_recipe(), root=root)["artifact"])
+    good = file_hashes(artifact)
     if damage == "delete dense":
         (artifact / "dense.safetensors").unlink()
     elif damage == "truncate store":
@@ -274,9 +259,9 @@ def test_a_damaged_artifact_is_rebuilt_by_running_prepare_again(root, damage):
         (artifact / "manifest.json").unlink()
     if damage != "edit key":  # verify does not know which key an artifact should have; prepare does
         assert verify(artifact) != []
-    rerun = prepare(_recipe(), root=root)
+    rerun = prepare(tiny_recipe(), root=root)
     assert not rerun["package"]["cached"] and rerun["quantize"]["cached"]
-    assert _hashes(artifact) == good and _loadable(artifact)
+    assert file_hashes(artifact) == good and _loadable(artifact)
 
 
 # --------------------------------------------------------------------------------------- 6. names
@@ -310,12 +295,12 @@ def test_a_second_prepare_of_the_same_name_stops_at_once_naming_the_holder(root)
         assert holder.stdout.readline().strip() == "held"
         started = time.perf_counter()
         with pytest.raises(MoeprepError, match=rf"artifact name 'tiny' is in use .*pid {holder.pid}\b"):
-            prepare(_recipe(), root=root)
+            prepare(tiny_recipe(), root=root)
         assert time.perf_counter() - started < 5
     finally:
         holder.kill()
         holder.wait()
-    assert prepare(_recipe(), root=root)["artifact"]  # the kernel released the killed holder's lock
+    assert prepare(tiny_recipe(), root=root)["artifact"]  # the kernel released the killed holder's lock
     assert lock.read_text().strip() == str(os.getpid())
 
 
@@ -323,8 +308,8 @@ def test_an_output_elsewhere_is_locked_too(root):
     out = root / "shared-out"
     with exclusive_lock(root / ".shared-out.lock", "test"):
         with pytest.raises(MoeprepError, match=rf"artifact output .*shared-out is in use .*pid {os.getpid()}"):
-            prepare(_recipe(), root=root, output=out)
-    prepare(_recipe(), root=root, output=out)
+            prepare(tiny_recipe(), root=root, output=out)
+    prepare(tiny_recipe(), root=root, output=out)
     assert _loadable(out)
 
 

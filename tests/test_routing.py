@@ -9,9 +9,7 @@ import torch
 
 from loader.routing import ReplayRouting, RoutingError, RoutingPolicy, install_routing
 from loader.runtime import load
-from prep.pipeline import prepare
-from prep.recipe import recipe_from_dict
-from tests.tiny_models import save_tiny_model
+from tests.tiny_models import prepare_tiny_artifact
 
 PROMPT, DECODE = 6, 3
 
@@ -19,14 +17,9 @@ PROMPT, DECODE = 6, 3
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(transformers model, artifact dir, experts module paths) of a tiny passthrough Mixtral."""
-    root = tmp_path_factory.mktemp("routing")
-    model = save_tiny_model("mixtral", root / "model")
-    recipe = recipe_from_dict({"name": "tiny", "model": {"path": "model"},
-                               "calibration": {"num_sequences": 2, "sequence_length": 16},
-                               "quantize": {"precision": "passthrough"}})
-    prepare(recipe, root=root, output=root / "artifact", until="package")
-    paths = json.loads((root / "artifact" / "manifest.json").read_text())["moe"]["experts_modules"]
-    return model, root / "artifact", paths
+    model, artifact = prepare_tiny_artifact(tmp_path_factory.mktemp("routing"), until="package")
+    paths = json.loads((artifact / "manifest.json").read_text())["moe"]["experts_modules"]
+    return model, artifact, paths
 
 
 def _recorded(tokens: int, layers: int, experts: int, seed: int = 0):

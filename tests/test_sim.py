@@ -305,17 +305,9 @@ def test_profile_round_trip_and_measurements(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_artifact(tmp_path_factory):
     """A tiny passthrough Mixtral artifact (2 MoE layers x 4 experts, top-2), as tests/test_routing.py builds it."""
-    from prep.pipeline import prepare
-    from prep.recipe import recipe_from_dict
-    from tests.tiny_models import save_tiny_model
+    from tests.tiny_models import prepare_tiny_artifact
 
-    root = tmp_path_factory.mktemp("sim-loader")
-    save_tiny_model("mixtral", root / "model")
-    recipe = recipe_from_dict({"name": "tiny", "model": {"path": "model"},
-                               "calibration": {"num_sequences": 2, "sequence_length": 16},
-                               "quantize": {"precision": "passthrough"}})
-    prepare(recipe, root=root, output=root / "artifact", until="package")
-    return root / "artifact"
+    return prepare_tiny_artifact(tmp_path_factory.mktemp("sim-loader"), until="package")[1]
 
 
 def test_simulator_matches_loader(tiny_artifact, one_thread):

@@ -17,7 +17,7 @@ from loader.predict import Predictor, PrefetchRequest
 from loader.routing import SKIP, MissPolicy, RoutingPolicy
 from loader.runtime import load, minimum_budget
 from loader.store import DEMAND, PREFETCH, Reader, ReadJob, SlotArena
-from tests.test_loader import tiny_artifact
+from tests.tiny_models import tiny_artifact
 
 
 class _SlowStore:

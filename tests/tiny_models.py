@@ -15,6 +15,9 @@ Use `build_tiny_model(arch)` or the per-architecture functions; `ARCHITECTURES` 
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -239,3 +242,41 @@ def save_tiny_model(arch: str, directory, seed: int = 0):
     model.save_pretrained(directory)
     tiny_tokenizer(model.config.vocab_size).save_pretrained(directory)
     return model
+
+
+# ------------------------------------------------------------------------------ tiny artifacts
+
+
+def tiny_recipe(precision: str = "int4", group_size: int = 16):
+    """The tests' recipe: the model at ``model/`` beside the prepare root, two 16-token calibration
+    sequences, experts at ``precision``."""
+    from prep.recipe import recipe_from_dict
+
+    return recipe_from_dict({"name": "tiny", "model": {"path": "model"},
+                             "calibration": {"num_sequences": 2, "sequence_length": 16},
+                             "quantize": {"precision": precision, "group_size": group_size}})
+
+
+def prepare_tiny_artifact(root: Path, arch: str = "mixtral", precision: str = "passthrough", until: str | None = None):
+    """(source model, artifact dir): a tiny ``arch`` saved under ``root/model`` and prepared to ``root/artifact``."""
+    from prep.pipeline import prepare
+
+    model = save_tiny_model(arch, root / "model")
+    prepare(tiny_recipe(precision), root=root, output=root / "artifact", until=until)
+    return model, root / "artifact"
+
+
+_BUILT: dict = {}
+
+
+def tiny_artifact(tmp_path_factory, arch: str = "mixtral", precision: str = "passthrough"):
+    """``prepare_tiny_artifact`` built once per session per (arch, precision); tests must not change it."""
+    if (arch, precision) not in _BUILT:
+        _BUILT[(arch, precision)] = prepare_tiny_artifact(tmp_path_factory.mktemp(f"{arch}-{precision}"), arch,
+                                                          precision)
+    return _BUILT[(arch, precision)]
+
+
+def file_hashes(directory: Path) -> dict[str, str]:
+    """{file name: sha256} of every file in ``directory``."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
