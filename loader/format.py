@@ -438,15 +438,6 @@ def _file_problem(manifest: Manifest, name: str, hash_it: bool) -> str | None:
     return None
 
 
-def check_sizes(artifact: str | Path, manifest: Manifest) -> None:
-    """Every listed file but report.json exists with its recorded size (``open_artifact`` does this and more)."""
-    problems = [f"{name}: {p}" for name in sorted(manifest.files)
-                if name != REPORT and (p := _file_problem(manifest, name, False))]
-    if problems:
-        raise ArtifactError(f"artifact {manifest.root} is damaged: " + "; ".join(problems)
-                            + f". {_PREPARE_AGAIN[0].upper()}{_PREPARE_AGAIN[1:]}", file=problems[0].split(":")[0])
-
-
 def open_artifact(artifact: str | Path) -> Manifest:
     """The load-time checks; returns the validated manifest with its checked ``plan``.
 

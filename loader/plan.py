@@ -96,13 +96,6 @@ class Plan:
         seen = [p.precision for p in self.pools] + [p for row in self.expert_precision for p in row]
         return tuple(dict.fromkeys(seen))
 
-    def pool_for(self, precision: str) -> Pool:
-        for pool in self.pools:
-            if pool.precision == precision:
-                return pool
-        raise PlanError(f"{PLAN_FILE} has no pool for precision {precision!r}; pools: "
-                        f"{[p.precision for p in self.pools]}")
-
     def to_json(self) -> dict:
         return {
             "version": self.version,
@@ -262,10 +255,6 @@ class Capacities:
     dense_bytes: int
     buffer_bytes: int  # read buffers: records being read or used outside a cache
     pools: dict  # pool name -> {group key: bytes}; group key is the layer position or "global"
-
-    @property
-    def cache_bytes(self) -> int:
-        return sum(sum(groups.values()) for groups in self.pools.values())
 
     def to_json(self) -> dict:
         return {"limit_bytes": None if math.isinf(self.limit_bytes) else int(self.limit_bytes),

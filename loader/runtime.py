@@ -344,9 +344,6 @@ class LoadedModel:
     def meter(self) -> MemoryMeter:
         return self.runtime.meter
 
-    def cache_bytes(self) -> int:
-        return self.runtime.cache.nbytes
-
     def stats(self) -> dict:
         rt = self.runtime
         per_layer = {}
