@@ -418,6 +418,10 @@ class ExpertCache:
         """Bytes held by every entry, reserved or resident."""
         return sum(g.used for groups in self.pools.values() for g in groups.values())
 
+    def capacity(self, pool: str) -> dict:
+        """{group key: bytes} of ``pool``."""
+        return {key: g.capacity for key, g in self.pools[pool].items()}
+
     # ------------------------------------------------------------------------------- the layer step
     def begin_layer(self, layer: int, wanted: list[tuple[int, str]]) -> list[Request]:
         """Classify each wanted (expert, precision) of ``layer`` and protect them (uses are recorded by
