@@ -1,8 +1,13 @@
 """Packed expert formats: bit packing, record layout, and decoding back to float matrices.
 
 A quantized matrix [out, in] is stored as codes (unsigned ints of ``bits`` bits, ``group_size``
-consecutive weights of a row share one scale and one zero), packed into bytes, plus float16 scale and
-zero per group: ``W = (code - zero) * scale``. Passthrough matrices are stored as their raw bytes.
+consecutive weights of a row share one scale and one zero), packed into bytes, plus a scale and a zero
+per group: ``W = (code - zero) * scale``. With ``meta_group`` 0 the scale and zero are float16 (32 bits
+per group, 1 bit per weight at int2 g16). With ``meta_group`` > 0 they are themselves quantized, as in
+HQQ: 8-bit codes, with a float16 step and offset per ``meta_group`` consecutive groups (row-major,
+the last meta group may be partial): ``scale = q * step + offset``. The offset form (not hqq's
+``(q - zero) * step``) keeps float16 exact enough when the values' range is small next to their size.
+Passthrough matrices are stored as their raw bytes.
 
 One expert is one *record*: all its tensors back to back in one byte string, in an order given by a
 ``RecordLayout`` that is the same for every expert of a store, so a cache miss is one read and one
@@ -20,6 +25,10 @@ import torch
 from loader.errors import MoeError
 
 BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
+# (group_size, meta_group) per precision, as mixtral-offloading/CORM configure hqq: 2 bits needs small
+# groups to stay usable, and 8-bit metadata then keeps them from costing 2 bits per weight.
+DEFAULT_FORMATS = {"int8": (64, 256), "int4": (64, 256), "int3": (64, 256), "int2": (16, 128)}
+META_BITS = 8
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
 
 
@@ -74,7 +83,7 @@ def packed_nbytes(count: int, bits: int) -> int:
 
 @dataclass(frozen=True)
 class MatrixSpec:
-    """How one matrix of an expert is stored: shape, precision and (for intN) the group size."""
+    """How one matrix of an expert is stored: shape, precision and (for intN) group and meta group sizes."""
 
     name: str  # gate, up, down, gate_bias, ...
     shape: tuple[int, ...]
@@ -82,6 +91,7 @@ class MatrixSpec:
     dtype: str  # the source dtype, also the decode dtype
     group_size: int = 0
     transposed: bool = False  # stored as its transpose, so groups run along the input dimension
+    meta_group: int = 0  # 0: float16 scale and zero; >0: 8-bit, float16 step and offset per this many groups
 
     @property
     def numel(self) -> int:
@@ -94,15 +104,19 @@ class MatrixSpec:
         """(part name, dtype name, byte size) of this matrix's pieces inside a record."""
         if self.precision == "passthrough":
             return [(self.name, self.dtype, self.numel * dtype_of(self.dtype).itemsize)]
-        bits = BITS[self.precision]
+        codes = (f"{self.name}.codes", "uint8", packed_nbytes(self.numel, BITS[self.precision]))
         groups = self.numel // self.group_size
-        return [
-            (f"{self.name}.codes", "uint8", packed_nbytes(self.numel, bits)),
-            (f"{self.name}.scale", "float16", groups * 2),
-            (f"{self.name}.zero", "float16", groups * 2),
-        ]
+        if not self.meta_group:
+            return [codes] + [(f"{self.name}.{kind}", "float16", groups * 2) for kind in ("scale", "zero")]
+        metas = -(-groups // self.meta_group)
+        return [codes] + [part for kind in ("scale", "zero") for part in (
+            (f"{self.name}.{kind}.q", "uint8", groups),  # one 8-bit code per group
+            (f"{self.name}.{kind}.meta", "float16", metas * 4),  # (step, offset) per meta group
+        )]
 
     def check(self) -> None:
+        if self.meta_group < 0 or (self.meta_group and self.precision == "passthrough"):
+            raise CodecError(f"{self.name}: meta group {self.meta_group} must be 0, or > 0 when quantized")
         if self.precision == "passthrough":
             return
         if self.precision not in BITS:
@@ -117,14 +131,23 @@ class MatrixSpec:
             raise CodecError(f"{self.name}: {self.numel} weights do not pack into whole bytes")
 
 
+def group_params(spec: MatrixSpec, parts: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
+    """The float32 ``kind`` ("scale" or "zero") of every group of ``spec`` [groups], from its record parts."""
+    if not spec.meta_group:
+        return parts[f"{spec.name}.{kind}"].view(torch.float16).float()
+    q = parts[f"{spec.name}.{kind}.q"].float()
+    meta = parts[f"{spec.name}.{kind}.meta"].view(torch.float16).float().view(-1, 2)  # [metas, (step, offset)]
+    step, offset = meta.repeat_interleave(spec.meta_group, dim=0)[: q.numel()].unbind(1)
+    return q * step + offset
+
+
 def decode_matrix(spec: MatrixSpec, parts: dict[str, torch.Tensor]) -> torch.Tensor:
     """The float matrix of ``spec`` from its record parts (as produced by ``RecordLayout.split``)."""
     out_dtype = dtype_of(spec.dtype)
     if spec.precision == "passthrough":
         return parts[spec.name].view(out_dtype).reshape(spec.shape)
     codes = unpack_codes(parts[f"{spec.name}.codes"], BITS[spec.precision], spec.numel)
-    scale = parts[f"{spec.name}.scale"].view(torch.float16).float()[:, None]
-    zero = parts[f"{spec.name}.zero"].view(torch.float16).float()[:, None]
+    scale, zero = (group_params(spec, parts, kind)[:, None] for kind in ("scale", "zero"))
     w = (codes.view(-1, spec.group_size).float() - zero) * scale
     w = w.reshape(spec.shape).to(out_dtype)
     return w.T if spec.transposed else w
@@ -153,6 +176,11 @@ class RecordLayout:
         name, dtype, offset, size = self.parts()[-1]
         return (offset + size + 15) // 16 * 16
 
+    @property
+    def bits_per_weight(self) -> float:
+        """Stored bits per weight: every record byte (codes, metadata, biases, alignment) over every weight."""
+        return self.nbytes * 8 / sum(spec.numel for spec in self.matrices)
+
     def split(self, record: torch.Tensor) -> dict[str, torch.Tensor]:
         """One uint8 record -> its parts (views, no copies)."""
         if record.numel() < self.nbytes:
@@ -166,9 +194,11 @@ class RecordLayout:
 
     def to_json(self) -> list[dict]:
         return [{"name": s.name, "shape": list(s.shape), "precision": s.precision, "dtype": s.dtype,
-                 "group_size": s.group_size, "transposed": s.transposed} for s in self.matrices]
+                 "group_size": s.group_size, "transposed": s.transposed, "meta_group": s.meta_group}
+                for s in self.matrices]
 
     @classmethod
     def from_json(cls, data: list[dict]) -> RecordLayout:
+        """Accepts layouts written before ``meta_group`` existed (they mean 0)."""
         return cls(tuple(MatrixSpec(d["name"], tuple(d["shape"]), d["precision"], d["dtype"], d["group_size"],
-                                    d.get("transposed", False)) for d in data))
+                                    d.get("transposed", False), d.get("meta_group", 0)) for d in data))
