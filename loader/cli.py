@@ -13,8 +13,10 @@ import sys
 import click
 
 from loader import __version__
+from loader.codec import RecordLayout
 from loader.errors import MoeError
 from loader.format import REPORT, ArtifactError, read_json, read_manifest, verify
+from loader.plan import read_plan
 
 
 class LoaderGroup(click.Group):
@@ -66,7 +68,7 @@ def info_command(artifact: str, as_json: bool) -> None:
         "moe_layers": len(raw["moe"]["layers"]),
         "num_experts": raw["moe"]["num_experts"],
         "top_k": raw["moe"]["top_k"],
-        "stores": {p: {"file": s["file"], "record_bytes": s["record_bytes"]} for p, s in raw["stores"].items()},
+        "stores": _store_summary(manifest),
         "plan": raw["plan_summary"],
         "total_bytes": sum(f["bytes"] for f in raw["files"].values()),
         "sizes": report.get("sizes", {}),
@@ -77,6 +79,18 @@ def info_command(artifact: str, as_json: bool) -> None:
         return
     for key, value in info.items():
         click.echo(f"{key:16s} {json.dumps(value) if isinstance(value, dict) else value}")
+
+
+def _store_summary(manifest) -> dict:
+    """Per precision: the experts planned at it, their bytes, and the stored bits per weight (metadata in)."""
+    planned = [p for row in read_plan(manifest.root).expert_precision for p in row]
+    out = {}
+    for precision, store in manifest.stores.items():
+        experts = planned.count(precision)
+        out[precision] = {"file": store.file, "experts": experts, "records": len(store.crc32),
+                          "record_bytes": store.record_bytes, "expert_bytes": experts * store.record_bytes,
+                          "bits_per_weight": round(RecordLayout.from_json(store.layout).bits_per_weight, 4)}
+    return out
 
 
 def check_device(device: str) -> None:

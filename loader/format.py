@@ -210,6 +210,11 @@ class Manifest:
         """Every record key, in store order: MoE layers in manifest order, then experts."""
         return [expert_key(layer, e) for layer in self.moe["layers"] for e in range(self.moe["num_experts"])]
 
+    def store_keys(self, precision: str) -> list[str]:
+        """The record keys of one store, in store order (a store may hold only the experts planned at it)."""
+        held = self.stores[precision].crc32
+        return [key for key in self.expert_keys() if key in held]
+
 
 class _Checker:
     """Typed access to the manifest's keys; every failure names the key and what to do."""
@@ -330,11 +335,12 @@ def _validate(raw, root: Path) -> None:
         if names != set(params) or len(params) != len(names):
             raise c.fail(f"moe.expert_params do not match the experts modules and the {precision} layout")
         crc = c.get(store, "crc32", where, "dict")
-        if len(crc) == len(layers) * n_experts and keys is None:
-            keys = [expert_key(layer, e) for layer in layers for e in range(n_experts)]
-        if len(crc) != len(layers) * n_experts or set(crc) != set(keys):
-            raise c.fail(f"{where}crc32 must hold exactly one checksum per expert ({len(layers) * n_experts}: layers "
-                         f"{layers} x {n_experts} experts), it holds {len(crc)} that do not match")
+        if 0 < len(crc) <= len(layers) * n_experts and keys is None:
+            keys = {expert_key(layer, e) for layer in layers for e in range(n_experts)}
+        if not 0 < len(crc) <= len(layers) * n_experts or not set(crc) <= keys:
+            raise c.fail(f"{where}crc32 must hold one checksum per expert of the store (some of the "
+                         f"{len(layers) * n_experts}: layers {layers} x {n_experts} experts), it holds {len(crc)} "
+                         "that do not match")
         if not all(_is_int(v) and 0 <= v < 2**32 for v in crc.values()):
             raise c.fail(f"{where}crc32 values must be unsigned 32-bit integers")
 
@@ -378,22 +384,22 @@ def write_manifest(directory: str | Path, raw: dict) -> dict:
 
 def _layout(c: _Checker, raw: list, where: str, precision: str, dtype: str) -> RecordLayout:
     """A store's record layout, every field typed, each matrix at the store's precision (or passthrough)."""
-    fields = {"name", "shape", "precision", "dtype", "group_size", "transposed"}
+    fields = {"name", "shape", "precision", "dtype", "group_size", "transposed", "meta_group"}
     if not raw:
         raise c.fail(f"{where}layout is empty")
     for i, d in enumerate(raw):
-        if (not isinstance(d, dict) or set(d) != fields or not isinstance(d["name"], str) or not d["name"]
+        if (not isinstance(d, dict) or set(d) != fields or not _is_int(d["meta_group"]) or d["meta_group"] < 0 or not isinstance(d["name"], str) or not d["name"]
                 or not isinstance(d["shape"], list) or not d["shape"]
                 or not all(_is_int(s) and s > 0 for s in d["shape"])
                 or d["precision"] not in (precision, "passthrough") or d["dtype"] != dtype
                 or not _is_int(d["group_size"]) or d["group_size"] < 0 or not isinstance(d["transposed"], bool)):
             raise c.fail(f"{where}layout[{i}] must be {{name, shape (positive ints), precision ({precision} or "
-                         f"passthrough), dtype ({dtype}), group_size >= 0, transposed (bool)}}, "
+                         f"passthrough), dtype ({dtype}), group_size >= 0, transposed (bool), meta_group >= 0}}, "
                          f"got {json.dumps(d)[:120]}")
     if len({d["name"] for d in raw}) != len(raw):
         raise c.fail(f"{where}layout names one matrix twice")
-    if any(d["precision"] == "passthrough" and (d["group_size"] or d["transposed"]) for d in raw):
-        raise c.fail(f"{where}layout: a passthrough matrix has no group_size (0) and is not transposed")
+    if any(d["precision"] == "passthrough" and (d["group_size"] or d["transposed"] or d["meta_group"]) for d in raw):
+        raise c.fail(f"{where}layout: a passthrough matrix has no group_size or meta_group (0) and is not transposed")
     layout = RecordLayout.from_json(raw)
     try:
         for spec in layout.matrices:
@@ -511,6 +517,11 @@ def _check_plan(manifest: Manifest, plan: Plan) -> None:
     if missing := sorted(set(plan.precisions) - set(manifest.stores)):
         raise ArtifactError(f"{manifest.root / PLAN_FILE} uses precisions {missing} that the artifact has no "
                             f"store for (stores: {sorted(manifest.stores)}); {_PREPARE_AGAIN}", file=PLAN_FILE)
+    for pos, (layer, row) in enumerate(zip(moe["layers"], plan.expert_precision, strict=True)):
+        for e, precision in enumerate(row):
+            if expert_key(layer, e) not in manifest.stores[precision].crc32:
+                raise ArtifactError(f"{manifest.root / PLAN_FILE} plans expert {e} of MoE layer {pos} at {precision}, "
+                                    f"but the {precision} store has no record of it; {_PREPARE_AGAIN}", file=PLAN_FILE)
 
 
 # ------------------------------------------------------------------------------ safetensors headers
@@ -591,7 +602,7 @@ def read_record_offsets(path: Path) -> tuple[dict[str, int], int, int]:
 def store_offsets(manifest: Manifest, precision: str) -> dict[str, int]:
     """The record offsets of a store, after checking its header holds exactly what the manifest implies:
     the manifest's record_bytes and stride, the data section 4 KiB-aligned, and record i of
-    ``manifest.expert_keys()`` at data offset i * stride as ``shape [stride]`` uint8."""
+    ``manifest.store_keys(precision)`` at data offset i * stride as ``shape [stride]`` uint8."""
     info = manifest.stores[precision]
     path = manifest.path(info.file)
     offsets, record_bytes, stride = read_record_offsets(path)
@@ -604,7 +615,7 @@ def store_offsets(manifest: Manifest, precision: str) -> dict[str, int]:
         raise fail(f"records of {record_bytes} bytes every {stride}")
     if start % ALIGN:
         raise fail(f"its data starts at byte {start}, not on a {ALIGN}-byte boundary")
-    keys = manifest.expert_keys()
+    keys = manifest.store_keys(precision)
     if list(header) != keys:
         raise fail(f"it holds {len(header)} records under other names or in another order")
     for i, key in enumerate(keys):
@@ -714,7 +725,7 @@ def _hash_store(manifest: Manifest, precision: str, chunk: int = 1 << 24) -> str
         with open(manifest.path(info.file), "rb") as f:
             start = min(offsets.values())
             digest.update(f.read(start))
-            for key in manifest.expert_keys():  # records lie in this order, one stride apart
+            for key in manifest.store_keys(precision):  # records lie in this order, one stride apart
                 crc, left, crc_left = 0, info.stride, info.record_bytes
                 while left:
                     block = f.read(min(chunk, left))

@@ -90,6 +90,21 @@ class Plan:
         return cls(num_layers, num_experts, tuple((precision,) * num_experts for _ in range(num_layers)),
                    (Pool("main", precision),), default_budget=default_budget)
 
+    @classmethod
+    def mixed(cls, expert_precision, record_bytes: dict[str, int], default_budget: str = "50%") -> Plan:
+        """Every technique off but per-expert precisions: one per-layer LRU pool per precision, each with the
+        share of the expert bytes its experts hold (a single precision gives ``default``)."""
+        grid = tuple(tuple(row) for row in expert_precision)
+        counts: dict[str, int] = {}
+        for row in grid:
+            for p in row:
+                counts[p] = counts.get(p, 0) + 1
+        if len(counts) == 1:
+            return cls.default(len(grid), len(grid[0]), grid[0][0], default_budget)
+        total = sum(record_bytes[p] * n for p, n in counts.items())
+        pools = tuple(Pool(p, p, record_bytes[p] * n / total) for p, n in counts.items())
+        return cls(len(grid), len(grid[0]), grid, pools, default_budget=default_budget)
+
     @property
     def precisions(self) -> tuple[str, ...]:
         """Every precision a record may be read at (the pools' and the experts'), in first-seen order."""

@@ -94,7 +94,11 @@ def prepare_command(recipe_path: str, overrides: tuple[str, ...], output: str | 
 @click.option("--memory-budget", default=None, help="Loader budget for the prepared model.")
 @click.option("--output", default=None, type=click.Path(dir_okay=False),
               help="Report JSON (a .md summary is written beside it). Default: <artifact>/../eval.json.")
-def eval_command(artifact, original, suites, data, limit, num_fewshot, gsm8k_format, memory_budget, output):
+@click.option("--reuse-original", default=None, type=click.Path(file_okay=False),
+              help="Directory keeping the original model's per-item results (keyed by its content, the items and "
+              "the settings): comparing several artifacts of one model then runs the original once.")
+def eval_command(artifact, original, suites, data, limit, num_fewshot, gsm8k_format, memory_budget, output,
+                 reuse_original):
     """Compare the prepared model (through the loader) with the original, item by item."""
     from pathlib import Path
 
@@ -102,7 +106,8 @@ def eval_command(artifact, original, suites, data, limit, num_fewshot, gsm8k_for
 
     output = output or str(Path(artifact).parent / "eval.json")
     report = evaluate_artifact(artifact, original, tuple(s.strip() for s in suites.split(",") if s.strip()), data,
-                               limit, num_fewshot, memory_budget, gsm8k_format, output=output)
+                               limit, num_fewshot, memory_budget, gsm8k_format, output=output,
+                               reuse_original=reuse_original)
     click.echo(summary_markdown(report))
     click.echo(f"wrote {output}")
 

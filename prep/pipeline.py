@@ -27,12 +27,14 @@ from tqdm import tqdm
 
 from prep.errors import MoeprepError
 from prep.recipe import Recipe
-from prep.stages import Stage, StageResult, evaluate, package, quantize, trace
+from prep.stages import Stage, StageResult, bitwidth, evaluate, package, quantize, sensitivity, trace
 from prep.store import ArtifactOutput, StageStore, exclusive_lock, stage_key
 
 STAGES: tuple[Stage, ...] = (
     trace.STAGE,
     quantize.STAGE,
+    sensitivity.STAGE,
+    bitwidth.STAGE,
     package.STAGE,
     evaluate.STAGE,
 )
@@ -85,15 +87,17 @@ def model_fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()
 
 
-def lineage(stage: Stage, stages: tuple[Stage, ...] = STAGES) -> list[Stage]:
-    """``stage`` and every stage it reads, directly or not, in table order."""
+def lineage(stage: Stage, stages: tuple[Stage, ...] = STAGES, recipe: Recipe | None = None) -> list[Stage]:
+    """``stage`` and every stage it reads, directly or not, in table order; with ``recipe``, a stage it
+    switches off is listed but what it would read is not followed."""
     by_name = {s.name: s for s in stages}
     wanted, todo = set(), [stage.name]
     while todo:
         name = todo.pop()
         if name not in wanted:
             wanted.add(name)
-            todo += by_name[name].reads
+            off = recipe is not None and by_name[name].enabled is not None and not by_name[name].enabled(recipe)
+            todo += () if off else by_name[name].reads
     return [s for s in stages if s.name in wanted]
 
 
@@ -141,9 +145,9 @@ class _Sources:
     def recipe_of(self, stage: Stage) -> dict:
         """The resolved recipe ``stage``'s output derives from: name, model, the sections of its lineage,
         and the calibration section when one of them reads calibration data."""
-        chain = lineage(stage)
+        chain = lineage(stage, recipe=self.recipe)
         names = ["name", "model"] + [SECTIONS[s.config] for s in chain]
-        if any("calibration" in s.needs for s in chain):
+        if any("calibration" in s.needs and (s.enabled is None or s.enabled(self.recipe)) for s in chain):
             names.append("calibration")
         return {k: v for k, v in self.sections.items() if k in names}
 
@@ -177,12 +181,15 @@ class StageInputs:
         if what not in self.stage.needs:
             raise TypeError(f"stage {self.stage.name} uses {what!r} but does not declare it in needs")
 
-    def upstream(self, name: str) -> tuple[Path, StageResult]:
-        """(stage directory, result) of a stage this one reads."""
+    def upstream(self, name: str, optional: bool = False) -> tuple[Path, StageResult] | None:
+        """(stage directory, result) of a stage this one reads; with ``optional``, None when the recipe
+        switches that stage off."""
         if name not in self.stage.reads:
             raise TypeError(f"stage {self.stage.name} reads {name!r} but does not declare it in reads")
         reader = next(s for s in STAGES if s.name == name)
         key = self._keys[name]
+        if optional and reader.enabled is not None and not reader.enabled(self._sources.recipe):
+            return None
         if not self._store.is_complete(name, key):
             raise MoeprepError(f"stage {self.stage.name} needs the result of stage {name}, which this recipe "
                                f"switches off; enable it")
@@ -275,12 +282,16 @@ def _run_stages(recipe: Recipe, root: Path, model_dir: Path, work_root: Path, ar
     wrote_artifact = False
     forced = False
     for stage in tqdm(STAGES, desc="prepare", unit="stage", leave=False):
-        config, fingerprints = sources.key_inputs(stage)
-        key = stage_key(stage.name, stage.version, config, {r: keys[r] for r in stage.reads}, fingerprints)
+        enabled = stage.enabled is None or stage.enabled(recipe)
+        if enabled:
+            config, fingerprints = sources.key_inputs(stage)
+            key = stage_key(stage.name, stage.version, config, {r: keys[r] for r in stage.reads}, fingerprints)
+        else:  # a switched-off stage's key is a constant, so what it would have read keys nothing downstream
+            key = stage_key(stage.name, stage.version, {"switched_off": True}, {}, {})
         keys[stage.name] = key
         forced = forced or stage.name == force
         inputs = StageInputs(stage, sources, store, keys, artifact)
-        if stage.enabled is not None and not stage.enabled(inputs.config):
+        if not enabled:
             summary[stage.name] = {"key": key[:16], "seconds": 0.0, "cached": False, "skipped": True}
         else:
             if forced:

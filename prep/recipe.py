@@ -22,7 +22,9 @@ import yaml
 
 from prep.errors import MoeprepError
 
-PRECISIONS = ("passthrough", "int8", "int4", "int3", "int2")
+PRECISIONS = ("passthrough", "int8", "int4", "int3", "int2")  # highest first
+SENSITIVITY_METHODS = ("sweep", "prerank")
+BITWIDTH_METHODS = ("uniform", "edgemoe", "frequency", "random")
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 MAX_YAML_NODES = 10_000  # a recipe has well under a hundred; aliases may not expand past this
 
@@ -101,10 +103,64 @@ class TraceSection:
 
 @dataclass(frozen=True)
 class QuantizeSection:
-    """Expert precision: ``passthrough`` keeps the source dtype; intN is HQQ with ``group_size``."""
+    """Expert precisions: ``passthrough`` keeps the source dtype; intN is HQQ with ``group_size`` weights per
+    scale/zero and, with ``meta_group`` > 0, those scales and zeros themselves stored in 8 bits per
+    ``meta_group`` groups (0: float16). None takes each precision's default (``loader.codec.DEFAULT_FORMATS``).
+    ``precision`` is the base every expert is quantized at; ``also`` lists more precisions every expert is
+    quantized at, for the ``sensitivity`` and ``bitwidth`` stages to choose from."""
 
     precision: str = "int4"
-    group_size: int = 64
+    group_size: int | None = None
+    meta_group: int | None = None
+    also: tuple[str, ...] = ()
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """Every precision the stage writes, base first."""
+        return tuple(dict.fromkeys((self.precision, *self.also)))
+
+    def format_of(self, precision: str) -> tuple[int, int]:
+        """(group_size, meta_group) of ``precision`` (0, 0 for passthrough)."""
+        from loader.codec import DEFAULT_FORMATS
+
+        if precision == "passthrough":
+            return 0, 0
+        group, meta = DEFAULT_FORMATS[precision]
+        return (group if self.group_size is None else self.group_size,
+                meta if self.meta_group is None else self.meta_group)
+
+
+@dataclass(frozen=True)
+class SensitivitySection:
+    """EdgeMoE's expert importance profile: the damage of moving one expert alone to ``precision``.
+
+    ``method``: ``sweep`` (mean KL of next-token distributions against the base configuration, layer-local
+    re-evaluation, one run per expert) or ``prerank`` (trace-only output error, no forward pass; the fast path
+    for thousands of experts). The pre-rank is always computed too, with its rank correlation to the sweep.
+    """
+
+    method: str = "sweep"
+    precision: str = "int2"
+    num_sequences: int | None = 8  # calibration sequences the sweep evaluates (None: all)
+
+
+@dataclass(frozen=True)
+class BitwidthSection:
+    """How each expert's precision is chosen (the plan's per-expert map).
+
+    ``uniform``: every expert at ``quantize.precision``. ``edgemoe``: bounds from uniform precisions, then
+    bisection on K, the number of least sensitive experts moved down, under ``tolerance`` (mean KL in nats
+    against the source model on held-out calibration tokens). ``frequency`` (CORM): per layer the least used
+    ``share`` of experts (calibration routing counts) at ``low``. ``random``: ``share`` of all experts, drawn
+    with ``seed``, at ``low`` (the control that shows whether a ranking matters).
+    """
+
+    method: str = "uniform"
+    tolerance: float = 0.05
+    share: float = 0.25
+    low: str = "int2"
+    seed: int = 0
+    num_sequences: int | None = 8  # calibration sequences the tolerance is measured on (None: all)
 
 
 @dataclass(frozen=True)
@@ -134,6 +190,8 @@ class Recipe:
     calibration: CalibrationSection = field(default_factory=CalibrationSection)
     trace: TraceSection = field(default_factory=TraceSection)
     quantize: QuantizeSection = field(default_factory=QuantizeSection)
+    sensitivity: SensitivitySection = field(default_factory=SensitivitySection)
+    bitwidth: BitwidthSection = field(default_factory=BitwidthSection)
     package: PackageSection = field(default_factory=PackageSection)
     evaluate: EvaluateSection = field(default_factory=EvaluateSection)
 
@@ -189,7 +247,8 @@ def _coerce(value, annotation, where: str):
                 return _coerce(value, option, where)
             except MoeprepError:
                 continue
-        raise MoeprepError(f"{where}: {value!r} is not a {annotation}")
+        kinds = " or ".join("null" if o is type(None) else getattr(o, "__name__", str(o)) for o in options)
+        raise MoeprepError(f"{where} must be {kinds}, got {value!r}")
     if origin is tuple:
         if not isinstance(value, list | tuple):
             raise MoeprepError(f"{where} must be a list, got {value!r}")
@@ -230,10 +289,31 @@ def _validate(recipe: Recipe) -> None:
         raise MoeprepError(f"recipe name {recipe.name!r} is not allowed: it names the directory artifacts/<name>, "
                            "so use letters, digits, '.', '_' and '-', starting with a letter or digit "
                            "(no '/', no '..'); set name: in the recipe")
-    if recipe.quantize.precision not in PRECISIONS:
-        raise MoeprepError(f"quantize.precision {recipe.quantize.precision!r} unknown; use one of {PRECISIONS}")
-    if recipe.quantize.group_size <= 0:
-        raise MoeprepError("quantize.group_size must be positive")
+    q, b = recipe.quantize, recipe.bitwidth
+    for where, precision in [("quantize.precision", q.precision), *(("quantize.also", p) for p in q.also),
+                             ("sensitivity.precision", recipe.sensitivity.precision), ("bitwidth.low", b.low)]:
+        if precision not in PRECISIONS:
+            raise MoeprepError(f"{where}: precision {precision!r} unknown; use one of {PRECISIONS}")
+    if q.group_size is not None and q.group_size <= 0:
+        raise MoeprepError("quantize.group_size must be positive (or left out for each precision's default)")
+    if q.meta_group is not None and q.meta_group < 0:
+        raise MoeprepError("quantize.meta_group must be 0 (float16 scales) or positive (or left out)")
+    if recipe.sensitivity.method not in SENSITIVITY_METHODS:
+        raise MoeprepError(f"sensitivity.method {recipe.sensitivity.method!r} unknown; use one of "
+                           f"{SENSITIVITY_METHODS}")
+    if b.method not in BITWIDTH_METHODS:
+        raise MoeprepError(f"bitwidth.method {b.method!r} unknown; use one of {BITWIDTH_METHODS}")
+    if b.method != "uniform" and b.low not in q.precisions:
+        raise MoeprepError(f"bitwidth.low is {b.low}, which the quantize stage does not write; add it to "
+                           f"quantize.also (now {list(q.also)})")
+    if b.method == "edgemoe" and recipe.sensitivity.precision not in q.precisions:
+        raise MoeprepError(f"sensitivity.precision is {recipe.sensitivity.precision}, which the quantize stage "
+                           f"does not write; add it to quantize.also (now {list(q.also)})")
+    if not 0 <= b.share <= 1 or not b.tolerance >= 0:
+        raise MoeprepError("bitwidth.share must be in [0, 1] and bitwidth.tolerance >= 0")
+    for where, n in (("sensitivity", recipe.sensitivity.num_sequences), ("bitwidth", b.num_sequences)):
+        if n is not None and n <= 0:
+            raise MoeprepError(f"{where}.num_sequences must be positive (or null for all)")
     if not 0 < recipe.package.cache_fraction <= 1:
         raise MoeprepError("package.cache_fraction must be in (0, 1]")
     if recipe.evaluate.gsm8k_format not in ("cot", "plain"):

@@ -15,7 +15,7 @@ from loader.format import MANIFEST, ArtifactError, open_artifact, verify
 from prep.cli import main as moeprep
 from prep.errors import MoeprepError
 from prep.evals import templates as tpl
-from prep.evals.compare import PENDING, _truthfulqa, evaluate_artifact, mcnemar_p, merge_into_artifact
+from prep.evals.compare import PENDING, _Models, _truthfulqa, evaluate_artifact, mcnemar_p, merge_into_artifact
 from prep.evals.data import load_benchmarks
 from prep.pipeline import prepare
 from prep.recipe import recipe_from_dict
@@ -74,7 +74,7 @@ def test_mc2_uses_the_label_mask_in_any_order():
     # choices made of 'T' are likely under the fixed model; true answers are not listed first
     item = {"question": "q", "mc1_targets": {"choices": ["x", "TT"], "labels": [1, 0]},
             "mc2_targets": {"choices": ["x", "TT", "y"], "labels": [0, 1, 0]}}
-    models = {"original": _FixedScores(), "prepared": _FixedScores()}
+    models = _Models(_FixedScores(), _FixedScores(), Path("."), None)
     mc1, mc2 = _truthfulqa(models, _Tok(), [item], batch_rows=4)
     assert mc2["original"]["acc"] > 0.9  # the mass sits on 'TT', which is the labelled true answer
     assert mc1["original"]["acc"] == 0.0  # MC1's true answer 'x' is not the argmax
@@ -122,6 +122,33 @@ def test_lossless_artifact_has_zero_flips(tmp_path):
     assert verify(artifact) == []  # the manifest was re-hashed after the merge
     with pytest.raises(MoeprepError, match="unknown suite"):
         load_benchmarks(tmp_path / "suites", ("hellaswag",))
+
+
+def test_reuse_original_scores_the_original_once_and_gives_the_same_report(tmp_path, monkeypatch):
+    save_tiny_model("mixtral", tmp_path / "model")
+    _tiny_suites(tmp_path / "suites")
+    recipe = recipe_from_dict({"name": "tiny", "model": {"path": str(tmp_path / "model")},
+                               "calibration": {"num_sequences": 2, "sequence_length": 16},
+                               "quantize": {"precision": "int4", "group_size": 16}})
+    artifact = Path(prepare(recipe, root=tmp_path)["artifact"])
+    settings = {"data": tmp_path / "suites", "memory_budget": "90%", "max_new_tokens": 8}
+    fresh = evaluate_artifact(artifact, **settings)
+    first = evaluate_artifact(artifact, reuse_original=tmp_path / "cache", **settings)
+    assert len(list((tmp_path / "cache").glob("original-*.json"))) == 3  # gsm8k, mmlu, truthfulqa
+
+    from prep.evals import suites as scoring
+    scored = []
+    for name in ("score_gsm8k", "score_mmlu", "score_truthfulqa"):  # count who is scored on the second run
+        real = getattr(scoring, name)
+        monkeypatch.setattr(scoring, name, lambda *a, _real=real, desc="", **k: scored.append(desc) or _real(
+            *a, desc=desc, **k))
+    second = evaluate_artifact(artifact, reuse_original=tmp_path / "cache", **settings)
+    assert scored and all("prepared" in d for d in scored)  # the original came from the cache
+    for report in (first, second):
+        for name, suite in fresh["suites"].items():
+            assert report["suites"][name]["original"] == suite["original"]
+            assert report["suites"][name]["prepared"] == suite["prepared"]
+            assert report["suites"][name]["flips"] == suite["flips"]
 
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data/benchmarks is absent")

@@ -117,7 +117,7 @@ def test_killed_quantize_resumes_to_identical_artifact(root, tmp_path_factory, m
         prepare(tiny_recipe(), root=root)
     assert not (root / "artifacts/tiny/artifact").exists()
     work = next((root / "artifacts/tiny/stages").glob(".work-quantize-*"))
-    assert [p.name for p in work.glob("layer-*.safetensors")] == ["layer-0.safetensors"]
+    assert [p.name for p in work.glob("int4/layer-*.safetensors")] == ["layer-0.safetensors"]
 
     monkeypatch.setattr(quantize_stage, "encode_expert", real)
     resumed = prepare(tiny_recipe(), root=root)

@@ -247,22 +247,25 @@ def save_tiny_model(arch: str, directory, seed: int = 0):
 # ------------------------------------------------------------------------------ tiny artifacts
 
 
-def tiny_recipe(precision: str = "int4", group_size: int = 16):
+def tiny_recipe(precision: str = "int4", group_size: int = 16, **sections):
     """The tests' recipe: the model at ``model/`` beside the prepare root, two 16-token calibration
-    sequences, experts at ``precision``."""
+    sequences, experts at ``precision``; ``sections`` add recipe sections (``quantize`` ones merge)."""
     from prep.recipe import recipe_from_dict
 
+    quantize = {"precision": precision, "group_size": group_size} | sections.pop("quantize", {})
     return recipe_from_dict({"name": "tiny", "model": {"path": "model"},
                              "calibration": {"num_sequences": 2, "sequence_length": 16},
-                             "quantize": {"precision": precision, "group_size": group_size}})
+                             "quantize": quantize, **sections})
 
 
-def prepare_tiny_artifact(root: Path, arch: str = "mixtral", precision: str = "passthrough", until: str | None = None):
-    """(source model, artifact dir): a tiny ``arch`` saved under ``root/model`` and prepared to ``root/artifact``."""
+def prepare_tiny_artifact(root: Path, arch: str = "mixtral", precision: str = "passthrough", until: str | None = None,
+                          recipe=None):
+    """(source model, artifact dir): a tiny ``arch`` saved under ``root/model`` and prepared to ``root/artifact``
+    (with ``recipe``, by default ``tiny_recipe(precision)``)."""
     from prep.pipeline import prepare
 
     model = save_tiny_model(arch, root / "model")
-    prepare(tiny_recipe(precision), root=root, output=root / "artifact", until=until)
+    prepare(recipe or tiny_recipe(precision), root=root, output=root / "artifact", until=until)
     return model, root / "artifact"
 
 

@@ -287,6 +287,12 @@ class MoeAdapter:
             experts.down_proj_bias if bias else None,
         )
 
+    def expert_from_params(self, tensors: dict[str, torch.Tensor]) -> ExpertWeights:
+        """One expert's slices of the fused parameters, by parameter name (as a quantize record decodes
+        them: ``gate_up_proj``, ``down_proj`` and, with biases, ``gate_up_proj_bias``, ``down_proj_bias``)."""
+        return self.layout.split(tensors["gate_up_proj"], tensors["down_proj"], tensors.get("gate_up_proj_bias"),
+                                 tensors.get("down_proj_bias")).contiguous()
+
     def _expert_views(self, model: nn.Module, layer: int, expert: int) -> ExpertWeights:
         # Views into the live parameters: reading them clones, writing them copies in place.
         self._check_expert(expert)

@@ -56,9 +56,39 @@ _mean = S.mean
 # --------------------------------------------------------------------------------------------- suites
 
 
+class _Models(dict):
+    """{"original": model, "prepared": model}; ``run`` scores both, reusing the original's stored rows."""
+
+    def __init__(self, original, prepared, original_dir: Path, reuse_dir: str | Path | None) -> None:
+        super().__init__(original=original, prepared=prepared)
+        self.original_dir, self.reuse_dir = Path(original_dir), reuse_dir
+
+    def run(self, settings: tuple, score) -> dict[str, list]:
+        return {name: self._original(settings, score) if name == "original" and self.reuse_dir else score(m, name)
+                for name, m in self.items()}
+
+    def _original(self, settings: tuple, score) -> list:
+        import transformers
+
+        from loader.files import write_json_atomic
+        from prep.pipeline import model_fingerprint
+
+        key = hashlib.sha256(json.dumps([model_fingerprint(self.original_dir), settings, torch.__version__,
+                                         transformers.__version__], sort_keys=True, default=str).encode())
+        path = Path(self.reuse_dir) / f"original-{settings[0]}-{key.hexdigest()[:24]}.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+        rows = score(self["original"], "original")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, rows)
+        return rows
+
+
+
 def _mmlu(models, tokenizer, data: BenchmarkData, items, shots, batch_rows) -> dict:
-    runs = {name: S.score_mmlu(m, tokenizer, items, data.mmlu_dev, shots, batch_rows, desc=f"mmlu {name}")
-            for name, m in models.items()}
+    runs = models.run(("mmlu", items, shots, batch_rows),
+                      lambda m, name: S.score_mmlu(m, tokenizer, items, data.mmlu_dev, shots, batch_rows,
+                                                   desc=f"mmlu {name}"))
     result = {"n": len(items), "num_fewshot": shots}
     for name, rows in runs.items():
         by_subject: dict[str, list[bool]] = {}
@@ -76,8 +106,8 @@ def _mmlu(models, tokenizer, data: BenchmarkData, items, shots, batch_rows) -> d
 
 
 def _truthfulqa(models, tokenizer, items, batch_rows) -> tuple[dict, dict]:
-    runs = {name: S.score_truthfulqa(m, tokenizer, items, batch_rows, desc=f"truthfulqa {name}")
-            for name, m in models.items()}
+    runs = models.run(("truthfulqa", items, batch_rows),
+                      lambda m, name: S.score_truthfulqa(m, tokenizer, items, batch_rows, desc=f"truthfulqa {name}"))
     mc1 = {"n": len(items), "num_fewshot": 0}
     mc2 = {"n": len(items), "num_fewshot": 0}
     for name, rows in runs.items():
@@ -104,8 +134,9 @@ def _gsm8k(models, tokenizer, data: BenchmarkData, items, shots, fmt, max_new_to
     if len(pool) < shots:
         raise MoeprepError(f"gsm8k {shots}-shot needs {shots} solved examples, {len(pool)} available; "
                            "use --num-fewshot with fewer or provide them")
-    runs = {name: S.score_gsm8k(m, tokenizer, items, *task, max_new_tokens=max_new_tokens, desc=f"gsm8k {name}")
-            for name, m in models.items()}
+    runs = models.run(("gsm8k", items, shots, fmt, pool[:shots], max_new_tokens),
+                      lambda m, name: S.score_gsm8k(m, tokenizer, items, *task, max_new_tokens=max_new_tokens,
+                                                    desc=f"gsm8k {name}"))
     result = {"n": len(items), "num_fewshot": shots, "format": "gsm8k_cot" if fmt == "cot" else "gsm8k"}
     for name, rows in runs.items():
         result[name] = {"strict_match": _mean(r["correct"] for r in rows),
@@ -120,8 +151,12 @@ def _gsm8k(models, tokenizer, data: BenchmarkData, items, shots, fmt, max_new_to
 def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, suites: tuple[str, ...] = SUITES,
                       data: str | Path | None = None, limit: int | None = None, num_fewshot: int | None = None,
                       memory_budget=None, gsm8k_format: str = "cot", batch_rows: int = 16,
-                      max_new_tokens: int = 256, output: str | Path | None = None) -> dict:
+                      max_new_tokens: int = 256, output: str | Path | None = None,
+                      reuse_original: str | Path | None = None) -> dict:
     """Compare ``artifact`` (through the loader) with its original model; returns and writes the report.
+
+    ``reuse_original``: a directory keeping the original model's per-item results (keyed by the model's
+    content, the items and every scoring setting), so comparing many artifacts of one model runs it once.
 
     The summary is merged into the artifact's report.json (``merge_into_artifact``).
     """
@@ -152,7 +187,7 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
         bench.items[name] = bench.items[name][:limit]
     prepared = load(artifact, memory_budget=memory_budget)
     reference = AutoModelForCausalLM.from_pretrained(original, dtype=getattr(torch, manifest.moe["dtype"])).eval()
-    models = {"original": reference, "prepared": prepared.model}
+    models = _Models(reference, prepared.model, original, reuse_original)
     tokenizer = prepared.tokenizer
     shots = dict(DEFAULT_SHOTS) if num_fewshot is None else dict.fromkeys(DEFAULT_SHOTS, num_fewshot)
     if num_fewshot is None and gsm8k_format == "plain":

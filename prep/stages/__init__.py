@@ -13,7 +13,8 @@ A stage declares
   reads the artifact directory, ``prep.store.ArtifactOutput``);
 - ``run(inputs) -> result``, where ``inputs`` (``prep.pipeline.StageInputs``) hands out only what was
   declared;
-- optionally ``enabled(config)`` (a stage the recipe can switch off) and ``output_ok(inputs, result)``
+- optionally ``enabled(recipe)`` (a stage the recipe can switch off, e.g. the sensitivity sweep only
+  the ``edgemoe`` bit-width method reads; the key does not depend on it) and ``output_ok(inputs, result)``
   (for a stage whose real output lives outside the stage store: a cached result is reused only when
   this says its output is still there and is this key's).
 

@@ -50,6 +50,6 @@ STAGE = Stage(
     reads=("package",), needs=frozenset({"artifact"}),
     run=lambda inputs: check_accuracy(inputs.artifact.path, inputs.model_dir, inputs.config, inputs.work,
                                       inputs.root),
-    enabled=lambda cfg: cfg.enabled,
+    enabled=lambda recipe: recipe.evaluate.enabled,
     output_ok=_in_report,
 )

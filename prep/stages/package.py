@@ -1,6 +1,7 @@
 """Stage ``package``: assemble the artifact directory the loader opens (format: ``loader/format.py``).
 
-Reads the quantize stage; needs the model (dense weights, config, tokenizer, module paths), the
+Reads the quantize stage (every expert at every precision) and the bitwidth stage (which precision each
+expert ships at): each precision's store holds the records of exactly the experts planned at it. Needs the model (dense weights, config, tokenizer, module paths), the
 recipe (recorded in the manifest) and the artifact output. The files are written into a fresh
 directory beside ``--output`` (``prep.store.ArtifactOutput.build``), ``manifest.json`` last, and the
 finished directory is swapped in with one rename. The manifest records this stage's key
@@ -17,16 +18,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from loader.codec import RecordLayout
 from loader.files import write_json_atomic
 from loader.format import FORMAT, SCHEMA_VERSION, sha256_file, write_manifest
 from loader.plan import PLAN_FILE, Plan
 from prep.recipe import PackageSection
 from prep.records import write_aligned_records
 from prep.stages import Stage, StageResult
+from prep.stages.bitwidth import BitwidthChoice, uniform_choice
 from prep.stages.quantize import PackedExperts
 
-VERSION = 2
+VERSION = 3
 REPORT = "report.json"
+REPORTED_DETAILS = ("loss", "metric", "sequences", "b_hi", "b_lo", "K", "met", "bounds", "trail", "sensitivity")  # the rest: the stage result
 
 
 @dataclass(frozen=True)
@@ -35,8 +39,10 @@ class ArtifactReport(StageResult):
 
     architecture: str
     sizes: dict
-    compression: dict
-    record_bytes: int
+    compression: dict  # expert bytes of the source dtype and of bfloat16 over the shipped expert bytes
+    record_bytes: dict  # precision -> bytes of one record
+    bits_per_weight: dict  # precision -> stored bits per weight, metadata included
+    bitwidth: dict  # the bitwidth stage's method, knobs, expert counts and measured loss
 
 
 def _producer() -> dict:
@@ -66,7 +72,8 @@ def _dense_state(model, expert_params: set[str]) -> dict[str, torch.Tensor]:
 
 
 def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quantize_dir: Path,
-                     quantize: PackedExperts, cfg: PackageSection, package_key: str, out: Path) -> ArtifactReport:
+                     quantize: PackedExperts, choice: BitwidthChoice, cfg: PackageSection, package_key: str,
+                     out: Path) -> ArtifactReport:
     """Write every artifact file into the empty directory ``out``, ``manifest.json`` last; returns the report.
 
     ``recipe`` is the resolved recipe the artifact derives from, ``source`` the source model's
@@ -81,22 +88,36 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
     tokenizer.save_pretrained(out)
     save_file(_dense_state(model, expert_params), str(out / "dense.safetensors"), metadata={"format": "pt"})
 
-    precision = quantize.precision
-    store_name = f"experts-{precision}.safetensors"
-    crc32 = write_aligned_records(out / store_name, quantize.records(quantize_dir), quantize.record_bytes)
+    grid = choice.expert_precision
+    position = {layer: pos for pos, layer in enumerate(quantize.layers)}
+    used = [p for p in quantize.stores if choice.counts.get(p)]
+    stores, crc32s = {}, {}
+    for precision in used:
+        store = quantize.stores[precision]
+        keep = (lambda p: lambda layer, e: grid[position[layer]][e] == p)(precision)
+        stores[precision] = store | {"file": f"experts-{precision}.safetensors"}
+        crc32s[precision] = write_aligned_records(out / stores[precision]["file"],
+                                                  quantize.records(quantize_dir, precision, keep), store["record_bytes"])
 
     budget = f"{cfg.cache_fraction * 100:g}%"
-    plan = Plan.default(len(adapter.moe_layers), adapter.num_experts, precision, default_budget=budget)
+    plan = Plan.mixed(grid, {p: quantize.stores[p]["record_bytes"] for p in used}, default_budget=budget)
     write_json_atomic(out / PLAN_FILE, plan.to_json())
 
     source_bytes = sum(p.numel() * p.element_size() for m in experts for p in m.parameters(recurse=False))
-    store_bytes = len(crc32) * quantize.record_bytes
+    weights = sum(p.numel() for m in experts for p in m.parameters(recurse=False))
+    expert_bytes = {p: len(crc32s[p]) * quantize.stores[p]["record_bytes"] for p in used}
+    total = sum(expert_bytes.values())
     report = ArtifactReport(
         architecture=adapter.architecture,
-        sizes={"dense_bytes": (out / "dense.safetensors").stat().st_size, f"experts_{precision}_bytes": store_bytes,
-               "experts_source_bytes": source_bytes, "store_file_bytes": (out / store_name).stat().st_size},
-        compression={precision: round(source_bytes / store_bytes, 3)},
-        record_bytes=quantize.record_bytes,
+        sizes={"dense_bytes": (out / "dense.safetensors").stat().st_size, "expert_bytes": total,
+               "expert_bytes_by_precision": expert_bytes, "experts_source_bytes": source_bytes,
+               "store_file_bytes": {p: (out / stores[p]["file"]).stat().st_size for p in used}},
+        compression={"source": round(source_bytes / total, 3), "bfloat16": round(2 * weights / total, 3)},
+        record_bytes={p: quantize.stores[p]["record_bytes"] for p in used},
+        bits_per_weight={p: round(RecordLayout.from_json(quantize.stores[p]["layout"]).bits_per_weight, 4)
+                         for p in used},
+        bitwidth={"method": choice.method, **choice.knobs, "experts": choice.counts,
+                  **{k: v for k, v in choice.details.items() if k in REPORTED_DETAILS}},
     )
     write_json_atomic(out / REPORT, report.to_json())
 
@@ -121,9 +142,10 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
             "expert_params": sorted(expert_params),
             "source_expert_bytes": source_bytes,
         },
-        "stores": {precision: {"file": store_name, "record_bytes": quantize.record_bytes,
-                               "layout": quantize.layout, "crc32": crc32}},
-        "plan_summary": {"precision": precision, "default_budget": budget, "eviction": plan.eviction.name},
+        "stores": {p: {"file": stores[p]["file"], "record_bytes": stores[p]["record_bytes"],
+                       "layout": stores[p]["layout"], "crc32": crc32s[p]} for p in used},
+        "plan_summary": {"precision": quantize.precision if len(used) == 1 else "mixed",
+                         "experts": choice.counts, "default_budget": budget, "eviction": plan.eviction.name},
         "files": files,
     }
     write_manifest(out, manifest)  # last (sealed with its digest): marks completeness
@@ -132,14 +154,16 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
 
 def _run(inputs) -> ArtifactReport:
     quantize_dir, quantize = inputs.upstream("quantize")
+    chosen = inputs.upstream("bitwidth", optional=True)
+    choice = chosen[1] if chosen is not None else uniform_choice(quantize)
     with inputs.artifact.build() as out:
         return package_artifact(inputs.model, inputs.adapter, inputs.tokenizer, inputs.recipe, inputs.source,
-                                quantize_dir, quantize, inputs.config, inputs.key, out)
+                                quantize_dir, quantize, choice, inputs.config, inputs.key, out)
 
 
 STAGE = Stage(
     name="package", version=VERSION, config=PackageSection, result=ArtifactReport,
-    reads=("quantize",), needs=frozenset({"model", "recipe", "artifact"}),
+    reads=("quantize", "bitwidth"), needs=frozenset({"model", "recipe", "artifact"}),
     run=_run,
     output_ok=lambda inputs, result: inputs.artifact.matches(inputs.key),
 )

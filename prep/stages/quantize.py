@@ -1,9 +1,11 @@
-"""Stage ``quantize``: every expert packed at the recipe's precision, one record per expert.
+"""Stage ``quantize``: every expert packed at each precision the recipe names, one record per expert.
 
 Needs the model only (no traces, no calibration data), so its key covers the quantize section and the
-model fingerprint and nothing else. Work is written one MoE layer at a time (``layer-<l>.safetensors``,
-atomically), so an interrupted run resumes at the first layer not yet written; HQQ on CPU is
-deterministic, so a resumed run yields the same bytes as an uninterrupted one.
+model fingerprint and nothing else. Every precision gets its own directory; work is written one MoE
+layer at a time (``<precision>/layer-<l>.safetensors``, atomically), so an interrupted run resumes at the
+first layer not yet written; HQQ on CPU is deterministic, so a resumed run yields the same bytes as an
+uninterrupted one. Which expert ships at which precision is the ``bitwidth`` stage's choice; this stage
+writes every expert at every listed precision so that choice never needs quantizing again.
 """
 
 from __future__ import annotations
@@ -16,51 +18,61 @@ from safetensors import safe_open
 from safetensors.torch import save
 from tqdm import tqdm
 
+from loader.codec import RecordLayout
 from loader.files import write_bytes_atomic
 from loader.format import expert_key
-from prep.quant.hqq_codec import encode_expert
+from prep.quant.hqq_codec import encode_expert, matrix_spec
 from prep.recipe import QuantizeSection
 from prep.stages import Stage, StageResult
 
-VERSION = 1
+VERSION = 2
 
 
 @dataclass(frozen=True)
 class PackedExperts(StageResult):
-    precision: str
-    group_size: int
-    layout: list  # RecordLayout.to_json()
-    record_bytes: int
+    precision: str  # the base precision
+    stores: dict  # precision -> {group_size, meta_group, layout (RecordLayout.to_json()), record_bytes, files}
     layers: list  # model layer indices of the MoE layers
     num_experts: int
-    files: list  # one per MoE layer: layer-<l>.safetensors
 
-    def records(self, directory: Path) -> Mapping[str, bytes]:
-        """Every record, keyed ``layers.{l}.experts.{e}`` in layer then expert order, read lazily."""
-        return _StoredRecords(Path(directory), self)
+    def layout(self, precision: str) -> RecordLayout:
+        return RecordLayout.from_json(self.stores[precision]["layout"])
+
+    def records(self, directory: Path, precision: str | None = None, keep=None) -> Mapping[str, bytes]:
+        """The records at ``precision`` (default: the recipe's ``quantize.precision``) of the experts (l, e)
+        with ``keep(l, e)`` (by default all), keyed ``layers.{l}.experts.{e}`` in layer then expert order,
+        read lazily."""
+        precision = precision or self.precision
+        return _StoredRecords(Path(directory) / precision, self, self.stores[precision]["files"], keep)
 
 
 class _StoredRecords(Mapping):
     """The records of a finished quantize stage, read one layer file at a time (never all in memory)."""
 
-    def __init__(self, directory: Path, packed: PackedExperts) -> None:
+    def __init__(self, directory: Path, packed: PackedExperts, files: list, keep=None) -> None:
         self.directory, self.packed = directory, packed
+        self.files = dict(zip(packed.layers, files, strict=True))
+        self.units = [(layer, e) for layer in packed.layers for e in range(packed.num_experts)
+                      if keep is None or keep(layer, e)]
 
     def __iter__(self) -> Iterator[str]:
-        return (expert_key(layer, e) for layer in self.packed.layers for e in range(self.packed.num_experts))
+        return (expert_key(layer, e) for layer, e in self.units)
 
     def __len__(self) -> int:
-        return len(self.packed.layers) * self.packed.num_experts
+        return len(self.units)
 
     def __getitem__(self, key: str) -> bytes:
         layer = int(key.split(".")[1])
-        with safe_open(str(self.directory / f"layer-{layer}.safetensors"), "pt") as f:
+        with safe_open(str(self.directory / self.files[layer]), "pt") as f:
             return f.get_tensor(key).numpy().tobytes()
 
     def items(self) -> Iterator[tuple[str, bytes]]:  # one open per layer file
-        for layer, name in zip(self.packed.layers, self.packed.files, strict=True):
+        for layer, name in self.files.items():
+            experts = [e for unit_layer, e in self.units if unit_layer == layer]
+            if not experts:
+                continue
             with safe_open(str(self.directory / name), "pt") as f:
-                for e in range(self.packed.num_experts):
+                for e in experts:
                     key = expert_key(layer, e)
                     yield key, f.get_tensor(key).numpy().tobytes()
 
@@ -73,31 +85,35 @@ def expert_tensors(adapter, model, layer: int, expert: int) -> tuple[dict, bool]
 
 
 def quantize_experts(model, adapter, cfg: QuantizeSection, work: Path) -> PackedExperts:
-    """Write ``work/layer-<l>.safetensors`` for every MoE layer; returns the layout and file list."""
-    layout = None
-    files = []
-    units = [(layer, e) for layer in adapter.moe_layers for e in range(adapter.num_experts)]
-    bar = tqdm(total=len(units), desc=f"quantize {cfg.precision}", unit="expert")
-    for layer in adapter.moe_layers:
-        path = work / f"layer-{layer}.safetensors"
-        files.append(path.name)
-        if path.is_file():  # finished before an interruption
-            bar.update(adapter.num_experts)
-            if layout is None:
-                tensors, transposed = expert_tensors(adapter, model, layer, 0)
-                layout, _ = encode_expert(tensors, cfg.precision, cfg.group_size, transposed)
-            continue
-        records = {}
-        for expert in range(adapter.num_experts):
-            tensors, transposed = expert_tensors(adapter, model, layer, expert)
-            layout, record = encode_expert(tensors, cfg.precision, cfg.group_size, transposed)
-            records[expert_key(layer, expert)] = record
-            bar.update(1)
-        write_bytes_atomic(path, save(records))
-    bar.close()
-    return PackedExperts(precision=cfg.precision, group_size=cfg.group_size, layout=layout.to_json(),
-                         record_bytes=layout.nbytes, layers=list(adapter.moe_layers),
-                         num_experts=adapter.num_experts, files=files)
+    """Write ``work/<precision>/layer-<l>.safetensors`` for every precision and MoE layer."""
+    stores = {}
+    for precision in cfg.precisions:
+        group, meta = cfg.format_of(precision)
+        directory = work / precision
+        directory.mkdir(exist_ok=True)
+        files = []
+        bar = tqdm(total=len(adapter.moe_layers) * adapter.num_experts, desc=f"quantize {precision}", unit="expert")
+        for layer in adapter.moe_layers:
+            path = directory / f"layer-{layer}.safetensors"
+            files.append(path.name)
+            if path.is_file():  # finished before an interruption
+                bar.update(adapter.num_experts)
+                continue
+            records = {}
+            for expert in range(adapter.num_experts):
+                tensors, transposed = expert_tensors(adapter, model, layer, expert)
+                _, records[expert_key(layer, expert)] = encode_expert(tensors, precision, group, transposed,
+                                                                      meta_group=meta)
+                bar.update(1)
+            write_bytes_atomic(path, save(records))
+        bar.close()
+        tensors, transposed = expert_tensors(adapter, model, adapter.moe_layers[0], 0)
+        layout = RecordLayout(tuple(matrix_spec(name, t, precision, group, transposed, meta_group=meta)
+                                    for name, t in tensors.items()))
+        stores[precision] = {"group_size": group, "meta_group": meta, "layout": layout.to_json(),
+                             "record_bytes": layout.nbytes, "files": files}
+    return PackedExperts(precision=cfg.precision, stores=stores, layers=list(adapter.moe_layers),
+                         num_experts=adapter.num_experts)
 
 
 STAGE = Stage(

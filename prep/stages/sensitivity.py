@@ -1,0 +1,111 @@
+"""Stage ``sensitivity``: EdgeMoE's expert importance profile (digest 1.2), read by ``bitwidth: edgemoe``.
+
+For every expert, the damage of moving it alone from ``quantize.precision`` to ``sensitivity.precision``
+(INT2 by default) while every other expert stays at the base precision:
+
+- ``sweep``: the mean KL of next-token distributions against the all-base configuration on the first
+  ``num_sequences`` calibration sequences, re-evaluated layer-locally (``prep.sensitivity.kl_sweep``).
+  Each finished MoE layer is written at once (``layer-<p>.json``), so an interrupted sweep resumes at
+  the first layer not yet written.
+- ``prerank``: the trace-only output error (digest 1.2 (b)), no forward pass; always computed, and with
+  a sweep its Spearman rank correlation to it is reported.
+
+``ranking`` is the score the bit-width stage orders by (least sensitive first).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loader.files import write_json_atomic
+from prep.quant.decoded import DecodedExperts, next_token_logprobs, original_experts
+from prep.recipe import SensitivitySection
+from prep.sensitivity import kl_sweep, spearman, trace_prerank
+from prep.stages import Stage, StageResult
+from prep.stages.trace import RoutingTraces
+from prep.trace import open_trace
+
+VERSION = 1
+METRIC = "mean next-token KL(base || one expert low), nats, calibration sequences"
+
+
+@dataclass(frozen=True)
+class SensitivityProfile(StageResult):
+    method: str
+    metric: str
+    base: str
+    precision: str
+    sequences: int
+    ranking: list  # [L][E], the score used to order experts (sweep or prerank)
+    sweep: list | None  # [L][E] KL, None for method prerank
+    prerank: list  # [L][E] trace-only output error
+    spearman: float | None  # rank correlation of prerank and sweep
+    seconds: dict  # sweep, prerank, one calibration forward pass over the same sequences
+
+
+def _layer_file(work: Path, pos: int) -> Path:
+    return work / f"layer-{pos}.json"
+
+
+def profile_sensitivity(model, adapter, sequences, quantize_dir: Path, packed, trace_dir: Path,
+                        cfg: SensitivitySection, work: Path) -> SensitivityProfile:
+    decoded = DecodedExperts(quantize_dir, packed)
+    base, low = packed.precision, cfg.precision
+    seqs = list(sequences if cfg.num_sequences is None else sequences[:cfg.num_sequences])
+
+    def weights_at(precision):
+        return lambda layer, expert: decoded.weights(adapter, precision, layer, expert)
+
+    started = time.perf_counter()
+    trace = open_trace(RoutingTraces.path(trace_dir))
+    routing = trace.routing()
+    inputs, ids, gates = [], [], []
+    for pos, layer in enumerate(adapter.moe_layers):
+        inputs.append(trace.router_inputs(layer))
+        ids.append(torch.cat([r.expert_ids[:, pos] for r in routing]))
+        gates.append(torch.cat([r.expert_weights[:, pos] for r in routing]))
+    prerank = trace_prerank(adapter, weights_at(base), weights_at(low), inputs, ids, gates)
+    seconds = {"prerank": round(time.perf_counter() - started, 3)}
+
+    sweep, rho = None, None
+    if cfg.method == "sweep":
+        with original_experts(model, adapter):
+            decoded.apply(model, adapter, lambda pos, e: base)
+            started = time.perf_counter()
+            next_token_logprobs(model, seqs)
+            seconds["one_forward"] = round(time.perf_counter() - started, 3)
+            done = {pos: json.loads(_layer_file(work, pos).read_text())
+                    for pos in range(len(adapter.moe_layers)) if _layer_file(work, pos).is_file()}
+            started = time.perf_counter()
+            sweep = kl_sweep(model, adapter, seqs, weights_at(low), done=done,
+                             on_layer=lambda pos, row: write_json_atomic(_layer_file(work, pos), row),
+                             desc=f"sensitivity {base}->{low}")
+            seconds["sweep"] = round(time.perf_counter() - started, 3)
+        rho = spearman(prerank, sweep)
+        rho = None if math.isnan(rho) else round(rho, 4)  # undefined when either profile is constant
+    return SensitivityProfile(
+        method=cfg.method, metric=METRIC if sweep is not None else "trace-only output error (sum w^2 ||f - fq||^2)",
+        base=base, precision=low, sequences=len(seqs), ranking=sweep if sweep is not None else prerank,
+        sweep=sweep, prerank=prerank, spearman=rho,
+        seconds=seconds)
+
+
+def _run(inputs) -> SensitivityProfile:
+    quantize_dir, packed = inputs.upstream("quantize")
+    trace_dir, _ = inputs.upstream("trace")
+    return profile_sensitivity(inputs.model, inputs.adapter, inputs.sequences, quantize_dir, packed, trace_dir,
+                               inputs.config, inputs.work)
+
+
+STAGE = Stage(
+    name="sensitivity", version=VERSION, config=SensitivitySection, result=SensitivityProfile,
+    reads=("trace", "quantize"), needs=frozenset({"model", "calibration"}),
+    run=_run,
+    enabled=lambda recipe: recipe.bitwidth.method == "edgemoe",
+)
