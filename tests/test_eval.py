@@ -15,7 +15,14 @@ from loader.format import MANIFEST, ArtifactError, open_artifact, verify
 from prep.cli import main as moeprep
 from prep.errors import MoeprepError
 from prep.evals import templates as tpl
-from prep.evals.compare import PENDING, _Models, _truthfulqa, evaluate_artifact, mcnemar_p, merge_into_artifact
+from prep.evals.compare import (
+    PENDING,
+    _Models,
+    _truthfulqa,
+    evaluate_artifact,
+    mcnemar_p,
+    merge_into_artifact,
+)
 from prep.evals.data import load_benchmarks
 from prep.pipeline import prepare
 from prep.recipe import recipe_from_dict
