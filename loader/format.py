@@ -55,6 +55,7 @@ DIGEST_REQUIRED = True  # every writer seals the manifest through write_manifest
 CONFIG = "config.json"
 DENSE = "dense.safetensors"
 REPORT = "report.json"
+INFORMATIONAL_FILES = (REPORT, "report.md", "report.png")  # rewritten after packaging; checked by verify only
 REQUIRED_FILES = (CONFIG, DENSE, PLAN_FILE)
 DTYPES = ("float32", "float16", "bfloat16")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -453,7 +454,7 @@ def open_artifact(artifact: str | Path) -> Manifest:
     stores = {s.file for s in manifest.stores.values()}
     problems = []
     for name in sorted(manifest.files):
-        if name == REPORT:  # informational, rewritten by `moeprep eval`: parsed below, verified by `verify`
+        if name in INFORMATIONAL_FILES:  # rewritten by `moeprep eval` and the study: verified by `verify`
             continue
         if problem := _file_problem(manifest, name, hash_it=name not in stores):
             problems.append((name, problem))

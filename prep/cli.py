@@ -112,6 +112,43 @@ def eval_command(artifact, original, suites, data, limit, num_fewshot, gsm8k_for
     click.echo(f"wrote {output}")
 
 
+def _floats(text: str, what: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"{what} must be comma-separated numbers, got {text!r}") from None
+
+
+@main.command("bitwidth-study")
+@click.option("--recipe", "recipe_path", default="recipes/reference.yaml", show_default=True,
+              type=click.Path(dir_okay=False), help="The recipe every row derives from.")
+@click.option("--output", default="artifacts/bitwidth-study", show_default=True, type=click.Path(file_okay=False),
+              help="Where the rows' artifacts and evals, study.json, study.md and study.png go.")
+@click.option("--tolerances", default="0.0015,0.003,0.005", show_default=True,
+              help="edgemoe tolerances (mean next-token KL, nats); the middle one sets the random row's bytes.")
+@click.option("--shares", default="0.25,0.5", show_default=True, help="frequency shares q.")
+@click.option("--suites", default="gsm8k,mmlu,truthfulqa", show_default=True, help="Comma-separated suites.")
+@click.option("--data", default=None, help="Suites directory (default: suites/ beside the original model).")
+@click.option("--limit", type=int, default=None, help="First N items of each suite (default: all).")
+@click.option("--memory-budget", default=None, help="Loader budget for every row (default: each plan's).")
+@click.option("--into", default=None, type=click.Path(file_okay=False),
+              help="Also put the study into this artifact: report.json's bitwidth_study, report.md and report.png.")
+def bitwidth_study_command(recipe_path, output, tolerances, shares, suites, data, limit, memory_budget, into):
+    """Prepare and evaluate every bit-width configuration: uniform int8/int4/int3/int2, edgemoe at each
+    tolerance, frequency at each share, and a random control with the middle edgemoe row's bytes."""
+    from pathlib import Path
+
+    from prep.bitwidth_study import merge_study_into, run_study
+
+    study = run_study(recipe_path, output, tolerances=_floats(tolerances, "--tolerances"),
+                      shares=_floats(shares, "--shares"), suites=tuple(s.strip() for s in suites.split(",") if s.strip()),
+                      limit=limit, data=data, memory_budget=memory_budget, echo=lambda m: click.echo(m, err=True))
+    if into:
+        merge_study_into(into, study)
+    click.echo((Path(output) / "study.md").read_text())
+    click.echo(f"wrote {Path(output) / 'study.json'}, study.md, study.png" + (f"; merged into {into}" if into else ""))
+
+
 @main.command("reference-model")
 @click.option("--out", default="recipes/reference", show_default=True, type=click.Path(file_okay=False),
               help="Where model/, suites/ and training.json are written.")

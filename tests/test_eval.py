@@ -26,7 +26,7 @@ from prep.evals.compare import (
 from prep.evals.data import load_benchmarks
 from prep.pipeline import prepare
 from prep.recipe import recipe_from_dict
-from tests.tiny_models import save_tiny_model
+from tests.tiny_models import save_tiny_model, write_tiny_suites
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "benchmarks"
 
@@ -88,26 +88,9 @@ def test_mc2_uses_the_label_mask_in_any_order():
     assert mc2["flips"] == {"right_to_wrong": 0, "wrong_to_right": 0}
 
 
-def _tiny_suites(directory: Path) -> None:
-    directory.mkdir()
-    rows = {
-        "gsm8k.jsonl": [{"question": f"WHAT IS {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"}
-                        for i in range(3)],
-        "mmlu.jsonl": [{"question": f"PICK {i}", "subject": "TEST", "choices": ["A1", "B2", "C3", "D4"],
-                        "answer": i % 4} for i in range(6)],
-        "mmlu_dev.jsonl": [{"question": "DEV", "subject": "TEST", "choices": ["1", "2", "3", "4"], "answer": 2}] * 5,
-        "truthfulqa.jsonl": [{"question": f"Q{i}", "mc1_targets": {"choices": ["YES.", "NO."], "labels": [1, 0]},
-                              "mc2_targets": {"choices": ["NO.", "YES.", "YES!"], "labels": [0, 1, 1]}}
-                             for i in range(4)],
-        "gsm8k_cot_fewshot.jsonl": [{"question": "WHAT IS 1 + 1?", "cot": "1 + 1 = 2. The answer is 2."}] * 8,
-    }
-    for name, items in rows.items():
-        (directory / name).write_text("".join(json.dumps(r) + "\n" for r in items))
-
-
 def test_lossless_artifact_has_zero_flips(tmp_path):
     save_tiny_model("mixtral", tmp_path / "model")
-    _tiny_suites(tmp_path / "suites")
+    write_tiny_suites(tmp_path / "suites")
     recipe = recipe_from_dict({"name": "tiny", "model": {"path": str(tmp_path / "model")},
                                "calibration": {"num_sequences": 2, "sequence_length": 16},
                                "quantize": {"precision": "passthrough"}})
@@ -133,7 +116,7 @@ def test_lossless_artifact_has_zero_flips(tmp_path):
 
 def test_reuse_original_scores_the_original_once_and_gives_the_same_report(tmp_path, monkeypatch):
     save_tiny_model("mixtral", tmp_path / "model")
-    _tiny_suites(tmp_path / "suites")
+    write_tiny_suites(tmp_path / "suites")
     recipe = recipe_from_dict({"name": "tiny", "model": {"path": str(tmp_path / "model")},
                                "calibration": {"num_sequences": 2, "sequence_length": 16},
                                "quantize": {"precision": "int4", "group_size": 16}})
@@ -276,7 +259,7 @@ def test_eval_limit_below_one_is_refused(tmp_path, limit):
 
 
 def test_empty_and_malformed_suite_files_name_the_file_and_line(tmp_path):
-    _tiny_suites(tmp_path / "suites")
+    write_tiny_suites(tmp_path / "suites")
     suites = tmp_path / "suites"
     (suites / "mmlu.jsonl").write_text("\n")
     with pytest.raises(MoeprepError, match=r"mmlu\.jsonl holds no items"):

@@ -283,3 +283,23 @@ def tiny_artifact(tmp_path_factory, arch: str = "mixtral", precision: str = "pas
 def file_hashes(directory: Path) -> dict[str, str]:
     """{file name: sha256} of every file in ``directory``."""
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+def write_tiny_suites(directory: Path) -> None:
+    """Small GSM8K, MMLU and TruthfulQA files in the reference layout (what `moeprep eval --data` reads)."""
+    import json
+
+    directory.mkdir()
+    rows = {
+        "gsm8k.jsonl": [{"question": f"WHAT IS {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"}
+                        for i in range(3)],
+        "mmlu.jsonl": [{"question": f"PICK {i}", "subject": "TEST", "choices": ["A1", "B2", "C3", "D4"],
+                        "answer": i % 4} for i in range(6)],
+        "mmlu_dev.jsonl": [{"question": "DEV", "subject": "TEST", "choices": ["1", "2", "3", "4"], "answer": 2}] * 5,
+        "truthfulqa.jsonl": [{"question": f"Q{i}", "mc1_targets": {"choices": ["YES.", "NO."], "labels": [1, 0]},
+                              "mc2_targets": {"choices": ["NO.", "YES.", "YES!"], "labels": [0, 1, 1]}}
+                             for i in range(4)],
+        "gsm8k_cot_fewshot.jsonl": [{"question": "WHAT IS 1 + 1?", "cot": "1 + 1 = 2. The answer is 2."}] * 8,
+    }
+    for name, items in rows.items():
+        (directory / name).write_text("".join(json.dumps(r) + "\n" for r in items))

@@ -72,12 +72,16 @@ def _artifact_is_current(artifact: Path, model_dir: Path) -> bool:
 
 
 def _store_facts(artifact: Path) -> dict:
+    """Sizes the bench reports; a mixed-precision artifact reports the mean record and its largest store."""
     manifest = json.loads((artifact / "manifest.json").read_text())
-    (precision, store), = manifest["stores"].items()
+    stores = manifest["stores"]
     moe = manifest["moe"]
     n = len(moe["layers"]) * moe["num_experts"]
-    return {"precision": precision, "record_bytes": store["record_bytes"], "experts": n,
-            "store_bytes": n * store["record_bytes"], "store_file": str(artifact / store["file"]),
+    store_bytes = sum(len(s["crc32"]) * s["record_bytes"] for s in stores.values())
+    largest = max(stores.values(), key=lambda s: len(s["crc32"]) * s["record_bytes"])
+    precision = "+".join(f"{p} x{len(s['crc32'])}" for p, s in stores.items()) if len(stores) > 1 else next(iter(stores))
+    return {"precision": precision, "record_bytes": store_bytes / n, "experts": n,
+            "store_bytes": store_bytes, "store_file": str(artifact / largest["file"]),
             "dense_bytes": (artifact / "dense.safetensors").stat().st_size,
             "moe_layers": len(moe["layers"]), "num_experts": moe["num_experts"], "top_k": moe["top_k"]}
 

@@ -223,7 +223,15 @@ PENDING = ".eval-pending.json"  # the hash of a report.json being blessed, while
 
 
 def merge_into_artifact(artifact: str | Path, report: dict, package_key: str | None = None) -> None:
-    """Put the eval summary into the artifact's report.json and list its new hash in the manifest.
+    """Put the eval summary into the artifact's report.json (``update_artifact_report``)."""
+    update_artifact_report(artifact, {"eval": {"suites": eval_summary(report), "data": report["data"],
+                                               "memory_budget": report["memory_budget"]}}, package_key=package_key)
+
+
+def update_artifact_report(artifact: str | Path, sections: dict, files: dict[str, bytes] | None = None,
+                           package_key: str | None = None) -> None:
+    """Merge ``sections`` into the artifact's report.json, write the informational ``files`` (report.md,
+    report.png) beside it, and list the new hashes in the manifest.
 
     Never re-blesses a report.json it did not write: the current one must hash as the manifest says (or
     as ``PENDING`` says, when an earlier eval was killed between its two renames), else the artifact
@@ -233,7 +241,15 @@ def merge_into_artifact(artifact: str | Path, report: dict, package_key: str | N
     report.json only). ``package_key``: the artifact evaluated; if it was re-prepared meanwhile, refuse.
     """
     from loader.files import write_bytes_atomic, write_json_atomic
-    from loader.format import REPORT, ArtifactError, read_json, read_manifest, sha256_file, write_manifest
+    from loader.format import (
+        INFORMATIONAL_FILES,
+        REPORT,
+        ArtifactError,
+        read_json,
+        read_manifest,
+        sha256_file,
+        write_manifest,
+    )
 
     manifest = read_manifest(artifact)
     root = manifest.root
@@ -262,13 +278,18 @@ def merge_into_artifact(artifact: str | Path, report: dict, package_key: str | N
                             "`moeload verify`, then re-run `moeprep prepare`", file=REPORT)
     else:
         current = {}
-    current["eval"] = {"suites": eval_summary(report), "data": report["data"],
-                       "memory_budget": report["memory_budget"]}
+    current |= sections
     data = (json.dumps(current, indent=2) + "\n").encode()
     entry = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    extra = {}
+    for name, content in (files or {}).items():
+        if name not in INFORMATIONAL_FILES:
+            raise MoeprepError(f"{name!r} is not one of the artifact's informational files {INFORMATIONAL_FILES}")
+        write_bytes_atomic(root / name, content)
+        extra[name] = {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
     write_json_atomic(pending, {"sha256": entry["sha256"]})
     write_bytes_atomic(path, data)
-    write_manifest(root, manifest.raw | {"files": manifest.files | {REPORT: entry}})
+    write_manifest(root, manifest.raw | {"files": manifest.files | extra | {REPORT: entry}})
     pending.unlink(missing_ok=True)
 
 

@@ -1,0 +1,252 @@
+"""The bit-width study (issue 16, section 5): one recipe prepared at every bit-width configuration, each
+artifact compared with the original model on the suites, and a table and a plot of accuracy against
+expert bytes.
+
+Rows share the recipe's stage cache, so the trace, the quantized stores and the sensitivity sweep are
+computed once; the original model's per-item results are computed once too (``reuse_original``).
+``study.json`` is rewritten after every row, and a rerun skips the rows whose artifact and eval
+settings are unchanged, so an interrupted study resumes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loader.files import write_bytes_atomic, write_json_atomic, write_text_atomic
+from prep.errors import MoeprepError
+
+PRECISIONS = ("int8", "int4", "int3", "int2")
+GOAL_COMPRESSION = 3.5  # expert bytes against bfloat16
+GOAL_DELTA = 0.01  # |accuracy delta| on every suite: one point
+SUITE_METRIC = {"gsm8k": "strict_match"}  # the others: acc
+
+
+@dataclass(frozen=True)
+class Row:
+    """One configuration: a label and the ``section.key=value`` overrides that make it from the recipe."""
+
+    label: str
+    overrides: tuple[str, ...]
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^a-z0-9]+", "-", self.label.lower()).strip("-")
+
+
+def study_rows(tolerances: tuple[float, ...], shares: tuple[float, ...]) -> list[Row]:
+    """Uniform precisions, ``edgemoe`` at each tolerance, ``frequency`` at each share (the random control
+    is added by ``run_study`` once the middle ``edgemoe`` row says how many experts it moved)."""
+    rows = [Row(f"uniform {p}", (f"quantize.precision={p}", "quantize.also=[]", "bitwidth.method=uniform"))
+            for p in PRECISIONS]
+    mixed = ("quantize.precision=int4", "quantize.also=[int8, int3, int2]")
+    rows += [Row(f"edgemoe P={t:g}", (*mixed, "bitwidth.method=edgemoe", f"bitwidth.tolerance={t}"))
+             for t in tolerances]
+    rows += [Row(f"frequency q={q:.0%}", ("quantize.precision=int4", "quantize.also=[int2]",
+                                          "bitwidth.method=frequency", f"bitwidth.share={q}", "bitwidth.low=int2"))
+             for q in shares]
+    return rows
+
+
+def random_control(edgemoe: dict, num_experts_total: int) -> Row:
+    """The random row: exactly as many experts at each precision as the ``edgemoe`` row, drawn at random."""
+    bw = edgemoe["bitwidth"]
+    hi, lo, k = bw["b_hi"], bw.get("b_lo"), bw.get("K", 0)
+    if lo is None or not k:  # edgemoe moved nobody: the control is the same uniform precision
+        lo, k = hi, 0
+    also = f"quantize.also=[{lo}]" if lo != hi else "quantize.also=[]"
+    return Row(f"random (bytes of {edgemoe['label']})",
+               (f"quantize.precision={hi}", also, "bitwidth.method=random", f"bitwidth.share={k / num_experts_total!r}",
+                f"bitwidth.low={lo}", "bitwidth.seed=0"))
+
+
+def _row_result(row: Row, artifact: Path, report: dict, evaluation: dict, settings: dict) -> dict:
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    suites = {}
+    for name, s in evaluation["suites"].items():
+        key = SUITE_METRIC.get(name, "acc")
+        suites[name] = {"n": s["n"], "original": s["original"][key], "prepared": s["prepared"][key],
+                        "delta": s["delta"], "flips": s["flips"], "mcnemar_p": s["mcnemar_p"]}
+    compression = report["compression"]["bfloat16"]
+    return {
+        "label": row.label, "overrides": list(row.overrides), "package_key": manifest["package_key"],
+        "settings": settings, "bitwidth": report["bitwidth"], "experts": report["bitwidth"]["experts"],
+        "expert_bytes": report["sizes"]["expert_bytes"], "compression_bfloat16": compression,
+        "bits_per_weight": round(16 / compression, 3), "suites": suites,
+        "meets_goal": compression >= GOAL_COMPRESSION and all(abs(s["delta"]) <= GOAL_DELTA for s in suites.values()),
+    }
+
+
+def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".", *,
+              tolerances: tuple[float, ...], shares: tuple[float, ...] = (0.25, 0.5), middle: int | None = None,
+              suites: tuple[str, ...] = ("gsm8k", "mmlu", "truthfulqa"), limit: int | None = None,
+              data: str | Path | None = None, memory_budget: str | None = None, echo=print) -> dict:
+    """Prepare and evaluate every row; writes ``study.json``, ``study.md`` and ``study.png`` under ``output``."""
+    from prep.evals.compare import evaluate_artifact
+    from prep.pipeline import prepare
+    from prep.recipe import load_recipe
+
+    if not tolerances:
+        raise MoeprepError("the study needs at least one edgemoe tolerance (--tolerances 0.01,0.03,0.1)")
+    output = Path(output)
+    path = output / "study.json"
+    previous = {r["label"]: r for r in json.loads(path.read_text())["rows"]} if path.is_file() else {}
+    settings = {"suites": list(suites), "limit": limit, "data": str(data) if data else None,
+                "memory_budget": memory_budget}
+    rows = study_rows(tuple(tolerances), tuple(shares))
+    middle_label = f"edgemoe P={sorted(tolerances)[len(tolerances) // 2 if middle is None else middle]:g}"
+    results: list[dict] = []
+    study = {"recipe": str(recipe_path), "settings": settings, "goal": {"compression_bfloat16": GOAL_COMPRESSION,
+                                                                         "abs_delta": GOAL_DELTA}, "rows": results}
+    started = time.perf_counter()
+    i = 0
+    while i < len(rows):
+        row = rows[i]
+        recipe = load_recipe(recipe_path, ("evaluate.enabled=false", *row.overrides))
+        artifact = output / "rows" / row.slug / "artifact"
+        echo(f"[{i + 1}/{len(rows)}] {row.label}: prepare")
+        prepare(recipe, root=root, output=artifact)
+        report = json.loads((artifact / "report.json").read_text())
+        key = json.loads((artifact / "manifest.json").read_text())["package_key"]
+        done = previous.get(row.label)
+        if done is not None and done["package_key"] == key and done["settings"] == settings:
+            echo(f"[{i + 1}/{len(rows)}] {row.label}: evaluated before, kept")
+            results.append(done)
+        else:
+            echo(f"[{i + 1}/{len(rows)}] {row.label}: eval")
+            evaluation = evaluate_artifact(artifact, recipe.model_path(root), suites=tuple(suites), data=data,
+                                           limit=limit, memory_budget=memory_budget,
+                                           reuse_original=output / "original",
+                                           output=output / "rows" / row.slug / "eval.json")
+            results.append(_row_result(row, artifact, report, evaluation, settings))
+        write_json_atomic(path, study)
+        if row.label == middle_label:
+            total = sum(results[-1]["experts"].values())
+            rows.insert(i + 1, random_control(results[-1], total))
+        i += 1
+    study["best"] = best_row(results)
+    study["sensitivity"] = next((r["bitwidth"]["sensitivity"] for r in results
+                                 if r["bitwidth"].get("sensitivity")), None)
+    study["seconds"] = round(time.perf_counter() - started, 1)
+    write_json_atomic(path, study)
+    write_text_atomic(output / "study.md", study_markdown(study))
+    write_bytes_atomic(output / "study.png", study_plot(study))
+    return study
+
+
+def best_row(rows: list[dict]) -> dict | None:
+    """The fewest expert bytes among the rows within one point on every suite, and how it stands against
+    uniform int4 (the default before this study)."""
+    within = [r for r in rows if all(abs(s["delta"]) <= GOAL_DELTA for s in r["suites"].values())]
+    if not within:
+        return None
+    best = min(within, key=lambda r: (r["expert_bytes"], r["label"]))
+    int4 = next((r for r in rows if r["label"] == "uniform int4"), None)
+    return {"label": best["label"], "expert_bytes": best["expert_bytes"],
+            "compression_bfloat16": best["compression_bfloat16"], "meets_goal": best["meets_goal"],
+            "fewer_bytes_than_uniform_int4": int4 is not None and best["expert_bytes"] < int4["expert_bytes"]}
+
+
+def study_markdown(study: dict) -> str:
+    rows = study["rows"]
+    suites = list(rows[0]["suites"]) if rows else []
+    limit = study["settings"]["limit"]
+    n = {name: rows[0]["suites"][name]["n"] for name in suites} if rows else {}
+    lines = ["## Bit-width study", "",
+             f"Recipe `{study['recipe']}`; every row compared with the original model on the same items "
+             f"({', '.join(f'{k} n={v}' for k, v in n.items())}{'' if limit is None else f', first {limit} of each'}). "
+             f"Goal: expert compression >= {GOAL_COMPRESSION}x against bfloat16 with |delta| <= "
+             f"{GOAL_DELTA * 100:g} point on every suite. Delta in points; flips right->wrong / wrong->right.", "",
+             "| row | experts per precision | expert MiB | x bf16 | bits/w | "
+             + " | ".join(f"{s} delta (flips, p)" for s in suites) + " | goal |",
+             "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in suites) + " | --- |"]
+    for r in rows:
+        mix = ", ".join(f"{p} {c}" for p, c in sorted(r["experts"].items(), key=lambda kv: PRECISIONS.index(kv[0])
+                                                       if kv[0] in PRECISIONS else -1))
+        cells = [f"{r['suites'][s]['delta'] * 100:+.2f} ({r['suites'][s]['flips']['right_to_wrong']}/"
+                 f"{r['suites'][s]['flips']['wrong_to_right']}, {r['suites'][s]['mcnemar_p']:.2g})" for s in suites]
+        lines.append(f"| {r['label']} | {mix} | {r['expert_bytes'] / 2**20:.2f} | {r['compression_bfloat16']:.2f} | "
+                     f"{r['bits_per_weight']:.2f} | " + " | ".join(cells) + f" | {'yes' if r['meets_goal'] else 'no'} |")
+    lines.append("")
+    for r in rows:
+        bw = r["bitwidth"]
+        if bw["method"] == "edgemoe":
+            lines.append(f"- {r['label']}: b_hi {bw['b_hi']}, b_lo {bw['b_lo']}, K {bw['K']}, held-out KL "
+                         f"{bw['loss']:.4g} (met: {bw['met']}); bounds "
+                         + ", ".join(f"{p} {v:.4g}" for p, v in bw.get("bounds", {}).items()))
+    if s := study.get("sensitivity"):
+        sec = s["seconds"]
+        ratio = f" = {sec['sweep'] / sec['one_forward']:.0f}x one forward" if sec.get("one_forward") else ""
+        lines.append(f"- Sensitivity sweep ({s['method']}, {s['sequences']} sequences, to {s['precision']}): "
+                     f"{sec.get('sweep', 0):.1f} s against {sec.get('one_forward', 0):.2f} s for one calibration "
+                     f"forward{ratio}; the trace pre-rank took {sec['prerank']:.2f} s and its Spearman "
+                     f"correlation with the sweep is {s['spearman']}.")
+    if best := study.get("best"):
+        lines.append(f"- Best within one point: **{best['label']}** ({best['compression_bfloat16']:.2f}x bfloat16; "
+                     f"{'fewer' if best['fewer_bytes_than_uniform_int4'] else 'not fewer'} bytes than uniform int4).")
+    elif "best" in study:
+        lines.append("- No row stays within one point on every suite.")
+    return "\n".join(lines) + "\n"
+
+
+def study_plot(study: dict) -> bytes:
+    """PNG: accuracy delta (points) against expert MiB, one marker style per suite, rows labelled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = study["rows"]
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    suites = list(rows[0]["suites"]) if rows else []
+    for marker, suite in zip("os^vDP", suites, strict=False):
+        ax.scatter([r["expert_bytes"] / 2**20 for r in rows], [r["suites"][suite]["delta"] * 100 for r in rows],
+                   marker=marker, label=suite, alpha=0.8)
+    for r in rows:
+        worst = min(r["suites"].values(), key=lambda s: s["delta"])["delta"] * 100
+        ax.annotate(r["label"], (r["expert_bytes"] / 2**20, worst), fontsize=7, rotation=20,
+                    textcoords="offset points", xytext=(3, -10))
+    ax.axhspan(-GOAL_DELTA * 100, GOAL_DELTA * 100, color="green", alpha=0.08, label="|delta| <= 1 point")
+    if rows:
+        goal_bytes = rows[0]["expert_bytes"] * rows[0]["compression_bfloat16"] / GOAL_COMPRESSION / 2**20
+        ax.axvline(goal_bytes, color="grey", linestyle="--", label=f"{GOAL_COMPRESSION}x bfloat16")
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.set_xlabel("expert bytes (MiB)")
+    ax.set_ylabel("accuracy delta against the original (points)")
+    ax.set_title("Bit-width configurations: accuracy against expert bytes")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    plt.close(fig)
+    return png.getvalue()
+
+
+def merge_study_into(artifact: str | Path, study: dict) -> None:
+    """The study into ``artifact``: report.json's ``bitwidth_study``, report.md (the artifact's own figures,
+    then the table) and report.png (the plot)."""
+    from loader.format import read_manifest
+    from prep.evals.compare import update_artifact_report
+
+    manifest = read_manifest(artifact)
+    report = json.loads(manifest.path("report.json").read_text())
+    keep = ("label", "experts", "expert_bytes", "compression_bfloat16", "bits_per_weight", "suites", "meets_goal")
+    summary = {k: study.get(k) for k in ("recipe", "settings", "goal", "best", "sensitivity")}
+    summary["rows"] = [{k: r[k] for k in keep} | {"bitwidth": {k: v for k, v in r["bitwidth"].items()
+                                                               if k not in ("trail", "sensitivity")}}
+                       for r in study["rows"]]
+    sizes, bw = report["sizes"], report.get("bitwidth", {})
+    mix = ", ".join(f"{p} {n}" for p, n in bw.get("experts", {}).items())
+    lines = [f"# {manifest.raw['recipe'].get('name', 'artifact')}: {report.get('architecture', '')}", "",
+             f"- Experts: {mix} ({bw.get('method', 'uniform')}); {sizes['expert_bytes'] / 2**20:.2f} MiB, "
+             f"{report['compression']['bfloat16']:.2f}x smaller than bfloat16, "
+             f"{report['compression']['source']:.2f}x than the source; dense weights "
+             f"{sizes['dense_bytes'] / 2**20:.2f} MiB.", "",
+             study_markdown(study), "![accuracy delta against expert bytes](report.png)", ""]
+    update_artifact_report(manifest.root, {"bitwidth_study": summary},
+                           files={"report.md": "\n".join(lines).encode(), "report.png": study_plot(study)})
