@@ -111,7 +111,7 @@ def reference_subject(root: Path, prompt_tokens: int, decode_tokens: int) -> Sub
         text += REFERENCE_TEXT
         ids = tokenizer(text)["input_ids"]
     return Subject("reference", model_dir, artifact, ids[:prompt_tokens], ids[prompt_tokens:need], None,
-                   "the model's own routers (the loader's int4 experts may route a few tokens differently)",
+                   "the model's own routers (the loader's quantized experts may route a few tokens differently)",
                    _store_facts(artifact))
 
 

@@ -103,9 +103,10 @@ def _load(spec: dict, routing):
         from loader.runtime import load
 
         plan = None  # moeprep: the artifact's own plan, scaled to the budget
-        if system == "naive":  # per-layer LRU at the plan's first pool's precision, nothing else
+        if system == "naive":  # per-layer LRU, nothing else, at each expert's shipped precision (no other records)
             own = read_plan(spec["artifact"])
-            plan = Plan.default(own.num_layers, own.num_experts, own.pools[0].precision)
+            stores = json.loads((Path(spec["artifact"]) / "manifest.json").read_text())["stores"]
+            plan = Plan.mixed(own.expert_precision, {p: s["record_bytes"] for p, s in stores.items()})
         loaded = load(spec["artifact"], device=device, memory_budget=spec["budget"],
                       store="host" if device == "cuda" else "disk", plan=plan, routing=routing)
         return loaded.model, loaded, None, []
