@@ -389,7 +389,8 @@ def _layout(c: _Checker, raw: list, where: str, precision: str, dtype: str) -> R
     if not raw:
         raise c.fail(f"{where}layout is empty")
     for i, d in enumerate(raw):
-        if (not isinstance(d, dict) or set(d) != fields or not _is_int(d["meta_group"]) or d["meta_group"] < 0 or not isinstance(d["name"], str) or not d["name"]
+        if (not isinstance(d, dict) or set(d) != fields or not isinstance(d["name"], str) or not d["name"]
+                or not _is_int(d["meta_group"]) or d["meta_group"] < 0
                 or not isinstance(d["shape"], list) or not d["shape"]
                 or not all(_is_int(s) and s > 0 for s in d["shape"])
                 or d["precision"] not in (precision, "passthrough") or d["dtype"] != dtype
@@ -399,8 +400,10 @@ def _layout(c: _Checker, raw: list, where: str, precision: str, dtype: str) -> R
                          f"got {json.dumps(d)[:120]}")
     if len({d["name"] for d in raw}) != len(raw):
         raise c.fail(f"{where}layout names one matrix twice")
-    if any(d["precision"] == "passthrough" and (d["group_size"] or d["transposed"] or d["meta_group"]) for d in raw):
-        raise c.fail(f"{where}layout: a passthrough matrix has no group_size or meta_group (0) and is not transposed")
+    if any(d["precision"] == "passthrough" and (d["group_size"] or d["transposed"] or d["meta_group"])
+           for d in raw):
+        raise c.fail(f"{where}layout: a passthrough matrix has no group_size or meta_group (0) and is not "
+                     "transposed")
     layout = RecordLayout.from_json(raw)
     try:
         for spec in layout.matrices:
