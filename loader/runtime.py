@@ -611,7 +611,11 @@ def _load(artifact, device, memory_budget, store, policy, workers, routing, pred
 
 
 def _past_length(args, kwargs) -> int:
+    """Tokens already in the KV cache (0: a new sequence). transformers 5.24 passes the cache to the model's
+    forward as ``cache``, earlier versions as ``past_key_values``: both are read."""
     past = kwargs.get("past_key_values")
+    if past is None:
+        past = kwargs.get("cache")
     if past is None:
         return 0
     try:
