@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from prep.errors import MoeprepError
-from prep.first_gate import gate_pairs, kl_teacher_student, marginal_logits, prediction_metrics, train_first_gate
+from prep.first_gate import (
+    gate_pairs,
+    kl_teacher_student,
+    marginal_logits,
+    prediction_metrics,
+    train_first_gate,
+)
 
 H, E = 16, 8
 
