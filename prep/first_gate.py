@@ -142,3 +142,30 @@ def train_first_gate(train_x: torch.Tensor, train_y: torch.Tensor, held_x: torch
         marginal = prediction_metrics(marginal_logits(train_y, len(held_y)), held_y, k)
     return FirstGate(weight=best_weight, epochs=epoch, best_epoch=best_epoch, held_out=held, marginal=marginal,
                      init=init_name)
+
+
+@torch.no_grad()
+def first_gate_data(model, adapter, sequences: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per sequence: (the final-normed last hidden state [T, H], the first MoE layer's router logits [T, E]).
+
+    The input is what the LM head reads (so it is normed by the model's own final norm, on every
+    architecture); the teacher is the router's own output, so routing quirks (biases, groups) are the
+    model's.
+    """
+    router = adapter.router(model, adapter.moe_layers[0])
+    head = model.get_output_embeddings()
+    captured: dict[str, torch.Tensor] = {}
+    hooks = [router.register_forward_hook(
+                 lambda _m, _a, out: captured.__setitem__("logits", adapter.unpack_router_output(out)[0])),
+             head.register_forward_pre_hook(lambda _m, args: captured.__setitem__("hidden", args[0]))]
+    inputs, teachers = [], []
+    try:
+        for seq in sequences:
+            captured.clear()
+            model(input_ids=seq.view(1, -1), use_cache=False)
+            inputs.append(captured["hidden"].reshape(-1, captured["hidden"].shape[-1]).float())
+            teachers.append(captured["logits"].reshape(-1, adapter.num_experts).float())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return inputs, teachers

@@ -10,12 +10,14 @@ import torch
 
 from prep.errors import MoeprepError
 from prep.first_gate import (
+    first_gate_data,
     gate_pairs,
     kl_teacher_student,
     marginal_logits,
     prediction_metrics,
     train_first_gate,
 )
+from tests.tiny_models import ARCHITECTURES
 
 H, E = 16, 8
 
@@ -116,3 +118,29 @@ def test_bad_input_is_one_clear_error():
         train_first_gate(x, torch.zeros(4, E), x, torch.zeros(4, E), k=2, init=torch.zeros(E, H + 1))
     with pytest.raises(MoeprepError, match="k must be in"):
         prediction_metrics(torch.zeros(2, E), torch.zeros(2, E), k=E + 1)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_the_training_data_is_what_the_head_reads_and_the_first_router_decides(arch):
+    from prep.adapters import get_adapter
+    from tests.tiny_models import build_tiny_model, random_sequences
+
+    model = build_tiny_model(arch).eval()
+    adapter = get_adapter(model)
+    sequences = random_sequences(2, 9, seed=7)
+    inputs, teachers = first_gate_data(model, adapter, sequences)
+    block = adapter.moe_block(model, adapter.moe_layers[0])
+    seen = []
+    hook = block.register_forward_pre_hook(lambda _m, args: seen.append(args[0].reshape(-1, args[0].shape[-1])))
+    try:
+        with torch.no_grad():
+            for seq, x, teacher in zip(sequences, inputs, teachers, strict=True):
+                logits = model(input_ids=seq.view(1, -1), use_cache=False).logits[0]
+                assert x.shape == (len(seq), model.config.hidden_size) and teacher.shape == (len(seq), adapter.num_experts)
+                head = model.get_output_embeddings()
+                assert torch.allclose(head(x), logits, atol=1e-5)  # the head's input: final-normed
+                routed, ids, _ = adapter.route(model, adapter.moe_layers[0], seen[-1])
+                assert torch.allclose(teacher, routed.float(), atol=1e-5)
+                assert torch.equal(adapter.select_experts(teacher)[0].long().sort(-1).values, ids.sort(-1).values)
+    finally:
+        hook.remove()
