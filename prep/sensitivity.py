@@ -107,12 +107,12 @@ class _LayerLocal:
         return logits, (seen[0] if seen else None)
 
 
-def _next_token_logprobs(logits: torch.Tensor) -> torch.Tensor:
+def next_token_logprobs_of(logits: torch.Tensor) -> torch.Tensor:
     """logits [T, V] -> log-probabilities [T-1, V] float32 of the tokens each position predicts."""
     return torch.log_softmax(logits[:-1].float(), dim=-1)
 
 
-def _kl_sum(base: torch.Tensor, other: torch.Tensor) -> float:
+def kl_sum(base: torch.Tensor, other: torch.Tensor) -> float:
     """Sum over positions of KL(base || other), both log-probabilities [T, V]; 0 * log 0 counts as 0."""
     p = base.exp()
     terms = torch.where(p > 0, p * (base - other), torch.zeros_like(p))
@@ -185,7 +185,7 @@ def kl_sweep(
     try:
         with tqdm(total=len(pending) * adapter.num_experts, desc=desc, unit="expert") as bar:
             # The base pass: reference log-probs (kept on the CPU: T x V per sequence is the big item).
-            base = [_next_token_logprobs(runner.run(s, None)[0]).cpu() for s in seqs]
+            base = [next_token_logprobs_of(runner.run(s, None)[0]).cpu() for s in seqs]
             cached, start = [None] * len(seqs), 0  # cached[i]: output of decoder layer start-1 for seqs[i]
             for p in pending:
                 layer = moe_layers[p]
@@ -218,8 +218,8 @@ def _expert_kl(runner: _LayerLocal, adapter: MoeAdapter, layer: int, expert: int
         total = 0.0
         for seq, c, ref in zip(seqs, cached, base, strict=True):
             logits, _ = runner.run(seq, c)
-            got = _next_token_logprobs(logits)
-            total += _kl_sum(ref.to(got.device), got)
+            got = next_token_logprobs_of(logits)
+            total += kl_sum(ref.to(got.device), got)
         return total
     finally:
         adapter.set_expert(runner.model, layer, expert, original)

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from loader.codec import RecordLayout
 from loader.format import expert_key
 from prep.errors import MoeprepError
+from prep.sensitivity import kl_sum, next_token_logprobs_of
 
 
 class DecodedExperts:
@@ -68,16 +69,12 @@ def original_experts(model, adapter) -> Iterator[None]:
 @torch.no_grad()
 def next_token_logprobs(model, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
     """Log-probabilities [T-1, V] (float32) of every next token of every sequence."""
-    return [torch.log_softmax(model(input_ids=seq.view(1, -1), use_cache=False).logits[0, :-1].float(), -1)
-            for seq in sequences]
+    return [next_token_logprobs_of(model(input_ids=seq.view(1, -1), use_cache=False).logits[0]) for seq in sequences]
 
 
 @torch.no_grad()
 def mean_kl(reference: list[torch.Tensor], model, sequences: list[torch.Tensor]) -> float:
     """Mean over predicted positions of KL(reference || model) of the next-token distributions, in nats."""
-    total, count = 0.0, 0
-    for ref, seq in zip(reference, sequences, strict=True):
-        got = torch.log_softmax(model(input_ids=seq.view(1, -1), use_cache=False).logits[0, :-1].float(), -1)
-        total += float((ref.exp() * (ref - got)).sum())
-        count += ref.shape[0]
-    return total / max(count, 1)
+    got = next_token_logprobs(model, sequences)
+    total = sum(kl_sum(ref, g) for ref, g in zip(reference, got, strict=True))
+    return total / max(sum(ref.shape[0] for ref in reference), 1)
