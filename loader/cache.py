@@ -62,12 +62,15 @@ class Entry:
     in_flight: bool = True
     prefetched: bool = False
     slot: int = -1  # the runtime's slot in its pool's memory
+    read_seconds: float = 0.0  # how long the read took (a landed prefetch: what a demand would have waited)
 
 
 @dataclass
 class LayerCounters:
     """Demand hits and misses of one MoE layer (a join of an in-flight read counts as a hit), the bytes
-    read for it, prefetches issued and how many were used, and experts the miss policy skipped."""
+    read for it, experts the miss policy skipped, and its prefetches: issued (admitted and read), used (the
+    layer asked for the expert while it was still marked prefetched), wasted (the layer ran without it,
+    or it was evicted first) and cancelled (dropped before its read landed)."""
 
     hits: int = 0
     misses: int = 0
@@ -75,6 +78,8 @@ class LayerCounters:
     bytes_read: int = 0
     prefetches: int = 0
     prefetch_used: int = 0
+    prefetch_wasted: int = 0
+    prefetch_cancelled: int = 0
     skipped: int = 0
 
 
@@ -507,6 +512,9 @@ class ExpertCache:
 
     def cancel(self, entry: Entry) -> None:
         """Drop an in-flight entry whose read was cancelled (a prefetch nobody needs any more)."""
+        if entry.prefetched:
+            entry.prefetched = False
+            self.counters[entry.layer].prefetch_cancelled += 1
         group = self._group(entry.pool, entry.layer)
         if group.entries.get((entry.layer, entry.expert)) is entry:
             self._evict(group, (entry.layer, entry.expert))
@@ -515,11 +523,19 @@ class ExpertCache:
         self.counters[layer].bytes_read += nbytes
 
     def end_layer(self, layer: int) -> None:
-        """The layer has run: its experts (used or predicted for it) may be evicted again."""
+        """The layer has run: its experts (used or predicted for it) may be evicted again, and a prefetch for
+        it that it did not use is wasted."""
         self.protected.pop(layer, None)
+        for entry in self.layer_entries(layer):
+            if entry.prefetched:
+                entry.prefetched = False
+                self.counters[layer].prefetch_wasted += 1
 
     def _evict(self, group: _Group, key: tuple[int, int]) -> None:
         entry = group.entries.pop(key)
+        if entry.prefetched:  # evicted before its layer ran
+            entry.prefetched = False
+            self.counters[entry.layer].prefetch_wasted += 1
         group.used -= entry.nbytes
         self.meter.sub(entry.nbytes)
         if self.on_evict is not None:

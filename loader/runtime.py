@@ -46,7 +46,14 @@ from loader.plan import (
     resolve_budget,
 )
 from loader.plan import minimum_budget as minimum_budget_of
-from loader.predict import PREDICTORS, Predictor, PrefetchRequest
+from loader.predict import (
+    PREDICTORS_FILE,
+    Predictor,
+    PredictorContext,
+    PredictorError,
+    PrefetchRequest,
+    make_predictor,
+)
 from loader.routing import SKIP, InstalledRouting, MissPolicy, RoutingPolicy, install_routing
 from loader.store import DEMAND, PREFETCH, ExpertStore, Reader, ReadJob, SlotArena
 
@@ -108,8 +115,20 @@ class ExpertRuntime:
         self.peak_cache_bytes = 0
         self._prefetching: list = []  # entries whose prefetch read may still be in flight
         self.routing: RoutingPolicy | None = None  # the installed routing policy (reset with the sequence)
-        for p in [miss_policy, *predictors]:
-            p.bind(plan.num_layers, plan.num_experts)
+        self.prefetch_saved_seconds = 0.0  # read time of used prefetches a demand did not wait for
+        miss_policy.bind(plan.num_layers, plan.num_experts)
+
+    def bind_predictors(self, routers: list, tensors: dict) -> None:
+        """Hand every predictor the routers' weights, the artifact's predictor tensors and a view of the cache."""
+        context = PredictorContext(
+            self.num_layers, self.num_experts, self.top_k, routers, tensors,
+            held=lambda layer, expert, precision: self.cache.find(layer, expert, precision) is not None,
+            precision_of=lambda layer, expert: self.plan.expert_precision[layer][expert])
+        for predictor in self.predictors:
+            try:
+                predictor.bind(context)
+            except PredictorError as e:
+                raise LoaderError(str(e)) from None
 
     # ----------------------------------------------------------------------------- slots and reads
     def _free_slot(self, entry) -> None:
@@ -133,6 +152,7 @@ class ExpertRuntime:
                 continue
             if job.state == "done":
                 self.cache.complete(entry, True)
+                entry.read_seconds = job.seconds
             elif job.state in ("failed", "cancelled"):
                 self.cache.cancel(entry)
             else:
@@ -168,10 +188,14 @@ class ExpertRuntime:
         self._reap()
         planned = self.plan.expert_precision[layer]
         wanted = [(e, planned[e]) for e in ordered_experts(top_k_index.tolist(), self.num_experts)]
+        prefetched = {e.expert: e for e in cache.layer_entries(layer) if e.prefetched}
         requests = cache.begin_layer(layer, wanted)
+        self._cancel_unwanted(layer, prefetched, {e for e, _ in wanted})
         ready, waiting, queue = [], [], []  # queue: misses to read, (expert, precision)
         for req in requests:
             entry, precision = req.entry, None
+            if req.entry is not None and prefetched.get(req.expert) is req.entry and not req.entry.in_flight:
+                self.prefetch_saved_seconds += req.entry.read_seconds
             if req.kind == "miss":
                 precision = self.miss_policy.decide(layer, req.expert, req.precision, top_k_index, top_k_weights)
                 if precision == SKIP:
@@ -217,7 +241,10 @@ class ExpertRuntime:
         for expert, entry in ready:
             self._compute(module, expert, self._record(entry), entry.precision, hidden, top_k_index, top_k_weights, out)
         for expert, entry in waiting:
+            stalled = self.times[layer].stall_seconds
             self._await(layer, entry.ticket)
+            if prefetched.get(expert) is entry:  # a prefetch still in flight: saved what was read before the wait
+                self.prefetch_saved_seconds += max(0.0, entry.ticket.seconds - (self.times[layer].stall_seconds - stalled))
             cache.complete(entry, True)
             self._compute(module, expert, self._record(entry), entry.precision, hidden, top_k_index, top_k_weights, out)
         while reads:
@@ -260,6 +287,15 @@ class ExpertRuntime:
         out.index_add_(0, tokens, y.to(out.dtype))
 
     # ----------------------------------------------------------------------------------- prefetch
+    def _cancel_unwanted(self, layer: int, prefetched: dict, wanted: set) -> None:
+        """The router of ``layer`` has decided: a prefetch for it that was not chosen and whose read has not
+        started is cancelled (its slot freed); one already read or reading is left to land (wasted)."""
+        for expert, entry in prefetched.items():
+            if expert in wanted or not entry.in_flight or entry.ticket is None:
+                continue
+            if self.reader.cancel(entry.ticket):
+                self.cache.cancel(entry)
+
     def prefetch(self, requests: list[PrefetchRequest]) -> None:
         """Read each requested expert into its pool unless held (then it is only protected); skipped when
         no room can be made. Protection lasts until the expert's layer has run."""
@@ -279,6 +315,9 @@ class ExpertRuntime:
             self.cache.count_read(entry.layer, self.stores[entry.precision].record_bytes)
 
     def after_router(self, layer: int, router_input, indices) -> None:
+        for expert in indices.flatten().tolist():  # chosen now: no prefetch for a later layer may evict them
+            if 0 <= expert < self.num_experts:
+                self.cache.protect(layer, expert)
         for predictor in self.predictors:
             self.prefetch(predictor.after_router(layer, router_input, indices))
 
@@ -365,6 +404,11 @@ class LoadedModel:
             "peak_expert_bytes": rt.meter.peak,
             "budget": self.budget,
             "direct_io": all(s.direct_io for s in rt.stores.values()),
+            # issued: prefetch reads started; used / wasted / cancelled: what became of them (the rest are
+            # still pending); saved_seconds: read time of used prefetches that no demand waited for
+            "prefetch": {"predictors": [p.name for p in rt.predictors], "issued": total["prefetches"],
+                         "used": total["prefetch_used"], "wasted": total["prefetch_wasted"],
+                         "cancelled": total["prefetch_cancelled"], "saved_seconds": rt.prefetch_saved_seconds},
         }
 
     def close(self) -> None:
@@ -501,7 +545,8 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     memory_budget: None (the plan's default budget), bytes, a size string ("1.5GiB"), a percentage
     ("25%": the dense weights plus that share of the source model's expert bytes), or "unlimited".
     policy: an eviction policy name overriding the plan's. routing / predictors / miss_policy: objects
-    overriding the plan's (``loader.routing``, ``loader.predict``). plan: a whole ``Plan`` instead of
+    overriding the plan's (``loader.routing``, ``loader.predict``); predictors may also be names
+    (``loader.predict.PREDICTORS``), which take the plan's knobs for that name, and ``[]`` turns them off. plan: a whole ``Plan`` instead of
     the artifact's ``plan.json``.
 
     ``prepare`` publishes a new artifact by swapping a symlink and then deletes the old version; a load
@@ -535,6 +580,7 @@ def _load(artifact, device, memory_budget, store, policy, workers, routing, pred
         raise LoaderError(str(e)) from None
     moe = manifest.raw["moe"]
     layers = moe["layers"]
+    chosen = _predictors(plan, predictors)
 
     dense_path = manifest.path("dense.safetensors")
     stores = {p: ExpertStore(manifest.path(s.file), p, mode=store,
@@ -573,7 +619,7 @@ def _load(artifact, device, memory_budget, store, policy, workers, routing, pred
     runtime = ExpertRuntime(
         plan, caps, stores, layouts, moe["top_k"], dev, workers,
         miss_policy if miss_policy is not None else _named({}, plan.miss, "miss policy", MissPolicy),
-        predictors if predictors is not None else [_named(PREDICTORS, p, "predictor", Predictor) for p in plan.predictors],
+        chosen,
         list(layers))
     for position, path in enumerate(moe["experts_modules"]):
         module = _submodule(model, path, "experts")
@@ -602,12 +648,39 @@ def _load(artifact, device, memory_budget, store, policy, workers, routing, pred
         router_paths=moe.get("router_modules"), view=runtime.cache.view,
         after_router=runtime.after_router if runtime.predictors else None)
     runtime.routing = loaded.routing.policy
-    if runtime.predictors and moe.get("last_decoder_layer"):
-        last = _submodule(model, moe["last_decoder_layer"], "last decoder layer")
-        last.register_forward_hook(
-            lambda _m, _a, output: runtime.after_last_layer(output[0] if isinstance(output, tuple) else output))
+    if runtime.predictors:
+        routers = [_submodule(model, path, "router") for path in moe["router_modules"]]
+        runtime.bind_predictors([(r.weight, getattr(r, "bias", None)) for r in routers], _predictor_tensors(manifest))
+        # the LM head's input is the final-normed last hidden state, what the first-layer gate was trained on
+        model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: runtime.after_last_layer(args[0]))
     _attach_counters(loaded)
     return loaded
+
+
+def _predictors(plan: Plan, given: list | None) -> list[Predictor]:
+    """The predictors to run: ``given`` (objects, or names taking the plan's knobs for that name, else the
+    defaults), or the plan's own."""
+    knobs = {spec.name: spec.params for spec in plan.predictors}
+    chosen = given if given is not None else [spec.name for spec in plan.predictors]
+    out = []
+    for p in chosen:
+        if isinstance(p, Predictor):
+            out.append(p)
+            continue
+        try:
+            out.append(make_predictor(p, knobs.get(p)))
+        except PredictorError as e:
+            raise LoaderError(f"{e}; upgrade the loader or prepare the artifact again" if p in knobs else str(e)) from None
+    return out
+
+
+def _predictor_tensors(manifest) -> dict:
+    """The artifact's ``predictors.safetensors`` ({} when it has none; the predictors that need it say so)."""
+    from safetensors.torch import load_file
+
+    if PREDICTORS_FILE not in manifest.raw["files"]:
+        return {}
+    return load_file(str(manifest.path(PREDICTORS_FILE)))
 
 
 def _past_length(args, kwargs) -> int:
