@@ -247,6 +247,7 @@ def merge_study_into(artifact: str | Path, study: dict) -> None:
     then the table) and report.png (the plot)."""
     from loader.format import read_manifest
     from prep.evals.compare import update_artifact_report
+    from prep.stages.package import report_markdown
 
     manifest = read_manifest(artifact)
     report = json.loads(manifest.path("report.json").read_text())
@@ -255,13 +256,8 @@ def merge_study_into(artifact: str | Path, study: dict) -> None:
     summary["rows"] = [{k: r[k] for k in keep} | {"bitwidth": {k: v for k, v in r["bitwidth"].items()
                                                                if k not in ("trail", "sensitivity")}}
                        for r in study["rows"]]
-    sizes, bw = report["sizes"], report.get("bitwidth", {})
-    mix = ", ".join(f"{p} {n}" for p, n in bw.get("experts", {}).items())
-    lines = [f"# {manifest.raw['recipe'].get('name', 'artifact')}: {report.get('architecture', '')}", "",
-             f"- Experts: {mix} ({bw.get('method', 'uniform')}); {sizes['expert_bytes'] / 2**20:.2f} MiB, "
-             f"{report['compression']['bfloat16']:.2f}x smaller than bfloat16, "
-             f"{report['compression']['source']:.2f}x than the source; dense weights "
-             f"{sizes['dense_bytes'] / 2**20:.2f} MiB.", "",
-             study_markdown(study), "![accuracy delta against expert bytes](report.png)", ""]
+    report["bitwidth_study"] = summary
+    text = report_markdown(manifest.raw["recipe"].get("name", "artifact"), report,
+                           study_markdown(study) + "![accuracy delta against expert bytes](report.png)\n")
     update_artifact_report(manifest.root, {"bitwidth_study": summary},
-                           files={"report.md": "\n".join(lines).encode(), "report.png": study_plot(study)})
+                           files={"report.md": text.encode(), "report.png": study_plot(study)})

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from prep.errors import MoeprepError
 from prep.recipe import Recipe
-from prep.stages import Stage, StageResult, bitwidth, evaluate, package, quantize, sensitivity, trace
+from prep.stages import Stage, StageResult, bitwidth, evaluate, package, predict, quantize, sensitivity, trace
 from prep.store import ArtifactOutput, StageStore, exclusive_lock, stage_key
 
 STAGES: tuple[Stage, ...] = (
@@ -35,6 +35,7 @@ STAGES: tuple[Stage, ...] = (
     quantize.STAGE,
     sensitivity.STAGE,
     bitwidth.STAGE,
+    predict.STAGE,
     package.STAGE,
     evaluate.STAGE,
 )

@@ -25,6 +25,8 @@ from prep.errors import MoeprepError
 PRECISIONS = ("passthrough", "int8", "int4", "int3", "int2")  # highest first
 SENSITIVITY_METHODS = ("sweep", "prerank")
 BITWIDTH_METHODS = ("uniform", "edgemoe", "frequency", "random")
+PREDICTOR_NAMES = ("next_gates", "path_stats", "first_gate")  # loader.predict.PREDICTORS
+FIRST_GATE_INITS = ("zeros", "router")
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 MAX_YAML_NODES = 10_000  # a recipe has well under a hundred; aliases may not expand past this
 
@@ -164,6 +166,53 @@ class BitwidthSection:
 
 
 @dataclass(frozen=True)
+class NextGatesKnobs:
+    """Stacked next-layer gates: look ``depth`` layers ahead, predict ``experts`` per layer (null: the model's
+    top-k), prefetch at ``precision`` (null: the planned one)."""
+
+    depth: int = 3
+    experts: int | None = None
+    precision: str | None = None
+
+
+@dataclass(frozen=True)
+class PathStatsKnobs:
+    """EdgeMoE's path statistics: preload at most ``max_preload`` experts of the next layer with inclusion
+    probability >= ``floor``; a key seen fewer than ``min_count`` times backs off to a shorter one."""
+
+    max_preload: int = 3
+    floor: float = 0.05
+    min_count: int = 5
+
+
+@dataclass(frozen=True)
+class FirstGateKnobs:
+    """AdapMoE's first-layer gate: prefetch ``experts`` (null: top-k); trained from ``init`` (zeros, or the
+    first MoE router's weights) by AdamW at ``lr`` with early stopping after ``patience`` epochs."""
+
+    experts: int | None = None
+    init: str = "zeros"
+    lr: float = 1e-3
+    max_epochs: int = 200
+    patience: int = 10
+
+
+@dataclass(frozen=True)
+class PredictSection:
+    """Prefetch predictors the artifact's plan runs (any of ``next_gates``, ``path_stats``, ``first_gate``;
+    empty: the stage is off). The stage fits what they need on the calibration traces and measures their
+    recall on the last ``held_out`` share of the sequences (never fitted on), next-layer gates at distances
+    1..``distances``."""
+
+    predictors: tuple[str, ...] = ()
+    held_out: float = 0.25
+    distances: int = 3
+    next_gates: NextGatesKnobs = field(default_factory=NextGatesKnobs)
+    path_stats: PathStatsKnobs = field(default_factory=PathStatsKnobs)
+    first_gate: FirstGateKnobs = field(default_factory=FirstGateKnobs)
+
+
+@dataclass(frozen=True)
 class PackageSection:
     """Plan defaults written into the artifact: the share of each layer's experts to cache."""
 
@@ -192,6 +241,7 @@ class Recipe:
     quantize: QuantizeSection = field(default_factory=QuantizeSection)
     sensitivity: SensitivitySection = field(default_factory=SensitivitySection)
     bitwidth: BitwidthSection = field(default_factory=BitwidthSection)
+    predict: PredictSection = field(default_factory=PredictSection)
     package: PackageSection = field(default_factory=PackageSection)
     evaluate: EvaluateSection = field(default_factory=EvaluateSection)
 
@@ -314,6 +364,7 @@ def _validate(recipe: Recipe) -> None:
     for where, n in (("sensitivity", recipe.sensitivity.num_sequences), ("bitwidth", b.num_sequences)):
         if n is not None and n <= 0:
             raise MoeprepError(f"{where}.num_sequences must be positive (or null for all)")
+    _validate_predict(recipe.predict, q.precisions, recipe.calibration.num_sequences)
     if not 0 < recipe.package.cache_fraction <= 1:
         raise MoeprepError("package.cache_fraction must be in (0, 1]")
     if recipe.evaluate.gsm8k_format not in ("cot", "plain"):
@@ -327,6 +378,36 @@ def _validate(recipe: Recipe) -> None:
         raise MoeprepError(f"calibration.source {recipe.calibration.source!r} unknown; use {', '.join(SOURCES)}")
     if recipe.calibration.num_sequences <= 0 or recipe.calibration.sequence_length <= 1:
         raise MoeprepError("calibration needs num_sequences >= 1 and sequence_length >= 2")
+
+
+def _validate_predict(p: PredictSection, precisions: tuple[str, ...], num_sequences: int) -> None:
+    if unknown := [n for n in p.predictors if n not in PREDICTOR_NAMES]:
+        raise MoeprepError(f"predict.predictors: unknown predictor(s) {unknown}; use any of {PREDICTOR_NAMES}")
+    if len(set(p.predictors)) != len(p.predictors):
+        raise MoeprepError(f"predict.predictors names a predictor twice: {list(p.predictors)}")
+    if p.predictors and num_sequences < 2:
+        raise MoeprepError("predict needs calibration.num_sequences >= 2: the last ones are held out to measure "
+                           "the predictors' recall")
+    if not 0 < p.held_out < 1:
+        raise MoeprepError(f"predict.held_out is the share of calibration sequences held out, in (0, 1); got {p.held_out}")
+    for where, n in (("predict.distances", p.distances), ("predict.next_gates.depth", p.next_gates.depth),
+                     ("predict.path_stats.max_preload", p.path_stats.max_preload),
+                     ("predict.path_stats.min_count", p.path_stats.min_count),
+                     ("predict.next_gates.experts", p.next_gates.experts),
+                     ("predict.first_gate.experts", p.first_gate.experts),
+                     ("predict.first_gate.max_epochs", p.first_gate.max_epochs),
+                     ("predict.first_gate.patience", p.first_gate.patience)):
+        if n is not None and n < 1:
+            raise MoeprepError(f"{where} must be at least 1, got {n}")
+    if not 0 <= p.path_stats.floor <= 1:
+        raise MoeprepError(f"predict.path_stats.floor is a probability in [0, 1], got {p.path_stats.floor}")
+    if p.next_gates.precision is not None and p.next_gates.precision not in precisions:
+        raise MoeprepError(f"predict.next_gates.precision is {p.next_gates.precision}, which the quantize stage does "
+                           f"not write ({list(precisions)}); add it to quantize.also or set it to null")
+    if p.first_gate.init not in FIRST_GATE_INITS:
+        raise MoeprepError(f"predict.first_gate.init {p.first_gate.init!r} unknown; use one of {FIRST_GATE_INITS}")
+    if not p.first_gate.lr > 0:
+        raise MoeprepError(f"predict.first_gate.lr must be positive, got {p.first_gate.lr}")
 
 
 def recipe_from_dict(data: dict, overrides: tuple[str, ...] = ()) -> Recipe:

@@ -1,7 +1,9 @@
 """Stage ``package``: assemble the artifact directory the loader opens (format: ``loader/format.py``).
 
 Reads the quantize stage (every expert at every precision) and the bitwidth stage (which precision each
-expert ships at): each precision's store holds the records of exactly the experts planned at it. Needs the model (dense weights, config, tokenizer, module paths), the
+expert ships at): each precision's store holds the records of exactly the experts planned at it. With the
+predict stage on, the plan names its predictors and ``predictors.safetensors`` holds what they read.
+Needs the model (dense weights, config, tokenizer, module paths), the
 recipe (recorded in the manifest) and the artifact output. The files are written into a fresh
 directory beside ``--output`` (``prep.store.ArtifactOutput.build``), ``manifest.json`` last, and the
 finished directory is swapped in with one rename. The manifest records this stage's key
@@ -12,6 +14,7 @@ has its recorded size; otherwise it builds it again. Every file is a pure functi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,16 +22,19 @@ import torch
 from safetensors.torch import save_file
 
 from loader.codec import RecordLayout
-from loader.files import write_json_atomic
+from loader.files import write_bytes_atomic, write_json_atomic
 from loader.format import FORMAT, SCHEMA_VERSION, sha256_file, write_manifest
-from loader.plan import PLAN_FILE, Plan
+from loader.plan import PLAN_FILE, Plan, PolicySpec
+from loader.predict import PREDICTORS_FILE
+from prep.errors import MoeprepError
 from prep.recipe import PackageSection
 from prep.records import write_aligned_records
 from prep.stages import Stage, StageResult
 from prep.stages.bitwidth import BitwidthChoice, uniform_choice
+from prep.stages.predict import PredictionStats, prediction_markdown, predictor_tensors
 from prep.stages.quantize import PackedExperts
 
-VERSION = 3
+VERSION = 4
 REPORT = "report.json"
 REPORTED_DETAILS = ("loss", "metric", "sequences", "b_hi", "b_lo", "K", "met", "bounds", "trail", "sensitivity")  # the rest: the stage result
 
@@ -43,6 +49,7 @@ class ArtifactReport(StageResult):
     record_bytes: dict  # precision -> bytes of one record
     bits_per_weight: dict  # precision -> stored bits per weight, metadata included
     bitwidth: dict  # the bitwidth stage's method, knobs, expert counts and measured loss
+    prediction: dict | None  # the predict stage's figures (None when no predictor is on)
 
 
 def _producer() -> dict:
@@ -73,7 +80,7 @@ def _dense_state(model, expert_params: set[str]) -> dict[str, torch.Tensor]:
 
 def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quantize_dir: Path,
                      quantize: PackedExperts, choice: BitwidthChoice, cfg: PackageSection, package_key: str,
-                     out: Path) -> ArtifactReport:
+                     out: Path, prediction: tuple[Path, PredictionStats] | None = None) -> ArtifactReport:
     """Write every artifact file into the empty directory ``out``, ``manifest.json`` last; returns the report.
 
     ``recipe`` is the resolved recipe the artifact derives from, ``source`` the source model's
@@ -101,6 +108,16 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
 
     budget = f"{cfg.cache_fraction * 100:g}%"
     plan = Plan.mixed(grid, {p: quantize.stores[p]["record_bytes"] for p in used}, default_budget=budget)
+    summary = None
+    if prediction is not None:
+        stage_dir, stats = prediction
+        wanted = stats.knobs.get("next_gates", {}).get("precision")
+        if wanted is not None and wanted not in used:
+            raise MoeprepError(f"predict.next_gates.precision is {wanted}, but the artifact ships no {wanted} store "
+                               f"(its experts are at {used}); set it to null or to one of those")
+        plan = dataclasses.replace(plan, predictors=tuple(PolicySpec(n, stats.knobs[n]) for n in stats.predictors))
+        save_file(predictor_tensors(stage_dir, stats.predictors), str(out / PREDICTORS_FILE), metadata={"format": "pt"})
+        summary = {k: v for k, v in stats.to_json().items() if k != "seconds"}  # files hold no timings
     write_json_atomic(out / PLAN_FILE, plan.to_json())
 
     source_bytes = sum(p.numel() * p.element_size() for m in experts for p in m.parameters(recurse=False))
@@ -118,8 +135,10 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
                          for p in used},
         bitwidth={"method": choice.method, **choice.knobs, "experts": choice.counts,
                   **{k: v for k, v in choice.details.items() if k in REPORTED_DETAILS}},
+        prediction=summary,
     )
     write_json_atomic(out / REPORT, report.to_json())
+    write_bytes_atomic(out / "report.md", report_markdown(recipe.get("name", "artifact"), report.to_json()).encode())
 
     files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(out.iterdir()) if p.is_file()}
@@ -152,18 +171,36 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
     return report
 
 
+def report_markdown(name: str, report: dict, study: str = "") -> str:
+    """The artifact's report.md: what it holds, then ``study`` (a bit-width study's table, when one was
+    merged in), then the prediction figures."""
+    sizes, bw = report["sizes"], report.get("bitwidth", {})
+    mix = ", ".join(f"{p} {n}" for p, n in bw.get("experts", {}).items())
+    lines = [f"# {name}: {report.get('architecture', '')}", "",
+             f"- Experts: {mix} ({bw.get('method', 'uniform')}); {sizes['expert_bytes'] / 2**20:.2f} MiB, "
+             f"{report['compression']['bfloat16']:.2f}x smaller than bfloat16, "
+             f"{report['compression']['source']:.2f}x than the source; dense weights "
+             f"{sizes['dense_bytes'] / 2**20:.2f} MiB.", ""]
+    if study:
+        lines += [study, ""]
+    if report.get("prediction"):
+        lines += [prediction_markdown(report["prediction"]), ""]
+    return "\n".join(lines)
+
+
 def _run(inputs) -> ArtifactReport:
     quantize_dir, quantize = inputs.upstream("quantize")
     chosen = inputs.upstream("bitwidth", optional=True)
     choice = chosen[1] if chosen is not None else uniform_choice(quantize)
+    prediction = inputs.upstream("predict", optional=True)
     with inputs.artifact.build() as out:
         return package_artifact(inputs.model, inputs.adapter, inputs.tokenizer, inputs.recipe, inputs.source,
-                                quantize_dir, quantize, choice, inputs.config, inputs.key, out)
+                                quantize_dir, quantize, choice, inputs.config, inputs.key, out, prediction)
 
 
 STAGE = Stage(
     name="package", version=VERSION, config=PackageSection, result=ArtifactReport,
-    reads=("quantize", "bitwidth"), needs=frozenset({"model", "recipe", "artifact"}),
+    reads=("quantize", "bitwidth", "predict"), needs=frozenset({"model", "recipe", "artifact"}),
     run=_run,
     output_ok=lambda inputs, result: inputs.artifact.matches(inputs.key),
 )

@@ -1,0 +1,201 @@
+"""Stage ``predict``: what the loader's prefetch predictors need, and how well each predicts (issue 17).
+
+Runs when ``predict.predictors`` names any predictor. The calibration traces (trace stage) are split by
+sequence: the last ``held_out`` share is never fitted on and every figure is measured there.
+
+- next-layer gates: nothing to fit (the routers are in the dense weights); top-1 accuracy and top-K
+  recall of layer l+d's router on layer l's router input, per layer and distance, against the marginal
+  frequency of the target layer;
+- path statistics: counts fitted on the other sequences (``prep.routing_stats.fit_path_stats``), the
+  same figures per layer against the marginal;
+- first-layer gate (only when ``first_gate`` is enabled): trained on the fitted sequences' LM-head inputs
+  and first-router logits (``prep.first_gate``), early stopping on the last fifth of them, held-out KL,
+  top-1 and top-K recall against the marginal-frequency predictor.
+
+Tensors (``tensors.safetensors``, copied by package into the artifact's ``predictors.safetensors`` for
+the enabled predictors): the path counts (``loader.predict.PathStats``) and ``first_gate.weight`` [E, H].
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm import tqdm
+
+from prep.errors import MoeprepError
+from prep.first_gate import first_gate_data, gate_pairs, prediction_metrics, train_first_gate
+from prep.recipe import PredictSection
+from prep.routing_stats import fit_path_stats, next_gate_recall, path_stats_recall
+from prep.stages import Stage, StageResult
+from prep.trace import open_trace
+
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class PredictionStats(StageResult):
+    predictors: list  # the enabled predictors, in the recipe's order
+    knobs: dict  # predictor name -> the plan's params for it
+    sequences: dict  # {"fitted": n, "held_out": n, "tokens_held_out": n}
+    next_gates: dict  # routing_stats.next_gate_recall on the held-out tokens
+    path_stats: dict  # routing_stats.path_stats_recall on the held-out tokens
+    first_gate: dict | None  # training summary and held-out metrics (None when off)
+    seconds: float
+
+
+def plan_knobs(cfg: PredictSection) -> dict:
+    """The plan's params of each enabled predictor (what ``loader.predict.make_predictor`` takes)."""
+    knobs = {"next_gates": asdict(cfg.next_gates), "path_stats": asdict(cfg.path_stats),
+             "first_gate": {"experts": cfg.first_gate.experts}}
+    return {name: knobs[name] for name in cfg.predictors}
+
+
+def split(n: int, share: float) -> int:
+    """How many of ``n`` sequences are held out: the share, at least one, leaving at least one to fit."""
+    if n < 2:
+        raise MoeprepError(f"the trace has {n} sequence(s); predict needs two or more (set "
+                           "calibration.num_sequences >= 2)")
+    return min(max(1, round(n * share)), n - 1)
+
+
+def fit_first_gate(model, adapter, sequences: list, n_fit: int, cfg) -> tuple[torch.Tensor, dict]:
+    """Train on the first ``n_fit`` sequences (early stopping on their last fifth), measure on the rest."""
+    inputs, teachers = first_gate_data(model, adapter, sequences)
+    n_val = max(1, n_fit // 5) if n_fit >= 2 else 0
+    train = gate_pairs(inputs[:n_fit - n_val], teachers[:n_fit - n_val])
+    held = gate_pairs(inputs[n_fit:], teachers[n_fit:])
+    val = gate_pairs(inputs[n_fit - n_val:n_fit], teachers[n_fit - n_val:n_fit]) if n_val else held
+    init = "zeros"
+    if cfg.init == "router":
+        router = adapter.router(model, adapter.moe_layers[0])
+        init = router.weight.detach().float()
+    with tqdm(desc="first-layer gate", unit="epoch", total=cfg.max_epochs, leave=False) as bar:
+        def progress(_epoch, kl):
+            bar.update(1)
+            bar.set_postfix(held_kl=f"{kl:.4f}")
+
+        gate = train_first_gate(*train, *val, k=adapter.top_k, init=init, lr=cfg.lr, max_epochs=cfg.max_epochs,
+                                patience=cfg.patience, on_epoch=progress)
+    with torch.no_grad():
+        from prep.first_gate import marginal_logits
+
+        test = prediction_metrics(held[0] @ gate.weight.T, held[1], adapter.top_k)
+        marginal = prediction_metrics(marginal_logits(train[1], len(held[1])), held[1], adapter.top_k)
+    summary = {"init": cfg.init, "epochs": gate.epochs, "best_epoch": gate.best_epoch,
+               "pairs": {"train": len(train[0]), "early_stopping": len(val[0]), "held_out": len(held[0])},
+               "early_stopping_on": "fitted" if n_val else "held_out",
+               "held_out": test, "marginal": marginal}
+    return gate.weight.contiguous(), summary
+
+
+def fit_predictors(model, adapter, sequences: list, trace_dir, cfg: PredictSection) -> tuple[PredictionStats, dict]:
+    started = time.perf_counter()
+    trace = open_trace(trace_dir)
+    routing = trace.routing()
+    n_held = split(len(routing), cfg.held_out)
+    n_fit = len(routing) - n_held
+    fit_ids = [r.expert_ids for r in routing[:n_fit]]
+    held = routing[n_fit:]
+    held_ids = [r.expert_ids for r in held]
+    held_weights = [r.expert_weights for r in held]
+    rows = slice(trace.sequence_slices()[n_fit].start, None)
+    tensors = fit_path_stats(fit_ids, adapter.num_experts)
+    path = path_stats_recall(tensors, held_ids, held_weights, fit_ids, adapter.num_experts, cfg.path_stats.min_count)
+    routers = [adapter.router(model, layer) for layer in adapter.moe_layers]
+    gates = next_gate_recall([trace.router_inputs(layer)[rows] for layer in trace.layers],
+                             [(r.weight, getattr(r, "bias", None)) for r in routers],
+                             torch.cat(held_ids), torch.cat(held_weights), fit_ids, cfg.distances)
+    first = None
+    if "first_gate" in cfg.predictors:
+        if len(sequences) != len(routing):
+            raise MoeprepError(f"the trace holds {len(routing)} sequences but the calibration data has "
+                               f"{len(sequences)}; run prepare with --force trace")
+        tensors["first_gate.weight"], first = fit_first_gate(model, adapter, sequences, n_fit, cfg.first_gate)
+    stats = PredictionStats(
+        predictors=list(cfg.predictors), knobs=plan_knobs(cfg),
+        sequences={"fitted": n_fit, "held_out": n_held, "tokens_held_out": sum(len(r.expert_ids) for r in held)},
+        next_gates=gates, path_stats=path, first_gate=first, seconds=round(time.perf_counter() - started, 3))
+    return stats, tensors
+
+
+def predictor_tensors(stage_dir, predictors: list) -> dict:
+    """The tensors of the stage's result the named predictors read at run time."""
+    tensors = StageResult.load_tensors(stage_dir)
+    keep = (("path.",) if "path_stats" in predictors else ()) + (("first_gate.",) if "first_gate" in predictors else ())
+    return {name: t for name, t in tensors.items() if name.startswith(keep)} if keep else {}
+
+
+def _recall_key(row: dict) -> str:
+    return next(k for k in row if k.endswith("_recall"))
+
+
+def prediction_markdown(prediction: dict) -> str:
+    """The report.md section of the predict stage's figures (report.json ``prediction``)."""
+    seqs = prediction["sequences"]
+    lines = ["## Prediction", "",
+             f"Predictors in the plan: {', '.join(prediction['predictors'])}. Measured on the last "
+             f"{seqs['held_out']} calibration sequences ({seqs['tokens_held_out']} tokens), never fitted on; "
+             f"the baseline ranks each layer's experts by their frequency in the other {seqs['fitted']}.", ""]
+    gates = prediction["next_gates"]
+    if gates["layers"]:
+        key = _recall_key(gates["layers"][0]["gate"])
+        k = key.removeprefix("top").removesuffix("_recall")
+        lines += ["Next-layer gates (layer l+d's router on layer l's router input), mean over layers:", "",
+                  f"| distance | top-1 | top-{k} recall | marginal top-1 | marginal top-{k} recall |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        for d, m in gates["by_distance"].items():
+            lines.append(f"| {d} | {m['gate']['top1']:.3f} | {m['gate'][key]:.3f} | {m['marginal']['top1']:.3f} | "
+                         f"{m['marginal'][key]:.3f} |")
+        lines += ["", "Per layer and distance:", "",
+                  f"| layer | d | target | top-1 | top-{k} recall | marginal top-1 | marginal top-{k} recall |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in gates["layers"]:
+            lines.append(f"| {r['layer']} | {r['distance']} | {r['target']} | {r['gate']['top1']:.3f} | "
+                         f"{r['gate'][key]:.3f} | {r['marginal']['top1']:.3f} | {r['marginal'][key]:.3f} |")
+        lines.append("")
+    path = prediction["path_stats"]
+    if path["layers"]:
+        key = _recall_key(path["layers"][0]["path"])
+        k = key.removeprefix("top").removesuffix("_recall")
+        lines += ["Path statistics P(E_l | E_l-2, E_l-1) with backoff, per layer:", "",
+                  f"| layer | top-1 | top-{k} recall | marginal top-1 | marginal top-{k} recall | answered by "
+                  "full key / previous layer / marginal |", "| ---: | ---: | ---: | ---: | ---: | --- |"]
+        for r in path["layers"]:
+            t = r["tables"]
+            lines.append(f"| {r['layer']} | {r['path']['top1']:.3f} | {r['path'][key]:.3f} | "
+                         f"{r['marginal']['top1']:.3f} | {r['marginal'][key]:.3f} | "
+                         f"{t['prev2']:.2f} / {t['prev1']:.2f} / {t['marginal']:.2f} |")
+        lines.append("")
+    first = prediction.get("first_gate")
+    if first:
+        held, base = first["held_out"], first["marginal"]
+        key = _recall_key(held)
+        lines += [f"First-layer gate (init {first['init']}, {first['epochs']} epochs, best {first['best_epoch']}; "
+                  f"{first['pairs']['train']} training pairs, {first['pairs']['held_out']} held out): "
+                  f"KL {held['kl']:.4f}, top-1 {held['top1']:.3f}, {key.replace('_', ' ')} {held[key]:.3f}; the "
+                  f"marginal: KL {base['kl']:.4f}, top-1 {base['top1']:.3f}, {key.replace('_', ' ')} {base[key]:.3f}.", ""]
+    return "\n".join(lines)
+
+
+def _run(inputs) -> PredictionStats:
+    from prep.stages.trace import RoutingTraces
+
+    trace_dir, _ = inputs.upstream("trace")
+    stats, tensors = fit_predictors(inputs.model, inputs.adapter, inputs.sequences, RoutingTraces.path(trace_dir),
+                                    inputs.config)
+    from safetensors.torch import save_file
+
+    from prep.stages import TENSORS
+
+    save_file(tensors, str(inputs.work / TENSORS))  # result.json is written last, by the stage store
+    return stats
+
+
+STAGE = Stage(
+    name="predict", version=VERSION, config=PredictSection, result=PredictionStats,
+    reads=("trace",), needs=frozenset({"model", "calibration"}),
+    enabled=lambda recipe: bool(recipe.predict.predictors),
+    run=_run,
+)
