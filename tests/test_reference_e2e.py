@@ -29,13 +29,17 @@ def test_lossless_artifact_generates_exactly_what_transformers_does(tmp_path):
                   pad_token_id=tokenizer.pad_token_id)
     with torch.no_grad():
         expected = model.generate(input_ids=ids, **kwargs)
-        loaded = load(artifact, memory_budget="30%")
-        got = loaded.model.generate(input_ids=ids, **kwargs)
-    stats = loaded.stats()
-    loaded.close()
-    assert torch.equal(got, expected)
-    assert loaded.budget["cache_slots"]["main"] < 4 * 8  # 30% really offloads (4 MoE layers of 8 experts)
-    assert stats["misses"] > 0 and stats["hits"] > 0
+    # the plan's predictors (all three), none, and each alone: prefetching never changes an output
+    for predictors in (None, [], ["next_gates"], ["path_stats"], ["first_gate"]):
+        loaded = load(artifact, memory_budget="30%", predictors=predictors)
+        with torch.no_grad():
+            got = loaded.model.generate(input_ids=ids, **kwargs)
+        stats = loaded.stats()
+        loaded.close()
+        assert torch.equal(got, expected), predictors
+        assert loaded.budget["cache_slots"]["main"] < 4 * 8  # 30% really offloads (4 MoE layers of 8 experts)
+        assert stats["misses"] > 0 and stats["hits"] > 0
+        assert (stats["prefetch"]["issued"] > 0) == (predictors != []), (predictors, stats["prefetch"])
 
 
 def test_reference_recipe_end_to_end(tmp_path):
@@ -55,6 +59,8 @@ def test_reference_recipe_end_to_end(tmp_path):
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert len(manifest["stores"]) > 1 and report["bitwidth"]["method"] == "edgemoe"  # `make prepare` is mixed
     assert report["bitwidth"]["met"] and report["bitwidth"]["loss"] <= recipe.bitwidth.tolerance
+    assert report["prediction"]["predictors"] == ["next_gates", "path_stats", "first_gate"]
+    assert "## Prediction" in (artifact / "report.md").read_text()
     checked = report["eval"]["suites"]
     assert set(checked) == {"gsm8k", "mmlu", "truthfulqa_mc1", "truthfulqa_mc2"}
     assert all(0 <= s["mcnemar_p"] <= 1 for s in checked.values())

@@ -1,0 +1,253 @@
+"""Prediction and prefetching (issue 17): path statistics and their backoff, next-gate recall against a
+brute-force loop, the loader's three predictors against hand-made contexts, and greedy outputs that stay
+the same with every predictor on and off on all seven tiny architectures."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import ARCHITECTURES, prepare_tiny_artifact, tiny_recipe
+
+from loader.predict import (
+    FirstGatePredictor,
+    NextGates,
+    PathStats,
+    PathStatsPredictor,
+    PredictorContext,
+    PredictorError,
+    make_predictor,
+)
+from loader.runtime import LoaderError, load, minimum_budget
+from prep.errors import MoeprepError
+from prep.routing_stats import fit_path_stats, next_gate_recall, path_stats_recall
+
+E, K, L = 8, 2, 4
+
+
+def _deterministic_routing(n_seq: int = 3, tokens: int = 40, seed: int = 0) -> list[torch.Tensor]:
+    """Layer 0 random; every later layer's pair is a fixed function of the previous layer's pair."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_seq):
+        rows = []
+        for _ in range(tokens):
+            first = torch.randperm(E, generator=gen)[:K].tolist()
+            layers = [first]
+            for _ in range(1, L):
+                a, b = sorted(layers[-1])
+                layers.append([(a + b) % E, (a + b + 1) % E])
+            rows.append(layers)
+        out.append(torch.tensor(rows))
+    return out
+
+
+def test_path_stats_put_probability_one_on_a_deterministic_path_and_unseen_keys_back_off():
+    routing = _deterministic_routing()
+    stats = PathStats.from_tensors(fit_path_stats(routing, E), min_count=1)
+    token = routing[0][5].tolist()
+    for layer in (1, 2, 3):
+        probs, table = stats.probs(layer, token[layer - 2] if layer >= 2 else None, token[layer - 1])
+        assert table == ("prev2" if layer >= 2 else "prev1")
+        assert sorted(torch.nonzero(probs == 1).flatten().tolist()) == sorted(token[layer])
+        assert probs.sum().item() == pytest.approx(K)
+    # an unseen full key falls back to the previous layer's, and an unseen previous key to the marginal
+    seen1 = {tuple(sorted(t[1])) for seq in routing for t in seq.tolist()}
+    unseen = next((a, b) for a in range(E) for b in range(a + 1, E) if (a, b) not in seen1)
+    probs, table = stats.probs(2, unseen, token[1])
+    assert table == "prev1" and sorted(torch.nonzero(probs == 1).flatten().tolist()) == sorted(token[2])
+    seen2 = {tuple(sorted(t[2])) for seq in routing for t in seq.tolist()}
+    unseen2 = next((a, b) for a in range(E) for b in range(a + 1, E) if (a, b) not in seen2)
+    probs, table = stats.probs(3, token[1], unseen2)
+    assert table == "marginal" and torch.allclose(probs, stats.marginal[3])
+    assert stats.probs(0, None, None)[1] == "marginal"
+    # min_count: a key seen fewer times than that backs off too
+    strict = PathStats.from_tensors(fit_path_stats(routing, E), min_count=10**6)
+    assert strict.probs(3, token[1], token[2])[1] == "marginal"
+
+
+def test_path_counts_equal_a_brute_force_count():
+    gen = torch.Generator().manual_seed(1)
+    routing = [torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(L * 30)]).view(30, L, K)
+               for _ in range(2)]
+    tensors = fit_path_stats(routing, E)
+    tokens = [t for seq in routing for t in seq.tolist()]
+    for layer in range(L):
+        assert tensors["path.marginal.counts"][layer].tolist() == [sum(e in t[layer] for t in tokens) for e in range(E)]
+    for kind, layer, key_of in (("prev1", 1, lambda t: tuple(sorted(t[0]))),
+                                ("prev2", 3, lambda t: tuple(sorted(t[1])) + tuple(sorted(t[2])))):
+        totals = Counter(key_of(t) for t in tokens)
+        keys = [tuple(k) for k in tensors[f"path.{kind}.{layer}.keys"].tolist()]
+        assert sorted(keys) == sorted(totals)
+        for row, key in enumerate(keys):
+            assert tensors[f"path.{kind}.{layer}.totals"][row] == totals[key]
+            expected = [sum(e in t[layer] for t in tokens if key_of(t) == key) for e in range(E)]
+            assert tensors[f"path.{kind}.{layer}.counts"][row].tolist() == expected
+
+
+def test_path_recall_is_perfect_on_a_deterministic_path_and_the_marginal_is_not():
+    routing = _deterministic_routing()
+    result = path_stats_recall(fit_path_stats(routing[:2], E), routing[2:], None, routing[:2], E, min_count=1)
+    for row in result["layers"][1:]:
+        assert row["path"]["top2_recall"] == 1.0
+        assert row["marginal"]["top2_recall"] < 1.0
+
+
+def test_next_gate_recall_equals_a_brute_force_loop():
+    gen = torch.Generator().manual_seed(2)
+    hidden, n = 6, 50
+    routers = [(torch.randn(E, hidden, generator=gen), torch.randn(E, generator=gen) if i % 2 else None) for i in range(L)]
+    inputs = [torch.randn(n, hidden, generator=gen) for _ in range(L)]
+    ids = torch.stack([torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(L)]) for _ in range(n)])
+    weights = torch.rand(n, L, K, generator=gen)
+    result = next_gate_recall(inputs, routers, ids, weights, [ids], distances=2)
+    rows = {(r["layer"], r["distance"]): r for r in result["layers"]}
+    assert set(rows) == {(0, 1), (0, 2), (1, 1), (1, 2), (2, 1)}
+    for (layer, d), row in rows.items():
+        w, b = routers[layer + d]
+        top1 = recall = 0.0
+        for t in range(n):
+            logits = F.linear(inputs[layer][t], w, b)
+            predicted = logits.topk(K).indices.tolist()
+            chosen = ids[t, layer + d].tolist()
+            top1 += predicted[0] == chosen[int(weights[t, layer + d].argmax())]
+            recall += len(set(predicted) & set(chosen)) / K
+        assert row["gate"]["top1"] == pytest.approx(top1 / n)
+        assert row["gate"]["top2_recall"] == pytest.approx(recall / n)
+
+
+def _context(held=lambda layer, expert, precision: False, tensors=None, routers=None) -> PredictorContext:
+    return PredictorContext(L, E, K, routers or [], tensors or {}, held=held, precision_of=lambda layer, e: "int4")
+
+
+def test_next_gates_walk_to_the_first_layer_with_a_missing_expert():
+    gen = torch.Generator().manual_seed(3)
+    hidden = 5
+    routers = [(torch.randn(E, hidden, generator=gen), None) for _ in range(L)]
+    x = torch.randn(1, hidden, generator=gen)
+    predicted = {layer: F.linear(x, w).topk(K).indices[0].tolist() for layer, (w, _) in enumerate(routers)}
+    held = {(1, e) for e in predicted[1]}  # layer 1's prediction is resident; layer 2 misses one
+    gates = NextGates(depth=3)
+    gates.bind(_context(lambda layer, e, p: (layer, e) in held, routers=routers))
+    requests = gates.after_router(0, x, torch.tensor([[0, 1]]))
+    assert [(r.layer, r.expert) for r in requests] == [(1, e) for e in predicted[1]] + [(2, e) for e in predicted[2]]
+    # everything resident: the walk goes to the end of the model (depth) and stops there, no wrap
+    everything = NextGates(depth=5)
+    everything.bind(_context(lambda layer, e, p: True, routers=routers))
+    assert {r.layer for r in everything.after_router(1, x, torch.tensor([[0, 1]]))} == {2, 3}
+    assert everything.after_router(L - 1, x, torch.tensor([[0, 1]])) == []
+    one = NextGates(depth=1, experts=1)
+    one.bind(_context(routers=routers))
+    assert [(r.layer, r.expert) for r in one.after_router(0, x, torch.tensor([[0, 1]]))] == [(1, predicted[1][0])]
+
+
+def test_path_stats_predictor_takes_the_ranked_next_layer_with_a_cap_and_a_floor():
+    routing = _deterministic_routing()
+    tensors = fit_path_stats(routing, E)
+    token = routing[0][0].tolist()
+    predictor = PathStatsPredictor(max_preload=3, floor=0.05, min_count=1)
+    predictor.bind(_context(tensors=tensors))
+    assert predictor.after_router(0, torch.zeros(1, 4), torch.tensor([token[0]])) != []
+    got = predictor.after_router(1, torch.zeros(1, 4), torch.tensor([token[1]]))
+    assert sorted(r.expert for r in got) == sorted(token[2]) and {r.layer for r in got} == {2}  # floor drops p=0
+    capped = PathStatsPredictor(max_preload=1, floor=0.0, min_count=1)
+    capped.bind(_context(tensors=tensors))
+    capped.after_router(0, torch.zeros(1, 4), torch.tensor([token[0]]))
+    assert len(capped.after_router(1, torch.zeros(1, 4), torch.tensor([token[1]]))) == 1
+    with pytest.raises(PredictorError, match="path_stats in predict.predictors"):
+        PathStatsPredictor().bind(_context())
+
+
+def test_first_gate_predictor_names_the_top_k_of_the_last_position():
+    weight = torch.randn(E, 6, generator=torch.Generator().manual_seed(4))
+    hidden = torch.randn(1, 3, 6)
+    predictor = FirstGatePredictor()
+    predictor.bind(_context(tensors={"first_gate.weight": weight}))
+    requests = predictor.after_last_layer(hidden)
+    assert [(r.layer, r.expert) for r in requests] == [(0, e) for e in (hidden[0, -1] @ weight.T).topk(K).indices.tolist()]
+    with pytest.raises(PredictorError, match="first_gate in predict.predictors"):
+        FirstGatePredictor().bind(_context())
+    with pytest.raises(PredictorError, match="unknown"):
+        make_predictor("oracle")
+    with pytest.raises(PredictorError, match="depth"):
+        make_predictor("next_gates", {"depth": 0})
+
+
+ALL = ["next_gates", "path_stats", "first_gate"]
+
+
+def _predicting_recipe(**predict):
+    return tiny_recipe("int4", calibration={"num_sequences": 4, "sequence_length": 24},
+                       predict={"predictors": ALL, "path_stats": {"min_count": 1}, "first_gate": {"max_epochs": 20}}
+                       | predict)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_outputs_are_identical_with_every_predictor_on_and_off(tmp_path, arch):
+    model, artifact = prepare_tiny_artifact(tmp_path, arch, recipe=_predicting_recipe())
+    plan = json.loads((artifact / "plan.json").read_text())
+    assert [p["name"] for p in plan["predictors"]] == ALL
+    assert (artifact / "predictors.safetensors").is_file()
+    ids = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(5))
+    budget = minimum_budget(artifact)
+    outputs, issued = {}, {}
+    for chosen in ([], ["next_gates"], ["path_stats"], ["first_gate"], None):
+        loaded = load(artifact, memory_budget=budget, predictors=chosen)
+        with torch.no_grad():
+            outputs[str(chosen)] = loaded.model.generate(ids, max_new_tokens=10, do_sample=False,
+                                                         attention_mask=torch.ones_like(ids)).tolist()
+        stats = loaded.stats()["prefetch"]
+        loaded.close()
+        issued[str(chosen)] = stats["issued"]
+        assert stats["used"] + stats["wasted"] + stats["cancelled"] <= stats["issued"]
+    assert len({json.dumps(o) for o in outputs.values()}) == 1, outputs
+    assert issued["[]"] == 0 and issued["None"] > 0
+
+
+def test_predict_recipe_errors_name_the_fix(tmp_path):
+    with pytest.raises(MoeprepError, match="unknown predictor"):
+        tiny_recipe(predict={"predictors": ["oracle"]})
+    with pytest.raises(MoeprepError, match="floor"):
+        tiny_recipe(predict={"predictors": ["path_stats"], "path_stats": {"floor": 2}})
+    with pytest.raises(MoeprepError, match="quantize.also"):
+        tiny_recipe(predict={"predictors": ["next_gates"], "next_gates": {"precision": "int2"}})
+    with pytest.raises(MoeprepError, match="unknown key"):
+        tiny_recipe(predict={"predictors": [], "depth": 2})
+
+
+def test_a_predictor_the_artifact_was_not_prepared_for_is_one_clear_error(tmp_path):
+    _, artifact = prepare_tiny_artifact(tmp_path, "mixtral", recipe=_predicting_recipe(predictors=["next_gates"]))
+    assert json.loads((artifact / "report.json").read_text())["prediction"]["first_gate"] is None
+    with pytest.raises(LoaderError, match="first_gate in predict.predictors"):
+        load(artifact, predictors=["first_gate"])
+    loaded = load(artifact, predictors=["next_gates"])  # the knobs of the plan
+    assert loaded.runtime.predictors[0].depth == 3
+    loaded.close()
+
+
+def test_the_reference_models_held_out_recall_beats_the_marginal_at_every_layer(tmp_path):
+    """Next-layer gates at distance 1 for layers 1..L-1 and the first-layer gate for layer 0, on the last
+    quarter of the reference calibration sequences (never fitted on)."""
+    from prep.pipeline import prepare
+    from prep.recipe import load_recipe
+
+    repo = Path(__file__).resolve().parents[1]
+    recipe = load_recipe(repo / "recipes/reference-lossless.yaml",
+                         (f"model.path={repo / 'recipes/reference/model'}", "calibration.num_sequences=8"))
+    prepare(recipe, root=tmp_path, until="predict")
+    [stage] = (tmp_path / "artifacts/reference-lossless/stages").glob("predict-*")
+    result = json.loads((stage / "result.json").read_text())["result"]
+    d1 = [r for r in result["next_gates"]["layers"] if r["distance"] == 1]
+    assert [r["target"] for r in d1] == [1, 2, 3]
+    for row in d1:
+        assert row["gate"]["top2_recall"] > row["marginal"]["top2_recall"], row
+        assert row["gate"]["top1"] > row["marginal"]["top1"], row
+    first = result["first_gate"]
+    assert first["held_out"]["top2_recall"] > first["marginal"]["top2_recall"]
+    assert first["held_out"]["kl"] < first["marginal"]["kl"]
+    for row in result["path_stats"]["layers"][1:]:
+        assert row["path"]["top2_recall"] > row["marginal"]["top2_recall"], row
