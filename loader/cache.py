@@ -432,7 +432,9 @@ class ExpertCache:
         """Classify each wanted (expert, precision) of ``layer`` and protect them (uses are recorded by
         ``use`` once the precision each is computed at is known)."""
         self.clock.layer = layer
-        protected = self.protected.setdefault(layer, set())
+        # the layer's own decision supersedes what was predicted for it: only the wanted stay protected, so a
+        # wrong prediction never keeps the layer from caching what it does use
+        protected = self.protected[layer] = set()
         counters = self.counters[layer]
         requests = []
         for expert, precision in wanted:

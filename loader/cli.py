@@ -115,9 +115,12 @@ def check_device(device: str) -> None:
 @click.option("--memory-budget", default=None, help="Bytes, a size like 1.5GiB, or a share like 25%.")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--store", default="disk", show_default=True, type=click.Choice(["disk", "host"]))
+@click.option("--predictors", default=None,
+              help="Prefetch predictors to run, comma-separated (next_gates, path_stats, first_gate), or 'none'; "
+                   "default: the plan's. Prefetching never changes the output.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {text, token_ids, stats}.")
 def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_budget: str | None, device: str,
-                     store: str, as_json: bool) -> None:
+                     store: str, predictors: str | None, as_json: bool) -> None:
     """Greedy generation through the offloading runtime; streams the text, then prints the stats."""
     import torch
     from transformers import TextStreamer
@@ -127,7 +130,8 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
     if max_new_tokens < 1:
         raise MoeError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     check_device(device)
-    loaded = load(artifact, device=device, memory_budget=memory_budget, store=store)
+    chosen = None if predictors is None else [p for p in predictors.replace(" ", "").split(",") if p and p != "none"]
+    loaded = load(artifact, device=device, memory_budget=memory_budget, store=store, predictors=chosen)
     tok = loaded.tokenizer
     ids = torch.tensor([tok(prompt)["input_ids"]], dtype=torch.long, device=device)
     if ids.numel() == 0:
@@ -150,6 +154,10 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
                f"hit rate {stats['hit_rate'] or 0:.3f}  read {stats['bytes_read']:,} B in "
                f"{stats['read_seconds']:.3f} s  stall {stats['stall_seconds']:.3f} s  "
                f"peak cache {stats['peak_cache_bytes']:,} B  direct I/O {stats['direct_io']}")
+    pf = stats["prefetch"]
+    if pf["predictors"]:
+        click.echo(f"prefetch ({', '.join(pf['predictors'])}): issued {pf['issued']} used {pf['used']} "
+                   f"wasted {pf['wasted']} cancelled {pf['cancelled']}  read time saved {pf['saved_seconds']:.3f} s")
     for layer, s in stats["layers"].items():
         click.echo(f"  layer {layer}: hits {s['hits']} misses {s['misses']} "
                    f"read {s['bytes_read']:,} B stall {s['stall_seconds']:.3f} s")

@@ -23,7 +23,9 @@ fixed per-token function of it, and a gate trained on it can learn the scale its
 Shard tensors, per token row (rows of all sequences concatenated in order; a sequence may span
 shards): `token_ids` [T] int64, `last_hidden` [T, H], and for every MoE layer l (model layer index)
 `layers.{l}.router_input` [T, H], `layers.{l}.router_logits` [T, E] float32, `layers.{l}.expert_ids`
-[T, K] int64, `layers.{l}.expert_weights` [T, K] float32. Hidden states are float32 or float16.
+[T, K] int64, `layers.{l}.expert_weights` [T, K] float32, and `head_input` [T, H]: the LM head's input (the
+final-normed last hidden state, what the first-layer gate reads at run time; traces recorded before it
+was added lack it). Hidden states are float32 or float16.
 
 Shapes use the legend declared in ``loader/__init__.py``.
 """
@@ -140,6 +142,9 @@ class RoutingRecorder:
         hidden = output[0] if isinstance(output, tuple) else output
         self._keep("last_hidden", hidden.reshape(-1, hidden.shape[-1]), self.hidden_dtype)
 
+    def _head_hook(self, module, args):
+        self._keep("head_input", args[0].reshape(-1, args[0].shape[-1]), self.hidden_dtype)
+
     def __enter__(self) -> RoutingRecorder:
         for layer in self.adapter.moe_layers:
             router = self.adapter.router(self.model, layer)
@@ -147,6 +152,7 @@ class RoutingRecorder:
         if self.record_hidden:
             last = self.adapter.decoder_layers(self.model)[-1]
             self._handles.append(last.register_forward_hook(self._last_layer_hook))
+            self._handles.append(self.model.get_output_embeddings().register_forward_pre_hook(self._head_hook))
         return self
 
     def __exit__(self, *exc) -> None:

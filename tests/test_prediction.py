@@ -229,6 +229,28 @@ def test_a_predictor_the_artifact_was_not_prepared_for_is_one_clear_error(tmp_pa
     loaded.close()
 
 
+def test_moeload_generate_reports_prefetches_and_takes_the_predictor_switch(tmp_path):
+    from click.testing import CliRunner
+
+    from loader.cli import main as moeload
+
+    _, artifact = prepare_tiny_artifact(tmp_path, "qwen3_moe", recipe=_predicting_recipe())
+    runs = {}
+    for switch in ([], ["--predictors", "none"], ["--predictors", "next_gates,first_gate"]):
+        result = CliRunner().invoke(moeload, ["generate", str(artifact), "--prompt", "ABCDEF", "--max-new-tokens", "6",
+                                              "--memory-budget", str(minimum_budget(artifact)), "--json", *switch])
+        assert result.exit_code == 0, result.output
+        out = json.loads(result.output)
+        assert set(out["stats"]["prefetch"]) >= {"issued", "used", "wasted", "cancelled"}
+        runs[" ".join(switch)] = out
+    assert runs[""]["stats"]["prefetch"]["predictors"] == ALL
+    assert runs["--predictors none"]["stats"]["prefetch"]["issued"] == 0
+    assert runs["--predictors next_gates,first_gate"]["stats"]["prefetch"]["predictors"] == ["next_gates", "first_gate"]
+    assert len({json.dumps(r["token_ids"]) for r in runs.values()}) == 1
+    bad = CliRunner().invoke(moeload, ["generate", str(artifact), "--prompt", "AB", "--predictors", "oracle"])
+    assert bad.exit_code == 1 and "unknown" in bad.output
+
+
 def test_the_reference_models_held_out_recall_beats_the_marginal_at_every_layer(tmp_path):
     """Next-layer gates at distance 1 for layers 1..L-1 and the first-layer gate for layer 0, on the last
     quarter of the reference calibration sequences (never fitted on)."""
@@ -251,3 +273,37 @@ def test_the_reference_models_held_out_recall_beats_the_marginal_at_every_layer(
     assert first["held_out"]["kl"] < first["marginal"]["kl"]
     for row in result["path_stats"]["layers"][1:]:
         assert row["path"]["top2_recall"] > row["marginal"]["top2_recall"], row
+
+
+def test_path_stats_on_the_real_mixtral_traces_fit_on_one_problem_beat_the_marginal_on_the_other():
+    """Weak but real: the two GSM8K problems are 166 and 78 decode tokens (the figures are in the note)."""
+    from prep.trace import read_mixtral_traces
+
+    traces_dir = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+    if not (traces_dir / "mixtral-8x7b").is_dir():
+        pytest.skip(f"the real Mixtral traces are not at {traces_dir}")
+    fit, test = read_mixtral_traces(traces_dir)
+    result = path_stats_recall(fit_path_stats([fit.expert_ids], 8), [test.expert_ids], [test.expert_weights],
+                               [fit.expert_ids], 8)
+    assert result["mean"]["path"]["top2_recall"] > result["mean"]["marginal"]["top2_recall"]
+    assert result["mean"]["path"]["top1"] > result["mean"]["marginal"]["top1"]
+
+
+def test_the_simulator_replays_the_loaders_predictors_on_a_project_trace(tmp_path):
+    from prep.sim.simulate import simulate_trace
+
+    _, artifact = prepare_tiny_artifact(tmp_path, "mixtral", recipe=_predicting_recipe())
+    [trace] = (tmp_path / "artifacts/tiny/stages").glob("trace-*/trace")
+    # unlimited: nothing is ever evicted, so each used prefetch is a first use that would have missed
+    budget = "unlimited"
+    _, [off] = simulate_trace(trace, plan=artifact, budget=budget)
+    _, [on] = simulate_trace(trace, plan=artifact, budget=budget, predictors="plan")
+    off, on = off.to_json(), on.to_json()
+    assert off["prefetch"]["issued"] == 0 and on["prefetch"]["predictors"] == ALL
+    pf = on["prefetch"]
+    assert pf["issued"] > 0 and pf["used"] > 0 and pf["used"] + pf["wasted"] <= pf["issued"]
+    assert on["requests"] == off["requests"]  # the same routing; only what is resident when it is asked for differs
+    assert on["misses"] <= off["misses"] - pf["used"]
+    assert on["bytes_read"] >= off["bytes_read"]  # prefetches read too, wasted ones included
+    with pytest.raises(MoeprepError, match="unknown"):
+        simulate_trace(trace, plan=artifact, budget=budget, predictors="oracle")

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from loader.files import write_bytes_atomic
 
-SYSTEM_ORDER = ("resident", "accelerate", "naive", "moeprep")
+SYSTEM_ORDER = ("resident", "accelerate", "naive", "naive+next_gates", "naive+path_stats", "naive+first_gate",
+                "moeprep")
 
 
 def _num(value, fmt: str) -> str:
@@ -99,6 +100,7 @@ def write_markdown(report: dict) -> str:
                     f"{_ratio(speed, resident)} | {_ratio(speed, acc)} | {r['prefill_s']:.2f} | {_num(mb, '.1f')} | "
                     f"{_num(r['hit_rate'], '.3f')} | {_num(r['stall_fraction'], '.3f')} | {r['peak_rss_mb']:.0f} |")
         lines.append("")
+        lines += prefetch_table(rows, report["budgets"])
     lines += [
         "## How to read this",
         "",
@@ -129,6 +131,29 @@ def write_markdown(report: dict) -> str:
     ]
     lines += [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def prefetch_table(rows: list[dict], budgets: list[str]) -> list[str]:
+    """Each predictor against ``naive`` at every budget (decode steps only); nothing when none ran."""
+    predicted = [r for r in rows if r["system"].startswith("naive+") or r["system"] == "moeprep"]
+    if not any((r.get("prefetch") or {}).get("issued") for r in predicted):
+        return []
+    lines = ["Prefetching, decode steps only (`naive+<predictor>`: naive plus that predictor alone; `moeprep`: the "
+             "whole plan):", "",
+             "| budget | system | decode tok/s | vs naive | misses/token | prefetches issued | used | wasted | "
+             "cancelled | read s saved |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for budget in budgets:
+        at = {r["system"]: r for r in rows if r["budget"] == budget and not r.get("error")}
+        naive = (at.get("naive") or {}).get("decode_tokens_per_s")
+        for system in ("naive", *(s for s in SYSTEM_ORDER if s.startswith("naive+")), "moeprep"):
+            r = at.get(system)
+            if r is None:
+                continue
+            p = r.get("prefetch") or {}
+            lines.append(f"| {budget} | {system} | {r['decode_tokens_per_s']:.3g} | {_ratio(r['decode_tokens_per_s'], naive)} | "
+                         f"{_num(r.get('misses_per_token'), '.2f')} | {p.get('issued', 0)} | {p.get('used', 0)} | "
+                         f"{p.get('wasted', 0)} | {p.get('cancelled', 0)} | {_num(p.get('saved_seconds'), '.3f')} |")
+    return lines + [""]
 
 
 def write_plot(report: dict, path: Path) -> None:

@@ -5,6 +5,9 @@ Systems (DESIGN.md section 7, "Speed"):
   per subject, its row repeated at each budget.
 - ``accelerate``: transformers with accelerate's offloading at the same budget, what users do today.
 - ``naive``: the loader with per-layer LRU caches, no prediction, one precision.
+- ``naive+<predictor>``: ``naive`` plus one prefetch predictor of the artifact's plan (with its knobs), for
+  each predictor the plan has: what that predictor alone buys. The mixtral-shape subject's plan has none
+  (its weights are random and its routing replayed, so hidden-state predictors would predict noise).
 - ``moeprep``: the loader with the artifact's plan (``plan.json``: its pools, eviction policy, predictors,
   routing and miss policies), scaled to the budget.
 
@@ -36,6 +39,7 @@ from prep.errors import MoeprepError
 from prep.trace import MIXTRAL_TRACE_FILE
 
 SYSTEMS = ("resident", "accelerate", "naive", "moeprep")
+PREDICTOR_SYSTEMS = tuple(f"naive+{name}" for name in ("next_gates", "path_stats", "first_gate"))
 SUBJECTS = ("reference", "mixtral-shape")
 DEFAULT_BUDGETS = "12.5%,25%,50%,100%"
 QUICK_BUDGETS = "25%"
@@ -212,8 +216,12 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
     largest = max(subjects, key=lambda s: s.facts["store_bytes"])
     bandwidth = read_bandwidth(Path(largest.facts["store_file"]), sizes.bandwidth_bytes)
 
+    def systems(subj: Subject) -> list[str]:
+        planned = {p["name"] for p in json.loads((Path(subj.artifact) / "plan.json").read_text())["predictors"]}
+        return [*SYSTEMS[1:3], *(s for s in PREDICTOR_SYSTEMS if s.split("+", 1)[1] in planned), SYSTEMS[3]]
+
     runs = [(s, sys_, b) for s in subjects for sys_, b in
-            [("resident", "100%")] + [(x, b) for b in budget_list for x in SYSTEMS[1:]]]
+            [("resident", "100%")] + [(x, b) for b in budget_list for x in systems(s)]]
     results, raw = [], []
     bar = tqdm(runs, desc="bench", unit="run")
     for subj, system, budget in bar:

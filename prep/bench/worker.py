@@ -98,15 +98,20 @@ def _load(spec: dict, routing):
     """(model, loaded-or-None, accelerate probe-or-None, files whose page cache to drop before each step)."""
     system, device = spec["system"], spec["device"]
     model_dir = Path(spec["model_dir"])
-    if system in ("naive", "moeprep"):
+    if system == "moeprep" or system.startswith("naive"):
+        import dataclasses
+
         from loader.plan import Plan, read_plan
         from loader.runtime import load
 
         plan = None  # moeprep: the artifact's own plan, scaled to the budget
-        if system == "naive":  # per-layer LRU, nothing else, at each expert's shipped precision (no other records)
+        if system.startswith("naive"):  # per-layer LRU at each expert's shipped precision (no other records)
             own = read_plan(spec["artifact"])
             stores = json.loads((Path(spec["artifact"]) / "manifest.json").read_text())["stores"]
             plan = Plan.mixed(own.expert_precision, {p: s["record_bytes"] for p, s in stores.items()})
+            if "+" in system:  # naive+<predictor>: that one predictor with the artifact's knobs, nothing else
+                name = system.split("+", 1)[1]
+                plan = dataclasses.replace(plan, predictors=tuple(s for s in own.predictors if s.name == name))
         loaded = load(spec["artifact"], device=device, memory_budget=spec["budget"],
                       store="host" if device == "cuda" else "disk", plan=plan, routing=routing)
         return loaded.model, loaded, None, []
@@ -183,7 +188,9 @@ def measure(spec: dict) -> dict:
                    "hit_rate": hits / (hits + misses) if hits + misses else None,
                    "stall_fraction": (after["stall_seconds"] - before["stall_seconds"]) / decode_seconds,
                    "direct_io": after["direct_io"], "cache_slots": loaded.budget["cache_slots"],
-                   "budget_bytes": loaded.budget["limit_bytes"]}
+                   "budget_bytes": loaded.budget["limit_bytes"], "misses_per_token": misses / n,
+                   "prefetch": {k: after["prefetch"][k] - before["prefetch"][k]  # decode steps only
+                                for k in ("issued", "used", "wasted", "cancelled", "saved_seconds")}}
         loaded.close()
     elif probe is not None:
         moe_modules = spec["experts_modules"]

@@ -121,9 +121,6 @@ def capacities_spec(plan: Plan, caps: Capacities, record_bytes: dict, slot_bytes
         if spec.name not in _DEFAULT_HOOKS or spec.params:
             raise MoeprepError(f"the plan's {what} {spec.name!r} is not simulated yet; simulate the plan with "
                                f"that {what} off ({'/'.join(_DEFAULT_HOOKS)})")
-    if plan.predictors:
-        raise MoeprepError(f"the plan's predictors {[p.name for p in plan.predictors]} are not simulated yet; "
-                           "simulate the plan without predictors")
     pools = tuple(PoolConfig(p.name, p.precision, p.group, dict(caps.pools[p.name])) for p in plan.pools)
     slot_bytes = dict(slot_bytes if slot_bytes is not None else record_bytes)
     missing = sorted(set(plan.precisions) - set(record_bytes) - set(slot_bytes))
@@ -166,16 +163,22 @@ class LayerResult:
     misses: int = 0
     joins: int = 0
     bytes_read: int = 0
-    read_seconds: float = 0.0
+    read_seconds: float = 0.0  # demand reads: the modelled stall
     compute_seconds: float = 0.0
+    prefetch_read_seconds: float = 0.0  # prefetch reads, modelled as hidden behind compute
+    prefetches: int = 0
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0
 
     def to_json(self, layer: int, modelled: bool) -> dict:
         out = {"layer": layer, "requests": self.requests, "hits": self.hits, "misses": self.misses,
                "joins": self.joins, "miss_rate": self.misses / self.requests if self.requests else None,
-               "bytes_read": self.bytes_read}
+               "bytes_read": self.bytes_read, "prefetches": self.prefetches, "prefetch_used": self.prefetch_used,
+               "prefetch_wasted": self.prefetch_wasted}
         if modelled:
             out |= {"read_seconds": self.read_seconds, "compute_seconds": self.compute_seconds,
-                    "seconds": self.read_seconds + self.compute_seconds}
+                    "seconds": self.read_seconds + self.compute_seconds,
+                    "prefetch_read_seconds": self.prefetch_read_seconds}
         return out
 
 
@@ -194,6 +197,7 @@ class SimResult:
     cold_start: bool
     layers: list[LayerResult] = field(default_factory=list)
     profile: DeviceProfile | None = None
+    predictors: list = field(default_factory=list)  # names of the predictors replayed
 
     @property
     def requests(self) -> int:
@@ -232,6 +236,10 @@ class SimResult:
             "record_bytes": self.record_bytes, "cold_start": self.cold_start,
             "convention": "one call per token per MoE layer; a token's experts inserted together",
             "seconds": None,
+            "prefetch": {"predictors": self.predictors, "issued": sum(r.prefetches for r in self.layers),
+                         "used": sum(r.prefetch_used for r in self.layers),
+                         "wasted": sum(r.prefetch_wasted for r in self.layers),
+                         "model": "a prefetch lands before its layer runs (its read hidden behind compute)"},
         }
         if modelled:
             read = sum(r.read_seconds for r in self.layers)
@@ -256,14 +264,32 @@ def _factory(policy: str, params: dict | None, future: FutureUses | None):
         raise MoeprepError(f"{e}; the simulator also runs 'belady'") from None
 
 
+@dataclass(frozen=True)
+class PredictionFeed:
+    """What the loader's predictors read, per replayed sequence: router inputs [T, L, H] and the LM head's
+    input [T, H] (None: the trace lacks it, and ``first_gate`` cannot be replayed); plus each MoE layer's
+    router (weight [E, H], bias [E] or None) and the artifact's predictor tensors."""
+
+    router_inputs: list
+    head_inputs: list | None
+    routers: list
+    tensors: dict
+
+
 def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params: dict | None = None,
-             profile: DeviceProfile | None = None, cold_start: bool = True) -> SimResult:
+             profile: DeviceProfile | None = None, cold_start: bool = True, predictors: list | None = None,
+             feed: PredictionFeed | None = None) -> SimResult:
     """Replay ``replay`` through an ``ExpertCache`` built from ``spec`` with eviction ``policy``.
 
     policy: a name of ``POLICY_NAMES`` with ``params``; None takes the spec's (a plan's) eviction policy.
     Returns a ``SimResult``: hits, misses, joins and bytes read per MoE layer (a miss reads one record of
     its precision whether or not the cache keeps it), and with ``profile`` the modelled read and
     compute seconds (``prep.sim.device``).
+
+    predictors: ``loader.predict`` predictors, run as the loader runs them (after each router, with the
+    token's chosen experts protected first; and after the last layer) on ``feed``. A prefetch is admitted
+    through ``ExpertCache.prefetch`` and modelled as landing before its layer runs: its bytes count, its
+    read seconds go to ``prefetch_read_seconds`` (hidden behind compute), not to the stall.
     """
     if policy is None:
         policy, params = spec.eviction[0], (params if params is not None else spec.eviction[1])
@@ -281,14 +307,40 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
     precision, record_bytes = spec.expert_precision, spec.record_bytes
     slot_bytes = spec.slot_bytes if spec.slot_bytes is not None else record_bytes
     num_experts = spec.num_experts
-    for sequence in replay.sequences:
+    predictors = list(predictors or [])
+    if predictors:
+        import torch
+
+        _bind_predictors(predictors, cache, spec, replay, feed)
+
+    def prefetch(requests) -> None:
+        wanted = []
+        for r in requests:
+            p = r.precision or precision[r.layer][r.expert]
+            if p in slot_bytes and p in cache.pool_of:
+                wanted.append((r.layer, r.expert, p, slot_bytes[p]))
+        for entry in cache.prefetch(wanted):
+            cache.count_read(entry.layer, record_bytes[entry.precision])
+            cache.complete(entry)
+            if profile is not None:
+                layers[entry.layer].prefetch_read_seconds += profile.read_seconds(record_bytes[entry.precision])
+
+    for s, sequence in enumerate(replay.sequences):
         cache.clear() if cold_start else cache.reset()
+        for p in predictors:
+            p.reset()
         if future is not None:
             future.start(sequence)
         for t, token in enumerate(sequence):
             cache.clock.token = t
             for layer, experts in enumerate(token):
                 counts = layers[layer]
+                if predictors:  # the router has decided: its experts are protected, then the predictors run
+                    for e in experts:
+                        cache.protect(layer, e)
+                    x, chosen = feed.router_inputs[s][t, layer][None].float(), torch.tensor([list(experts)])
+                    for p in predictors:
+                        prefetch(p.after_router(layer, x, chosen))
                 wanted = ordered_experts([experts], num_experts)  # the runtime's visiting order
                 requests = cache.begin_layer(layer, [(e, precision[layer][e]) for e in wanted])
                 for request in requests:  # as the runtime: every use first, at its computed precision
@@ -307,11 +359,67 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
                     elif profile is not None:
                         counts.compute_seconds += profile.compute(request.entry.precision)
                 cache.end_layer(layer)
+            if predictors and feed.head_inputs is not None:
+                for p in predictors:
+                    prefetch(p.after_last_layer(feed.head_inputs[s][t][None].float()))
     for layer, counts in enumerate(layers):
         c = cache.counters[layer]
         counts.hits, counts.misses, counts.joins, counts.bytes_read = c.hits, c.misses, c.joins, c.bytes_read
+        counts.prefetches, counts.prefetch_used, counts.prefetch_wasted = c.prefetches, c.prefetch_used, c.prefetch_wasted
     return SimResult(policy, dict(params or {}), spec.capacity, spec.group, replay.source, len(replay.sequences),
-                     replay.num_tokens, dict(record_bytes), cold_start, layers, profile)
+                     replay.num_tokens, dict(record_bytes), cold_start, layers, profile, [p.name for p in predictors])
+
+
+def _bind_predictors(predictors: list, cache: ExpertCache, spec: CacheSpec, replay: Replay,
+                     feed: PredictionFeed | None) -> None:
+    from loader.predict import PredictorContext, PredictorError
+
+    if feed is None:
+        raise MoeprepError("predictors need what they read: simulate a project trace (router inputs) with an "
+                           "artifact (routers and predictors.safetensors)")
+    if len(feed.router_inputs) != len(replay.sequences):
+        raise MoeprepError(f"the prediction feed has {len(feed.router_inputs)} sequences, the replay "
+                           f"{len(replay.sequences)}; build both from one trace")
+    if feed.head_inputs is None and any(p.name == "first_gate" for p in predictors):
+        raise MoeprepError("first_gate needs the LM head's input, which this trace lacks (recorded before "
+                           "moeprep kept it); record the trace again (`moeprep prepare --force trace`)")
+    context = PredictorContext(spec.num_layers, spec.num_experts, replay.top_k, feed.routers, feed.tensors,
+                               held=lambda layer, expert, p: cache.find(layer, expert, p) is not None,
+                               precision_of=lambda layer, expert: spec.expert_precision[layer][expert])
+    for p in predictors:
+        try:
+            p.bind(context)
+        except PredictorError as e:
+            raise MoeprepError(str(e)) from None
+
+
+def prediction_feed(trace_dir, artifact) -> PredictionFeed:
+    """The feed of a project trace directory and the artifact whose routers and predictor tensors to use."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from loader.format import read_manifest
+    from loader.predict import PREDICTORS_FILE
+    from prep.trace import open_trace
+
+    trace = open_trace(trace_dir)
+    if f"layers.{trace.layers[0]}.router_input" not in trace.index["tensors"]:
+        raise MoeprepError(f"{trace_dir} holds no router inputs; record it with hidden states (record_hidden)")
+    inputs = torch.stack([trace.router_inputs(layer) for layer in trace.layers], dim=1)  # [N, L, H]
+    head = trace.tensor("head_input") if "head_input" in trace.index["tensors"] else None
+    slices = trace.sequence_slices()
+    manifest = read_manifest(artifact)
+    routers = []
+    with safe_open(str(manifest.path("dense.safetensors")), framework="pt") as f:
+        names = set(f.keys())
+        for path in manifest.raw["moe"]["router_modules"]:
+            bias = f"{path}.bias"
+            routers.append((f.get_tensor(f"{path}.weight").float(),
+                            f.get_tensor(bias).float() if bias in names else None))
+    tensors = load_file(str(manifest.path(PREDICTORS_FILE))) if PREDICTORS_FILE in manifest.raw["files"] else {}
+    return PredictionFeed([inputs[s] for s in slices], [head[s] for s in slices] if head is not None else None,
+                          routers, tensors)
 
 
 def sweep(replay: Replay, policies: Iterable[str], capacities_per_layer: Iterable[int],
@@ -352,14 +460,15 @@ def parse_list(text: str | None, what: str, convert=str) -> list:
 
 def simulate_trace(trace, plan=None, budget=None, policies=None, capacity=None, groups=("layer",),
                    params: dict | None = None, record_bytes: int | None = None, precision: str = "int4",
-                   profile=None, cold_start: bool = True) -> tuple[Replay, list[SimResult]]:
+                   profile=None, cold_start: bool = True, predictors=None) -> tuple[Replay, list[SimResult]]:
     """What ``moeprep simulate`` runs: load the trace, build the cache(s), replay.
 
     trace: a project trace directory or the real Mixtral traces (``load_replay``). Either ``plan`` (a
     ``plan.json`` path, an artifact directory, or a ``Plan``) with ``budget`` (None: the plan's default),
     or ``capacity`` (experts per layer: an int, a list, or "2,4,6") with ``groups``. policies: names,
     "a,b", "all", or None (the plan's policy; "lru" without a plan). profile: a ``DeviceProfile`` or a
-    path to one. Returns the replay and one ``SimResult`` per (group, capacity, policy).
+    path to one. predictors: names (a list or "a,b"; "plan": the plan's) replayed with the artifact's knobs
+    and tensors on the trace's router inputs; they need ``plan`` to be an artifact and a project trace. Returns the replay and one ``SimResult`` per (group, capacity, policy).
     """
     from pathlib import Path
 
@@ -393,9 +502,14 @@ def simulate_trace(trace, plan=None, budget=None, policies=None, capacity=None, 
                 except PlanError as e:
                     raise MoeprepError(str(e)) from None
                 spec = plan_spec(loaded, budget, _synthetic_sizes(loaded, replay, record_bytes))
-        runs = [simulate(replay, spec, p, params if p != "belady" else None, profile, cold_start)
-                for p in (policies or [None])]
+        names, feed = _predictor_request(predictors, plan, trace)
+        runs = []
+        for p in (policies or [None]):
+            chosen = _make_predictors(names, plan)
+            runs.append(simulate(replay, spec, p, params if p != "belady" else None, profile, cold_start, chosen, feed))
         return replay, runs
+    if predictors:
+        raise MoeprepError("--predictors needs --plan ARTIFACT (its routers and predictors.safetensors)")
     if capacity is None:
         raise MoeprepError("give --plan PLAN.json, or --policy NAME with --capacity N (experts per layer)")
     if budget is not None:
@@ -406,6 +520,44 @@ def simulate_trace(trace, plan=None, budget=None, policies=None, capacity=None, 
         raise MoeprepError("--capacity needs at least one number of experts per layer")
     return replay, sweep(replay, policies or ["lru"], capacities_, groups,
                          record_bytes or DEFAULT_RECORD_BYTES, precision, params, profile, cold_start)
+
+
+def _predictor_request(predictors, plan, trace) -> tuple[list[str], PredictionFeed | None]:
+    from pathlib import Path
+
+    from loader.predict import PREDICTORS
+
+    if not predictors or predictors == "none":
+        return [], None
+    path = Path(plan) if not isinstance(plan, Plan) else None
+    artifact = path.parent if path is not None and path.name == "plan.json" else path
+    if artifact is None or not (artifact / "manifest.json").is_file():
+        raise MoeprepError("--predictors needs --plan to be an artifact directory (its routers and predictors)")
+    if predictors == "plan":
+        names = [s.name for s in read_plan_file(artifact / "plan.json").predictors]
+    else:
+        names = parse_list(predictors, "--predictors") if isinstance(predictors, str) else list(predictors)
+    if unknown := [n for n in names if n not in PREDICTORS]:
+        raise MoeprepError(f"--predictors: unknown {unknown}; use any of {', '.join(PREDICTORS)}, 'plan' or 'none'")
+    if not Path(trace).is_dir():
+        raise MoeprepError("--predictors replays hidden-state inputs: give a project trace directory (the real "
+                           "Mixtral traces hold expert ids only)")
+    return names, prediction_feed(trace, artifact)
+
+
+def _make_predictors(names: list[str], plan) -> list:
+    from pathlib import Path
+
+    from loader.predict import PredictorError, make_predictor
+
+    if not names:
+        return []
+    path = Path(plan)
+    knobs = {s.name: s.params for s in read_plan_file((path if path.is_dir() else path.parent) / "plan.json").predictors}
+    try:
+        return [make_predictor(n, knobs.get(n)) for n in names]
+    except PredictorError as e:
+        raise MoeprepError(str(e)) from None
 
 
 def parse_params(items) -> dict:

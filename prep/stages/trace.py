@@ -16,7 +16,7 @@ from prep.recipe import TraceSection
 from prep.stages import Stage, StageResult
 from prep.trace import open_trace, record_traces
 
-VERSION = 1
+VERSION = 2  # 2: the trace holds head_input
 
 
 @dataclass(frozen=True)
