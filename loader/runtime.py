@@ -650,7 +650,11 @@ def _load(artifact, device, memory_budget, store, policy, workers, routing, pred
     runtime.routing = loaded.routing.policy
     if runtime.predictors:
         routers = [_submodule(model, path, "router") for path in moe["router_modules"]]
-        runtime.bind_predictors([(r.weight, getattr(r, "bias", None)) for r in routers], _predictor_tensors(manifest))
+        try:
+            runtime.bind_predictors([(r.weight, getattr(r, "bias", None)) for r in routers], _predictor_tensors(manifest))
+        except LoaderError:
+            runtime.close()
+            raise
         # the LM head's input is the final-normed last hidden state, what the first-layer gate was trained on
         model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: runtime.after_last_layer(args[0]))
     _attach_counters(loaded)
