@@ -546,8 +546,8 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     ("25%": the dense weights plus that share of the source model's expert bytes), or "unlimited".
     policy: an eviction policy name overriding the plan's. routing / predictors / miss_policy: objects
     overriding the plan's (``loader.routing``, ``loader.predict``); predictors may also be names
-    (``loader.predict.PREDICTORS``), which take the plan's knobs for that name, and ``[]`` turns them off. plan: a whole ``Plan`` instead of
-    the artifact's ``plan.json``.
+    (``loader.predict.PREDICTORS``), which take the plan's knobs for that name, and ``[]`` turns them
+    off. plan: a whole ``Plan`` instead of the artifact's ``plan.json``.
 
     ``prepare`` publishes a new artifact by swapping a symlink and then deletes the old version; a load
     that was reading the old version when it went is retried once on the new one.

@@ -180,8 +180,8 @@ def reference_metrics_command(ref_dir: str) -> None:
 
 
 @main.command("bench")
-@click.option("--subject", type=click.Choice(["reference", "mixtral-shape", "all"]), default="all",
-              show_default=True, help="What to measure.")
+@click.option("--subject", type=click.Choice(["reference", "reference-lossless", "mixtral-shape", "all"]),
+              default="all", show_default=True, help="What to measure.")
 @click.option("--budgets", default=None,
               help="Comma-separated shares of the expert store. [default: 12.5%,25%,50%,100%; with --quick: 25%]")
 @click.option("--quick", is_flag=True, help="Smoke-sized: tiny mixtral-shape, one budget, a few tokens.")

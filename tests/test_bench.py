@@ -50,3 +50,26 @@ def test_bench_refuses_bad_options(tmp_path):
                                   "--output", str(tmp_path)])
     assert result.exit_code == 1 and "traces" in result.output
     assert parse_budgets("12.5%, 25%") == ["12.5%", "25%"]
+
+
+def test_bench_runs_each_planned_predictor_against_naive_on_the_lossless_reference(tmp_path):
+    """The reference-lossless plan has all three predictors: naive+<predictor> rows and a prefetch table."""
+    import shutil
+
+    from prep.bench.run import PREDICTOR_SYSTEMS
+
+    repo = Path(__file__).resolve().parents[1]
+    root = tmp_path / "repo"
+    (root / "recipes").mkdir(parents=True)
+    shutil.copy(repo / "recipes" / "reference-lossless.yaml", root / "recipes")
+    (root / "recipes" / "reference").symlink_to(repo / "recipes" / "reference")
+    from prep.bench.run import run_bench
+
+    report = run_bench("reference-lossless", "25%", quick=True, output=tmp_path / "bench", root=root, echo=lambda m: None)
+    rows = {r["system"]: r for r in report["results"]}
+    assert set(PREDICTOR_SYSTEMS) <= set(rows)
+    for system in (*PREDICTOR_SYSTEMS, "moeprep"):
+        assert not rows[system].get("error"), rows[system]
+        assert rows[system]["prefetch"]["issued"] > 0, system
+    assert rows["naive"]["prefetch"]["issued"] == 0
+    assert "vs naive" in (tmp_path / "bench" / "bench.md").read_text()

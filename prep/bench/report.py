@@ -106,7 +106,7 @@ def write_markdown(report: dict) -> str:
         "",
         "- A budget `p%` is the dense weights + p% of the source model's expert bytes in their original dtype "
         "(the loader's read buffers included), in bytes; accelerate gets the same bytes as `max_memory`. For "
-        "`reference` the store is int4, so at the same bytes accelerate (which offloads the original weights) "
+        "`reference` the store is mixed int4/int3, so at the same bytes accelerate (which offloads the original weights) "
         "has less of its model in memory.",
         "- `resident`: transformers, every weight in memory (the ceiling); measured once per subject, its row "
         "repeated at each budget. `accelerate`: `from_pretrained(device_map=\"auto\", max_memory={\"cpu\": "

@@ -40,7 +40,7 @@ from prep.trace import MIXTRAL_TRACE_FILE
 
 SYSTEMS = ("resident", "accelerate", "naive", "moeprep")
 PREDICTOR_SYSTEMS = tuple(f"naive+{name}" for name in ("next_gates", "path_stats", "first_gate"))
-SUBJECTS = ("reference", "mixtral-shape")
+SUBJECTS = ("reference", "reference-lossless", "mixtral-shape")
 DEFAULT_BUDGETS = "12.5%,25%,50%,100%"
 QUICK_BUDGETS = "25%"
 RESULT_KEYS = ("subject", "system", "budget", "decode_tokens_per_s", "prefill_s", "bytes_read_per_token",
@@ -175,7 +175,7 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
         raise MoeprepError("--device cuda: torch sees no CUDA GPU here; run with --device cpu "
                            "(or install a CUDA build of torch on a machine with a GPU)")
     if subject not in (*SUBJECTS, "all"):
-        raise MoeprepError(f"--subject {subject!r} unknown; use reference, mixtral-shape or all")
+        raise MoeprepError(f"--subject {subject!r} unknown; use {', '.join(SUBJECTS)} or all")
     budget_list = parse_budgets(budgets or (QUICK_BUDGETS if quick else DEFAULT_BUDGETS))
     sizes = QUICK if quick else FULL
     root, output = Path(root), Path(output)
@@ -190,9 +190,9 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
     have_traces = traces_dir is not None and any(
         p.is_file() for p in (traces_dir, traces_dir / MIXTRAL_TRACE_FILE, traces_dir / "mixtral-8x7b" / MIXTRAL_TRACE_FILE))
     for name in wanted:
-        if name == "reference":
-            echo("preparing subject reference (the stage cache makes this free when nothing changed)")
-            subjects.append(reference_subject(root, sizes.reference_prompt, sizes.reference_decode))
+        if name.startswith("reference"):
+            echo(f"preparing subject {name} (the stage cache makes this free when nothing changed)")
+            subjects.append(reference_subject(root, sizes.reference_prompt, sizes.reference_decode, name))
             continue
         if not have_traces and not quick:
             message = (f"mixtral-shape skipped: the real Mixtral traces are not in {traces_dir} "

@@ -1,7 +1,10 @@
 """The bench's subjects: a model, its prepared artifact, the tokens to run and whose routing to use.
 
-``reference``: the reference artifact of ``recipes/reference.yaml`` (prepared here if missing or stale;
-the stage cache makes that free when nothing changed) with its own routing, against its original model.
+``reference``: the reference artifact of ``recipes/reference.yaml`` (prepared here; the stage cache makes
+that free when nothing changed) with its own routing, against its original model. ``reference-lossless``:
+the same from ``recipes/reference-lossless.yaml`` (experts as trained, and the prefetch predictors), where a
+percentage budget really offloads (the mixed artifact is 9x smaller than its float32 source, so it fits
+whole at 12.5%).
 
 ``mixtral-shape``: Mixtral-8x7B's architecture (32 layers, 8 experts, top-2) with hidden and expert sizes
 scaled so the expert store is about 4 GB and a 25% budget about 1 GB, random (seeded) weights, a tiny
@@ -86,14 +89,14 @@ def _store_facts(artifact: Path) -> dict:
             "moe_layers": len(moe["layers"]), "num_experts": moe["num_experts"], "top_k": moe["top_k"]}
 
 
-def reference_subject(root: Path, prompt_tokens: int, decode_tokens: int) -> Subject:
-    """The reference artifact (prepared through the package stage if missing or stale) and its model."""
+def reference_subject(root: Path, prompt_tokens: int, decode_tokens: int, name: str = "reference") -> Subject:
+    """The artifact of ``recipes/<name>.yaml`` (prepared through the package stage) and its model."""
     from transformers import AutoTokenizer
 
     from prep.pipeline import prepare
     from prep.recipe import load_recipe
 
-    recipe_path = root / "recipes" / "reference.yaml"
+    recipe_path = root / "recipes" / f"{name}.yaml"
     if not recipe_path.is_file():
         raise MoeprepError(f"{recipe_path} not found; run `moeprep bench` from the repository root")
     recipe = load_recipe(recipe_path)
@@ -101,8 +104,7 @@ def reference_subject(root: Path, prompt_tokens: int, decode_tokens: int) -> Sub
     if not (model_dir / "config.json").is_file():
         raise MoeprepError(f"reference model {model_dir} missing; run `make reference-model` first")
     artifact = root / "artifacts" / recipe.name / "artifact"
-    if not _artifact_is_current(artifact, model_dir):
-        prepare(recipe, root=root, until="package")  # the accuracy check is not needed to measure speed
+    prepare(recipe, root=root, until="package")  # reused when current; the accuracy check is not needed here
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     need = prompt_tokens + decode_tokens
     text = REFERENCE_TEXT
@@ -110,7 +112,7 @@ def reference_subject(root: Path, prompt_tokens: int, decode_tokens: int) -> Sub
     while len(ids) < need:
         text += REFERENCE_TEXT
         ids = tokenizer(text)["input_ids"]
-    return Subject("reference", model_dir, artifact, ids[:prompt_tokens], ids[prompt_tokens:need], None,
+    return Subject(name, model_dir, artifact, ids[:prompt_tokens], ids[prompt_tokens:need], None,
                    "the model's own routers (the loader's quantized experts may route a few tokens differently)",
                    _store_facts(artifact))
 
