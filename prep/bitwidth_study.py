@@ -257,7 +257,6 @@ def merge_study_into(artifact: str | Path, study: dict) -> None:
                                                                if k not in ("trail", "sensitivity")}}
                        for r in study["rows"]]
     report["bitwidth_study"] = summary
-    text = report_markdown(manifest.raw["recipe"].get("name", "artifact"), report,
-                           study_markdown(study) + "![accuracy delta against expert bytes](report.png)\n")
+    text = report_markdown(manifest.raw["recipe"].get("name", "artifact"), report)
     update_artifact_report(manifest.root, {"bitwidth_study": summary},
                            files={"report.md": text.encode(), "report.png": study_plot(study)})

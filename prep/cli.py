@@ -149,6 +149,49 @@ def bitwidth_study_command(recipe_path, output, tolerances, shares, suites, data
     click.echo(f"wrote {Path(output) / 'study.json'}, study.md, study.png" + (f"; merged into {into}" if into else ""))
 
 
+@main.command("prediction-study")
+@click.option("--recipe", "recipe_path", default="recipes/reference-lossless.yaml", show_default=True,
+              type=click.Path(dir_okay=False), help="The recipe whose model makes the fresh trace.")
+@click.option("--artifact", default=None, type=click.Path(file_okay=False),
+              help="The prepared artifact whose predictors to replay [default: artifacts/<recipe name>/artifact].")
+@click.option("--budgets", default="25%,50%", show_default=True, help="Comma-separated memory budgets.")
+@click.option("--seed", default=1, show_default=True, type=int,
+              help="Calibration seed of the fresh text (not the recipe's own, which the predictors were fitted on).")
+@click.option("--sequences", default=8, show_default=True, type=click.IntRange(1, 10_000),
+              help="Sequences of fresh text (each calibration.sequence_length tokens).")
+@click.option("--profile", default=None, type=click.Path(dir_okay=False),
+              help="Device profile JSON (moeprep profile-device) for modelled stall seconds.")
+@click.option("--output", default="artifacts/prediction-study", show_default=True, type=click.Path(file_okay=False),
+              help="Where the fresh trace and study.json go.")
+@click.option("--into", is_flag=True, help="Also merge the study into the artifact's report.json and report.md.")
+def prediction_study_command(recipe_path, artifact, budgets, seed, sequences, profile, output, into):
+    """Replay the artifact's prefetch predictors through the simulator on fresh text: demand misses, modelled
+    stall and prefetches used/wasted, per budget, each predictor alone and all together, against none."""
+    from pathlib import Path
+
+    from loader.files import write_json_atomic
+    from prep.errors import MoeprepError
+    from prep.prediction_study import fresh_trace, merge_into, run_study
+    from prep.recipe import load_recipe
+    from prep.sim.device import load_profile
+    from prep.sim.simulate import parse_list
+    from prep.stages.predict import prediction_study_markdown
+
+    recipe = load_recipe(recipe_path)
+    artifact = Path(artifact or Path("artifacts") / recipe.name / "artifact")
+    if not (artifact / "manifest.json").is_file():
+        raise MoeprepError(f"{artifact} is not a prepared artifact; run `moeprep prepare --recipe {recipe_path}` first")
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = fresh_trace(recipe_path, Path("."), out, seed, sequences)
+    study = run_study(artifact, trace, parse_list(budgets, "--budgets"), load_profile(profile) if profile else None)
+    write_json_atomic(out / "study.json", study)
+    if into:
+        merge_into(artifact, study)
+    click.echo(prediction_study_markdown(study))
+    click.echo(f"wrote {out / 'study.json'}" + (f"; merged into {artifact}" if into else ""))
+
+
 @main.command("reference-model")
 @click.option("--out", default="recipes/reference", show_default=True, type=click.Path(file_okay=False),
               help="Where model/, suites/ and training.json are written.")

@@ -307,3 +307,30 @@ def test_the_simulator_replays_the_loaders_predictors_on_a_project_trace(tmp_pat
     assert on["bytes_read"] >= off["bytes_read"]  # prefetches read too, wasted ones included
     with pytest.raises(MoeprepError, match="unknown"):
         simulate_trace(trace, plan=artifact, budget=budget, predictors="oracle")
+
+
+def test_the_prediction_study_replays_fresh_text_and_lands_in_report_md(tmp_path):
+    import yaml
+
+    from loader.format import verify
+    from prep.prediction_study import fresh_trace, merge_into, run_study
+
+    recipe = _predicting_recipe()
+    prepare_tiny_artifact(tmp_path, "olmoe", recipe=recipe)
+    recipe_path = tmp_path / "tiny.yaml"
+    recipe_path.write_text(yaml.safe_dump(recipe.to_dict()))
+    artifact = tmp_path / "artifact"
+    with pytest.raises(MoeprepError, match="own calibration seed"):
+        fresh_trace(recipe_path, tmp_path, tmp_path / "study", seed=recipe.calibration.seed, sequences=2)
+    trace = fresh_trace(recipe_path, tmp_path, tmp_path / "study", seed=7, sequences=2)
+    assert fresh_trace(recipe_path, tmp_path, tmp_path / "study", seed=7, sequences=2) == trace  # reused
+    study = run_study(artifact, trace, ["unlimited", str(minimum_budget(artifact))])
+    assert [(r["budget"], tuple(r["predictors"])) for r in study["rows"][:5]] == [
+        ("unlimited", ()), ("unlimited", ("next_gates",)), ("unlimited", ("path_stats",)),
+        ("unlimited", ("first_gate",)), ("unlimited", tuple(ALL))]
+    none, together = study["rows"][0], study["rows"][4]
+    assert none["issued"] == 0 and together["misses"] <= none["misses"] - together["used"]
+    merge_into(artifact, study)
+    assert verify(artifact) == []
+    text = (artifact / "report.md").read_text()
+    assert "## Prediction study (simulator)" in text and "## Prediction\n" in text

@@ -171,9 +171,12 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
     return report
 
 
-def report_markdown(name: str, report: dict, study: str = "") -> str:
-    """The artifact's report.md: what it holds, then ``study`` (a bit-width study's table, when one was
-    merged in), then the prediction figures."""
+def report_markdown(name: str, report: dict) -> str:
+    """The artifact's report.md, a function of report.json: what it holds, then the bit-width study (when
+    one was merged in), the prediction figures and the prediction study."""
+    from prep.bitwidth_study import study_markdown
+    from prep.stages.predict import prediction_study_markdown
+
     sizes, bw = report["sizes"], report.get("bitwidth", {})
     mix = ", ".join(f"{p} {n}" for p, n in bw.get("experts", {}).items())
     lines = [f"# {name}: {report.get('architecture', '')}", "",
@@ -181,10 +184,12 @@ def report_markdown(name: str, report: dict, study: str = "") -> str:
              f"{report['compression']['bfloat16']:.2f}x smaller than bfloat16, "
              f"{report['compression']['source']:.2f}x than the source; dense weights "
              f"{sizes['dense_bytes'] / 2**20:.2f} MiB.", ""]
-    if study:
-        lines += [study, ""]
+    if report.get("bitwidth_study"):
+        lines += [study_markdown(report["bitwidth_study"]), "![accuracy delta against expert bytes](report.png)", ""]
     if report.get("prediction"):
         lines += [prediction_markdown(report["prediction"]), ""]
+    if report.get("prediction_study"):
+        lines += [prediction_study_markdown(report["prediction_study"]), ""]
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -176,6 +177,27 @@ def prediction_markdown(prediction: dict) -> str:
                   f"{first['pairs']['train']} training pairs, {first['pairs']['held_out']} held out): "
                   f"KL {held['kl']:.4f}, top-1 {held['top1']:.3f}, {key.replace('_', ' ')} {held[key]:.3f}; the "
                   f"marginal: KL {base['kl']:.4f}, top-1 {base['top1']:.3f}, {key.replace('_', ' ')} {base[key]:.3f}.", ""]
+    return "\n".join(lines)
+
+
+def prediction_study_markdown(study: dict) -> str:
+    """The report.md section of ``moeprep prediction-study`` (report.json ``prediction_study``)."""
+    rows = study["rows"]
+    lines = ["## Prediction study (simulator)", "",
+             f"The plan's predictors replayed by the simulator (the loader's cache and predictor code) on "
+             f"{rows[0]['tokens']} tokens of fresh text (`{Path(study['trace']).name}`, never fitted on), one "
+             f"call per token and MoE layer; {study['model']}. Stall: the demand reads' modelled time"
+             + (f" on `{study['device']}`" if study.get("device") else "") + "; prefetch read s: the prefetch "
+             "reads' time, modelled as hidden behind compute.", "",
+             "| budget | predictors | demand misses | miss rate | KB read/token | stall s | prefetch read s | "
+             "prefetches issued | used | wasted |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        names = ", ".join(r["predictors"]) or "none"
+        stall = "-" if r["stall_seconds"] is None else f"{r['stall_seconds']:.3f}"
+        pre = "-" if r["prefetch_read_seconds"] is None else f"{r['prefetch_read_seconds']:.3f}"
+        lines.append(f"| {r['budget']} | {names} | {r['misses']} | {r['miss_rate']:.3f} | "
+                     f"{r['bytes_read_per_token'] / 1e3:.1f} | {stall} | {pre} | {r['issued']} | {r['used']} | "
+                     f"{r['wasted']} |")
     return "\n".join(lines)
 
 

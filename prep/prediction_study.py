@@ -1,0 +1,91 @@
+"""The prediction study (issue 17, section 5): an artifact's prefetch predictors replayed through the
+simulator (the loader's own cache and predictor code) on fresh text, at several budgets, each predictor
+alone and all of the plan's together, against no prediction.
+
+The trace is recorded from the recipe's calibration source with another seed (``seed``), so the path
+statistics and the first-layer gate are measured on text they were never fitted on. The simulator models a
+prefetch as landing before its layer runs: a used prefetch turns a demand miss into a hit, a wasted one
+costs bytes and can evict a record that would have hit. The modelled stall is the demand reads' time on
+the device profile (``moeprep profile-device``); the prefetch reads' time is reported beside it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prep.errors import MoeprepError
+
+PREDICTOR_ROWS = ("none", "next_gates", "path_stats", "first_gate", "plan")
+
+
+def fresh_trace(recipe_path: str | Path, root: Path, output: Path, seed: int, sequences: int) -> Path:
+    """A trace of ``sequences`` calibration sequences drawn with ``seed`` under ``output`` (reused while the
+    model, the calibration settings and the seed are unchanged)."""
+    import torch
+
+    from prep.adapters import get_adapter, load_model
+    from prep.calibration import calibration_sequences, fingerprint_sequences
+    from prep.pipeline import model_fingerprint
+    from prep.recipe import load_recipe
+    from prep.trace import open_trace, record_traces
+
+    recipe = load_recipe(recipe_path, (f"calibration.seed={seed}", f"calibration.num_sequences={sequences}"))
+    if seed == load_recipe(recipe_path).calibration.seed:
+        raise MoeprepError(f"--seed {seed} is the recipe's own calibration seed; pick another so the predictors "
+                           "are measured on text they were not fitted on")
+    model_dir = Path(recipe.model_path(root))
+    if not (model_dir / "config.json").is_file():
+        raise MoeprepError(f"model {model_dir} not found; set model.path in {recipe_path}")
+    from transformers import AutoTokenizer
+
+    seqs = calibration_sequences(recipe.calibration, AutoTokenizer.from_pretrained(model_dir), root)
+    key = f"{model_fingerprint(model_dir)}:{fingerprint_sequences(seqs)}"
+    path = output / f"trace-seed{seed}"
+    if (path / "index.json").is_file():
+        try:
+            if open_trace(path).index.get("model_fingerprint") == key:
+                return path
+        except MoeprepError:
+            pass
+    model = load_model(model_dir, dtype="auto")
+    return record_traces(model, seqs, path, adapter=get_adapter(model), hidden_dtype=torch.float16,
+                         fingerprint=key, overwrite=True, progress=True)
+
+
+def run_study(artifact: str | Path, trace: Path, budgets: list[str], profile=None) -> dict:
+    """One simulation per (budget, predictor row); rows: no prediction, each planned predictor alone, all."""
+    from loader.plan import read_plan
+    from prep.sim.simulate import simulate_trace
+
+    planned = [s.name for s in read_plan(artifact).predictors]
+    if not planned:
+        raise MoeprepError(f"{artifact}'s plan has no predictors; prepare it with predict.predictors set")
+    rows = []
+    for budget in budgets:
+        for name in PREDICTOR_ROWS:
+            if name not in ("none", "plan") and name not in planned:
+                continue
+            _, [result] = simulate_trace(trace, plan=artifact, budget=budget, predictors=name, profile=profile)
+            j = result.to_json()
+            seconds = j["seconds"]
+            rows.append({"budget": budget, "predictors": planned if name == "plan" else ([] if name == "none" else [name]),
+                         "tokens": j["tokens"], "requests": j["requests"], "misses": j["misses"],
+                         "miss_rate": j["miss_rate"], "bytes_read_per_token": j["bytes_read_per_token"],
+                         "stall_seconds": seconds["read"] if seconds else None,
+                         "prefetch_read_seconds": sum(x["prefetch_read_seconds"] for x in j["layers"]) if seconds else None,
+                         **{k: j["prefetch"][k] for k in ("issued", "used", "wasted")}})
+    return {"artifact": str(artifact), "trace": str(trace), "budgets": budgets, "planned": planned,
+            "device": getattr(profile, "device", None), "model": j["prefetch"]["model"], "rows": rows}
+
+
+def merge_into(artifact: str | Path, study: dict) -> None:
+    """``prediction_study`` into the artifact's report.json, and report.md rendered again."""
+    from loader.format import read_manifest
+    from prep.evals.compare import update_artifact_report
+    from prep.stages.package import report_markdown
+
+    manifest = read_manifest(artifact)
+    report = json.loads(manifest.path("report.json").read_text()) | {"prediction_study": study}
+    text = report_markdown(manifest.raw["recipe"].get("name", "artifact"), report)
+    update_artifact_report(manifest.root, {"prediction_study": study}, files={"report.md": text.encode()})
