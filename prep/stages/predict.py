@@ -188,7 +188,7 @@ def prediction_study_markdown(study: dict) -> str:
              f"{rows[0]['tokens']} tokens of fresh text (`{Path(study['trace']).name}`, never fitted on), one "
              f"call per token and MoE layer; {study['model']}. Stall: the demand reads' modelled time"
              + (f" on `{study['device']}`" if study.get("device") else "") + "; prefetch read s: the prefetch "
-             "reads' time, modelled as hidden behind compute.", "",
+             "reads' time.", "",
              "| budget | predictors | demand misses | miss rate | KB read/token | stall s | prefetch read s | "
              "prefetches issued | used | wasted |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
