@@ -163,8 +163,12 @@ def bitwidth_study_command(recipe_path, output, tolerances, shares, suites, data
               help="Device profile JSON (moeprep profile-device) for modelled stall seconds.")
 @click.option("--output", default="artifacts/prediction-study", show_default=True, type=click.Path(file_okay=False),
               help="Where the fresh trace and study.json go.")
+@click.option("--traces", default="../shared/data/traces", show_default=True, type=click.Path(),
+              help="The real routing traces: path statistics fitted on one Mixtral problem, measured on the other.")
+@click.option("--bench", "bench", default=None, type=click.Path(dir_okay=False),
+              help="A bench.json of `moeprep bench --subject <recipe name>`: its prefetch rows go into the study.")
 @click.option("--into", is_flag=True, help="Also merge the study into the artifact's report.json and report.md.")
-def prediction_study_command(recipe_path, artifact, budgets, seed, sequences, profile, output, into):
+def prediction_study_command(recipe_path, artifact, budgets, seed, sequences, profile, traces, bench, output, into):
     """Replay the artifact's prefetch predictors through the simulator on fresh text: demand misses, modelled
     stall and prefetches used/wasted, per budget, each predictor alone and all together, against none."""
     from pathlib import Path
@@ -184,7 +188,8 @@ def prediction_study_command(recipe_path, artifact, budgets, seed, sequences, pr
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     trace = fresh_trace(recipe_path, Path("."), out, seed, sequences)
-    study = run_study(artifact, trace, parse_list(budgets, "--budgets"), load_profile(profile) if profile else None)
+    study = run_study(artifact, trace, parse_list(budgets, "--budgets"), load_profile(profile) if profile else None,
+                      mixtral_traces=traces, bench=bench, subject=recipe.name)
     write_json_atomic(out / "study.json", study)
     if into:
         merge_into(artifact, study)

@@ -53,8 +53,41 @@ def fresh_trace(recipe_path: str | Path, root: Path, output: Path, seed: int, se
                          fingerprint=key, overwrite=True, progress=True)
 
 
-def run_study(artifact: str | Path, trace: Path, budgets: list[str], profile=None) -> dict:
-    """One simulation per (budget, predictor row); rows: no prediction, each planned predictor alone, all."""
+def mixtral_recall(traces: str | Path | None) -> list[dict] | None:
+    """EdgeMoE's path statistics on the real Mixtral-8x7B traces, fitted on one problem and measured on the
+    other (None when the traces are not there)."""
+    from prep.routing_stats import cross_fit_path_recall
+    from prep.trace import MIXTRAL_TRACE_FILE, read_mixtral_traces
+
+    if traces is None or not any(p.is_file() for p in (Path(traces) / MIXTRAL_TRACE_FILE,
+                                                         Path(traces) / "mixtral-8x7b" / MIXTRAL_TRACE_FILE)):
+        return None
+    return cross_fit_path_recall(read_mixtral_traces(traces), 8)
+
+
+def bench_rows(bench: str | Path | None, subject: str) -> dict | None:
+    """The prefetch rows of ``moeprep bench`` (bench.json) for ``subject``: naive, each predictor, the plan."""
+    if bench is None:
+        return None
+    try:
+        report = json.loads(Path(bench).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise MoeprepError(f"--bench {bench}: not a bench.json ({e}); run `moeprep bench` first") from None
+    keep = ("budget", "system", "decode_tokens_per_s", "misses_per_token", "hit_rate", "stall_fraction", "prefetch")
+    rows = [{k: r.get(k) for k in keep} for r in report.get("results", []) if r.get("subject") == subject
+            and (r.get("system") in ("naive", "moeprep") or str(r.get("system")).startswith("naive+"))
+            and not r.get("error")]
+    if not rows:
+        raise MoeprepError(f"--bench {bench} has no loader rows for subject {subject!r}; run `moeprep bench "
+                           f"--subject {subject}`")
+    return {"file": str(bench), "machine": report.get("machine"), "created": report.get("created"), "rows": rows}
+
+
+def run_study(artifact: str | Path, trace: Path, budgets: list[str], profile=None, mixtral_traces=None,
+              bench=None, subject: str | None = None) -> dict:
+    """One simulation per (budget, predictor row); rows: no prediction, each planned predictor alone, all.
+    With ``mixtral_traces``, also the path statistics' cross-fitted recall there; with ``bench`` (a
+    bench.json), that run's prefetch rows for ``subject``."""
     from loader.plan import read_plan
     from prep.sim.simulate import simulate_trace
 
@@ -76,7 +109,8 @@ def run_study(artifact: str | Path, trace: Path, budgets: list[str], profile=Non
                          "prefetch_read_seconds": sum(x["prefetch_read_seconds"] for x in j["layers"]) if seconds else None,
                          **{k: j["prefetch"][k] for k in ("issued", "used", "wasted")}})
     return {"artifact": str(artifact), "trace": str(trace), "budgets": budgets, "planned": planned,
-            "device": getattr(profile, "device", None), "model": j["prefetch"]["model"], "rows": rows}
+            "device": getattr(profile, "device", None), "model": j["prefetch"]["model"], "rows": rows,
+            "mixtral_path_recall": mixtral_recall(mixtral_traces), "bench": bench_rows(bench, subject)}
 
 
 def merge_into(artifact: str | Path, study: dict) -> None:

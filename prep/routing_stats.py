@@ -124,6 +124,23 @@ def path_stats_recall(tensors: dict, held_ids: list[torch.Tensor], held_weights:
     return {"layers": layers, "mean": _means(layers, ("path", "marginal"))}
 
 
+def cross_fit_path_recall(routing: list, num_experts: int, min_count: int = 5) -> list[dict]:
+    """Path statistics fitted on each sequence of ``routing`` (``RoutingTrace``s) in turn and measured on
+    each other one (the real Mixtral traces hold two GSM8K problems): the mean figures and table shares."""
+    out = []
+    for i, fit in enumerate(routing):
+        for j, test in enumerate(routing):
+            if i == j:
+                continue
+            r = path_stats_recall(fit_path_stats([fit.expert_ids], num_experts), [test.expert_ids],
+                                  [test.expert_weights], [fit.expert_ids], num_experts, min_count)
+            tables = {t: sum(row["tables"][t] for row in r["layers"]) / len(r["layers"])
+                      for t in ("prev2", "prev1", "marginal")}
+            out.append({"fit": i, "test": j, "fit_tokens": fit.num_tokens, "test_tokens": test.num_tokens,
+                        "min_count": min_count, **r["mean"], "tables": tables})
+    return out
+
+
 def _means(rows: list[dict], names: tuple[str, ...]) -> dict:
     return {name: {m: sum(r[name][m] for r in rows) / len(rows) for m in rows[0][name]} for name in names} if rows else {}
 

@@ -334,3 +334,34 @@ def test_the_prediction_study_replays_fresh_text_and_lands_in_report_md(tmp_path
     assert verify(artifact) == []
     text = (artifact / "report.md").read_text()
     assert "## Prediction study (simulator)" in text and "## Prediction\n" in text
+
+
+def test_a_queued_prefetch_the_router_did_not_choose_is_cancelled_and_a_chosen_one_is_promoted(tmp_path):
+    """Prefetch reads are held in the queue (never started): when the layer's router decides, the unchosen
+    ones are cancelled and their slots freed, the chosen ones are promoted to demand reads and used."""
+    from loader.predict import Predictor, PrefetchRequest
+    from loader.store import PREFETCH
+
+    class Everything(Predictor):
+        name = "everything"
+
+        def after_router(self, layer, router_input, indices):
+            return [PrefetchRequest(layer + 1, e) for e in range(self.num_experts)] if layer + 1 < self.num_layers else []
+
+    model, artifact = prepare_tiny_artifact(tmp_path, "mixtral", recipe=_predicting_recipe(predictors=[]))
+    ids = torch.randint(0, model.config.vocab_size, (1, 1), generator=torch.Generator().manual_seed(9))  # decode-like
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids))
+    loaded = load(artifact, memory_budget="unlimited", predictors=[Everything()])
+    reader = loaded.runtime.reader
+    submit = reader.submit
+    reader.submit = lambda job: job if job.priority == PREFETCH else submit(job)  # held: stays "queued"
+    with torch.no_grad():
+        got = loaded.model.generate(ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids))
+    stats = loaded.stats()["prefetch"]
+    held = [e for layer in range(1, loaded.runtime.num_layers) for e in loaded.cache.layer_entries(layer)]
+    loaded.close()
+    assert torch.equal(got, expected)
+    assert stats["cancelled"] > 0 and stats["used"] > 0 and stats["wasted"] == 0
+    assert stats["used"] + stats["cancelled"] == stats["issued"]
+    assert all(not e.in_flight for e in held)  # nothing left waiting on a read that will never run

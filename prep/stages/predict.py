@@ -198,6 +198,34 @@ def prediction_study_markdown(study: dict) -> str:
         lines.append(f"| {r['budget']} | {names} | {r['misses']} | {r['miss_rate']:.3f} | "
                      f"{r['bytes_read_per_token'] / 1e3:.1f} | {stall} | {pre} | {r['issued']} | {r['used']} | "
                      f"{r['wasted']} |")
+    if bench := study.get("bench"):
+        machine = bench.get("machine") or {}
+        lines += ["", f"Measured by `moeprep bench` ({bench['created']}, {machine.get('cpu', '')}, "
+                  f"{machine.get('cores', '')} cores): decode steps of the loader, each predictor alone and the whole "
+                  "plan against `naive`, in one run.", "",
+                  "| budget | system | decode tok/s | vs naive | misses/token | hit rate | stall fraction | prefetches "
+                  "issued | used | wasted | cancelled |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+                  "| ---: | ---: |"]
+        for r in bench["rows"]:
+            naive = next((x["decode_tokens_per_s"] for x in bench["rows"] if x["budget"] == r["budget"]
+                          and x["system"] == "naive"), None)
+            p = r.get("prefetch") or {}
+            ratio = f"{r['decode_tokens_per_s'] / naive:.2f}x" if naive else "-"
+            lines.append(f"| {r['budget']} | {r['system']} | {r['decode_tokens_per_s']:.3g} | {ratio} | "
+                         f"{r['misses_per_token']:.2f} | {r['hit_rate']:.3f} | {r['stall_fraction']:.3f} | "
+                         f"{p.get('issued', 0)} | {p.get('used', 0)} | {p.get('wasted', 0)} | {p.get('cancelled', 0)} |")
+    if mixtral := study.get("mixtral_path_recall"):
+        key = next(k for k in mixtral[0]["path"] if k.endswith("_recall"))
+        lines += ["", "Path statistics on the real Mixtral-8x7B GSM8K decode traces, fitted on one problem and "
+                  "measured on the other (means over the 32 layers):", "",
+                  f"| fit -> test (tokens) | top-1 | {key.replace('_', ' ')} | marginal top-1 | marginal "
+                  f"{key.replace('_', ' ')} | answered by full key / previous layer / marginal |",
+                  "| --- | ---: | ---: | ---: | ---: | --- |"]
+        for r in mixtral:
+            t = r["tables"]
+            lines.append(f"| {r['fit']} -> {r['test']} ({r['fit_tokens']} -> {r['test_tokens']}) | "
+                         f"{r['path']['top1']:.3f} | {r['path'][key]:.3f} | {r['marginal']['top1']:.3f} | "
+                         f"{r['marginal'][key]:.3f} | {t['prev2']:.2f} / {t['prev1']:.2f} / {t['marginal']:.2f} |")
     return "\n".join(lines)
 
 
