@@ -207,6 +207,8 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
                        f"{traces_dir} (quick mode only; a full run skips the subject)")
             echo(message)
             notes.append(message)
+        notes.append("mixtral-shape runs no prefetch predictor: its weights are random and its routing replayed, "
+                     "so hidden-state predictors (next_gates, first_gate) would predict noise")
         echo("preparing subject mixtral-shape (built once, then reused)")
         subjects.append(mixtral_shape_subject(output, traces_dir if have_traces else None, quick,
                                               sizes.shape_prompt, sizes.shape_decode))
