@@ -17,6 +17,19 @@ and the chosen experts and name experts to prefetch.
 
 On the experts side, a ``MissPolicy`` decides per missed expert which precision to read, or to skip it.
 
+Techniques (each a plan entry, ``Plan.routing`` / ``Plan.miss``, and a class of ``ROUTING_POLICIES`` /
+``MISS_POLICIES``):
+
+- ``adaptive_gating`` (AdapMoE 4.2, digest 2.1): drop the tail of a token's selected experts when its
+  normalized weight w_R satisfies w_R^2 * S_l <= T (for top-2: keep only the top-1 when (1 - alpha)^2 * S_l
+  <= T). A dropped expert gets weight 0 and the loader never reads it; the survivors are rescaled to the
+  selection's original total weight. Top-k > 2 and routers that do not renormalize are an extension of the
+  paper (which is top-2 and renormalized); on a renormalizing top-2 router the rule is the paper's.
+- ``dynamic_precision`` (HOBBIT H1, digest 1.1): a missed expert's unimportance is the summed normalized
+  weight of the more important selected experts of its token (``unimportance``); at or below ``t1`` it is
+  read at its planned precision, at or below ``t2`` at ``low``, above ``t2`` skipped. The top-1 always
+  scores 0. With several tokens the most demanding token decides.
+
 ``ReplayRouting`` hands out recorded decisions (for example the real Mixtral-8x7B traces): each router
 call with T tokens takes the next T records of its layer, so a prefill of T tokens consumes T records
 and each decode step one. Batch size 1: with more sequences the flattened tokens would consume records
@@ -41,6 +54,8 @@ class RoutingError(MoeError):
 
 class RoutingPolicy:
     """The model's own routing (changes nothing). Subclasses override ``route`` and, if stateful, ``reset``."""
+
+    name = "topk"
 
     def bind(self, num_layers: int) -> None:
         """Called once when installed on a model with ``num_layers`` MoE layers."""
@@ -109,7 +124,14 @@ def router_module(model: torch.nn.Module, experts_path: str) -> torch.nn.Module:
 
 
 class MissPolicy:
-    """Per missed expert: the precision to read, or ``SKIP``. The default reads the planned precision."""
+    """Per missed expert: the precision to read, or ``SKIP``. The default reads the planned precision.
+
+    ``renormalize``: after a skip, the loader rescales the token's remaining weights to their former total.
+    ``view``: set by the loader, ``view(layer)`` is the layer's ``loader.cache.LayerView``."""
+
+    name = "plan"
+    renormalize = False
+    view = None
 
     def bind(self, num_layers: int, num_experts: int) -> None:
         """Called once when the loader starts."""
@@ -121,6 +143,118 @@ class MissPolicy:
 
     def reset(self) -> None:
         """Start over (a new sequence)."""
+
+
+def unimportance(weights: torch.Tensor) -> torch.Tensor:
+    """weights [T, K] of the selected experts -> HOBBIT's unimportance score [T, K] of each selection: the
+    summed weight, normalized over the K selected, of the selections weighted more than it (0 for the
+    top-1; ties broken by slot order)."""
+    w = weights.float()
+    w = w / w.sum(-1, keepdim=True).clamp_min(1e-30)
+    order = w.argsort(dim=-1, descending=True, stable=True)
+    ranked = w.gather(-1, order)
+    before = ranked.cumsum(-1) - ranked
+    return torch.empty_like(before).scatter_(-1, order, before)
+
+
+class AdaptiveGating(RoutingPolicy):
+    """AdapMoE's sensitivity-based gating (see the module docstring). ``sensitivity[l]`` is S_l of MoE layer
+    position l (the Fisher stage's), ``threshold`` T; ``decode_only`` leaves calls of several tokens alone.
+    Counts decisions, single-expert decisions and expert runs before and after."""
+
+    name = "adaptive_gating"
+
+    def __init__(self, threshold: float, sensitivity, decode_only: bool = False) -> None:
+        if isinstance(threshold, bool) or not isinstance(threshold, int | float) or threshold < 0:
+            raise RoutingError(f"adaptive_gating.threshold must be a number >= 0, got {threshold!r}")
+        if not isinstance(sensitivity, list | tuple) or not all(isinstance(v, int | float) and v >= 0 for v in sensitivity):
+            raise RoutingError("adaptive_gating.sensitivity must be a list of numbers >= 0, one per MoE layer")
+        self.threshold = float(threshold)
+        self.sensitivity = [float(v) for v in sensitivity]
+        self.decode_only = bool(decode_only)
+        self.counts = {"decisions": 0, "single": 0, "runs_before": 0, "runs_after": 0}
+
+    def bind(self, num_layers: int) -> None:
+        if len(self.sensitivity) != num_layers:
+            raise RoutingError(f"adaptive_gating has {len(self.sensitivity)} sensitivities for {num_layers} MoE "
+                               "layers; prepare the artifact again")
+
+    def keep_mask(self, layer: int, weights: torch.Tensor) -> torch.Tensor:
+        """weights [T, K] -> bool [T, K]: the selections kept (at least the top-1 of every token)."""
+        w = weights.float().abs()
+        w = w / w.sum(-1, keepdim=True).clamp_min(1e-30)
+        order = w.argsort(dim=-1, descending=False, stable=True)  # lightest first
+        tail = w.gather(-1, order).cumsum(-1)  # mass of the lightest 1, 2, ... selections
+        drop_sorted = tail.square() * self.sensitivity[layer] <= self.threshold
+        drop_sorted[:, -1] = False  # the heaviest always stays
+        drop_sorted = drop_sorted.cumprod(-1).bool()  # only a contiguous lightest tail is dropped
+        return ~torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
+
+    def route(self, layer, logits, weights, indices, view=None):
+        if self.decode_only and weights.shape[0] > 1:
+            return weights, indices
+        keep = self.keep_mask(layer, weights)
+        kept = weights * keep
+        scale = weights.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True)
+        self.counts["decisions"] += weights.shape[0]
+        self.counts["single"] += int((keep.sum(-1) == 1).sum()) if weights.shape[-1] > 1 else 0
+        self.counts["runs_before"] += weights.numel()
+        self.counts["runs_after"] += int(keep.sum())
+        return (kept * scale).to(weights.dtype), indices
+
+    def stats(self) -> dict:
+        c = self.counts
+        return {"policy": self.name, **c,
+                "single_ratio": c["single"] / c["decisions"] if c["decisions"] else None,
+                "runs_saved": 1 - c["runs_after"] / c["runs_before"] if c["runs_before"] else None}
+
+
+class DynamicPrecision(MissPolicy):
+    """HOBBIT's token-level dynamic precision (see the module docstring).
+
+    strict: a cached ``low`` copy does not satisfy an expert wanted at its planned precision (the read
+    happens); latency-first (``strict=False``) computes with that copy instead. renormalize: rescale the
+    token's remaining weights after a skip."""
+
+    name = "dynamic_precision"
+
+    def __init__(self, t1: float, t2: float, low: str, strict: bool = True, renormalize: bool = False) -> None:
+        for what, v in (("t1", t1), ("t2", t2)):
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
+                raise RoutingError(f"dynamic_precision.{what} must be in [0, 1], got {v!r}")
+        if t1 > t2:
+            raise RoutingError(f"dynamic_precision needs t1 <= t2, got {t1} > {t2}")
+        if not isinstance(low, str):
+            raise RoutingError(f"dynamic_precision.low must be a precision name, got {low!r}")
+        self.t1, self.t2, self.low = float(t1), float(t2), low
+        self.strict, self.renormalize = bool(strict), bool(renormalize)
+        self.counts = {"high": 0, "low": 0, "skip": 0, "low_copy_used": 0}
+
+    def score(self, expert: int, indices: torch.Tensor, weights: torch.Tensor) -> float:
+        """The expert's unimportance for this call: the lowest over the tokens that selected it."""
+        mine = indices == expert
+        return float(unimportance(weights)[mine].min()) if bool(mine.any()) else 1.0
+
+    def decide(self, layer, expert, planned, indices, weights):
+        s = self.score(expert, indices, weights)
+        if s <= self.t1:
+            if not self.strict and self.view is not None and self.view(layer).has(expert, self.low):
+                self.counts["low_copy_used"] += 1
+                return self.low
+            self.counts["high"] += 1
+            return planned
+        if s <= self.t2:
+            self.counts["low"] += 1
+            return self.low
+        self.counts["skip"] += 1
+        return SKIP
+
+    def stats(self) -> dict:
+        return {"policy": self.name, **self.counts}
+
+
+ROUTING_POLICIES: dict[str, type[RoutingPolicy]] = {p.name: p for p in (AdaptiveGating,)}
+MISS_POLICIES: dict[str, type[MissPolicy]] = {p.name: p for p in (DynamicPrecision,)}
 
 
 class InstalledRouting:

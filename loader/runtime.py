@@ -54,7 +54,15 @@ from loader.predict import (
     PrefetchRequest,
     make_predictor,
 )
-from loader.routing import SKIP, InstalledRouting, MissPolicy, RoutingPolicy, install_routing
+from loader.routing import (
+    MISS_POLICIES,
+    ROUTING_POLICIES,
+    SKIP,
+    InstalledRouting,
+    MissPolicy,
+    RoutingPolicy,
+    install_routing,
+)
 from loader.store import DEMAND, PREFETCH, ExpertStore, Reader, ReadJob, SlotArena
 
 IMPLEMENTATION = "moeprep_offload"
@@ -117,6 +125,7 @@ class ExpertRuntime:
         self.routing: RoutingPolicy | None = None  # the installed routing policy (reset with the sequence)
         self.prefetch_saved_seconds = 0.0  # read time of used prefetches a demand did not wait for
         miss_policy.bind(plan.num_layers, plan.num_experts)
+        miss_policy.view = self.cache.view
 
     def bind_predictors(self, routers: list, tensors: dict) -> None:
         """Hand every predictor the routers' weights, the artifact's predictor tensors and a view of the cache."""
@@ -187,11 +196,13 @@ class ExpertRuntime:
         cache = self.cache
         self._reap()
         planned = self.plan.expert_precision[layer]
-        wanted = [(e, planned[e]) for e in ordered_experts(top_k_index.tolist(), self.num_experts)]
+        active = top_k_weights != 0  # a routing policy drops a selection by giving it weight 0: never read
+        chosen = top_k_index if bool(active.all()) else top_k_index.masked_fill(~active, -1)
+        wanted = [(e, planned[e]) for e in ordered_experts(chosen.tolist(), self.num_experts)]
         prefetched = {e.expert: e for e in cache.layer_entries(layer) if e.prefetched}
         requests = cache.begin_layer(layer, wanted)
         self._cancel_unwanted(layer, prefetched, {e for e, _ in wanted})
-        ready, waiting, queue = [], [], []  # queue: misses to read, (expert, precision)
+        ready, waiting, queue, skipped = [], [], [], []  # queue: misses to read, (expert, precision)
         for req in requests:
             entry, precision = req.entry, None
             if req.entry is not None and prefetched.get(req.expert) is req.entry and not req.entry.in_flight:
@@ -200,6 +211,7 @@ class ExpertRuntime:
                 precision = self.miss_policy.decide(layer, req.expert, req.precision, top_k_index, top_k_weights)
                 if precision == SKIP:
                     cache.skip(layer, req.expert)
+                    skipped.append(req.expert)
                     continue
                 if precision != req.precision:  # a lower precision may be held already
                     entry = cache.find(layer, req.expert, precision)
@@ -213,6 +225,8 @@ class ExpertRuntime:
             else:
                 ready.append((req.expert, entry))
             cache.use(layer, req.expert, entry.precision if entry is not None else precision)
+        if skipped and self.miss_policy.renormalize:  # the token's remaining weights keep their former total
+            top_k_weights = renormalized(top_k_weights, chosen, skipped)
         reads = []  # (expert, entry or None, buffer slot or None, job)
         buffers_free = self.buffers.count
 
@@ -270,7 +284,7 @@ class ExpertRuntime:
         return out
 
     def _compute(self, module, expert, record, precision, hidden, top_k_index, top_k_weights, out) -> None:
-        tokens, slot = torch.where(top_k_index == expert)
+        tokens, slot = torch.where((top_k_index == expert) & (top_k_weights != 0))
         w = self.layouts[precision].decode(record)
         x = hidden[tokens]
         if module.is_transposed:
@@ -338,6 +352,15 @@ class ExpertRuntime:
         self.reader.close()
         for store in self.stores.values():
             store.close()
+
+
+def renormalized(weights: torch.Tensor, chosen: torch.Tensor, skipped: list[int]) -> torch.Tensor:
+    """weights [T, K] with the selections of ``skipped`` experts zeroed and each token's rest rescaled to the
+    token's former total (a token whose every selection was skipped keeps zeros)."""
+    gone = torch.isin(chosen, torch.tensor(skipped, device=chosen.device))
+    kept = weights.masked_fill(gone, 0)
+    total, rest = weights.sum(-1, keepdim=True), kept.sum(-1, keepdim=True)
+    return torch.where(rest != 0, kept * (total / rest.where(rest != 0, torch.ones_like(rest))), kept)
 
 
 class OffloadedExperts:
@@ -409,6 +432,10 @@ class LoadedModel:
             "prefetch": {"predictors": [p.name for p in rt.predictors], "issued": total["prefetches"],
                          "used": total["prefetch_used"], "wasted": total["prefetch_wasted"],
                          "cancelled": total["prefetch_cancelled"], "saved_seconds": rt.prefetch_saved_seconds},
+            # what the routing and miss policies decided (AdaptiveGating: single-expert decisions and expert
+            # runs saved; DynamicPrecision: misses read high, low, skipped); None for the defaults
+            "routing": self.routing.policy.stats() if self.routing and hasattr(self.routing.policy, "stats") else None,
+            "miss_policy": rt.miss_policy.stats() if hasattr(rt.miss_policy, "stats") else None,
         }
 
     def close(self) -> None:
@@ -447,7 +474,10 @@ def _named(registry: dict, spec: PolicySpec, what: str, default: type):
     if spec.name not in registry:
         raise LoaderError(f"the plan names {what} {spec.name!r}, which this loader does not know "
                           f"(known: {sorted(registry) or 'none'}); upgrade the loader or prepare the artifact again")
-    return registry[spec.name](**spec.params)
+    try:
+        return registry[spec.name](**spec.params)
+    except TypeError as e:
+        raise LoaderError(f"the plan's {what} {spec.name!r}: {e}; prepare the artifact again") from None
 
 
 def slot_bytes(store: ExpertStore) -> int:
@@ -618,7 +648,7 @@ def _load(artifact, device, memory_budget, store, policy, workers, routing, pred
 
     runtime = ExpertRuntime(
         plan, caps, stores, layouts, moe["top_k"], dev, workers,
-        miss_policy if miss_policy is not None else _named({}, plan.miss, "miss policy", MissPolicy),
+        miss_policy if miss_policy is not None else _named(MISS_POLICIES, plan.miss, "miss policy", MissPolicy),
         chosen,
         list(layers))
     for position, path in enumerate(moe["experts_modules"]):
@@ -643,7 +673,7 @@ def _load(artifact, device, memory_budget, store, policy, workers, routing, pred
                                "cache_slots": {name: a.count for name, a in runtime.arenas.items()}}
     loaded = LoadedModel(model, tokenizer, runtime, budget)
     loaded.routing = install_routing(
-        model, moe["experts_modules"], routing if routing is not None else _named({}, plan.routing, "routing policy",
+        model, moe["experts_modules"], routing if routing is not None else _named(ROUTING_POLICIES, plan.routing, "routing policy",
                                                                                   RoutingPolicy),
         router_paths=moe.get("router_modules"), view=runtime.cache.view,
         after_router=runtime.after_router if runtime.predictors else None)

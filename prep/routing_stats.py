@@ -177,3 +177,51 @@ def next_gate_recall(router_inputs: list[torch.Tensor], routers: list[tuple[torc
     by_distance = {str(d): _means([r for r in rows if r["distance"] == d], ("gate", "marginal"))
                    for d in range(1, distances + 1) if any(r["distance"] == d for r in rows)}
     return {"layers": rows, "by_distance": by_distance}
+
+
+# ------------------------------------------------------------------- doing less per token (issue 18)
+
+
+def precision_split(weights: torch.Tensor, t1: float, t2: float) -> dict:
+    """weights [N, K] of recorded selections -> the shares of selections HOBBIT's rule would read high
+    (unimportance <= t1), low (<= t2) and skip, over every selection (as if each were a miss)."""
+    from loader.routing import unimportance
+
+    s = unimportance(weights.reshape(-1, weights.shape[-1]))
+    n = s.numel()
+    high = int((s <= t1).sum())
+    low = int(((s > t1) & (s <= t2)).sum())
+    return {"high": high / n, "low": low / n, "skip": (n - high - low) / n, "selections": n}
+
+
+def split_thresholds(weights: torch.Tensor, high: float, skip: float = 0.0) -> tuple[float, float]:
+    """(t1, t2) from quantiles of the unimportance score so that about ``high`` of the selections read high
+    and ``skip`` are skipped (HOBBIT picks its thresholds by profiling this distribution)."""
+    from loader.routing import unimportance
+
+    if not (0 <= skip <= 1 and 0 <= high <= 1 - skip):
+        raise MoeprepError(f"a split needs 0 <= skip <= 1 and 0 <= high <= 1 - skip, got high {high}, skip {skip}")
+    s = unimportance(weights.reshape(-1, weights.shape[-1])).flatten().double().sort().values
+    n = len(s)
+
+    def at(share: float) -> float:
+        return float(s[min(max(round(share * n) - 1, 0), n - 1)]) if share > 0 else 0.0
+
+    t1 = at(high)
+    t2 = 1.0 if skip == 0 else max(t1, at(1 - skip))
+    return t1, t2
+
+
+def gating_share(weights: torch.Tensor, sensitivity: list[float], threshold: float) -> dict:
+    """AdapMoE's rule on recorded routing weights [N, L, K] (no forward pass): the share of (token, layer)
+    decisions left with one expert and the share of expert runs saved, overall and per layer."""
+    from loader.routing import AdaptiveGating
+
+    policy = AdaptiveGating(threshold, sensitivity)
+    per_layer = []
+    for layer in range(weights.shape[1]):
+        keep = policy.keep_mask(layer, weights[:, layer])
+        per_layer.append({"single": float((keep.sum(-1) == 1).float().mean()) if weights.shape[-1] > 1 else 0.0,
+                          "runs_saved": 1 - float(keep.float().mean())})
+    return {"single": sum(r["single"] for r in per_layer) / len(per_layer),
+            "runs_saved": sum(r["runs_saved"] for r in per_layer) / len(per_layer), "layers": per_layer}

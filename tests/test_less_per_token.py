@@ -1,0 +1,214 @@
+"""Doing less per token (issue 18): AdapMoE's Fisher sensitivity against an independent autograd pass,
+the adaptive-gating rule (the digest's worked numbers, a dropped expert never read, the loader equal to
+the same policy on plain transformers), HOBBIT's unimportance score and precision split (the real Mixtral
+traces' 64.8 / 32.1 / 3.1), and the dynamic-precision miss policy in the loader."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import build_tiny_model, random_sequences, tiny_artifact
+
+from loader.routing import SKIP, AdaptiveGating, DynamicPrecision, RoutingError, install_routing, unimportance
+from loader.runtime import load, minimum_budget, renormalized
+from prep.adapters import get_adapter
+from prep.fisher import fisher_sensitivity
+from prep.routing_stats import gating_share, precision_split, split_thresholds
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+
+
+# ------------------------------------------------------------------------------------------- Fisher
+
+
+def _autograd_sensitivity(model, adapter, sequences, scale=1.0):
+    """The same quantity computed independently: torch.autograd.grad of the summed loss w.r.t. each MoE
+    block output, squared norms summed over predicted positions, divided by their count."""
+    blocks = [adapter.moe_block(model, layer) for layer in adapter.moe_layers]
+    totals, positions = torch.zeros(len(blocks), dtype=torch.float64), 0
+    for seq in sequences:
+        outs = [None] * len(blocks)
+        handles = [b.register_forward_hook(lambda _m, _a, o, i=i, outs=outs: outs.__setitem__(i, adapter.block_output(o)))
+                   for i, b in enumerate(blocks)]
+        try:
+            ids = seq.view(1, -1)
+            with torch.enable_grad():
+                embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+                logits = model(inputs_embeds=embeds, use_cache=False).logits[0, :-1]
+                loss = scale * F.cross_entropy(logits.float(), ids[0, 1:], reduction="sum")
+                grads = torch.autograd.grad(loss, outs)
+        finally:
+            for h in handles:
+                h.remove()
+        for i, g in enumerate(grads):
+            totals[i] += g.double().square().sum()
+        positions += seq.numel() - 1
+    return (totals / positions).tolist()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "deepseek_v2", "gpt_oss"])
+def test_fisher_sensitivity_equals_an_independent_autograd_pass_and_scales_with_the_loss_squared(arch):
+    model = build_tiny_model(arch).eval()
+    adapter = get_adapter(model)
+    seqs = random_sequences(3, 12, seed=1)
+    got = fisher_sensitivity(model, adapter, seqs)
+    expected = _autograd_sensitivity(model, adapter, seqs)
+    assert got.positions == sum(s.numel() - 1 for s in seqs)
+    assert got.sensitivity == pytest.approx(expected, rel=1e-6)
+    assert all(v > 0 for v in got.sensitivity)
+    scaled = fisher_sensitivity(model, adapter, seqs, loss_scale=3.0)
+    assert scaled.sensitivity == pytest.approx([9 * v for v in got.sensitivity], rel=1e-6)
+    assert [p.requires_grad for p in model.parameters()] == [p.requires_grad for p in build_tiny_model(arch).parameters()]
+
+
+# ------------------------------------------------------------------------------------ adaptive gating
+
+
+def test_the_gating_rule_matches_the_digests_worked_numbers():
+    # S = 46.69, T = 0.005: tau = sqrt(T / S) = 0.01035; (0.99, 0.01) -> one expert; (0.98, 0.02) -> both
+    policy = AdaptiveGating(0.005, [46.69])
+    weights = torch.tensor([[0.99, 0.01], [0.98, 0.02], [0.5, 0.5]])
+    new, idx = policy.route(0, None, weights, torch.tensor([[3, 1], [2, 5], [0, 4]]))
+    assert new.tolist() == [pytest.approx([1.0, 0.0]), pytest.approx([0.98, 0.02]), pytest.approx([0.5, 0.5])]
+    assert idx.tolist() == [[3, 1], [2, 5], [0, 4]]
+    stats = policy.stats()
+    assert stats["single"] == 1 and stats["decisions"] == 3 and stats["runs_after"] == 5
+    assert stats["single_ratio"] == pytest.approx(1 / 3) and stats["runs_saved"] == pytest.approx(1 / 6)
+    # top-k > 2 (the extension): the lightest contiguous tail whose mass m has m^2 * S <= T goes, never the top-1
+    wide = AdaptiveGating(0.011, [1.0])
+    kept = wide.route(0, None, torch.tensor([[0.6, 0.05, 0.3, 0.05]]), torch.tensor([[0, 1, 2, 3]]))[0]
+    assert kept[0].tolist() == pytest.approx([0.6 / 0.9, 0.0, 0.3 / 0.9, 0.0])  # 0.1^2 <= 0.011 < 0.4^2
+    # a router that does not renormalize keeps its total
+    raw = AdaptiveGating(1.0, [1.0]).route(0, None, torch.tensor([[0.3, 0.1]]), torch.tensor([[0, 1]]))[0]
+    assert raw[0].tolist() == pytest.approx([0.4, 0.0])
+    assert AdaptiveGating(0.0, [5.0]).route(0, None, weights, torch.zeros(3, 2, dtype=torch.long))[0].equal(weights)
+    with pytest.raises(RoutingError, match="threshold"):
+        AdaptiveGating(-1, [1.0])
+
+
+def test_gating_share_from_recorded_weights_counts_decisions_and_runs():
+    weights = torch.tensor([[[0.99, 0.01], [0.6, 0.4]], [[0.7, 0.3], [0.95, 0.05]]])  # [N=2, L=2, K=2]
+    share = gating_share(weights, [1.0, 1.0], threshold=0.01)  # drop when w2 <= 0.1
+    assert [r["single"] for r in share["layers"]] == [0.5, 0.5]
+    assert share["single"] == 0.5 and share["runs_saved"] == 0.25
+
+
+class _Recording(AdaptiveGating):
+    def route(self, layer, logits, weights, indices, view=None):
+        new, idx = super().route(layer, logits, weights, indices, view)
+        self.kept = getattr(self, "kept", set()) | {(layer, int(e)) for e, w in zip(idx.flatten(), new.flatten(), strict=True)
+                                                    if float(w) != 0}
+        self.dropped = getattr(self, "dropped", set()) | {(layer, int(e)) for e, w in zip(idx.flatten(), new.flatten(), strict=True)
+                                                          if float(w) == 0}
+        return new, idx
+
+
+def test_the_loader_with_gating_equals_plain_transformers_with_it_and_never_reads_a_dropped_expert(tmp_path_factory):
+    model, artifact = tiny_artifact(tmp_path_factory, "mixtral")
+    n_layers = len(json.loads((artifact / "manifest.json").read_text())["moe"]["layers"])
+    ids = torch.randint(0, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(4))
+    policy = _Recording(0.02, [1.0] * n_layers)
+    loaded = load(artifact, memory_budget=minimum_budget(artifact), routing=policy)
+    reads = []
+    submit = loaded.runtime.reader.submit
+    loaded.runtime.reader.submit = lambda job: reads.append(job.key) or submit(job)
+    with torch.no_grad():
+        got = loaded.model(input_ids=ids).logits
+    stats = loaded.stats()
+    layer_ids = loaded.runtime.layer_ids
+    loaded.close()
+    plain = type(model)(model.config).eval()
+    plain.load_state_dict(model.state_dict())
+    paths = json.loads((artifact / "manifest.json").read_text())["moe"]["experts_modules"]
+    install_routing(plain, paths, AdaptiveGating(0.02, [1.0] * n_layers))
+    with torch.no_grad():
+        expected = plain(input_ids=ids).logits
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert stats["routing"]["single"] > 0
+    only_dropped = policy.dropped - policy.kept
+    assert only_dropped  # some expert was chosen by the router only to be dropped
+    read = {(layer_ids.index(int(k.split(".")[1])), int(k.split(".")[3])) for k in reads}
+    assert not read & only_dropped  # a dropped expert is never read
+    assert read <= policy.kept
+
+
+# ---------------------------------------------------------------------------------- dynamic precision
+
+
+def test_unimportance_is_the_normalized_weight_of_the_more_important_selections():
+    w = torch.tensor([[0.5, 0.3, 0.2], [1.0, 2.0, 1.0], [0.2, 0.8, 0.0]])
+    expected = [[0.0, 0.5, 0.8], [0.5, 0.0, 0.75], [0.8, 0.0, 1.0]]
+    assert [pytest.approx(row) for row in expected] == unimportance(w).tolist()
+
+
+def test_hobbits_split_on_the_real_mixtral_traces():
+    if not (TRACES / "mixtral-8x7b").is_dir():
+        pytest.skip(f"the real Mixtral traces are not at {TRACES}")
+    from prep.trace import read_mixtral_traces
+
+    weights = torch.cat([t.expert_weights.reshape(-1, 2) for t in read_mixtral_traces(TRACES)])
+    split = precision_split(weights, 0.6, 0.9)
+    assert (round(split["high"] * 100, 1), round(split["low"] * 100, 1), round(split["skip"] * 100, 1)) == (64.8, 32.1, 3.1)
+    t1, t2 = split_thresholds(weights, split["high"], split["skip"])
+    again = precision_split(weights, t1, t2)
+    assert again["high"] == pytest.approx(split["high"], abs=0.002) and again["skip"] == pytest.approx(split["skip"], abs=0.002)
+
+
+def test_split_thresholds_hit_the_target_split_on_synthetic_weights():
+    gen = torch.Generator().manual_seed(0)
+    w1 = 0.5 + 0.5 * torch.rand(4000, generator=gen)
+    weights = torch.stack([w1, 1 - w1], -1)
+    t1, t2 = split_thresholds(weights, high=0.7, skip=0.05)
+    split = precision_split(weights, t1, t2)
+    assert split["high"] == pytest.approx(0.7, abs=0.002) and split["skip"] == pytest.approx(0.05, abs=0.002)
+    assert split_thresholds(weights, 0.5) == (0.0, 1.0)  # only the top-1s high, nothing skipped
+
+
+def test_dynamic_precision_decides_by_the_most_demanding_token_and_keeps_the_top1_high():
+    policy = DynamicPrecision(0.6, 0.9, "int2")
+    idx = torch.tensor([[0, 1], [2, 1], [3, 4]])
+    w = torch.tensor([[0.95, 0.05], [0.7, 0.3], [0.55, 0.45]])
+    assert policy.decide(0, 0, "int4", idx, w) == "int4"  # a top-1
+    assert policy.decide(0, 1, "int4", idx, w) == "int2"  # scores 0.95 and 0.7: the lower decides, low
+    assert policy.decide(0, 4, "int4", idx, w) == "int4"  # score 0.55 <= t1
+    assert DynamicPrecision(0.6, 0.9, "int2").decide(0, 1, "int4", idx[:1], w[:1]) == SKIP  # 0.95 > t2
+    assert policy.stats()["high"] == 2 and policy.stats()["low"] == 1
+
+
+def test_renormalized_rescales_each_tokens_rest_to_its_former_total():
+    w = torch.tensor([[0.6, 0.4], [0.7, 0.3], [1.0, 0.0]])
+    idx = torch.tensor([[0, 1], [2, 3], [1, 5]])
+    got = renormalized(w, idx, [1])
+    assert [pytest.approx(row) for row in ([1.0, 0.0], [0.7, 0.3], [0.0, 0.0])] == got.tolist()
+
+
+def test_dynamic_precision_in_the_loader_reads_low_copies_and_skips(tmp_path_factory, tmp_path):
+    """A passthrough + int4 artifact: t1 = 0, t2 = 1 reads every non-top-1 miss at int4; t2 = 0 skips them
+    (with renormalize, the top-1 carries the token alone). Outputs stay finite and the stores read agree."""
+    from test_spine import _mixed_artifact
+
+    _model, art, _full, _low = _mixed_artifact(tmp_path_factory, tmp_path)
+    plan = json.loads((art / "plan.json").read_text())
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(2))
+    results = {}
+    for name, policy in (("low", DynamicPrecision(0.0, 1.0, "int4")),
+                         ("skip", DynamicPrecision(0.0, 0.0, "int4", renormalize=True)),
+                         ("off", None)):
+        loaded = load(art, memory_budget="unlimited", miss_policy=policy)
+        with torch.no_grad():
+            logits = loaded.model(input_ids=ids).logits
+        results[name] = (logits, loaded.stats())
+        loaded.close()
+    assert plan["pools"]
+    low_stats = results["low"][1]["miss_policy"]
+    assert low_stats["low"] > 0 and low_stats["skip"] == 0
+    skip_stats = results["skip"][1]["miss_policy"]
+    assert skip_stats["skip"] > 0 and results["skip"][1]["skipped"] == skip_stats["skip"]
+    assert results["skip"][1]["bytes_read"] < results["off"][1]["bytes_read"]
+    for logits, _ in results.values():
+        assert torch.isfinite(logits).all()
+    assert not torch.allclose(results["skip"][0], results["off"][0])
