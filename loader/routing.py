@@ -42,6 +42,7 @@ from collections.abc import Sequence
 
 import torch
 
+from loader.cache import precision_rank
 from loader.errors import MoeError
 
 ROUTER_NAMES = ("gate", "router")
@@ -244,6 +245,9 @@ class DynamicPrecision(MissPolicy):
             self.counts["high"] += 1
             return planned
         if s <= self.t2:
+            if precision_rank(self.low) >= precision_rank(planned):  # already planned at or below low
+                self.counts["high"] += 1
+                return planned
             self.counts["low"] += 1
             return self.low
         self.counts["skip"] += 1

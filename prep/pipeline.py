@@ -27,7 +27,19 @@ from tqdm import tqdm
 
 from prep.errors import MoeprepError
 from prep.recipe import Recipe
-from prep.stages import Stage, StageResult, bitwidth, evaluate, package, predict, quantize, sensitivity, trace
+from prep.stages import (
+    Stage,
+    StageResult,
+    bitwidth,
+    dynamic_precision,
+    evaluate,
+    gating,
+    package,
+    predict,
+    quantize,
+    sensitivity,
+    trace,
+)
 from prep.store import ArtifactOutput, StageStore, exclusive_lock, stage_key
 
 STAGES: tuple[Stage, ...] = (
@@ -36,6 +48,8 @@ STAGES: tuple[Stage, ...] = (
     sensitivity.STAGE,
     bitwidth.STAGE,
     predict.STAGE,
+    gating.STAGE,
+    dynamic_precision.STAGE,
     package.STAGE,
     evaluate.STAGE,
 )

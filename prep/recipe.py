@@ -213,6 +213,43 @@ class PredictSection:
 
 
 @dataclass(frozen=True)
+class GatingSection:
+    """AdapMoE's adaptive gating: drop a token's second expert where (1 - alpha)^2 * S_l <= T, S_l the Fisher
+    sensitivity over the first ``num_sequences`` calibration sequences. T comes from ``threshold``, else from
+    ``target_single`` (the share of single-expert decisions on the calibration routing: T itself does not
+    carry over between implementations); with ``tolerance`` (mean next-token KL, nats, on the last
+    ``num_sequences`` sequences) T is lowered until the gated model is within it. ``decode_only`` leaves
+    calls of several tokens exact."""
+
+    enabled: bool = False
+    target_single: float = 0.25
+    threshold: float | None = None
+    tolerance: float | None = None
+    decode_only: bool = False
+    num_sequences: int | None = 8
+
+
+@dataclass(frozen=True)
+class DynamicPrecisionSection:
+    """HOBBIT's dynamic precision: a missed expert whose unimportance (the summed normalized weight of its
+    token's more important experts) is at most t1 is read at its planned precision, at most t2 at ``low``,
+    above t2 skipped. t1 and t2 come from quantiles of the calibration routing that give ``high_share`` high
+    and ``skip_share`` skipped selections, unless given. ``strict``: a cached low copy does not satisfy a
+    high want; ``renormalize``: rescale a token's remaining weights after a skip; ``low_share``: the share of
+    the expert budget held by the pool of low copies."""
+
+    enabled: bool = False
+    low: str = "int2"
+    high_share: float = 0.67
+    skip_share: float = 0.03
+    t1: float | None = None
+    t2: float | None = None
+    strict: bool = True
+    renormalize: bool = False
+    low_share: float = 0.25
+
+
+@dataclass(frozen=True)
 class PackageSection:
     """Plan defaults written into the artifact: the share of each layer's experts to cache."""
 
@@ -242,6 +279,8 @@ class Recipe:
     sensitivity: SensitivitySection = field(default_factory=SensitivitySection)
     bitwidth: BitwidthSection = field(default_factory=BitwidthSection)
     predict: PredictSection = field(default_factory=PredictSection)
+    gating: GatingSection = field(default_factory=GatingSection)
+    dynamic_precision: DynamicPrecisionSection = field(default_factory=DynamicPrecisionSection)
     package: PackageSection = field(default_factory=PackageSection)
     evaluate: EvaluateSection = field(default_factory=EvaluateSection)
 
@@ -365,6 +404,7 @@ def _validate(recipe: Recipe) -> None:
         if n is not None and n <= 0:
             raise MoeprepError(f"{where}.num_sequences must be positive (or null for all)")
     _validate_predict(recipe.predict, q.precisions, recipe.calibration.num_sequences)
+    _validate_less_per_token(recipe.gating, recipe.dynamic_precision, q.precisions)
     if not 0 < recipe.package.cache_fraction <= 1:
         raise MoeprepError("package.cache_fraction must be in (0, 1]")
     if recipe.evaluate.gsm8k_format not in ("cot", "plain"):
@@ -408,6 +448,31 @@ def _validate_predict(p: PredictSection, precisions: tuple[str, ...], num_sequen
         raise MoeprepError(f"predict.first_gate.init {p.first_gate.init!r} unknown; use one of {FIRST_GATE_INITS}")
     if not p.first_gate.lr > 0:
         raise MoeprepError(f"predict.first_gate.lr must be positive, got {p.first_gate.lr}")
+
+
+def _validate_less_per_token(g: GatingSection, d: DynamicPrecisionSection, precisions: tuple[str, ...]) -> None:
+    if not 0 <= g.target_single <= 1:
+        raise MoeprepError(f"gating.target_single is a share of decisions in [0, 1], got {g.target_single}")
+    if g.threshold is not None and g.threshold < 0:
+        raise MoeprepError(f"gating.threshold must be >= 0 (or null to take it from target_single), got {g.threshold}")
+    if g.tolerance is not None and g.tolerance < 0:
+        raise MoeprepError(f"gating.tolerance must be >= 0 nats (or null), got {g.tolerance}")
+    if g.num_sequences is not None and g.num_sequences <= 0:
+        raise MoeprepError("gating.num_sequences must be positive (or null for all)")
+    if d.low not in PRECISIONS:
+        raise MoeprepError(f"dynamic_precision.low: precision {d.low!r} unknown; use one of {PRECISIONS}")
+    if d.enabled and d.low not in precisions:
+        raise MoeprepError(f"dynamic_precision.low is {d.low}, which the quantize stage does not write; add it to "
+                           f"quantize.also (now {list(precisions[1:])})")
+    if not (0 <= d.skip_share <= 1 and 0 <= d.high_share <= 1 - d.skip_share):
+        raise MoeprepError(f"dynamic_precision needs 0 <= skip_share <= 1 and 0 <= high_share <= 1 - skip_share, got "
+                           f"high_share {d.high_share}, skip_share {d.skip_share}")
+    if (d.t1 is None) != (d.t2 is None):
+        raise MoeprepError("dynamic_precision: give both t1 and t2, or neither (then the shares set them)")
+    if d.t1 is not None and not 0 <= d.t1 <= d.t2 <= 1:
+        raise MoeprepError(f"dynamic_precision needs 0 <= t1 <= t2 <= 1, got t1 {d.t1}, t2 {d.t2}")
+    if not 0 < d.low_share < 1:
+        raise MoeprepError(f"dynamic_precision.low_share is the budget share of the low pool, in (0, 1); got {d.low_share}")
 
 
 def recipe_from_dict(data: dict, overrides: tuple[str, ...] = ()) -> Recipe:

@@ -13,7 +13,15 @@ import torch
 import torch.nn.functional as F
 from tiny_models import build_tiny_model, random_sequences, tiny_artifact
 
-from loader.routing import SKIP, AdaptiveGating, DynamicPrecision, RoutingError, install_routing, unimportance
+from loader.routing import (
+    SKIP,
+    AdaptiveGating,
+    DynamicPrecision,
+    MissPolicy,
+    RoutingError,
+    install_routing,
+    unimportance,
+)
 from loader.runtime import load, minimum_budget, renormalized
 from prep.adapters import get_adapter
 from prep.fisher import fisher_sensitivity
@@ -212,3 +220,97 @@ def test_dynamic_precision_in_the_loader_reads_low_copies_and_skips(tmp_path_fac
     for logits, _ in results.values():
         assert torch.isfinite(logits).all()
     assert not torch.allclose(results["skip"][0], results["off"][0])
+
+
+# ------------------------------------------------------------------------------- recipe switches, e2e
+
+
+def _recipe(**sections):
+    from tiny_models import tiny_recipe
+
+    return tiny_recipe("passthrough", calibration={"num_sequences": 4, "sequence_length": 24}, **sections)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v2"])
+def test_gating_from_the_recipe_runs_in_the_loader_exactly_as_on_plain_transformers(tmp_path, arch):
+    from tiny_models import prepare_tiny_artifact
+
+    from prep.stages.gating import threshold_for_share
+
+    model, artifact = prepare_tiny_artifact(tmp_path, arch, recipe=_recipe(gating={"enabled": True, "target_single": 0.3,
+                                                                                    "num_sequences": 2}))
+    plan = json.loads((artifact / "plan.json").read_text())
+    report = json.loads((artifact / "report.json").read_text())["gating"]
+    assert plan["routing"]["name"] == "adaptive_gating" and plan["miss"]["name"] == "plan"
+    params = plan["routing"]["params"]
+    assert params["threshold"] > 0 and len(params["sensitivity"]) == len(plan["expert_precision"])
+    assert report["single"] >= 0.3 and report["threshold"] == params["threshold"]
+    assert threshold_for_share(torch.tensor([[[0.9, 0.1]]]), [1.0], 0.0) == 0.0
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
+    loaded = load(artifact, memory_budget="unlimited")
+    with torch.no_grad():
+        got = loaded.model(input_ids=ids).logits
+    stats = loaded.stats()["routing"]
+    loaded.close()
+    manifest = json.loads((artifact / "manifest.json").read_text())["moe"]
+    install_routing(model, manifest["experts_modules"], AdaptiveGating(**params), router_paths=manifest["router_modules"])
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert stats["policy"] == "adaptive_gating" and stats["decisions"] > 0
+
+
+def test_gating_with_a_tolerance_keeps_the_kl_within_it(tmp_path):
+    from tiny_models import prepare_tiny_artifact
+
+    tolerance = 1e-4
+    _, artifact = prepare_tiny_artifact(tmp_path, "mixtral", recipe=_recipe(gating={
+        "enabled": True, "target_single": 0.9, "tolerance": tolerance, "num_sequences": 2}))
+    details = json.loads((artifact / "report.json").read_text())["gating"]["details"]
+    assert details["trail"][0][1] > tolerance  # 90% single decisions is too much for the tiny model
+    assert details["loss"] is not None and details["loss"] <= tolerance
+    assert all(t <= details["trail"][0][0] for t, _ in details["trail"])
+
+
+def test_dynamic_precision_from_the_recipe_ships_low_copies_and_a_low_pool(tmp_path):
+    from tiny_models import prepare_tiny_artifact
+
+    recipe = _recipe(quantize={"precision": "int4", "also": ["int2"]},
+                     dynamic_precision={"enabled": True, "low": "int2", "high_share": 0.6, "skip_share": 0.1})
+    model, artifact = prepare_tiny_artifact(tmp_path, "olmoe", recipe=recipe)
+    plan = json.loads((artifact / "plan.json").read_text())
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    report = json.loads((artifact / "report.json").read_text())["dynamic_precision"]
+    assert plan["miss"]["name"] == "dynamic_precision" and plan["miss"]["params"]["low"] == "int2"
+    assert {p["precision"] for p in plan["pools"]} == {"int4", "int2"}
+    assert sum(p["share"] for p in plan["pools"]) == pytest.approx(1.0)
+    n = len(manifest["moe"]["layers"]) * manifest["moe"]["num_experts"]
+    assert len(manifest["stores"]["int2"]["crc32"]) == len(manifest["stores"]["int4"]["crc32"]) == n
+    assert report["split"]["high"] == pytest.approx(0.6, abs=0.05) and report["split"]["skip"] == pytest.approx(0.1, abs=0.05)
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(3))
+    outs = {}
+    for name, policy in (("plan", None), ("all high", DynamicPrecision(1.0, 1.0, "int2")), ("off", [])):
+        loaded = load(artifact, memory_budget="unlimited",
+                      miss_policy=policy if policy != [] else MissPolicy())
+        with torch.no_grad():
+            outs[name] = loaded.model(input_ids=ids).logits
+        stats = loaded.stats()
+        loaded.close()
+        if name == "plan":
+            assert stats["miss_policy"]["policy"] == "dynamic_precision"
+            assert stats["miss_policy"]["low"] + stats["miss_policy"]["skip"] > 0
+    assert torch.equal(outs["all high"], outs["off"])  # every knob at "high": exactly the planned reads
+    assert not torch.allclose(outs["plan"], outs["off"])
+
+
+def test_every_technique_is_off_by_default_and_bad_knobs_name_the_fix(tmp_path):
+    from prep.errors import MoeprepError
+
+    recipe = _recipe()
+    assert not recipe.gating.enabled and not recipe.dynamic_precision.enabled
+    with pytest.raises(MoeprepError, match="quantize.also"):
+        _recipe(dynamic_precision={"enabled": True, "low": "int2"})
+    with pytest.raises(MoeprepError, match="t1 and t2"):
+        _recipe(dynamic_precision={"t1": 0.5})
+    with pytest.raises(MoeprepError, match="target_single"):
+        _recipe(gating={"target_single": 1.5})

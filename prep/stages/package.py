@@ -24,17 +24,17 @@ from safetensors.torch import save_file
 from loader.codec import RecordLayout
 from loader.files import write_bytes_atomic, write_json_atomic
 from loader.format import FORMAT, SCHEMA_VERSION, sha256_file, write_manifest
-from loader.plan import PLAN_FILE, Plan, PolicySpec
+from loader.plan import PLAN_FILE, Plan, PolicySpec, Pool
 from loader.predict import PREDICTORS_FILE
 from prep.errors import MoeprepError
 from prep.recipe import PackageSection
 from prep.records import write_aligned_records
 from prep.stages import Stage, StageResult
 from prep.stages.bitwidth import BitwidthChoice, uniform_choice
-from prep.stages.predict import PredictionStats, prediction_markdown, predictor_tensors
+from prep.stages.predict import prediction_markdown, predictor_tensors
 from prep.stages.quantize import PackedExperts
 
-VERSION = 4
+VERSION = 5
 REPORT = "report.json"
 REPORTED_DETAILS = ("loss", "metric", "sequences", "b_hi", "b_lo", "K", "met", "bounds", "trail", "sensitivity")  # the rest: the stage result
 
@@ -50,6 +50,8 @@ class ArtifactReport(StageResult):
     bits_per_weight: dict  # precision -> stored bits per weight, metadata included
     bitwidth: dict  # the bitwidth stage's method, knobs, expert counts and measured loss
     prediction: dict | None  # the predict stage's figures (None when no predictor is on)
+    gating: dict | None  # the gating stage's T, S_l and shares (None when off)
+    dynamic_precision: dict | None  # the dynamic_precision stage's thresholds and split (None when off)
 
 
 def _producer() -> dict:
@@ -80,12 +82,16 @@ def _dense_state(model, expert_params: set[str]) -> dict[str, torch.Tensor]:
 
 def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quantize_dir: Path,
                      quantize: PackedExperts, choice: BitwidthChoice, cfg: PackageSection, package_key: str,
-                     out: Path, prediction: tuple[Path, PredictionStats] | None = None) -> ArtifactReport:
+                     out: Path, techniques: dict | None = None) -> ArtifactReport:
     """Write every artifact file into the empty directory ``out``, ``manifest.json`` last; returns the report.
 
     ``recipe`` is the resolved recipe the artifact derives from, ``source`` the source model's
-    {path, revision, fingerprint}, ``package_key`` this stage's cache key.
+    {path, revision, fingerprint}, ``package_key`` this stage's cache key. ``techniques``: the results of the
+    stages the recipe switched on: ``predict`` ((stage dir, PredictionStats)), ``gating`` (GatingChoice),
+    ``dynamic_precision`` (PrecisionThresholds).
     """
+    techniques = techniques or {}
+    prediction, gating, dynamic = (techniques.get(k) for k in ("predict", "gating", "dynamic_precision"))
     out = Path(out)
     paths = adapter.module_paths(model)
     experts = [adapter.experts(model, layer) for layer in adapter.moe_layers]
@@ -97,17 +103,28 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
 
     grid = choice.expert_precision
     position = {layer: pos for pos, layer in enumerate(quantize.layers)}
-    used = [p for p in quantize.stores if choice.counts.get(p)]
+    planned = [p for p in quantize.stores if choice.counts.get(p)]
+    low = dynamic.knobs["low"] if dynamic is not None else None
+    used = [p for p in quantize.stores if p in planned or p == low]
     stores, crc32s = {}, {}
     for precision in used:
         store = quantize.stores[precision]
-        keep = (lambda p: lambda layer, e: grid[position[layer]][e] == p)(precision)
+        # a store holds the experts planned at it; the low copies of dynamic precision are every expert
+        keep = (lambda p: (lambda layer, e: True) if p == low else lambda layer, e: grid[position[layer]][e] == p)(precision)
         stores[precision] = store | {"file": f"experts-{precision}.safetensors"}
         crc32s[precision] = write_aligned_records(out / stores[precision]["file"],
                                                   quantize.records(quantize_dir, precision, keep), store["record_bytes"])
 
     budget = f"{cfg.cache_fraction * 100:g}%"
-    plan = Plan.mixed(grid, {p: quantize.stores[p]["record_bytes"] for p in used}, default_budget=budget)
+    plan = Plan.mixed(grid, {p: quantize.stores[p]["record_bytes"] for p in planned}, default_budget=budget)
+    if dynamic is not None:
+        pools = plan.pools
+        if low not in {p.precision for p in pools}:  # a pool of its own for the low copies
+            pools = tuple(dataclasses.replace(p, share=p.share * (1 - dynamic.low_share)) for p in pools) + (
+                Pool("low", low, dynamic.low_share),)
+        plan = dataclasses.replace(plan, pools=pools, miss=PolicySpec("dynamic_precision", dynamic.knobs))
+    if gating is not None:
+        plan = dataclasses.replace(plan, routing=PolicySpec("adaptive_gating", gating.knobs))
     summary = None
     if prediction is not None:
         stage_dir, stats = prediction
@@ -136,6 +153,8 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
         bitwidth={"method": choice.method, **choice.knobs, "experts": choice.counts,
                   **{k: v for k, v in choice.details.items() if k in REPORTED_DETAILS}},
         prediction=summary,
+        gating=({k: v for k, v in gating.to_json().items() if k != "knobs"} if gating is not None else None),
+        dynamic_precision=dynamic.to_json() if dynamic is not None else None,
     )
     write_json_atomic(out / REPORT, report.to_json())
     write_bytes_atomic(out / "report.md", report_markdown(recipe.get("name", "artifact"), report.to_json()).encode())
@@ -163,7 +182,7 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
         },
         "stores": {p: {"file": stores[p]["file"], "record_bytes": stores[p]["record_bytes"],
                        "layout": stores[p]["layout"], "crc32": crc32s[p]} for p in used},
-        "plan_summary": {"precision": quantize.precision if len(used) == 1 else "mixed",
+        "plan_summary": {"precision": quantize.precision if len(planned) == 1 else "mixed",
                          "experts": choice.counts, "default_budget": budget, "eviction": plan.eviction.name},
         "files": files,
     }
@@ -197,15 +216,18 @@ def _run(inputs) -> ArtifactReport:
     quantize_dir, quantize = inputs.upstream("quantize")
     chosen = inputs.upstream("bitwidth", optional=True)
     choice = chosen[1] if chosen is not None else uniform_choice(quantize)
-    prediction = inputs.upstream("predict", optional=True)
+    techniques = {"predict": inputs.upstream("predict", optional=True)}
+    for name in ("gating", "dynamic_precision"):
+        found = inputs.upstream(name, optional=True)
+        techniques[name] = found[1] if found is not None else None
     with inputs.artifact.build() as out:
         return package_artifact(inputs.model, inputs.adapter, inputs.tokenizer, inputs.recipe, inputs.source,
-                                quantize_dir, quantize, choice, inputs.config, inputs.key, out, prediction)
+                                quantize_dir, quantize, choice, inputs.config, inputs.key, out, techniques)
 
 
 STAGE = Stage(
     name="package", version=VERSION, config=PackageSection, result=ArtifactReport,
-    reads=("quantize", "bitwidth", "predict"), needs=frozenset({"model", "recipe", "artifact"}),
+    reads=("quantize", "bitwidth", "predict", "gating", "dynamic_precision"), needs=frozenset({"model", "recipe", "artifact"}),
     run=_run,
     output_ok=lambda inputs, result: inputs.artifact.matches(inputs.key),
 )

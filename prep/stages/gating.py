@@ -1,0 +1,127 @@
+"""Stage ``gating``: AdapMoE's adaptive gating (paper 4.2, digest 2.1-2.2): the Fisher sensitivity S_l of every
+MoE layer and the threshold T of the rule (1 - alpha)^2 * S_l <= T.
+
+Runs when ``gating.enabled``. S comes from ``prep.fisher`` on the first ``num_sequences`` calibration
+sequences. T is ``threshold`` when given; else the T whose rule leaves ``target_single`` of the (token,
+layer) decisions of the calibration routing (trace stage) with one expert, found by bisection on log T
+without a forward pass. With ``tolerance``, T is bisected down to the largest value whose gated model (the
+source model with the policy installed) stays within that mean next-token KL on the last ``num_sequences``
+sequences; the (T, KL) trail is kept. The result holds what the plan's ``adaptive_gating`` policy needs and
+what the DP allocator will (alpha_l: the per-layer single-expert shares).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from prep.fisher import fisher_sensitivity
+from prep.recipe import GatingSection
+from prep.routing_stats import gating_share
+from prep.stages import Stage, StageResult
+
+VERSION = 1
+SEARCH_STEPS = 60  # bisection steps on log T for a target share
+TOLERANCE_STEPS = 8  # bisection steps on T for the KL tolerance
+
+
+@dataclass(frozen=True)
+class GatingChoice(StageResult):
+    threshold: float
+    sensitivity: list  # [L] S_l
+    tau: list  # [L] sqrt(T / S_l): a second expert of normalized weight at most this is dropped (None: S_l = 0)
+    single: float  # share of single-expert decisions on the calibration routing
+    runs_saved: float  # share of expert runs saved there (about half the single share for top-2)
+    per_layer: list  # [L] {single, runs_saved}
+    knobs: dict
+    details: dict  # fisher convention and positions; target search; KL trail and loss when a tolerance is set
+
+
+def threshold_for_share(weights: torch.Tensor, sensitivity: list[float], target: float) -> float:
+    """The smallest T whose rule gives at least ``target`` single-expert decisions on ``weights`` [N, L, K]
+    (the share only grows with T); 0 for a target of 0."""
+    if target <= 0:
+        return 0.0
+    lo, hi = 1e-12, max(max(sensitivity), 1e-12) * 1.01  # at hi every non-top-1 of weight <= 1 is dropped
+    if gating_share(weights, sensitivity, hi)["single"] < target:
+        return hi
+    for _ in range(SEARCH_STEPS):
+        mid = math.sqrt(lo * hi)
+        if gating_share(weights, sensitivity, mid)["single"] >= target:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def gated_loss(model, adapter, sensitivity: list[float], held: list, decode_only: bool):
+    """loss(T): mean next-token KL of the model with gating at T against the model without, on ``held``."""
+    from loader.routing import AdaptiveGating, install_routing
+    from prep.quant.decoded import mean_kl, next_token_logprobs
+
+    paths = adapter.module_paths(model)
+    reference = next_token_logprobs(model, held)
+
+    def loss(threshold: float) -> float:
+        installed = install_routing(model, paths["experts_modules"], AdaptiveGating(threshold, sensitivity, decode_only),
+                                    router_paths=paths["router_modules"])
+        try:
+            return mean_kl(reference, model, held)
+        finally:
+            installed.remove()
+
+    return loss
+
+
+def choose_gating(model, adapter, sequences: list, trace_dir, cfg: GatingSection) -> GatingChoice:
+    from prep.stages.bitwidth import held_out
+    from prep.trace import open_trace
+
+    fit = list(sequences if cfg.num_sequences is None else sequences[:cfg.num_sequences])
+    with tqdm(total=len(fit), desc="fisher sensitivity", unit="seq", leave=False) as bar:
+        fisher = fisher_sensitivity(model, adapter, fit, progress=lambda done, _n: bar.update(1))
+    s = fisher.sensitivity
+    weights = torch.cat([r.expert_weights for r in open_trace(trace_dir).routing()])  # [N, L, K]
+    details: dict = {"fisher": {"convention": fisher.convention, "positions": fisher.positions}}
+    if cfg.threshold is not None:
+        threshold = cfg.threshold
+    else:
+        threshold = threshold_for_share(weights, s, cfg.target_single)
+        details["target_single"] = cfg.target_single
+    if cfg.tolerance is not None:
+        held = held_out(sequences, cfg.num_sequences)
+        loss = gated_loss(model, adapter, s, held, cfg.decode_only)
+        trail = [[threshold, loss(threshold)]]
+        if trail[-1][1] > cfg.tolerance:
+            good, bad = 0.0, threshold
+            for _ in tqdm(range(TOLERANCE_STEPS), desc="gating tolerance", unit="eval", leave=False):
+                mid = (good + bad) / 2
+                trail.append([mid, loss(mid)])
+                good, bad = (mid, bad) if trail[-1][1] <= cfg.tolerance else (good, mid)
+            threshold = good
+        details |= {"tolerance": cfg.tolerance, "trail": trail, "sequences": len(held),
+                    "loss": next((v for t, v in trail if t == threshold), 0.0 if threshold == 0 else None)}
+    share = gating_share(weights, s, threshold)
+    return GatingChoice(threshold=threshold, sensitivity=s,
+                        tau=[math.sqrt(threshold / v) if v > 0 else None for v in s],
+                        single=share["single"], runs_saved=share["runs_saved"], per_layer=share["layers"],
+                        knobs={"threshold": threshold, "sensitivity": s, "decode_only": cfg.decode_only},
+                        details=details)
+
+
+def _run(inputs) -> GatingChoice:
+    from prep.stages.trace import RoutingTraces
+
+    trace_dir, _ = inputs.upstream("trace")
+    return choose_gating(inputs.model, inputs.adapter, inputs.sequences, RoutingTraces.path(trace_dir), inputs.config)
+
+
+STAGE = Stage(
+    name="gating", version=VERSION, config=GatingSection, result=GatingChoice,
+    reads=("trace",), needs=frozenset({"model", "calibration"}),
+    enabled=lambda recipe: recipe.gating.enabled,
+    run=_run,
+)
