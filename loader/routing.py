@@ -257,6 +257,32 @@ class DynamicPrecision(MissPolicy):
         return {"policy": self.name, **self.counts}
 
 
+class ChainedRouting(RoutingPolicy):
+    """Policies applied in order, each to what the previous returned (a replay, then adaptive gating)."""
+
+    name = "chain"
+
+    def __init__(self, *policies: RoutingPolicy) -> None:
+        self.policies = policies
+
+    def bind(self, num_layers: int) -> None:
+        for p in self.policies:
+            p.bind(num_layers)
+
+    def route(self, layer, logits, weights, indices, view=None):
+        for p in self.policies:
+            weights, indices = p.route(layer, logits, weights, indices, view)
+        return weights, indices
+
+    def reset(self) -> None:
+        for p in self.policies:
+            p.reset()
+
+    def stats(self) -> dict | None:
+        found = [p.stats() for p in self.policies if hasattr(p, "stats")]
+        return found[-1] if found else None
+
+
 ROUTING_POLICIES: dict[str, type[RoutingPolicy]] = {p.name: p for p in (AdaptiveGating,)}
 MISS_POLICIES: dict[str, type[MissPolicy]] = {p.name: p for p in (DynamicPrecision,)}
 

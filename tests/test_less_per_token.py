@@ -314,3 +314,48 @@ def test_every_technique_is_off_by_default_and_bad_knobs_name_the_fix(tmp_path):
         _recipe(dynamic_precision={"t1": 0.5})
     with pytest.raises(MoeprepError, match="target_single"):
         _recipe(gating={"target_single": 1.5})
+
+
+def test_the_simulator_and_the_loader_make_identical_gating_and_precision_decisions(tmp_path):
+    """One calibration sequence of the project's own trace replayed token by token: through the loader (its
+    routers replaced by the recorded decisions, then the plan's gating; the plan's dynamic precision) and
+    through the simulator with the same policies. Hits, misses, skips and bytes agree per layer, and so do
+    the policies' own counts."""
+    from tiny_models import prepare_tiny_artifact
+
+    from loader.routing import ChainedRouting, ReplayRouting
+    from prep.sim.replay import load_replay
+    from prep.sim.simulate import artifact_spec, simulate
+
+    recipe = _recipe(quantize={"precision": "int4", "also": ["int2"]}, gating={"enabled": True, "target_single": 0.3},
+                     dynamic_precision={"enabled": True, "low": "int2", "high_share": 0.5, "skip_share": 0.15})
+    _, artifact = prepare_tiny_artifact(tmp_path, "mixtral", recipe=recipe)
+    [trace] = (tmp_path / "artifacts/tiny/stages").glob("trace-*/trace")
+    full = load_replay(trace)
+    replay = type(full)(full.sequences[:1], full.num_layers, full.num_experts, full.top_k, "first", full.weights[:1])
+    plan = json.loads((artifact / "plan.json").read_text())
+    gating, dynamic = plan["routing"]["params"], plan["miss"]["params"]
+    budget = minimum_budget(artifact) + 3 * 4096
+
+    ids = torch.tensor(replay.sequences[0])  # [T, L, K]
+    weights = torch.tensor(replay.weights[0])
+    loader_gating, loader_miss = AdaptiveGating(**gating), DynamicPrecision(**dynamic)
+    loaded = load(artifact, memory_budget=budget, routing=ChainedRouting(ReplayRouting(ids, weights), loader_gating),
+                  miss_policy=loader_miss)
+    tokens = torch.zeros(1, ids.shape[0], dtype=torch.long)
+    with torch.no_grad():
+        out = loaded.model(input_ids=tokens[:, :1], use_cache=True)
+        for t in range(1, ids.shape[0]):
+            out = loaded.model(input_ids=tokens[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+    stats = loaded.stats()
+    loaded.close()
+
+    sim_gating, sim_miss = AdaptiveGating(**gating), DynamicPrecision(**dynamic)
+    result = simulate(replay, artifact_spec(artifact, budget), routing=sim_gating, miss=sim_miss).to_json()
+    for layer, row in enumerate(result["layers"]):
+        mine = stats["layers"][str(layer)]
+        assert (row["hits"], row["misses"], row["skipped"], row["bytes_read"]) == (
+            mine["hits"], mine["misses"], mine["skipped"], mine["bytes_read"]), layer
+    assert sim_gating.stats() == loader_gating.stats() and sim_gating.stats()["single"] > 0
+    assert sim_miss.stats() == loader_miss.stats()
+    assert sim_miss.stats()["low"] > 0 and sim_miss.stats()["skip"] > 0

@@ -30,7 +30,8 @@ class Replay:
     """Recorded routing of one or more sequences.
 
     sequences[s][t][l] is the tuple of experts token t of sequence s used at MoE layer l, in the
-    router's slot order (K of them, no repeats).
+    router's slot order (K of them, no repeats). weights[s][t][l], when recorded, are their combination
+    weights in the same order (what routing and miss policies decide on).
     """
 
     sequences: tuple[tuple[tuple[tuple[int, ...], ...], ...], ...]  # [S][T][L] -> K experts
@@ -38,6 +39,7 @@ class Replay:
     num_experts: int
     top_k: int
     source: str = ""
+    weights: tuple | None = None  # [S][T][L] -> K floats, aligned with sequences
 
     @property
     def num_tokens(self) -> int:
@@ -60,11 +62,14 @@ def replay_from_routing(traces: Sequence, num_experts: int | None = None, source
     if len(shapes) != 1:
         raise MoeprepError(f"the sequences of {source or 'the trace'} disagree on (layers, top-k): {sorted(shapes)}")
     num_layers, top_k = shapes.pop()
-    sequences = []
+    sequences, weights = [], []
     seen_max = -1
     for trace in traces:
         rows = trace.expert_ids.tolist()  # [T][L][K]
         seq = tuple(tuple(tuple(dict.fromkeys(int(e) for e in experts)) for experts in token) for token in rows)
+        mass = trace.expert_weights.tolist()
+        weights.append(tuple(tuple(tuple(w[:len(experts)]) for experts, w in zip(token, m, strict=True))
+                             for token, m in zip(seq, mass, strict=True)) if seq else ())
         for token in seq:
             for experts in token:
                 seen_max = max(seen_max, *experts) if experts else seen_max
@@ -72,13 +77,15 @@ def replay_from_routing(traces: Sequence, num_experts: int | None = None, source
             raise MoeprepError(f"{source or 'the trace'} has a negative expert id; record the trace again")
         if seq:
             sequences.append(seq)
+        else:
+            weights.pop()
     if not sequences:
         raise MoeprepError(f"every sequence of {source or 'the trace'} is empty; nothing to replay")
     if num_experts is None:
         num_experts = seen_max + 1
     elif seen_max >= num_experts:
         raise MoeprepError(f"{source or 'the trace'} names expert {seen_max} but the model has {num_experts} experts")
-    return Replay(tuple(sequences), num_layers, int(num_experts), top_k, source)
+    return Replay(tuple(sequences), num_layers, int(num_experts), top_k, source, tuple(weights))
 
 
 def load_replay(path: str | Path) -> Replay:

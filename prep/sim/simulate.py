@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from loader.cache import POLICIES, ExpertCache, PoolConfig, ordered_experts, policy_factory
 from loader.errors import MoeError
 from loader.plan import Capacities, ModelSizes, Plan, PlanError, capacities, read_plan_file
+from loader.routing import SKIP
 from prep.errors import MoeprepError
 from prep.sim.belady import BeladyPolicy, FutureUses
 from prep.sim.device import DeviceProfile
@@ -80,6 +81,8 @@ class CacheSpec:
     group: str  # "layer", "global" or "plan"
     slot_bytes: dict | None = None  # None: a record takes its own size
     eviction: tuple[str, dict] = ("lru", {})
+    routing: tuple[str, dict] = ("topk", {})  # the plan's routing policy (name, params)
+    miss: tuple[str, dict] = ("plan", {})  # the plan's miss policy
 
     @property
     def num_layers(self) -> int:
@@ -117,10 +120,6 @@ def capacities_spec(plan: Plan, caps: Capacities, record_bytes: dict, slot_bytes
     record_bytes: bytes a miss reads per precision; slot_bytes: bytes a cached record takes (the loader's
     slot, which ``capacities`` was given as the record size); None means the same as record_bytes.
     """
-    for what, spec in (("routing policy", plan.routing), ("miss policy", plan.miss)):
-        if spec.name not in _DEFAULT_HOOKS or spec.params:
-            raise MoeprepError(f"the plan's {what} {spec.name!r} is not simulated yet; simulate the plan with "
-                               f"that {what} off ({'/'.join(_DEFAULT_HOOKS)})")
     pools = tuple(PoolConfig(p.name, p.precision, p.group, dict(caps.pools[p.name])) for p in plan.pools)
     slot_bytes = dict(slot_bytes if slot_bytes is not None else record_bytes)
     missing = sorted(set(plan.precisions) - set(record_bytes) - set(slot_bytes))
@@ -128,7 +127,8 @@ def capacities_spec(plan: Plan, caps: Capacities, record_bytes: dict, slot_bytes
         raise MoeprepError(f"no record size for precisions {missing}; give the artifact's sizes")
     return CacheSpec(pools, plan.expert_precision, dict(record_bytes),
                      {name: {str(k): v for k, v in groups.items()} for name, groups in caps.pools.items()}, "plan",
-                     slot_bytes, (plan.eviction.name, dict(plan.eviction.params)))
+                     slot_bytes, (plan.eviction.name, dict(plan.eviction.params)),
+                     (plan.routing.name, dict(plan.routing.params)), (plan.miss.name, dict(plan.miss.params)))
 
 
 def plan_spec(plan: Plan, budget, sizes) -> CacheSpec:
@@ -169,11 +169,13 @@ class LayerResult:
     prefetches: int = 0
     prefetch_used: int = 0
     prefetch_wasted: int = 0
+    skipped: int = 0  # misses the miss policy skipped
 
     def to_json(self, layer: int, modelled: bool) -> dict:
         out = {"layer": layer, "requests": self.requests, "hits": self.hits, "misses": self.misses,
                "joins": self.joins, "miss_rate": self.misses / self.requests if self.requests else None,
-               "bytes_read": self.bytes_read, "prefetches": self.prefetches, "prefetch_used": self.prefetch_used,
+               "bytes_read": self.bytes_read, "skipped": self.skipped, "prefetches": self.prefetches,
+               "prefetch_used": self.prefetch_used,
                "prefetch_wasted": self.prefetch_wasted}
         if modelled:
             out |= {"read_seconds": self.read_seconds, "compute_seconds": self.compute_seconds,
@@ -278,7 +280,7 @@ class PredictionFeed:
 
 def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params: dict | None = None,
              profile: DeviceProfile | None = None, cold_start: bool = True, predictors: list | None = None,
-             feed: PredictionFeed | None = None) -> SimResult:
+             feed: PredictionFeed | None = None, routing=None, miss=None) -> SimResult:
     """Replay ``replay`` through an ``ExpertCache`` built from ``spec`` with eviction ``policy``.
 
     policy: a name of ``POLICY_NAMES`` with ``params``; None takes the spec's (a plan's) eviction policy.
@@ -290,6 +292,11 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
     token's chosen experts protected first; and after the last layer) on ``feed``. A prefetch is admitted
     through ``ExpertCache.prefetch`` and modelled as landing before its layer runs: its bytes count, its
     read seconds go to ``prefetch_read_seconds`` (hidden behind compute), not to the stall.
+
+    routing / miss: ``loader.routing`` policy objects (default: the spec's, i.e. the plan's), deciding on the
+    replay's recorded weights exactly as in the loader: a selection the routing policy gives weight 0 is not
+    wanted; a miss the miss policy skips is not read, one it lowers is read at that precision (or served by
+    a held lower copy).
     """
     if policy is None:
         policy, params = spec.eviction[0], (params if params is not None else spec.eviction[1])
@@ -307,6 +314,10 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
     precision, record_bytes = spec.expert_precision, spec.record_bytes
     slot_bytes = spec.slot_bytes if spec.slot_bytes is not None else record_bytes
     num_experts = spec.num_experts
+    routing, miss = _policies(spec, replay, routing, miss)
+    decide = routing is not None or miss is not None
+    if miss is not None:
+        miss.view = cache.view
     predictors = list(predictors or [])
     if predictors:
         import torch
@@ -335,6 +346,8 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
             cache.clock.token = t
             for layer, experts in enumerate(token):
                 counts = layers[layer]
+                if decide:
+                    experts, idx, w = _route(routing, replay.weights[s][t][layer], experts, layer, cache)
                 if predictors:  # the router has decided: its experts are protected, then the predictors run
                     for e in experts:
                         cache.protect(layer, e)
@@ -343,21 +356,30 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
                         prefetch(p.after_router(layer, x, chosen))
                 wanted = ordered_experts([experts], num_experts)  # the runtime's visiting order
                 requests = cache.begin_layer(layer, [(e, precision[layer][e]) for e in wanted])
-                for request in requests:  # as the runtime: every use first, at its computed precision
-                    cache.use(layer, request.expert, request.entry.precision if request.entry else request.precision)
-                for request in requests:
+                reads = []  # (expert, precision) to read, in order
+                for request in requests:  # as the runtime: decide each miss, then use at the computed precision
                     counts.requests += 1
-                    if request.kind == "miss":
-                        nbytes = record_bytes[request.precision]
-                        entry = cache.admit(layer, request.expert, request.precision, slot_bytes[request.precision])
-                        cache.count_read(layer, nbytes)
-                        if entry is not None:
-                            cache.complete(entry)
-                        if profile is not None:
-                            counts.read_seconds += profile.read_seconds(nbytes)
-                            counts.compute_seconds += profile.compute(request.precision)
-                    elif profile is not None:
-                        counts.compute_seconds += profile.compute(request.entry.precision)
+                    entry, p = request.entry, request.precision
+                    if request.kind == "miss" and miss is not None:
+                        p = miss.decide(layer, request.expert, request.precision, idx, w)
+                        if p == SKIP:
+                            cache.skip(layer, request.expert)
+                            continue
+                        if p != request.precision:  # a lower copy may be held already
+                            entry = cache.find(layer, request.expert, p)
+                    if entry is None:
+                        reads.append((request.expert, p))
+                    cache.use(layer, request.expert, entry.precision if entry is not None else p)
+                    if profile is not None:
+                        counts.compute_seconds += profile.compute(entry.precision if entry is not None else p)
+                for expert, p in reads:
+                    nbytes = record_bytes[p]
+                    entry = cache.admit(layer, expert, p, slot_bytes[p])
+                    cache.count_read(layer, nbytes)
+                    if entry is not None:
+                        cache.complete(entry)
+                    if profile is not None:
+                        counts.read_seconds += profile.read_seconds(nbytes)
                 cache.end_layer(layer)
             if predictors and feed.head_inputs is not None:
                 for p in predictors:
@@ -366,8 +388,48 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
         c = cache.counters[layer]
         counts.hits, counts.misses, counts.joins, counts.bytes_read = c.hits, c.misses, c.joins, c.bytes_read
         counts.prefetches, counts.prefetch_used, counts.prefetch_wasted = c.prefetches, c.prefetch_used, c.prefetch_wasted
+        counts.skipped = c.skipped
     return SimResult(policy, dict(params or {}), spec.capacity, spec.group, replay.source, len(replay.sequences),
                      replay.num_tokens, dict(record_bytes), cold_start, layers, profile, [p.name for p in predictors])
+
+
+def _policies(spec: CacheSpec, replay: Replay, routing, miss):
+    """(routing, miss) policy objects: the given ones, else the spec's (None for the defaults)."""
+    from loader.routing import MISS_POLICIES, ROUTING_POLICIES, RoutingError
+
+    def build(given, named, registry, what):
+        if given is not None:
+            return given
+        name, params = named
+        if name in _DEFAULT_HOOKS and not params:
+            return None
+        if name not in registry:
+            raise MoeprepError(f"the plan's {what} {name!r} is unknown to this moeprep (known: {sorted(registry)})")
+        try:
+            return registry[name](**params)
+        except (TypeError, RoutingError) as e:
+            raise MoeprepError(f"the plan's {what} {name!r}: {e}") from None
+
+    routing = build(routing, spec.routing, ROUTING_POLICIES, "routing policy")
+    miss = build(miss, spec.miss, MISS_POLICIES, "miss policy")
+    if (routing is not None or miss is not None) and replay.weights is None:
+        raise MoeprepError(f"{replay.source or 'the replay'} holds no routing weights, which the plan's routing and "
+                           "miss policies decide on; replay a trace that records them")
+    if routing is not None:
+        routing.bind(spec.num_layers)
+    if miss is not None:
+        miss.bind(spec.num_layers, spec.num_experts)
+    return routing, miss
+
+
+def _route(routing, weights: tuple, experts: tuple, layer: int, cache: ExpertCache):
+    """(the experts wanted, indices [1, K], weights [1, K]) of one token at one layer after ``routing``."""
+    import torch
+
+    idx, w = torch.tensor([list(experts)]), torch.tensor([list(weights)], dtype=torch.float32)
+    if routing is not None:
+        w, idx = routing.route(layer, None, w, idx, cache.view(layer))
+    return tuple(e for e, x in zip(idx[0].tolist(), w[0].tolist(), strict=True) if x != 0), idx, w
 
 
 def _bind_predictors(predictors: list, cache: ExpertCache, spec: CacheSpec, replay: Replay,
