@@ -319,6 +319,7 @@ class PoolConfig:
     precision: str
     group: str
     capacity: dict
+    record_bytes: int = 0  # what one record takes (0: unknown); lets a view say how many records fit
 
 
 @dataclass
@@ -366,6 +367,11 @@ class LayerView:
     def has(self, expert: int, precision: str | None = None) -> bool:
         return self._cache.find(self.layer, expert, precision) is not None
 
+    def capacity_records(self) -> int:
+        """About how many records this layer's cache holds: each of its groups' bytes over its pool's record
+        size (a global group's share is its total over the layers); 0 when record sizes are unknown."""
+        return self._cache.capacity_records(self.layer)
+
 
 class ExpertCache:
     """Every pool of the loader (or of a simulation), with the clock, protection and counters."""
@@ -378,6 +384,7 @@ class ExpertCache:
         self.num_experts = num_experts
         self.meter = meter or MemoryMeter()
         self.pools: dict[str, dict] = {}  # pool name -> {group key: _Group}
+        self.record_bytes: dict[str, int] = {}  # pool name -> bytes of one record (0: unknown)
         self.pool_of: dict[str, str] = {}  # precision -> pool name
         self.group_kind: dict[str, str] = {}
         for pool in pools:
@@ -387,6 +394,7 @@ class ExpertCache:
                                      for key, nbytes in pool.capacity.items()}
             self.pool_of[pool.precision] = pool.name
             self.group_kind[pool.name] = pool.group
+            self.record_bytes[pool.name] = int(pool.record_bytes)
         ranked = sorted(self.pool_of, key=precision_rank, reverse=True)
         self.high_precision = high_precision or (ranked[0] if ranked else None)
         self.protected: dict[int, set[int]] = {}  # layer -> experts not to evict until the layer has run
@@ -417,6 +425,15 @@ class ExpertCache:
 
     def view(self, layer: int) -> LayerView:
         return LayerView(self, layer)
+
+    def capacity_records(self, layer: int) -> int:
+        total = 0
+        for pool in self.pools:
+            size = self.record_bytes.get(pool, 0)
+            if size:
+                share = self.num_layers if self.group_kind[pool] == "global" else 1
+                total += self._group(pool, layer).capacity // size // share
+        return total
 
     @property
     def nbytes(self) -> int:

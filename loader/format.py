@@ -256,7 +256,7 @@ class _Checker:
 _TOP_KEYS = {"format", "schema_version", "producer", "source_model", "recipe", "package_key", "moe", "stores",
              "plan_summary", "files", "digest"}
 _MOE_KEYS = {"architecture", "layers", "num_experts", "top_k", "dtype", "experts_modules", "router_modules",
-             "last_decoder_layer", "expert_params", "source_expert_bytes"}
+             "last_decoder_layer", "expert_params", "source_expert_bytes", "routing_weights"}  # routing_weights: optional (older manifests lack it)
 
 
 def _validate(raw, root: Path) -> None:
@@ -307,6 +307,13 @@ def _validate(raw, root: Path) -> None:
             if str(layer) not in path.split("."):
                 raise c.fail(f"moe.{name}: {path!r} is not a module of layer {layer}")
     c.get(moe, "last_decoder_layer", "moe.", "str")
+    if "routing_weights" in moe:
+        from loader.routing import RoutingError, check_weights_spec
+
+        try:
+            check_weights_spec(moe["routing_weights"])
+        except RoutingError as e:
+            raise c.fail(f"moe.{e}") from None
     params = c.strings(moe, "expert_params", "moe.")
     if c.get(moe, "source_expert_bytes", "moe.", "int") <= 0:
         raise c.fail("moe.source_expert_bytes must be positive")

@@ -29,6 +29,14 @@ Techniques (each a plan entry, ``Plan.routing`` / ``Plan.miss``, and a class of 
   weight of the more important selected experts of its token (``unimportance``); at or below ``t1`` it is
   read at its planned precision, at or below ``t2`` at ``low``, above ``t2`` skipped. The top-1 always
   scores 0. With several tokens the most demanding token decides.
+- ``cache_routing`` (Skliar et al., digest CC1-CC4): prefer experts already resident when the router is
+  nearly indifferent. ``prior``: add lambda times the layer's running logit range to the logits of resident
+  experts and of the token's top-J; ``max_rank``: cached experts within the top m move ahead; ``threshold``:
+  m is the smallest rank whose cumulative probability reaches tau. The J best experts always stay. The
+  ranking changes, the weights do not: they are the router's own weight function
+  (``selection_weights``, the manifest's ``routing_weights``) on the unmodified logits. The tokens of one
+  call are routed in order, each seeing the cache as decode would (the earlier tokens' experts added,
+  least recently used out at the layer's capacity).
 
 ``ReplayRouting`` hands out recorded decisions (for example the real Mixtral-8x7B traces): each router
 call with T tokens takes the next T records of its layer, so a prefill of T tokens consumes T records
@@ -283,7 +291,132 @@ class ChainedRouting(RoutingPolicy):
         return found[-1] if found else None
 
 
-ROUTING_POLICIES: dict[str, type[RoutingPolicy]] = {p.name: p for p in (AdaptiveGating,)}
+WEIGHT_FUNCTIONS = ("softmax", "softmax_selected", "sparsemixer")
+
+
+def check_weights_spec(spec) -> dict:
+    """A ``routing_weights`` spec (the manifest's), checked; RoutingError names what is wrong."""
+    if (not isinstance(spec, dict) or spec.get("function") not in WEIGHT_FUNCTIONS
+            or not isinstance(spec.get("renormalize"), bool)
+            or any(isinstance(spec.get(k), bool) or not isinstance(spec.get(k), int | float) for k in ("scale", "jitter_eps"))):
+        raise RoutingError(f"routing_weights must be {{function: {'|'.join(WEIGHT_FUNCTIONS)}, renormalize: bool, "
+                           f"scale: number, jitter_eps: number}}, got {spec!r:.120}; prepare the artifact again")
+    return spec
+
+
+def selection_weights(spec: dict, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """The router's own weights for the chosen ``indices`` [T, K] from its logits [T, E] (float32 [T, K]).
+
+    softmax: softmax over all experts at the chosen ones, renormalized over them if ``renormalize``, times
+    ``scale`` (Mixtral, Qwen, OLMoE, DeepSeek-V2); softmax_selected: softmax over the chosen logits (gpt-oss);
+    sparsemixer (Phi-MoE, eval mode): slot by slot, the softmax over the logits within relative distance
+    2 * jitter_eps of the chosen one, the earlier slots' experts excluded.
+    """
+    z = logits.float()
+    if spec["function"] == "softmax_selected":
+        return z.gather(-1, indices).softmax(-1)
+    if spec["function"] == "sparsemixer":
+        out, taken = [], torch.zeros_like(z, dtype=torch.bool)
+        eps = 2 * float(spec["jitter_eps"])
+        for slot in range(indices.shape[-1]):
+            chosen = indices[:, slot:slot + 1]
+            top = z.gather(-1, chosen)
+            far = ((top - z) / z.abs().clamp(min=top)) > eps
+            gates = z.masked_fill(far | taken, float("-inf"))
+            out.append(gates.softmax(-1).gather(-1, chosen))
+            taken = taken.scatter(-1, chosen, True)
+        return torch.cat(out, -1)
+    w = z.softmax(-1).gather(-1, indices)
+    if spec["renormalize"]:
+        w = w / w.sum(-1, keepdim=True)
+    return w * float(spec["scale"])
+
+
+CACHE_METHODS = ("prior", "max_rank", "threshold")
+
+
+class CacheConditionalRouting(RoutingPolicy):
+    """Cache-conditional routing (see the module docstring). method: ``prior`` (knob ``lam``), ``max_rank``
+    (``m``) or ``threshold`` (``tau``); ``top_j``: the best experts kept whatever is cached; ``weights``: the
+    router's weight function (``selection_weights``). Needs the layer's cache view; without one (a plain
+    model) it routes exactly. Counts decisions and how many selections it changed."""
+
+    name = "cache_routing"
+
+    def __init__(self, method: str, weights: dict, lam: float = 0.0, m: int | None = None, tau: float = 0.0,
+                 top_j: int = 1, logit_range: list | None = None) -> None:
+        if method not in CACHE_METHODS:
+            raise RoutingError(f"cache_routing.method {method!r} unknown; use one of {CACHE_METHODS}")
+        for what, v in (("lam", lam), ("tau", tau)):
+            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+                raise RoutingError(f"cache_routing.{what} must be a number >= 0, got {v!r}")
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise RoutingError(f"cache_routing.m must be a whole number >= 1 (or null), got {m!r}")
+        if isinstance(top_j, bool) or not isinstance(top_j, int) or top_j < 0:
+            raise RoutingError(f"cache_routing.top_j must be a whole number >= 0, got {top_j!r}")
+        self.method, self.weights = method, check_weights_spec(weights)
+        self.lam, self.m, self.tau, self.top_j = float(lam), m, float(tau), top_j
+        # the running mean of each layer's logit range, started at the calibration estimate when given
+        self.range_sum: dict[int, float] = dict(enumerate(float(v) for v in logit_range or []))
+        self.range_n: dict[int, int] = {layer: 1 for layer in self.range_sum}
+        self.counts = {"decisions": 0, "changed": 0}
+
+    def reset(self) -> None:
+        """The running logit range is kept across sequences (a data statistic, not per sequence)."""
+
+    def _rank(self, layer: int, z: torch.Tensor, held: set, k: int) -> list[int]:
+        order = z.argsort(descending=True, stable=True).tolist()
+        top_j = order[:self.top_j]
+        if self.method == "prior":
+            span = float(z.max() - z.min())
+            self.range_sum[layer] = self.range_sum.get(layer, 0.0) + span
+            self.range_n[layer] = self.range_n.get(layer, 0) + 1
+            boost = torch.zeros_like(z)
+            marked = held | set(top_j)
+            if marked:
+                boost[list(marked)] = self.lam * self.range_sum[layer] / self.range_n[layer]
+            return (z + boost).argsort(descending=True, stable=True).tolist()[:k]
+        if self.method == "threshold":
+            cum = z.softmax(-1)[order].cumsum(-1)
+            m = int((cum < self.tau).sum()) + 1
+        else:
+            m = self.m if self.m is not None else k
+        promoted = [e for e in order[:max(m, k)] if e in held]
+        ranked = promoted + [e for e in order if e not in promoted]
+        ranked = top_j + [e for e in ranked if e not in top_j]
+        return ranked[:k]
+
+    def route(self, layer, logits, weights, indices, view=None):
+        if view is None or logits is None:
+            return weights, indices
+        k = indices.shape[-1]
+        held = list(dict.fromkeys([*view.resident(), *view.in_flight()]))
+        capacity = max(view.capacity_records(), k) if hasattr(view, "capacity_records") else max(len(held), k)
+        new_w, new_i = weights.clone(), indices.clone()
+        for t in range(indices.shape[0]):
+            chosen = self._rank(layer, logits[t].float(), set(held), k)
+            self.counts["decisions"] += 1
+            if set(chosen) != set(indices[t].tolist()):
+                self.counts["changed"] += 1
+                new_i[t] = torch.tensor(chosen, dtype=indices.dtype)
+                new_w[t] = selection_weights(self.weights, logits[t:t + 1], new_i[t:t + 1])[0].to(weights.dtype)
+            # as decode would see it: this token's experts become the most recent (heaviest first), LRU out
+            order = sorted(range(k), key=lambda i: -float(new_w[t, i]))
+            for i in order:
+                e = int(new_i[t, i])
+                if e in held:
+                    held.remove(e)
+                held.append(e)
+            del held[:max(len(held) - capacity, 0)]
+        return new_w, new_i
+
+    def stats(self) -> dict:
+        c = self.counts
+        return {"policy": self.name, "method": self.method, **c,
+                "changed_share": c["changed"] / c["decisions"] if c["decisions"] else None}
+
+
+ROUTING_POLICIES: dict[str, type[RoutingPolicy]] = {p.name: p for p in (AdaptiveGating, CacheConditionalRouting)}
 MISS_POLICIES: dict[str, type[MissPolicy]] = {p.name: p for p in (DynamicPrecision,)}
 
 

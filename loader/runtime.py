@@ -109,7 +109,8 @@ class ExpertRuntime:
         self.slot_bytes = {p: slot_bytes(s) for p, s in stores.items()}
         self.meter = MemoryMeter()
         self.cache = ExpertCache(
-            [PoolConfig(pool.name, pool.precision, pool.group, caps.pools[pool.name]) for pool in plan.pools],
+            [PoolConfig(pool.name, pool.precision, pool.group, caps.pools[pool.name], self.slot_bytes[pool.precision])
+             for pool in plan.pools],
             plan.num_layers, plan.num_experts, policy_factory(plan.eviction.name, plan.eviction.params),
             meter=self.meter)
         self.cache.on_evict = self._free_slot

@@ -31,6 +31,7 @@ from prep.stages import (
     Stage,
     StageResult,
     bitwidth,
+    cache_routing,
     dynamic_precision,
     evaluate,
     gating,
@@ -50,6 +51,7 @@ STAGES: tuple[Stage, ...] = (
     predict.STAGE,
     gating.STAGE,
     dynamic_precision.STAGE,
+    cache_routing.STAGE,
     package.STAGE,
     evaluate.STAGE,
 )

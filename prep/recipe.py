@@ -250,6 +250,21 @@ class DynamicPrecisionSection:
 
 
 @dataclass(frozen=True)
+class CacheRoutingSection:
+    """Cache-conditional routing (Skliar et al.): prefer resident experts where the router is nearly
+    indifferent. ``method``: ``prior`` (``lam`` times the running logit range added to resident experts'
+    logits), ``max_rank`` (cached experts within the top ``m`` move ahead) or ``threshold`` (m from the
+    cumulative probability ``tau``); the ``top_j`` best experts always stay."""
+
+    enabled: bool = False
+    method: str = "prior"
+    lam: float = 0.5
+    m: int | None = None
+    tau: float = 0.9
+    top_j: int = 1
+
+
+@dataclass(frozen=True)
 class PackageSection:
     """Plan defaults written into the artifact: the share of each layer's experts to cache."""
 
@@ -281,6 +296,7 @@ class Recipe:
     predict: PredictSection = field(default_factory=PredictSection)
     gating: GatingSection = field(default_factory=GatingSection)
     dynamic_precision: DynamicPrecisionSection = field(default_factory=DynamicPrecisionSection)
+    cache_routing: CacheRoutingSection = field(default_factory=CacheRoutingSection)
     package: PackageSection = field(default_factory=PackageSection)
     evaluate: EvaluateSection = field(default_factory=EvaluateSection)
 
@@ -405,6 +421,7 @@ def _validate(recipe: Recipe) -> None:
             raise MoeprepError(f"{where}.num_sequences must be positive (or null for all)")
     _validate_predict(recipe.predict, q.precisions, recipe.calibration.num_sequences)
     _validate_less_per_token(recipe.gating, recipe.dynamic_precision, q.precisions)
+    _validate_cache_routing(recipe.cache_routing, recipe.gating.enabled)
     if not 0 < recipe.package.cache_fraction <= 1:
         raise MoeprepError("package.cache_fraction must be in (0, 1]")
     if recipe.evaluate.gsm8k_format not in ("cot", "plain"):
@@ -473,6 +490,18 @@ def _validate_less_per_token(g: GatingSection, d: DynamicPrecisionSection, preci
         raise MoeprepError(f"dynamic_precision needs 0 <= t1 <= t2 <= 1, got t1 {d.t1}, t2 {d.t2}")
     if not 0 < d.low_share < 1:
         raise MoeprepError(f"dynamic_precision.low_share is the budget share of the low pool, in (0, 1); got {d.low_share}")
+
+
+def _validate_cache_routing(c: CacheRoutingSection, gating: bool) -> None:
+    from loader.routing import CACHE_METHODS
+
+    if c.method not in CACHE_METHODS:
+        raise MoeprepError(f"cache_routing.method {c.method!r} unknown; use one of {CACHE_METHODS}")
+    if c.lam < 0 or not 0 <= c.tau <= 1 or c.top_j < 0 or (c.m is not None and c.m < 1):
+        raise MoeprepError("cache_routing needs lam >= 0, tau in [0, 1], top_j >= 0 and m >= 1 (or null)")
+    if c.enabled and gating:
+        raise MoeprepError("gating and cache_routing both rewrite the routing and a plan runs one routing policy; "
+                           "enable one of them")
 
 
 def recipe_from_dict(data: dict, overrides: tuple[str, ...] = ()) -> Recipe:

@@ -5,6 +5,7 @@ traces' 64.8 / 32.1 / 3.1), and the dynamic-precision miss policy in the loader.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from tiny_models import build_tiny_model, random_sequences, tiny_artifact
 
+from loader.plan import PolicySpec, read_plan
 from loader.routing import (
     SKIP,
     AdaptiveGating,
@@ -359,3 +361,155 @@ def test_the_simulator_and_the_loader_make_identical_gating_and_precision_decisi
     assert sim_gating.stats() == loader_gating.stats() and sim_gating.stats()["single"] > 0
     assert sim_miss.stats() == loader_miss.stats()
     assert sim_miss.stats()["low"] > 0 and sim_miss.stats()["skip"] > 0
+
+
+# -------------------------------------------------------------------------- cache-conditional routing
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "deepseek_v2", "gpt_oss"])
+def test_selection_weights_reproduce_each_routers_own_weights(arch):
+    from loader.routing import selection_weights
+
+    model = build_tiny_model(arch).eval()
+    adapter = get_adapter(model)
+    router = adapter.router(model, adapter.moe_layers[0])
+    x = torch.randn(16, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, weights, indices = router(x)
+    got = selection_weights(adapter.routing_weights(), logits, indices.long())
+    assert torch.allclose(got, weights.float(), atol=1e-6), arch
+
+
+class _View:
+    """A stand-in for a layer's cache view: resident experts (oldest first) and a capacity in records."""
+
+    def __init__(self, resident, capacity):
+        self._resident, self._capacity = list(resident), capacity
+
+    def resident(self):
+        return dict.fromkeys(self._resident, "int4")
+
+    def in_flight(self):
+        return {}
+
+    def capacity_records(self):
+        return self._capacity
+
+
+SOFTMAX = {"function": "softmax", "renormalize": True, "scale": 1.0, "jitter_eps": 0.0}
+
+
+def _logits_ranked(order, n=8):
+    z = torch.zeros(1, n)
+    for rank, e in enumerate(order):
+        z[0, e] = 10.0 - rank
+    return z
+
+
+def test_max_rank_promotes_cached_experts_within_the_top_m_and_keeps_the_top_j():
+    from loader.routing import CacheConditionalRouting, selection_weights
+
+    # the digest's example: r = (3, 5, 1, 7, ...), cached {0, 1, 2, 7}, K = 2, J = 1, m = 4 -> {3, 1}
+    z = _logits_ranked([3, 5, 1, 7, 0, 2, 4, 6])
+    exact_w, exact_i = torch.tensor([[0.7, 0.3]]), torch.tensor([[3, 5]])
+    policy = CacheConditionalRouting("max_rank", SOFTMAX, m=4, top_j=1)
+    w, i = policy.route(0, z, exact_w, exact_i, _View([0, 1, 2, 7], 4))
+    assert sorted(i[0].tolist()) == [1, 3]
+    assert torch.allclose(w, selection_weights(SOFTMAX, z, i))  # the router's own weights for the new choice
+    # m = K is exact routing; without a view (a plain model) nothing changes
+    same = CacheConditionalRouting("max_rank", SOFTMAX, m=2, top_j=1).route(0, z, exact_w, exact_i, _View([0, 1, 2, 7], 4))
+    assert same[1].equal(exact_i) and same[0].equal(exact_w)
+    assert policy.route(0, z, exact_w, exact_i, None)[1].equal(exact_i)
+    # threshold: a tau the top-1 alone reaches gives m = 1 <= K, exact
+    confident = CacheConditionalRouting("threshold", SOFTMAX, tau=0.5, top_j=1)
+    assert confident.route(0, z, exact_w, exact_i, _View([0, 1, 2, 7], 4))[1].equal(exact_i)
+
+
+def test_the_cache_prior_is_exact_at_zero_and_prefers_resident_experts_as_lambda_grows():
+    from loader.routing import CacheConditionalRouting
+
+    z = _logits_ranked([3, 5, 1, 7, 0, 2, 4, 6])
+    exact_w, exact_i = torch.tensor([[0.7, 0.3]]), torch.tensor([[3, 5]])
+    view = _View([0, 6], 4)
+    zero = CacheConditionalRouting("prior", SOFTMAX, lam=0.0)
+    assert zero.route(0, z, exact_w, exact_i, view)[1].equal(exact_i)
+    strong = CacheConditionalRouting("prior", SOFTMAX, lam=5.0, top_j=1)
+    _, i = strong.route(0, z, exact_w, exact_i, view)
+    assert i[0, 0] == 3 or 3 in i[0].tolist()  # the top-1 stays (J = 1)
+    assert sorted(i[0].tolist()) == [0, 3]  # the best resident expert replaces the uncached rank-2 one
+    greedy = CacheConditionalRouting("prior", SOFTMAX, lam=5.0, top_j=0)
+    assert sorted(greedy.route(0, z, exact_w, exact_i, view)[1][0].tolist()) == [0, 6]  # J = 0: only cached
+    assert strong.stats()["changed"] == 1
+
+
+def test_the_tokens_of_one_call_see_the_cache_as_decode_would():
+    """Routing T tokens in one call equals routing them one by one with the view updated in between by
+    least-recently-used admission of each token's experts (heaviest first) at the layer's capacity."""
+    from loader.routing import CacheConditionalRouting
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(12, 8, generator=gen)
+    probs = logits.softmax(-1)
+    w, i = probs.topk(2, -1)
+    w = w / w.sum(-1, keepdim=True)
+    together = CacheConditionalRouting("prior", SOFTMAX, lam=0.8, top_j=1)
+    all_w, all_i = together.route(0, logits, w, i, _View([1, 4, 6], 3))
+    alone = CacheConditionalRouting("prior", SOFTMAX, lam=0.8, top_j=1)
+    resident = [1, 4, 6]
+    for t in range(12):
+        one_w, one_i = alone.route(0, logits[t:t + 1], w[t:t + 1], i[t:t + 1], _View(resident, 3))
+        assert one_i.equal(all_i[t:t + 1]) and torch.allclose(one_w, all_w[t:t + 1]), t
+        for slot in sorted(range(2), key=lambda s: -float(one_w[0, s])):
+            e = int(one_i[0, slot])
+            if e in resident:
+                resident.remove(e)
+            resident.append(e)
+        resident = resident[-3:]
+    assert together.stats()["changed"] > 0
+
+
+def test_cache_routing_from_the_recipe_is_exact_at_zero_and_the_simulator_agrees_with_the_loader(tmp_path):
+    from tiny_models import prepare_tiny_artifact
+
+    from prep.sim.replay import Replay
+    from prep.sim.simulate import artifact_spec, simulate
+    from prep.trace import RoutingRecorder
+
+    recipe = _recipe(cache_routing={"enabled": True, "method": "prior", "lam": 0.0})
+    model, artifact = prepare_tiny_artifact(tmp_path, "qwen3_moe", recipe=recipe)
+    plan = json.loads((artifact / "plan.json").read_text())
+    manifest = json.loads((artifact / "manifest.json").read_text())["moe"]
+    assert plan["routing"]["name"] == "cache_routing"
+    assert plan["routing"]["params"]["weights"] == manifest["routing_weights"] == get_adapter(model).routing_weights()
+    assert len(plan["routing"]["params"]["logit_range"]) == len(manifest["layers"])
+    ids = torch.randint(0, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(6))
+    budget = minimum_budget(artifact) + 2 * 4096
+    exact = load(artifact, memory_budget=budget, plan=dataclasses.replace(read_plan(artifact), routing=PolicySpec("topk")))
+    at_zero = load(artifact, memory_budget=budget)
+    with torch.no_grad():
+        assert torch.equal(exact.model(input_ids=ids).logits, at_zero.model(input_ids=ids).logits)
+    exact.close()
+    at_zero.close()
+
+    params = plan["routing"]["params"] | {"lam": 2.0}
+    strong = dataclasses.replace(read_plan(artifact), routing=PolicySpec("cache_routing", params))
+    loaded = load(artifact, memory_budget=budget, plan=strong)
+    with RoutingRecorder(loaded.model, get_adapter(loaded.model), record_hidden=False) as recorder, torch.no_grad():
+        out = loaded.model(input_ids=ids[:, :1], use_cache=True)
+        for t in range(1, ids.shape[1]):
+            out = loaded.model(input_ids=ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+        captured = recorder.pop()
+    stats = loaded.stats()
+    loaded.close()
+    layers = manifest["layers"]
+    chosen = torch.stack([captured[f"layers.{layer}.expert_ids"] for layer in layers], 1)  # [T, L, K]
+    weights = torch.stack([captured[f"layers.{layer}.expert_weights"] for layer in layers], 1)
+    logits = torch.stack([captured[f"layers.{layer}.router_logits"] for layer in layers], 1)
+    replay = Replay((tuple(tuple(tuple(e) for e in tok) for tok in chosen.tolist()),), len(layers),
+                    manifest["num_experts"], manifest["top_k"], "loader", (tuple(tuple(tuple(x) for x in tok)
+                                                                                for tok in weights.tolist()),), (logits,))
+    result = simulate(replay, artifact_spec(artifact, budget, plan=strong)).to_json()
+    assert stats["routing"]["changed"] > 0
+    for layer, row in enumerate(result["layers"]):
+        mine = stats["layers"][str(layer)]
+        assert (row["hits"], row["misses"]) == (mine["hits"], mine["misses"]), layer

@@ -267,6 +267,12 @@ class MoeAdapter:
         """Router logits [T, E] -> (expert_ids [T, K] int64, weights [T, K]), as the model does in eval mode."""
         raise NotImplementedError
 
+    def routing_weights(self) -> dict:
+        """How this router weighs a chosen set of experts, as ``loader.routing.selection_weights`` reads it
+        (the manifest records it; cache-conditional routing weighs a re-ranked choice with it):
+        {function: softmax | softmax_selected | sparsemixer, renormalize, scale, jitter_eps}."""
+        raise NotImplementedError
+
     def route(self, model: nn.Module, layer: int, hidden: torch.Tensor):
         """Route hidden [T, H] through MoE layer `layer` exactly as the model does (eval mode).
 

@@ -43,6 +43,10 @@ class DeepseekV2Adapter(MoeAdapter):
     def router_logits(self, router, hidden):
         return F.linear(hidden.float(), router.weight.float())
 
+    def routing_weights(self):
+        return {"function": "softmax", "renormalize": False, "scale": float(self.config.routed_scaling_factor),
+                "jitter_eps": 0.0}
+
     def select_experts(self, logits):
         cfg = self.config
         scores = logits.softmax(dim=-1, dtype=torch.float32)  # [T, E]

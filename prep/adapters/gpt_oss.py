@@ -25,6 +25,9 @@ class GptOssAdapter(MoeAdapter):
     router_attr = "router"
     layout = FusedLayout(transposed=True, interleaved=True, has_bias=True)
 
+    def routing_weights(self):
+        return {"function": "softmax_selected", "renormalize": True, "scale": 1.0, "jitter_eps": 0.0}
+
     def select_experts(self, logits):
         top, ids = torch.topk(logits, self.top_k, dim=-1)
         return ids, torch.softmax(top, dim=1, dtype=top.dtype)

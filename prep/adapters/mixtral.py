@@ -20,5 +20,8 @@ class MixtralAdapter(MoeAdapter):
         down="w2.weight",
     )
 
+    def routing_weights(self):
+        return {"function": "softmax", "renormalize": True, "scale": 1.0, "jitter_eps": 0.0}
+
     def select_experts(self, logits):
         return softmax_topk(logits, self.top_k, normalize=True, cast_back=False)

@@ -44,6 +44,10 @@ class PhimoeAdapter(MoeAdapter):
         # sparsemixer is written for exactly two experts and ignores num_experts_per_tok.
         return 2
 
+    def routing_weights(self):
+        return {"function": "sparsemixer", "renormalize": False, "scale": 1.0,
+                "jitter_eps": float(self.config.router_jitter_noise)}
+
     def select_experts(self, logits):
         eps = self.config.router_jitter_noise
         first, w_first = _sparsemixer_pick(logits, logits, eps)

@@ -26,6 +26,9 @@ class Qwen3MoeAdapter(MoeAdapter):
         step = getattr(self.config, "decoder_sparse_step", 1)
         return layer not in dense_layers and self.num_experts > 0 and (layer + 1) % step == 0
 
+    def routing_weights(self):
+        return {"function": "softmax", "renormalize": bool(self.config.norm_topk_prob), "scale": 1.0, "jitter_eps": 0.0}
+
     def select_experts(self, logits):
         # Softmax in float32, weights cast back to the logits dtype.
         return softmax_topk(logits, self.top_k, normalize=bool(self.config.norm_topk_prob), cast_back=True)

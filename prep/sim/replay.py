@@ -40,6 +40,7 @@ class Replay:
     top_k: int
     source: str = ""
     weights: tuple | None = None  # [S][T][L] -> K floats, aligned with sequences
+    logits: tuple | None = None  # per sequence the router logits [T, L, E] (project traces hold them)
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +102,13 @@ def load_replay(path: str | Path) -> Replay:
         raise MoeprepError(f"trace {path} does not exist; pass a trace directory written by `moeprep prepare` "
                            "(stages/trace-*/trace) or the real Mixtral traces (../shared/data/traces)")
     if path.is_dir() and (path / INDEX_NAME).is_file():
+        import dataclasses
+
+        import torch
+
         trace = open_trace(path)
-        return replay_from_routing(trace.routing(), int(trace.index["num_experts"]), str(path))
+        replay = replay_from_routing(trace.routing(), int(trace.index["num_experts"]), str(path))
+        logits = torch.stack([trace.router_logits(layer) for layer in trace.layers], dim=1)  # [N, L, E]
+        per_sequence = tuple(logits[s] for s in trace.sequence_slices() if s.stop > s.start)
+        return dataclasses.replace(replay, logits=per_sequence) if len(per_sequence) == len(replay.sequences) else replay
     return replay_from_routing(read_mixtral_traces(path), MIXTRAL_EXPERTS, str(path))

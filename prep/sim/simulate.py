@@ -106,7 +106,7 @@ def capacity_spec(num_layers: int, num_experts: int, capacity: int, group: str =
         raise MoeprepError(f"record bytes {record_bytes!r} must be a positive number of bytes")
     per_group = ({layer: capacity * record_bytes for layer in range(num_layers)} if group == "layer"
                  else {"global": capacity * num_layers * record_bytes})
-    return CacheSpec((PoolConfig("main", precision, group, per_group),),
+    return CacheSpec((PoolConfig("main", precision, group, per_group, record_bytes),),
                      tuple((precision,) * num_experts for _ in range(num_layers)), {precision: record_bytes},
                      capacity, group)
 
@@ -120,8 +120,9 @@ def capacities_spec(plan: Plan, caps: Capacities, record_bytes: dict, slot_bytes
     record_bytes: bytes a miss reads per precision; slot_bytes: bytes a cached record takes (the loader's
     slot, which ``capacities`` was given as the record size); None means the same as record_bytes.
     """
-    pools = tuple(PoolConfig(p.name, p.precision, p.group, dict(caps.pools[p.name])) for p in plan.pools)
     slot_bytes = dict(slot_bytes if slot_bytes is not None else record_bytes)
+    pools = tuple(PoolConfig(p.name, p.precision, p.group, dict(caps.pools[p.name]), slot_bytes.get(p.precision, 0))
+                  for p in plan.pools)
     missing = sorted(set(plan.precisions) - set(record_bytes) - set(slot_bytes))
     if missing:
         raise MoeprepError(f"no record size for precisions {missing}; give the artifact's sizes")
@@ -347,7 +348,8 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
             for layer, experts in enumerate(token):
                 counts = layers[layer]
                 if decide:
-                    experts, idx, w = _route(routing, replay.weights[s][t][layer], experts, layer, cache)
+                    logits = replay.logits[s][t, layer][None] if replay.logits is not None else None
+                    experts, idx, w = _route(routing, replay.weights[s][t][layer], experts, layer, cache, logits)
                 if predictors:  # the router has decided: its experts are protected, then the predictors run
                     for e in experts:
                         cache.protect(layer, e)
@@ -422,13 +424,14 @@ def _policies(spec: CacheSpec, replay: Replay, routing, miss):
     return routing, miss
 
 
-def _route(routing, weights: tuple, experts: tuple, layer: int, cache: ExpertCache):
-    """(the experts wanted, indices [1, K], weights [1, K]) of one token at one layer after ``routing``."""
+def _route(routing, weights: tuple, experts: tuple, layer: int, cache: ExpertCache, logits=None):
+    """(the experts wanted, indices [1, K], weights [1, K]) of one token at one layer after ``routing``
+    (logits [1, E]: the recorded router logits, for policies that re-rank)."""
     import torch
 
     idx, w = torch.tensor([list(experts)]), torch.tensor([list(weights)], dtype=torch.float32)
     if routing is not None:
-        w, idx = routing.route(layer, None, w, idx, cache.view(layer))
+        w, idx = routing.route(layer, logits, w, idx, cache.view(layer))
     return tuple(e for e, x in zip(idx[0].tolist(), w[0].tolist(), strict=True) if x != 0), idx, w
 
 

@@ -52,6 +52,7 @@ class ArtifactReport(StageResult):
     prediction: dict | None  # the predict stage's figures (None when no predictor is on)
     gating: dict | None  # the gating stage's T, S_l and shares (None when off)
     dynamic_precision: dict | None  # the dynamic_precision stage's thresholds and split (None when off)
+    cache_routing: dict | None  # the cache_routing stage's knobs and logit ranges (None when off)
 
 
 def _producer() -> dict:
@@ -88,10 +89,11 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
     ``recipe`` is the resolved recipe the artifact derives from, ``source`` the source model's
     {path, revision, fingerprint}, ``package_key`` this stage's cache key. ``techniques``: the results of the
     stages the recipe switched on: ``predict`` ((stage dir, PredictionStats)), ``gating`` (GatingChoice),
-    ``dynamic_precision`` (PrecisionThresholds).
+    ``dynamic_precision`` (PrecisionThresholds), ``cache_routing`` (CacheRoutingChoice).
     """
     techniques = techniques or {}
-    prediction, gating, dynamic = (techniques.get(k) for k in ("predict", "gating", "dynamic_precision"))
+    prediction, gating, dynamic, cache_routing = (techniques.get(k) for k in ("predict", "gating", "dynamic_precision",
+                                                                              "cache_routing"))
     out = Path(out)
     paths = adapter.module_paths(model)
     experts = [adapter.experts(model, layer) for layer in adapter.moe_layers]
@@ -125,6 +127,9 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
         plan = dataclasses.replace(plan, pools=pools, miss=PolicySpec("dynamic_precision", dynamic.knobs))
     if gating is not None:
         plan = dataclasses.replace(plan, routing=PolicySpec("adaptive_gating", gating.knobs))
+    if cache_routing is not None:
+        plan = dataclasses.replace(plan, routing=PolicySpec("cache_routing", cache_routing.knobs | {
+            "weights": adapter.routing_weights()}))
     summary = None
     if prediction is not None:
         stage_dir, stats = prediction
@@ -155,6 +160,7 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
         prediction=summary,
         gating=({k: v for k, v in gating.to_json().items() if k != "knobs"} if gating is not None else None),
         dynamic_precision=dynamic.to_json() if dynamic is not None else None,
+        cache_routing=cache_routing.to_json() if cache_routing is not None else None,
     )
     write_json_atomic(out / REPORT, report.to_json())
     write_bytes_atomic(out / "report.md", report_markdown(recipe.get("name", "artifact"), report.to_json()).encode())
@@ -178,6 +184,7 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
             "router_modules": paths["router_modules"],
             "last_decoder_layer": paths["last_decoder_layer"],
             "expert_params": sorted(expert_params),
+            "routing_weights": adapter.routing_weights(),
             "source_expert_bytes": source_bytes,
         },
         "stores": {p: {"file": stores[p]["file"], "record_bytes": stores[p]["record_bytes"],
@@ -217,7 +224,7 @@ def _run(inputs) -> ArtifactReport:
     chosen = inputs.upstream("bitwidth", optional=True)
     choice = chosen[1] if chosen is not None else uniform_choice(quantize)
     techniques = {"predict": inputs.upstream("predict", optional=True)}
-    for name in ("gating", "dynamic_precision"):
+    for name in ("gating", "dynamic_precision", "cache_routing"):
         found = inputs.upstream(name, optional=True)
         techniques[name] = found[1] if found is not None else None
     with inputs.artifact.build() as out:
@@ -227,7 +234,7 @@ def _run(inputs) -> ArtifactReport:
 
 STAGE = Stage(
     name="package", version=VERSION, config=PackageSection, result=ArtifactReport,
-    reads=("quantize", "bitwidth", "predict", "gating", "dynamic_precision"), needs=frozenset({"model", "recipe", "artifact"}),
+    reads=("quantize", "bitwidth", "predict", "gating", "dynamic_precision", "cache_routing"), needs=frozenset({"model", "recipe", "artifact"}),
     run=_run,
     output_ok=lambda inputs, result: inputs.artifact.matches(inputs.key),
 )
