@@ -197,6 +197,45 @@ def prediction_study_command(recipe_path, artifact, budgets, seed, sequences, pr
     click.echo(f"wrote {out / 'study.json'}" + (f"; merged into {artifact}" if into else ""))
 
 
+@main.command("routing-study")
+@click.option("--recipe", "recipe_path", default="recipes/reference-lossless.yaml", show_default=True,
+              type=click.Path(dir_okay=False), help="The recipe the study's artifact is prepared from.")
+@click.option("--output", default="artifacts/routing-study", show_default=True, type=click.Path(file_okay=False),
+              help="Where the study's artifact, the fresh trace, study.json, study.md and study.png go.")
+@click.option("--budgets", default="25%,50%", show_default=True, help="Comma-separated memory budgets.")
+@click.option("--gating", default="0.1,0.25,0.4", show_default=True, help="Target single-expert shares.")
+@click.option("--dynamic", default="0.85/0,0.67/0.03,0.5/0.1", show_default=True,
+              help="Target high/skip splits of dynamic precision.")
+@click.option("--lambdas", default="0.25,0.5,1", show_default=True, help="Cache-prior lambdas.")
+@click.option("--max-rank", default="3,4", show_default=True, help="Max-rank m values.")
+@click.option("--suites", default="gsm8k,mmlu,truthfulqa", show_default=True)
+@click.option("--data", default=None, help="Suites directory (default: suites/ beside the original model).")
+@click.option("--limit", type=int, default=None, help="First N items of each suite (default: all).")
+@click.option("--into", default=None, type=click.Path(file_okay=False),
+              help="Also put the curves into this artifact: report.json routing_curves, report.md, report-routing.png.")
+def routing_study_command(recipe_path, output, budgets, gating, dynamic, lambdas, max_rank, suites, data, limit, into):
+    """Accuracy against miss rate and bytes per token for adaptive gating, dynamic precision and
+    cache-conditional routing, each swept across its knob, at each budget."""
+    from pathlib import Path
+
+    from prep.routing_study import merge_into, run_study
+
+    try:
+        knobs = {"gating": _floats(gating, "--gating") if gating else (),
+                 "dynamic_precision": tuple(tuple(float(x) for x in pair.split("/")) for pair in dynamic.split(",") if pair),
+                 "cache_prior": _floats(lambdas, "--lambdas") if lambdas else (),
+                 "max_rank": tuple(int(m) for m in max_rank.split(",") if m.strip())}
+    except ValueError:
+        raise click.BadParameter("--dynamic is high/skip pairs like 0.67/0.03, --max-rank whole numbers") from None
+    study = run_study(recipe_path, output, budgets=tuple(b.strip() for b in budgets.split(",") if b.strip()),
+                      knobs=knobs, suites=tuple(s.strip() for s in suites.split(",") if s.strip()), limit=limit,
+                      data=data, echo=lambda m: click.echo(m, err=True))
+    if into:
+        merge_into(into, study, (Path(output) / "study.png").read_bytes())
+    click.echo((Path(output) / "study.md").read_text())
+    click.echo(f"wrote {Path(output) / 'study.json'}, study.md, study.png" + (f"; merged into {into}" if into else ""))
+
+
 @main.command("reference-model")
 @click.option("--out", default="recipes/reference", show_default=True, type=click.Path(file_okay=False),
               help="Where model/, suites/ and training.json are written.")

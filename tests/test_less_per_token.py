@@ -513,3 +513,36 @@ def test_cache_routing_from_the_recipe_is_exact_at_zero_and_the_simulator_agrees
     for layer, row in enumerate(result["layers"]):
         mine = stats["layers"][str(layer)]
         assert (row["hits"], row["misses"]) == (mine["hits"], mine["misses"]), layer
+
+
+def test_the_routing_study_measures_every_method_and_lands_in_report_json(tmp_path):
+    import yaml
+    from tiny_models import save_tiny_model, write_tiny_suites
+
+    from loader.format import verify
+    from prep.routing_study import merge_into, run_study
+
+    save_tiny_model("mixtral", tmp_path / "model")
+    write_tiny_suites(tmp_path / "suites")
+    recipe = _recipe(quantize={"precision": "passthrough", "also": ["int4"]}, dynamic_precision={"low": "int4"})
+    recipe_path = tmp_path / "tiny.yaml"
+    recipe_path.write_text(yaml.safe_dump(recipe.to_dict()))
+    knobs = {"gating": (0.3,), "dynamic_precision": ((0.6, 0.1),), "cache_prior": (1.0,), "max_rank": (3,)}
+    run = dict(budgets=("unlimited",), knobs=knobs, suites=("mmlu", "truthfulqa"), limit=3, data=tmp_path / "suites",
+               sequences=2, echo=lambda m: None)  # loglikelihood suites only: no generation, seconds not minutes
+    study = run_study(recipe_path, tmp_path / "study", tmp_path, **run)
+    methods = [p["method"] for p in study["points"]]
+    assert methods == ["exact", "gating", "dynamic_precision", "cache_prior", "max_rank"]
+    exact = study["points"][0]
+    assert all(abs(s["delta"]) == 0 for s in exact["suites"].values())  # lossless, exact routing
+    assert study["points"][1]["routing"]["single_ratio"] > 0
+    assert study["points"][2]["miss_policy"]["policy"] == "dynamic_precision"
+    assert set(study["goals"]["unlimited"]) == {"cache_prior", "gating", "dynamic_precision"}
+    again = run_study(recipe_path, tmp_path / "study", tmp_path, **run)
+    assert again["points"] == study["points"]  # kept, not measured again
+    artifact = tmp_path / "study" / "artifact"
+    merge_into(artifact, study, (tmp_path / "study" / "study.png").read_bytes())
+    assert verify(artifact) == []
+    curves = json.loads((artifact / "report.json").read_text())["routing_curves"]
+    assert set(curves) == set(methods) and {"miss_rate", "bytes_per_token", "deltas", "knob"} <= set(curves["gating"][0])
+    assert "## Routing study" in (artifact / "report.md").read_text()

@@ -152,13 +152,14 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
                       data: str | Path | None = None, limit: int | None = None, num_fewshot: int | None = None,
                       memory_budget=None, gsm8k_format: str = "cot", batch_rows: int = 16,
                       max_new_tokens: int = 256, output: str | Path | None = None,
-                      reuse_original: str | Path | None = None) -> dict:
+                      reuse_original: str | Path | None = None, plan=None) -> dict:
     """Compare ``artifact`` (through the loader) with its original model; returns and writes the report.
 
     ``reuse_original``: a directory keeping the original model's per-item results (keyed by the model's
     content, the items and every scoring setting), so comparing many artifacts of one model runs it once.
 
-    The summary is merged into the artifact's report.json (``merge_into_artifact``).
+    The summary is merged into the artifact's report.json (``merge_into_artifact``), unless ``plan`` (a
+    ``loader.plan.Plan`` the loader runs instead of the artifact's) made it a variant's figures.
     """
     import transformers
     from transformers import AutoModelForCausalLM
@@ -185,7 +186,7 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
     bench = load_benchmarks(data, tuple(suites))
     for name in bench.items:
         bench.items[name] = bench.items[name][:limit]
-    prepared = load(artifact, memory_budget=memory_budget)
+    prepared = load(artifact, memory_budget=memory_budget, plan=plan)
     reference = AutoModelForCausalLM.from_pretrained(original, dtype=getattr(torch, manifest.moe["dtype"])).eval()
     models = _Models(reference, prepared.model, original, reuse_original)
     tokenizer = prepared.tokenizer
@@ -209,7 +210,8 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
     prepared.close()
     if output:
         write_report(report, Path(output))
-    merge_into_artifact(artifact, report, package_key=manifest.raw["package_key"])
+    if plan is None:
+        merge_into_artifact(artifact, report, package_key=manifest.raw["package_key"])
     return report
 
 

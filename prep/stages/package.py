@@ -216,6 +216,8 @@ def report_markdown(name: str, report: dict) -> str:
         lines += [prediction_markdown(report["prediction"]), ""]
     if report.get("prediction_study"):
         lines += [prediction_study_markdown(report["prediction_study"]), ""]
+    if report.get("routing_study"):
+        lines += [report["routing_study"]["markdown"], "![accuracy delta against miss rate](report-routing.png)", ""]
     return "\n".join(lines)
 
 

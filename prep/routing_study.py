@@ -1,0 +1,270 @@
+"""The routing study (issue 18, section 6): accuracy against miss rate and bytes read for each way of doing
+less per token, swept across its knob, at several per-layer cache budgets.
+
+One artifact is prepared from the recipe with what every method needs: the Fisher sensitivity (gating
+stage) and a low-precision copy of every expert and its pool (dynamic_precision stage); the calibration
+logit ranges of cache routing are measured on the same trace (``prep.stages.cache_routing``). Each point is
+that artifact run with one plan variant:
+
+- ``exact``: the model's own routing, every miss read at its planned precision (the baseline);
+- ``gating``: AdapMoE's rule at the T that leaves a target share of single-expert decisions on the
+  calibration routing;
+- ``dynamic_precision``: HOBBIT's thresholds for a target (high, skip) split of the calibration routing;
+  the low copies take ``low_share`` of the budget, as the recipe says;
+- ``cache_prior`` / ``max_rank``: cache-conditional routing at each lambda / m.
+
+Accuracy per suite comes from ``moeprep eval`` with that plan (paired against the original model, which
+for a lossless artifact is exact routing; flips and McNemar's p). Miss rate and bytes read per token come
+from the simulator, which runs the loader's own cache and policies (the tests hold them to identical
+decisions), on fresh text (another calibration seed) one token per call, as decode reads. ``study.json`` is
+rewritten after every point and a rerun keeps the points already measured with the same settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import time
+from pathlib import Path
+
+from loader.files import write_bytes_atomic, write_json_atomic, write_text_atomic
+from prep.errors import MoeprepError
+
+DEFAULT_KNOBS = {"gating": (0.1, 0.25, 0.4), "dynamic_precision": ((0.85, 0.0), (0.67, 0.03), (0.5, 0.1)),
+                 "cache_prior": (0.25, 0.5, 1.0), "max_rank": (3, 4)}
+PREPARE_OVERRIDES = ("gating.enabled=true", "dynamic_precision.enabled=true", "cache_routing.enabled=false",
+                     "evaluate.enabled=false")
+SUITE_METRIC = {"gsm8k": "strict_match"}
+
+
+def _plans(artifact: Path, weights, routing: dict, knobs: dict) -> list[tuple[str, str, object, object]]:
+    """(method, knob label, knob value, Plan) for every point, from the artifact's plan and report and the
+    calibration routing ``weights`` [N, L, K] (where the gating and precision thresholds come from);
+    ``routing``: the cache_routing params (logit ranges, weight function) every cache point starts from."""
+    from loader.plan import Plan, PolicySpec, read_plan
+    from prep.routing_stats import split_thresholds
+    from prep.stages.gating import threshold_for_share
+
+    plan = read_plan(artifact)
+    report = json.loads((artifact / "report.json").read_text())
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    stores = manifest["stores"]
+    exact = Plan.mixed(plan.expert_precision, {p: s["record_bytes"] for p, s in stores.items()
+                                               if any(p in row for row in plan.expert_precision)},
+                       default_budget=plan.default_budget)
+    sensitivity = report["gating"]["sensitivity"]
+    points = [("exact", "-", None, exact)]
+    for share in knobs.get("gating", ()):
+        t = threshold_for_share(weights, sensitivity, share)
+        points.append(("gating", "target single", share, dataclasses.replace(exact, routing=PolicySpec(
+            "adaptive_gating", {"threshold": t, "sensitivity": sensitivity, "decode_only": False}))))
+    dynamic = plan.miss.params
+    flat = weights.reshape(-1, weights.shape[-1])
+    for high, skip in knobs.get("dynamic_precision", ()):
+        t1, t2 = split_thresholds(flat, high, skip)
+        points.append(("dynamic_precision", "high/skip", f"{high}/{skip}", dataclasses.replace(
+            exact, pools=plan.pools, miss=PolicySpec("dynamic_precision", dynamic | {"t1": t1, "t2": t2}))))
+    for lam in knobs.get("cache_prior", ()):
+        points.append(("cache_prior", "lambda", lam, dataclasses.replace(exact, routing=PolicySpec(
+            "cache_routing", routing | {"method": "prior", "lam": lam}))))
+    for m in knobs.get("max_rank", ()):
+        points.append(("max_rank", "m", m, dataclasses.replace(exact, routing=PolicySpec(
+            "cache_routing", routing | {"method": "max_rank", "m": m}))))
+    return points
+
+
+
+
+def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".", *, budgets=("25%", "50%"),
+              knobs: dict | None = None, suites=("gsm8k", "mmlu", "truthfulqa"), limit: int | None = None,
+              data=None, seed: int = 1, sequences: int = 8, echo=print) -> dict:
+    """Prepare the artifact, then measure every (budget, point); writes study.json, study.md, study.png."""
+    from prep.evals.compare import evaluate_artifact
+    from prep.pipeline import prepare
+    from prep.prediction_study import fresh_trace
+    from prep.recipe import load_recipe
+    from prep.sim.replay import load_replay
+    from prep.sim.simulate import artifact_spec, simulate
+    from prep.stages.trace import RoutingTraces
+    from prep.store import StageStore
+    from prep.trace import open_trace
+
+    output, root = Path(output), Path(root)
+    knobs = DEFAULT_KNOBS if knobs is None else knobs
+    recipe = load_recipe(recipe_path, PREPARE_OVERRIDES)
+    if recipe.quantize.precision == recipe.dynamic_precision.low:
+        raise MoeprepError(f"the study's low copies ({recipe.dynamic_precision.low}) must be below the experts' "
+                           f"precision ({recipe.quantize.precision}); set dynamic_precision.low and quantize.also")
+    artifact = output / "artifact"
+    echo("prepare the study's artifact (gating, dynamic precision and cache routing stages on)")
+    summary = prepare(recipe, root=root, output=artifact)
+    trace_dir = RoutingTraces.path(StageStore(root / "artifacts" / recipe.name / "stages").final_dir(
+        "trace", summary["trace"]["key"]))
+    import torch
+
+    weights = torch.cat([r.expert_weights for r in open_trace(trace_dir).routing()])
+    trace = load_replay(fresh_trace(recipe_path, root, output, seed, sequences))
+    settings = {"suites": list(suites), "limit": limit, "data": str(data) if data else None, "seed": seed,
+                "sequences": sequences}
+    path = output / "study.json"
+    previous = {(p["budget"], p["method"], str(p["knob"])): p for p in json.loads(path.read_text())["points"]} \
+        if path.is_file() else {}
+    key = json.loads((artifact / "manifest.json").read_text())["package_key"]
+    study = {"recipe": str(recipe_path), "settings": settings, "budgets": list(budgets), "points": []}
+    from prep.stages.cache_routing import measure_ranges
+
+    routing = measure_ranges(trace_dir, recipe.cache_routing).knobs | {
+        "weights": json.loads((artifact / "manifest.json").read_text())["moe"]["routing_weights"]}
+    points = _plans(artifact, weights, routing, knobs)
+    started = time.perf_counter()
+    total = len(points) * len(budgets)
+    for b, budget in enumerate(budgets):
+        for i, (method, knob_name, knob, plan) in enumerate(points):
+            n = b * len(points) + i + 1
+            done = previous.get((budget, method, str(knob)))
+            if done is not None and done["package_key"] == key and done["settings"] == settings:
+                echo(f"[{n}/{total}] {budget} {method} {knob}: measured before, kept")
+                study["points"].append(done)
+                continue
+            echo(f"[{n}/{total}] {budget} {method} {knob_name} {knob}: simulate, eval")
+            sim = simulate(trace, artifact_spec(artifact, budget, plan=plan)).to_json()
+            evaluation = evaluate_artifact(artifact, recipe.model_path(root), suites=tuple(suites), data=data,
+                                           limit=limit, memory_budget=budget, reuse_original=output / "original",
+                                           plan=plan)
+            study["points"].append({
+                "budget": budget, "method": method, "knob_name": knob_name, "knob": knob, "package_key": key,
+                "settings": settings, "miss_rate": sim["miss_rate"], "bytes_per_token": sim["bytes_read_per_token"],
+                "skipped": sum(x["skipped"] for x in sim["layers"]), "tokens": sim["tokens"],
+                "suites": {name: {"n": s["n"], "original": s["original"][SUITE_METRIC.get(name, "acc")],
+                                  "prepared": s["prepared"][SUITE_METRIC.get(name, "acc")], "delta": s["delta"],
+                                  "flips": s["flips"], "mcnemar_p": s["mcnemar_p"]}
+                           for name, s in evaluation["suites"].items()},
+                "routing": evaluation["loader_stats"].get("routing"),
+                "miss_policy": evaluation["loader_stats"].get("miss_policy")})
+            write_json_atomic(path, study)
+    study["seconds"] = round(time.perf_counter() - started, 1)
+    study["goals"] = goals(study)
+    write_json_atomic(path, study)
+    write_text_atomic(output / "study.md", study_markdown(study))
+    write_bytes_atomic(output / "study.png", study_plot(study))
+    return study
+
+
+def goals(study: dict, delta: float = 0.005) -> dict:
+    """Where each issue-18 goal lands, per budget: the best point within |delta| <= 0.5 point on every suite.
+
+    cache prior: miss rate at most half of exact's; gating: at least 25% single-expert decisions (the
+    loader's count in the eval); dynamic precision: at least 1.2x fewer bytes per token than exact."""
+    out = {}
+    for budget in study["budgets"]:
+        pts = [p for p in study["points"] if p["budget"] == budget]
+        exact = next((p for p in pts if p["method"] == "exact"), None)
+        if exact is None:
+            continue
+
+        prior = _best(pts, "cache_prior", delta, lambda p: -p["miss_rate"])
+        gating = _best(pts, "gating", delta, lambda p: (p["routing"] or {}).get("single_ratio") or 0)
+        dynamic = _best(pts, "dynamic_precision", delta, lambda p: -p["bytes_per_token"])
+        out[budget] = {
+            "cache_prior": {"exact_miss_rate": exact["miss_rate"], "best": prior and {
+                "lambda": prior["knob"], "miss_rate": prior["miss_rate"],
+                "met": prior["miss_rate"] <= exact["miss_rate"] / 2}},
+            "gating": {"best": gating and {"target": gating["knob"], "single": (gating["routing"] or {}).get("single_ratio"),
+                                           "met": ((gating["routing"] or {}).get("single_ratio") or 0) >= 0.25}},
+            "dynamic_precision": {"exact_bytes_per_token": exact["bytes_per_token"], "best": dynamic and {
+                "split": dynamic["knob"], "bytes_per_token": dynamic["bytes_per_token"],
+                "ratio": exact["bytes_per_token"] / dynamic["bytes_per_token"] if dynamic["bytes_per_token"] else None,
+                "met": dynamic["bytes_per_token"] * 1.2 <= exact["bytes_per_token"]}},
+        }
+    return out
+
+
+def _best(points: list[dict], method: str, delta: float, better):
+    """The ``better``-most point of ``method`` whose |delta| is within ``delta`` on every suite, or None."""
+    ok = [p for p in points if p["method"] == method
+          and all(abs(s["delta"]) <= delta + 1e-9 for s in p["suites"].values())]
+    return max(ok, key=better) if ok else None
+
+
+def study_markdown(study: dict) -> str:
+    points = study["points"]
+    suites = list(points[0]["suites"]) if points else []
+    s = study["settings"]
+    first = "" if s["limit"] is None else f", first {s['limit']} items of each"
+    lines = ["## Routing study: doing less per token", "",
+             f"Recipe `{study['recipe']}`. Accuracy: `moeprep eval` with each plan against the original model "
+             f"({', '.join(suites)}{first}); delta in "
+             "points (flips right->wrong / wrong->right, McNemar p). Miss rate and KB read per token: the simulator "
+             f"on {points[0]['tokens'] if points else 0} tokens of fresh text (seed {s['seed']}), one token per call.", "",
+             "| budget | method | knob | miss rate | KB/token | single-expert share | "
+             + " | ".join(f"{x} delta" for x in suites) + " |",
+             "| --- | --- | --- | ---: | ---: | ---: | " + " | ".join("---" for _ in suites) + " |"]
+    for p in points:
+        single = (p.get("routing") or {}).get("single_ratio")
+        cells = [f"{v['delta'] * 100:+.2f} ({v['flips']['right_to_wrong']}/{v['flips']['wrong_to_right']}, "
+                 f"{v['mcnemar_p']:.2g})" for v in p["suites"].values()]
+        lines.append(f"| {p['budget']} | {p['method']} | {p['knob_name']} {p['knob']} | {p['miss_rate']:.3f} | "
+                     f"{p['bytes_per_token'] / 1e3:.1f} | {'-' if single is None else f'{single:.3f}'} | "
+                     + " | ".join(cells) + " |")
+    for budget, g in (study.get("goals") or {}).items():
+        prior, gate, dyn = g["cache_prior"]["best"], g["gating"]["best"], g["dynamic_precision"]["best"]
+        lines += ["", f"Goals at {budget} (the best point within 0.5 point on every suite):",
+                  f"- cache prior halves the miss rate: exact {g['cache_prior']['exact_miss_rate']:.3f}, "
+                  + (f"lambda {prior['lambda']} {prior['miss_rate']:.3f} ({'met' if prior['met'] else 'missed'})"
+                     if prior else "no point within 0.5 point"),
+                  "- gating takes >= 25% single-expert decisions: "
+                  + (f"target {gate['target']}: {gate['single']:.3f} ({'met' if gate['met'] else 'missed'})"
+                     if gate and gate["single"] is not None else "no point within 0.5 point"),
+                  "- dynamic precision reads >= 1.2x fewer bytes: "
+                  + (f"split {dyn['split']}: {dyn['ratio']:.2f}x ({'met' if dyn['met'] else 'missed'})"
+                     if dyn and dyn["ratio"] else "no point within 0.5 point")]
+    return "\n".join(lines) + "\n"
+
+
+def study_plot(study: dict) -> bytes:
+    """Worst suite delta against miss rate, one panel per budget, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = study["budgets"]
+    fig, axes = plt.subplots(1, len(budgets), figsize=(6 * len(budgets), 4.2), squeeze=False)
+    for ax, budget in zip(axes[0], budgets, strict=True):
+        pts = [p for p in study["points"] if p["budget"] == budget]
+        for method in dict.fromkeys(p["method"] for p in pts):
+            mine = [p for p in pts if p["method"] == method]
+            xs = [p["miss_rate"] for p in mine]
+            ys = [min(s["delta"] for s in p["suites"].values()) * 100 for p in mine]
+            ax.plot(xs, ys, marker="o", linestyle="-" if len(mine) > 1 else "none", label=method)
+        ax.axhline(-0.5, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_xlabel("miss rate (simulator, decode)")
+        ax.set_ylabel("worst suite delta (points)")
+        ax.set_title(f"per-layer cache at {budget}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    plt.close(fig)
+    return png.getvalue()
+
+
+def merge_into(artifact: str | Path, study: dict, png: bytes) -> None:
+    """``routing_curves`` into the artifact's report.json (per method, its points), report.md and the plot."""
+    from loader.format import read_manifest
+    from prep.evals.compare import update_artifact_report
+    from prep.stages.package import report_markdown
+
+    manifest = read_manifest(artifact)
+    curves: dict = {}
+    for p in study["points"]:
+        curves.setdefault(p["method"], []).append({
+            "budget": p["budget"], "knob": p["knob"], "knob_name": p["knob_name"], "miss_rate": p["miss_rate"],
+            "bytes_per_token": p["bytes_per_token"], "deltas": {k: v["delta"] for k, v in p["suites"].items()}})
+    section = {"routing_curves": curves, "routing_study": {k: study[k] for k in ("recipe", "settings", "budgets", "goals")
+                                                           if k in study} | {"markdown": study_markdown(study)}}
+    report = json.loads(manifest.path("report.json").read_text()) | section
+    text = report_markdown(manifest.raw["recipe"].get("name", "artifact"), report)
+    update_artifact_report(manifest.root, section, files={"report.md": text.encode(), "report-routing.png": png})
