@@ -211,9 +211,11 @@ def prediction_study_command(recipe_path, artifact, budgets, seed, sequences, pr
 @click.option("--suites", default="gsm8k,mmlu,truthfulqa", show_default=True)
 @click.option("--data", default=None, help="Suites directory (default: suites/ beside the original model).")
 @click.option("--limit", type=int, default=None, help="First N items of each suite (default: all).")
+@click.option("--low", default="int4", show_default=True, help="Precision of dynamic precision's low copies.")
 @click.option("--into", default=None, type=click.Path(file_okay=False),
               help="Also put the curves into this artifact: report.json routing_curves, report.md, report-routing.png.")
-def routing_study_command(recipe_path, output, budgets, gating, dynamic, lambdas, max_rank, suites, data, limit, into):
+def routing_study_command(recipe_path, output, budgets, gating, dynamic, lambdas, max_rank, suites, data, limit, low,
+                          into):
     """Accuracy against miss rate and bytes per token for adaptive gating, dynamic precision and
     cache-conditional routing, each swept across its knob, at each budget."""
     from pathlib import Path
@@ -229,7 +231,7 @@ def routing_study_command(recipe_path, output, budgets, gating, dynamic, lambdas
         raise click.BadParameter("--dynamic is high/skip pairs like 0.67/0.03, --max-rank whole numbers") from None
     study = run_study(recipe_path, output, budgets=tuple(b.strip() for b in budgets.split(",") if b.strip()),
                       knobs=knobs, suites=tuple(s.strip() for s in suites.split(",") if s.strip()), limit=limit,
-                      data=data, echo=lambda m: click.echo(m, err=True))
+                      data=data, low=low, echo=lambda m: click.echo(m, err=True))
     if into:
         merge_into(into, study, (Path(output) / "study.png").read_bytes())
     click.echo((Path(output) / "study.md").read_text())

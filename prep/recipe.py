@@ -254,7 +254,10 @@ class CacheRoutingSection:
     """Cache-conditional routing (Skliar et al.): prefer resident experts where the router is nearly
     indifferent. ``method``: ``prior`` (``lam`` times the running logit range added to resident experts'
     logits), ``max_rank`` (cached experts within the top ``m`` move ahead) or ``threshold`` (m from the
-    cumulative probability ``tau``); the ``top_j`` best experts always stay."""
+    cumulative probability ``tau``); the ``top_j`` best experts always stay. With ``tolerance`` (mean
+    next-token KL, nats, on the last ``num_sequences`` calibration sequences) the method's knob is lowered
+    from the given value to the largest one within it, measured with a cache of ``cache_share`` of each
+    layer's experts emulated from a cold start."""
 
     enabled: bool = False
     method: str = "prior"
@@ -262,6 +265,9 @@ class CacheRoutingSection:
     m: int | None = None
     tau: float = 0.9
     top_j: int = 1
+    tolerance: float | None = None
+    cache_share: float = 0.5
+    num_sequences: int | None = 8
 
 
 @dataclass(frozen=True)
@@ -499,6 +505,10 @@ def _validate_cache_routing(c: CacheRoutingSection, gating: bool) -> None:
         raise MoeprepError(f"cache_routing.method {c.method!r} unknown; use one of {CACHE_METHODS}")
     if c.lam < 0 or not 0 <= c.tau <= 1 or c.top_j < 0 or (c.m is not None and c.m < 1):
         raise MoeprepError("cache_routing needs lam >= 0, tau in [0, 1], top_j >= 0 and m >= 1 (or null)")
+    if c.tolerance is not None and c.tolerance < 0:
+        raise MoeprepError(f"cache_routing.tolerance must be >= 0 nats (or null), got {c.tolerance}")
+    if not 0 < c.cache_share <= 1 or (c.num_sequences is not None and c.num_sequences <= 0):
+        raise MoeprepError("cache_routing needs cache_share in (0, 1] and num_sequences positive (or null)")
     if c.enabled and gating:
         raise MoeprepError("gating and cache_routing both rewrite the routing and a plan runs one routing policy; "
                            "enable one of them")

@@ -78,8 +78,11 @@ def _plans(artifact: Path, weights, routing: dict, knobs: dict) -> list[tuple[st
 
 def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".", *, budgets=("25%", "50%"),
               knobs: dict | None = None, suites=("gsm8k", "mmlu", "truthfulqa"), limit: int | None = None,
-              data=None, seed: int = 1, sequences: int = 8, echo=print) -> dict:
-    """Prepare the artifact, then measure every (budget, point); writes study.json, study.md, study.png."""
+              data=None, seed: int = 1, sequences: int = 8, low: str | None = None, echo=print) -> dict:
+    """Prepare the artifact, then measure every (budget, point); writes study.json, study.md, study.png.
+
+    low: the precision of dynamic precision's low copies (default: the recipe's ``dynamic_precision.low``),
+    added to what quantize writes."""
     from prep.evals.compare import evaluate_artifact
     from prep.pipeline import prepare
     from prep.prediction_study import fresh_trace
@@ -92,7 +95,10 @@ def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".
 
     output, root = Path(output), Path(root)
     knobs = DEFAULT_KNOBS if knobs is None else knobs
-    recipe = load_recipe(recipe_path, PREPARE_OVERRIDES)
+    base = load_recipe(recipe_path)
+    low = low or base.dynamic_precision.low
+    also = ", ".join(dict.fromkeys([*base.quantize.also, low]))
+    recipe = load_recipe(recipe_path, (*PREPARE_OVERRIDES, f"dynamic_precision.low={low}", f"quantize.also=[{also}]"))
     if recipe.quantize.precision == recipe.dynamic_precision.low:
         raise MoeprepError(f"the study's low copies ({recipe.dynamic_precision.low}) must be below the experts' "
                            f"precision ({recipe.quantize.precision}); set dynamic_precision.low and quantize.also")

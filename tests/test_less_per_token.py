@@ -546,3 +546,20 @@ def test_the_routing_study_measures_every_method_and_lands_in_report_json(tmp_pa
     curves = json.loads((artifact / "report.json").read_text())["routing_curves"]
     assert set(curves) == set(methods) and {"miss_rate", "bytes_per_token", "deltas", "knob"} <= set(curves["gating"][0])
     assert "## Routing study" in (artifact / "report.md").read_text()
+
+
+@pytest.mark.parametrize("method, knob", [("prior", {"lam": 4.0}), ("max_rank", {"m": 8})])
+def test_cache_routing_with_a_tolerance_lowers_its_knob_until_the_kl_is_within(tmp_path, method, knob):
+    from tiny_models import prepare_tiny_artifact
+
+    tolerance = 1e-3
+    recipe = _recipe(cache_routing={"enabled": True, "method": method, "tolerance": tolerance, "cache_share": 0.25,
+                                    "num_sequences": 2, **knob})
+    _, artifact = prepare_tiny_artifact(tmp_path, "mixtral", recipe=recipe)
+    report = json.loads((artifact / "report.json").read_text())["cache_routing"]
+    params = json.loads((artifact / "plan.json").read_text())["routing"]["params"]
+    details = report["details"]
+    name = details["knob"]
+    assert details["trail"][0] == [next(iter(knob.values())), pytest.approx(details["trail"][0][1])]
+    assert details["trail"][0][1] > tolerance  # the recipe's value is too aggressive for the tiny model
+    assert details["loss"] <= tolerance and params[name] == report["knobs"][name] < next(iter(knob.values()))
