@@ -204,7 +204,8 @@ class AdaptiveGating(RoutingPolicy):
             return weights, indices
         keep = self.keep_mask(layer, weights)
         kept = weights * keep
-        scale = weights.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True)
+        rest = kept.sum(-1, keepdim=True)
+        scale = weights.sum(-1, keepdim=True) / rest.where(rest != 0, torch.ones_like(rest))
         self.counts["decisions"] += weights.shape[0]
         self.counts["single"] += int((keep.sum(-1) == 1).sum()) if weights.shape[-1] > 1 else 0
         self.counts["runs_before"] += weights.numel()

@@ -563,3 +563,17 @@ def test_cache_routing_with_a_tolerance_lowers_its_knob_until_the_kl_is_within(t
     assert details["trail"][0] == [next(iter(knob.values())), pytest.approx(details["trail"][0][1])]
     assert details["trail"][0][1] > tolerance  # the recipe's value is too aggressive for the tiny model
     assert details["loss"] <= tolerance and params[name] == report["knobs"][name] < next(iter(knob.values()))
+
+
+def test_latency_first_uses_a_held_low_copy_where_strict_reads_the_planned_precision():
+    class Held:
+        def has(self, expert, precision=None):
+            return expert == 1 and precision == "int2"
+
+    idx, w = torch.tensor([[1, 0]]), torch.tensor([[0.9, 0.1]])
+    strict, fast = DynamicPrecision(0.6, 0.9, "int2"), DynamicPrecision(0.6, 0.9, "int2", strict=False)
+    for policy in (strict, fast):
+        policy.view = lambda layer: Held()
+    assert strict.decide(0, 1, "int4", idx, w) == "int4"  # the top-1 wants high; a low copy does not do
+    assert fast.decide(0, 1, "int4", idx, w) == "int2" and fast.stats()["low_copy_used"] == 1
+    assert fast.decide(0, 3, "int4", torch.tensor([[3, 0]]), w) == "int4"  # nothing held: read high
