@@ -118,20 +118,28 @@ def check_device(device: str) -> None:
 @click.option("--predictors", default=None,
               help="Prefetch predictors to run, comma-separated (next_gates, path_stats, first_gate), or 'none'; "
                    "default: the plan's. Prefetching never changes the output.")
+@click.option("--exact-routing", is_flag=True,
+              help="Route with the model's own top-k, not the plan's routing policy (adaptive gating, cache routing).")
+@click.option("--planned-precision", is_flag=True,
+              help="Read every miss at its planned precision, not as the plan's miss policy says (dynamic precision).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {text, token_ids, stats}.")
 def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_budget: str | None, device: str,
-                     store: str, predictors: str | None, as_json: bool) -> None:
+                     store: str, predictors: str | None, exact_routing: bool, planned_precision: bool,
+                     as_json: bool) -> None:
     """Greedy generation through the offloading runtime; streams the text, then prints the stats."""
     import torch
     from transformers import TextStreamer
 
+    from loader.routing import MissPolicy, RoutingPolicy
     from loader.runtime import load
 
     if max_new_tokens < 1:
         raise MoeError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     check_device(device)
     chosen = None if predictors is None else [p for p in predictors.replace(" ", "").split(",") if p and p != "none"]
-    loaded = load(artifact, device=device, memory_budget=memory_budget, store=store, predictors=chosen)
+    loaded = load(artifact, device=device, memory_budget=memory_budget, store=store, predictors=chosen,
+                  routing=RoutingPolicy() if exact_routing else None,
+                  miss_policy=MissPolicy() if planned_precision else None)
     tok = loaded.tokenizer
     ids = torch.tensor([tok(prompt)["input_ids"]], dtype=torch.long, device=device)
     if ids.numel() == 0:
@@ -154,6 +162,9 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
                f"hit rate {stats['hit_rate'] or 0:.3f}  read {stats['bytes_read']:,} B in "
                f"{stats['read_seconds']:.3f} s  stall {stats['stall_seconds']:.3f} s  "
                f"peak cache {stats['peak_cache_bytes']:,} B  direct I/O {stats['direct_io']}")
+    for what in ("routing", "miss_policy"):
+        if stats.get(what):
+            click.echo(f"{what.replace('_', ' ')}: " + "  ".join(f"{k} {v}" for k, v in stats[what].items()))
     pf = stats["prefetch"]
     if pf["predictors"]:
         click.echo(f"prefetch ({', '.join(pf['predictors'])}): issued {pf['issued']} used {pf['used']} "

@@ -577,3 +577,23 @@ def test_latency_first_uses_a_held_low_copy_where_strict_reads_the_planned_preci
     assert strict.decide(0, 1, "int4", idx, w) == "int4"  # the top-1 wants high; a low copy does not do
     assert fast.decide(0, 1, "int4", idx, w) == "int2" and fast.stats()["low_copy_used"] == 1
     assert fast.decide(0, 3, "int4", torch.tensor([[3, 0]]), w) == "int4"  # nothing held: read high
+
+
+def test_moeload_generate_switches_the_plans_routing_and_miss_policies_off(tmp_path):
+    from click.testing import CliRunner
+    from tiny_models import prepare_tiny_artifact
+
+    from loader.cli import main as moeload
+
+    recipe = _recipe(quantize={"precision": "int4", "also": ["int2"]}, gating={"enabled": True, "target_single": 0.3},
+                     dynamic_precision={"enabled": True, "low": "int2"})
+    _, artifact = prepare_tiny_artifact(tmp_path, "qwen2_moe", recipe=recipe)
+    runs = {}
+    for flags in ((), ("--exact-routing", "--planned-precision")):
+        result = CliRunner().invoke(moeload, ["generate", str(artifact), "--prompt", "ABCDE", "--max-new-tokens", "4",
+                                              "--memory-budget", "unlimited", "--json", *flags])
+        assert result.exit_code == 0, result.output
+        runs[flags] = json.loads(result.output)["stats"]
+    assert runs[()]["routing"]["policy"] == "adaptive_gating" and runs[()]["miss_policy"]["policy"] == "dynamic_precision"
+    off = runs[("--exact-routing", "--planned-precision")]
+    assert off["routing"] is None and off["miss_policy"] is None
