@@ -46,6 +46,7 @@ of one stream.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -365,21 +366,27 @@ class CacheConditionalRouting(RoutingPolicy):
     def reset(self) -> None:
         """The running logit range is kept across sequences (a data statistic, not per sequence)."""
 
-    def _rank(self, layer: int, z: torch.Tensor, held: set, k: int) -> list[int]:
-        order = z.argsort(descending=True, stable=True).tolist()
+    def _rank(self, layer: int, z: list[float], held: set, k: int) -> list[int]:
+        """The K experts of one token (logits ``z`` as a list: E is small and the tokens go one by one, so
+        plain Python is faster here than tensor calls)."""
+        experts = range(len(z))
+        order = sorted(experts, key=lambda e: -z[e])  # stable: ties keep index order
         top_j = order[:self.top_j]
         if self.method == "prior":
-            span = float(z.max() - z.min())
-            self.range_sum[layer] = self.range_sum.get(layer, 0.0) + span
+            self.range_sum[layer] = self.range_sum.get(layer, 0.0) + (max(z) - min(z))
             self.range_n[layer] = self.range_n.get(layer, 0) + 1
-            boost = torch.zeros_like(z)
+            boost = self.lam * self.range_sum[layer] / self.range_n[layer]
             marked = held | set(top_j)
-            if marked:
-                boost[list(marked)] = self.lam * self.range_sum[layer] / self.range_n[layer]
-            return (z + boost).argsort(descending=True, stable=True).tolist()[:k]
+            return sorted(experts, key=lambda e: -(z[e] + boost if e in marked else z[e]))[:k]
         if self.method == "threshold":
-            cum = z.softmax(-1)[order].cumsum(-1)
-            m = int((cum < self.tau).sum()) + 1
+            top = z[order[0]]
+            mass = [math.exp(z[e] - top) for e in order]
+            total, cum, m = sum(mass), 0.0, 0
+            for p in mass:
+                if cum >= self.tau * total:
+                    break
+                cum += p
+                m += 1
         else:
             m = self.m if self.m is not None else k
         promoted = [e for e in order[:max(m, k)] if e in held]
@@ -393,22 +400,29 @@ class CacheConditionalRouting(RoutingPolicy):
         k = indices.shape[-1]
         held = list(dict.fromkeys([*view.resident(), *view.in_flight()]))
         capacity = max(view.capacity_records(), k) if hasattr(view, "capacity_records") else max(len(held), k)
-        new_w, new_i = weights.clone(), indices.clone()
-        for t in range(indices.shape[0]):
-            chosen = self._rank(layer, logits[t].float(), set(held), k)
+        zs, original = logits.float().tolist(), indices.tolist()
+        changed: dict[int, list[int]] = {}
+        for t, z in enumerate(zs):
+            chosen = self._rank(layer, z, set(held), k)
             self.counts["decisions"] += 1
-            if set(chosen) != set(indices[t].tolist()):
-                self.counts["changed"] += 1
-                new_i[t] = torch.tensor(chosen, dtype=indices.dtype)
-                new_w[t] = selection_weights(self.weights, logits[t:t + 1], new_i[t:t + 1])[0].to(weights.dtype)
-            # as decode would see it: this token's experts become the most recent (heaviest first), LRU out
-            order = sorted(range(k), key=lambda i: -float(new_w[t, i]))
-            for i in order:
-                e = int(new_i[t, i])
+            if set(chosen) != set(original[t]):
+                changed[t] = chosen
+            else:
+                chosen = original[t]
+            # as decode would see it: this token's experts become the most recent (the heaviest first: by
+            # logit, which orders every supported weight function's weights), least recently used out
+            for e in sorted(chosen, key=lambda e: -z[e]):
                 if e in held:
                     held.remove(e)
                 held.append(e)
             del held[:max(len(held) - capacity, 0)]
+        self.counts["changed"] += len(changed)
+        if not changed:
+            return weights, indices
+        rows = torch.tensor(list(changed), device=indices.device)
+        new_w, new_i = weights.clone(), indices.clone()
+        new_i[rows] = torch.tensor(list(changed.values()), dtype=indices.dtype, device=indices.device)
+        new_w[rows] = selection_weights(self.weights, logits[rows], new_i[rows]).to(weights.dtype)
         return new_w, new_i
 
     def stats(self) -> dict:
