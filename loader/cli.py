@@ -73,12 +73,15 @@ def info_command(artifact: str, as_json: bool) -> None:
         "total_bytes": sum(f["bytes"] for f in raw["files"].values()),
         "sizes": report.get("sizes", {}),
         "compression": report.get("compression", {}),
+        # the loader takes the point of the largest budget_bytes the memory budget covers
+        "operating_points": [{k: p.get(k) for k in ("budget_bytes", "modeled_tokens_per_s", "accuracy_delta")}
+                             for p in report.get("operating_points") or []],
     }
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
     for key, value in info.items():
-        click.echo(f"{key:16s} {json.dumps(value) if isinstance(value, dict) else value}")
+        click.echo(f"{key:16s} {json.dumps(value) if isinstance(value, dict | list) else value}")
 
 
 def _store_summary(manifest) -> dict:

@@ -16,6 +16,7 @@ Shapes use the legend declared in ``loader/__init__.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -60,11 +61,41 @@ class Pool:
 
     name: str
     precision: str
-    share: float = 1.0
+    share: float = 1.0  # 0: the pool holds nothing (an allocation gave it no record)
     group: str = "layer"  # "layer": one eviction group per MoE layer; "global": one across all layers
+    layers: tuple[float, ...] | None = None  # a per-layer pool's own relative split (0: that layer holds none)
 
     def to_json(self) -> dict:
-        return {"name": self.name, "precision": self.precision, "share": self.share, "group": self.group}
+        out = {"name": self.name, "precision": self.precision, "share": self.share, "group": self.group}
+        return out | ({"layers": list(self.layers)} if self.layers is not None else {})
+
+    @classmethod
+    def from_json(cls, raw, where: str, num_layers: int) -> Pool:
+        keys = {"name", "precision", "share", "group"}
+        if (not isinstance(raw, dict) or not keys <= set(raw) <= keys | {"layers"}
+                or not isinstance(raw["name"], str) or not isinstance(raw["precision"], str)
+                or not _is_number(raw["share"]) or not 0 <= raw["share"] <= 1 or raw["group"] not in GROUPS):
+            raise PlanError(f"{PLAN_FILE}: {where} must be {{name, precision, share in [0, 1], group in {GROUPS}, "
+                            f"optional layers}}, got {raw!r:.120}; prepare the artifact again")
+        layers = raw.get("layers")
+        if layers is not None and (not isinstance(layers, list) or len(layers) != num_layers
+                                   or not all(_is_number(w) and w >= 0 for w in layers) or not any(layers)):
+            raise PlanError(f"{PLAN_FILE}: {where}.layers must be {num_layers} non-negative numbers, not all 0; "
+                            "prepare the artifact again")
+        return cls(raw["name"], raw["precision"], float(raw["share"]), raw["group"],
+                   tuple(float(w) for w in layers) if layers is not None else None)
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    """The pools a planner chose for one budget (the plan's pools with other shares and layer splits): the
+    loader takes the point of the largest budget that the memory budget it is given covers (``Plan.for_budget``)."""
+
+    budget_bytes: int
+    pools: tuple[Pool, ...]
+
+    def to_json(self) -> dict:
+        return {"budget_bytes": self.budget_bytes, "pools": [p.to_json() for p in self.pools]}
 
 
 @dataclass(frozen=True)
@@ -82,7 +113,19 @@ class Plan:
     routing: PolicySpec = field(default_factory=lambda: PolicySpec("topk"))
     miss: PolicySpec = field(default_factory=lambda: PolicySpec("plan"))  # read the planned precision
     default_budget: str = "50%"
+    operating_points: tuple[OperatingPoint, ...] = ()  # by rising budget (``for_budget``)
     version: int = PLAN_VERSION
+
+    def for_budget(self, budget_bytes: float) -> Plan:
+        """This plan with the pools of its operating point for ``budget_bytes``: the point of the largest
+        budget the given one covers, else the smallest point (itself when it has no points)."""
+        if not self.operating_points:
+            return self
+        chosen = self.operating_points[0]
+        for point in self.operating_points:
+            if point.budget_bytes <= budget_bytes:
+                chosen = point
+        return dataclasses.replace(self, pools=chosen.pools)
 
     @classmethod
     def default(cls, num_layers: int, num_experts: int, precision: str, default_budget: str = "50%") -> Plan:
@@ -124,7 +167,7 @@ class Plan:
             "routing": self.routing.to_json(),
             "miss": self.miss.to_json(),
             "default_budget": self.default_budget,
-        }
+        } | ({"operating_points": [p.to_json() for p in self.operating_points]} if self.operating_points else {})
 
     @classmethod
     def from_json(cls, raw) -> Plan:
@@ -137,7 +180,7 @@ class Plan:
         if not isinstance(raw, dict):
             raise bad(f"expected an object, got {type(raw).__name__}")
         known = {"version", "num_layers", "num_experts", "expert_precision", "pools", "layer_capacity",
-                 "eviction", "predictors", "routing", "miss", "default_budget"}
+                 "eviction", "predictors", "routing", "miss", "default_budget", "operating_points"}
         if unknown := sorted(set(raw) - known):
             raise bad(f"unknown keys {unknown}")
         if raw.get("version") != PLAN_VERSION or type(raw.get("version")) is not int:
@@ -153,17 +196,7 @@ class Plan:
         pools_raw = raw.get("pools")
         if not isinstance(pools_raw, list) or not pools_raw:
             raise bad("pools must be a non-empty list")
-        pools = []
-        for i, p in enumerate(pools_raw):
-            if (not isinstance(p, dict) or set(p) != {"name", "precision", "share", "group"}
-                    or not isinstance(p["name"], str) or not isinstance(p["precision"], str)
-                    or not _is_number(p["share"]) or not 0 < p["share"] <= 1 or p["group"] not in GROUPS):
-                raise bad(f"pool {i} must be {{name, precision, share in (0, 1], group in {GROUPS}}}, got {p!r:.120}")
-            pools.append(Pool(p["name"], p["precision"], float(p["share"]), p["group"]))
-        if len({p.precision for p in pools}) != len(pools):
-            raise bad("two pools hold the same precision")
-        if sum(p.share for p in pools) > 1 + 1e-9:
-            raise bad("the pools' shares add up to more than 1")
+        pools = _pools(pools_raw, "pools", n_layers)
         capacity = raw.get("layer_capacity")
         if capacity is not None and (not isinstance(capacity, list) or len(capacity) != n_layers
                                      or not all(_is_number(c) and c > 0 for c in capacity)):
@@ -178,16 +211,42 @@ class Plan:
             parse_budget(budget)
         except PlanError as e:
             raise bad(f"default_budget: {e}") from None
+        points_raw = raw.get("operating_points", [])
+        if not isinstance(points_raw, list):
+            raise bad("operating_points must be a list")
+        points = []
+        for i, point in enumerate(points_raw):
+            if not isinstance(point, dict) or set(point) != {"budget_bytes", "pools"} or not _is_int(point["budget_bytes"]):
+                raise bad(f"operating_points[{i}] must be {{budget_bytes: int, pools: [...]}}")
+            points.append(OperatingPoint(point["budget_bytes"], _pools(point["pools"], f"operating_points[{i}].pools",
+                                                                        n_layers)))
+            if [(p.name, p.precision, p.group) for p in points[-1].pools] != [(p.name, p.precision, p.group) for p in pools]:
+                raise bad(f"operating_points[{i}] must list the plan's pools (names, precisions, groups) in order; "
+                          "only shares and layer splits differ")
+        if [p.budget_bytes for p in points] != sorted({p.budget_bytes for p in points}):
+            raise bad("operating_points must be in rising budget_bytes, each once")
         plan = cls(n_layers, n_experts, tuple(tuple(r) for r in rows), tuple(pools),
                    tuple(float(c) for c in capacity) if capacity is not None else None,
                    PolicySpec.from_json(raw.get("eviction"), "eviction"),
                    tuple(PolicySpec.from_json(p, f"predictors[{i}]") for i, p in enumerate(predictors)),
                    PolicySpec.from_json(raw.get("routing"), "routing"),
-                   PolicySpec.from_json(raw.get("miss"), "miss"), budget)
+                   PolicySpec.from_json(raw.get("miss"), "miss"), budget, tuple(points))
         pooled = {p.precision for p in pools}
         if missing := sorted({p for row in plan.expert_precision for p in row} - pooled):
             raise bad(f"experts planned at precisions {missing} that no pool holds")
         return plan
+
+
+def _pools(raw, where: str, num_layers: int) -> tuple[Pool, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise PlanError(f"{PLAN_FILE}: {where} must be a non-empty list; prepare the artifact again")
+    pools = tuple(Pool.from_json(p, f"{where}[{i}]", num_layers) for i, p in enumerate(raw))
+    if len({p.precision for p in pools}) != len(pools):
+        raise PlanError(f"{PLAN_FILE}: {where}: two pools hold the same precision; prepare the artifact again")
+    if sum(p.share for p in pools) > 1 + 1e-9 or not any(p.share for p in pools):
+        raise PlanError(f"{PLAN_FILE}: {where}: the shares must add up to more than 0 and at most 1; prepare the "
+                        "artifact again")
+    return pools
 
 
 def _is_int(x) -> bool:
@@ -292,28 +351,35 @@ def buffer_bytes(plan: Plan, sizes: ModelSizes) -> int:
 
 
 def minimum_budget(plan: Plan, sizes: ModelSizes) -> int:
-    """The smallest budget in bytes that ``capacities`` accepts for this plan."""
+    """The smallest budget in bytes that ``capacities`` accepts for this plan: every eviction group a pool
+    gives bytes to holds at least one record."""
     best = 0
     for pool in plan.pools:
-        groups = 1 if pool.group == "global" else sizes.num_layers
-        weights = _layer_weights(plan) if pool.group == "layer" else [1.0]
-        # the smallest group must hold one record: bytes * share * (w_min / sum w) >= record
-        need = sizes.record_bytes[pool.precision] * (sum(weights) / min(weights) if groups > 1 else 1) / pool.share
+        if pool.share == 0:
+            continue
+        weights = layer_weights(plan, pool) if pool.group == "layer" else [1.0]
+        # the smallest group given bytes must hold one record: bytes * share * (w_min / sum w) >= record
+        smallest = min(w for w in weights if w > 0)
+        need = sizes.record_bytes[pool.precision] * sum(weights) / smallest / pool.share
         best = max(best, need)
     return int(math.ceil(sizes.dense_bytes + buffer_bytes(plan, sizes) + best))
 
 
-def _layer_weights(plan: Plan) -> list[float]:
+def layer_weights(plan: Plan, pool: Pool) -> list[float]:
+    """A per-layer pool's relative split across layers: its own, else the plan's, else equal."""
+    if pool.layers is not None:
+        return list(pool.layers)
     return list(plan.layer_capacity) if plan.layer_capacity is not None else [1.0] * plan.num_layers
 
 
 def capacities(plan: Plan, budget, sizes: ModelSizes) -> Capacities:
     """Byte capacities per pool and eviction group for ``budget`` (see ``resolve_budget``).
 
-    The expert share (budget - dense - read buffers) is split among pools by their ``share``; a
-    per-layer pool splits its part across layers by the plan's relative ``layer_capacity`` (equal when
-    absent), so an explicit budget scales the plan's allocation rather than discarding it. No group
-    holds more than all of its experts. A budget below ``minimum_budget`` is refused.
+    The plan's operating point for the budget is taken first (``Plan.for_budget``). The expert share
+    (budget - dense - read buffers) is split among pools by their ``share``; a per-layer pool splits its
+    part across layers by its own ``layers`` weights, else the plan's relative ``layer_capacity`` (equal
+    when both are absent), so an explicit budget scales the plan's allocation rather than discarding it.
+    No group holds more than all of its experts. A budget below ``minimum_budget`` is refused.
     """
     if plan.num_layers != sizes.num_layers or plan.num_experts != sizes.num_experts:
         raise PlanError(f"{PLAN_FILE} is for {plan.num_layers} layers x {plan.num_experts} experts, the model has "
@@ -323,6 +389,7 @@ def capacities(plan: Plan, budget, sizes: ModelSizes) -> Capacities:
             raise PlanError(f"{PLAN_FILE} uses precision {p!r} but the artifact has no store for it "
                             f"(stores: {sorted(sizes.record_bytes)}); prepare the artifact again")
     limit = resolve_budget(budget, plan, sizes)
+    plan = plan.for_budget(limit)
     buffers = buffer_bytes(plan, sizes)
     minimum = minimum_budget(plan, sizes)
     if limit < minimum:
@@ -339,7 +406,7 @@ def capacities(plan: Plan, budget, sizes: ModelSizes) -> Capacities:
             full = sizes.num_layers * sizes.num_experts * record
             pools[pool.name] = {"global": int(min(full, part))}
         else:
-            weights = _layer_weights(plan)
+            weights = layer_weights(plan, pool)
             total = sum(weights)
             full = sizes.num_experts * record
             pools[pool.name] = {layer: int(min(full, part * w / total)) for layer, w in enumerate(weights)}

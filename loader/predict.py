@@ -102,9 +102,10 @@ def ranked_votes(logits: torch.Tensor, k: int, limit: int) -> list[int]:
     top = logits.topk(k, -1).indices  # [T, k]
     votes = torch.zeros(logits.shape[-1])
     votes.index_add_(0, top.flatten().cpu(), torch.ones(top.numel()))
-    mass = logits.float().softmax(-1).sum(0).cpu()
-    order = sorted(range(logits.shape[-1]), key=lambda e: (-votes[e].item(), -mass[e].item()))
-    return [e for e in order if votes[e] > 0][:limit]
+    mass = logits.float().softmax(-1).sum(0).cpu().tolist()
+    counts = votes.tolist()  # plain floats: this runs per token and layer, tensor indexing would dominate
+    order = sorted(range(logits.shape[-1]), key=lambda e: (-counts[e], -mass[e]))
+    return [e for e in order if counts[e] > 0][:limit]
 
 
 # ------------------------------------------------------------------------------------- next gates

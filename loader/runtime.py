@@ -550,7 +550,8 @@ def cache_layout(artifact: str | Path, memory_budget=None, store: str = "disk", 
     dev = torch.device(device)
     plan, sizes, record_bytes, host = _budget_inputs(artifact, store, plan, dev)
     caps = _capacities(plan, sizes, memory_budget, host, dev)
-    return CacheLayout(plan, sizes, caps, dict(sizes.record_bytes), record_bytes)
+    # the operating point the budget picked (its pools' shares and splits; names and groups are the plan's)
+    return CacheLayout(plan.for_budget(caps.limit_bytes), sizes, caps, dict(sizes.record_bytes), record_bytes)
 
 
 def minimum_budget(artifact: str | Path, store: str = "disk", plan: Plan | None = None, device: str = "cpu") -> int:

@@ -30,6 +30,7 @@ from prep.recipe import Recipe
 from prep.stages import (
     Stage,
     StageResult,
+    allocate_cache,
     bitwidth,
     cache_routing,
     dynamic_precision,
@@ -40,6 +41,7 @@ from prep.stages import (
     quantize,
     sensitivity,
     trace,
+    tune_policy,
 )
 from prep.store import ArtifactOutput, StageStore, exclusive_lock, stage_key
 
@@ -52,6 +54,8 @@ STAGES: tuple[Stage, ...] = (
     gating.STAGE,
     dynamic_precision.STAGE,
     cache_routing.STAGE,
+    allocate_cache.STAGE,
+    tune_policy.STAGE,
     package.STAGE,
     evaluate.STAGE,
 )

@@ -270,6 +270,47 @@ class CacheRoutingSection:
     num_sequences: int | None = 8
 
 
+ALLOCATION_COSTS = ("measured", "closed_form")
+
+
+@dataclass(frozen=True)
+class AllocateKnobs:
+    """AdapMoE's DP over the cache cells (a per-layer pool's layer, or a global pool): ``measured`` cost
+    curves from the simulator, or the paper's ``closed_form`` (uniform routing, one prefetch per layer)."""
+
+    enabled: bool = False
+    cost: str = "measured"
+
+
+@dataclass(frozen=True)
+class TuneKnobs:
+    """HOBBIT's cache weights (w_lru, w_lfu, w_lhu, w_fld on the simplex), the pools' eviction group, the
+    prefetch depth and (with dynamic precision and no allocation) the low pool's share, searched by Optuna
+    over the simulator for ``trials`` trials (trial 0: HOBBIT's equal weights) at the budget holding
+    ``share`` of the shipped experts."""
+
+    enabled: bool = False
+    trials: int = 24
+    seed: int = 0
+    share: float = 0.5
+
+
+@dataclass(frozen=True)
+class PlanSection:
+    """Planning for a device: the stages ``tune_policy`` and ``allocate_cache``. ``device``: a device profile
+    (``moeprep profile-device``) for modelled seconds (None: costs are bytes read on demand); ``points``:
+    the operating points, each a budget holding that share of the shipped experts' bytes; ``tolerance``:
+    the accuracy (points of score, per suite) an operating point may lose against the source model;
+    ``num_sequences``: the calibration sequences replayed (None: all)."""
+
+    device: str | None = None
+    points: tuple[float, ...] = (0.25, 0.5, 0.75)
+    tolerance: float | None = None
+    num_sequences: int | None = None
+    allocate: AllocateKnobs = field(default_factory=AllocateKnobs)
+    tune: TuneKnobs = field(default_factory=TuneKnobs)
+
+
 @dataclass(frozen=True)
 class PackageSection:
     """Plan defaults written into the artifact: the share of each layer's experts to cache."""
@@ -303,6 +344,7 @@ class Recipe:
     gating: GatingSection = field(default_factory=GatingSection)
     dynamic_precision: DynamicPrecisionSection = field(default_factory=DynamicPrecisionSection)
     cache_routing: CacheRoutingSection = field(default_factory=CacheRoutingSection)
+    plan: PlanSection = field(default_factory=PlanSection)
     package: PackageSection = field(default_factory=PackageSection)
     evaluate: EvaluateSection = field(default_factory=EvaluateSection)
 
@@ -428,6 +470,7 @@ def _validate(recipe: Recipe) -> None:
     _validate_predict(recipe.predict, q.precisions, recipe.calibration.num_sequences)
     _validate_less_per_token(recipe.gating, recipe.dynamic_precision, q.precisions)
     _validate_cache_routing(recipe.cache_routing, recipe.gating.enabled)
+    _validate_plan(recipe.plan)
     if not 0 < recipe.package.cache_fraction <= 1:
         raise MoeprepError("package.cache_fraction must be in (0, 1]")
     if recipe.evaluate.gsm8k_format not in ("cot", "plain"):
@@ -496,6 +539,21 @@ def _validate_less_per_token(g: GatingSection, d: DynamicPrecisionSection, preci
         raise MoeprepError(f"dynamic_precision needs 0 <= t1 <= t2 <= 1, got t1 {d.t1}, t2 {d.t2}")
     if not 0 < d.low_share < 1:
         raise MoeprepError(f"dynamic_precision.low_share is the budget share of the low pool, in (0, 1); got {d.low_share}")
+
+
+def _validate_plan(p: PlanSection) -> None:
+    if p.allocate.cost not in ALLOCATION_COSTS:
+        raise MoeprepError(f"plan.allocate.cost {p.allocate.cost!r} unknown; use one of {ALLOCATION_COSTS}")
+    if not p.points or any(not 0 < x <= 1 for x in p.points) or len(set(p.points)) != len(p.points):
+        raise MoeprepError(f"plan.points are distinct shares of the shipped expert bytes in (0, 1], got {list(p.points)}")
+    if not 0 < p.tune.share <= 1:
+        raise MoeprepError(f"plan.tune.share is a share of the shipped expert bytes in (0, 1], got {p.tune.share}")
+    if p.tune.trials < 1:
+        raise MoeprepError(f"plan.tune.trials must be at least 1 (trial 0 is HOBBIT's equal weights), got {p.tune.trials}")
+    if p.tolerance is not None and p.tolerance < 0:
+        raise MoeprepError(f"plan.tolerance is points of accuracy a plan may lose, >= 0 (or null); got {p.tolerance}")
+    if p.num_sequences is not None and p.num_sequences < 1:
+        raise MoeprepError("plan.num_sequences must be positive (or null for all)")
 
 
 def _validate_cache_routing(c: CacheRoutingSection, gating: bool) -> None:

@@ -66,6 +66,15 @@ class DeviceProfile:
                                f"{sorted(self.compute_seconds)}); measure again with `moeprep profile-device` "
                                "or add the precision to compute_seconds_per_expert") from None
 
+    def scaled_to(self, weights_per_expert: float) -> DeviceProfile:
+        """This profile for experts of ``weights_per_expert`` weights: compute scales with the weights read,
+        as decode's matrix-vector products do (the profile's own expert shape is recorded in it)."""
+        shape = self.extra.get("expert_shape", {"hidden": MIXTRAL_SHAPE[0], "intermediate": MIXTRAL_SHAPE[1]})
+        factor = weights_per_expert / (3 * shape["hidden"] * shape["intermediate"])
+        return DeviceProfile(self.read_bandwidth, self.read_latency,
+                             {p: s * factor for p, s in self.compute_seconds.items()}, self.device,
+                             self.extra | {"scaled_to_weights_per_expert": weights_per_expert})
+
     def to_json(self) -> dict:
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "device": self.device,
                 "read_bandwidth_bytes_per_s": self.read_bandwidth, "read_latency_s": self.read_latency,

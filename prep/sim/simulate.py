@@ -164,6 +164,7 @@ class LayerResult:
     misses: int = 0
     joins: int = 0
     bytes_read: int = 0
+    demand_bytes: int = 0  # bytes of demand reads (misses), without prefetches
     read_seconds: float = 0.0  # demand reads: the modelled stall
     compute_seconds: float = 0.0
     prefetch_read_seconds: float = 0.0  # prefetch reads, modelled as hidden behind compute
@@ -175,7 +176,7 @@ class LayerResult:
     def to_json(self, layer: int, modelled: bool) -> dict:
         out = {"layer": layer, "requests": self.requests, "hits": self.hits, "misses": self.misses,
                "joins": self.joins, "miss_rate": self.misses / self.requests if self.requests else None,
-               "bytes_read": self.bytes_read, "skipped": self.skipped, "prefetches": self.prefetches,
+               "bytes_read": self.bytes_read, "demand_bytes": self.demand_bytes, "skipped": self.skipped, "prefetches": self.prefetches,
                "prefetch_used": self.prefetch_used,
                "prefetch_wasted": self.prefetch_wasted}
         if modelled:
@@ -378,6 +379,7 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
                     nbytes = record_bytes[p]
                     entry = cache.admit(layer, expert, p, slot_bytes[p])
                     cache.count_read(layer, nbytes)
+                    counts.demand_bytes += nbytes
                     if entry is not None:
                         cache.complete(entry)
                     if profile is not None:

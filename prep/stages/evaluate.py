@@ -4,6 +4,12 @@ Reads the package stage (its key covers everything the artifact derives from) an
 itself; runs ``moeprep eval`` with the recipe's ``evaluate`` settings when ``enabled``. The full report
 lands in the stage directory (``eval.json``) and its summary in the artifact's ``report.json`` (under
 ``eval``). A cached result is reused only while the artifact's ``report.json`` still holds that summary.
+
+When the artifact has operating points (the ``allocate_cache`` stage), each gets its ``accuracy_delta``
+per suite. A cache decides only which reads happen, not what is computed, so with the plan's routing
+independent of the cache every point has the measured delta; with cache-conditional routing the outputs
+depend on what is resident, and each point is evaluated at its own budget (``eval-<bytes>.json``).
+report.md is written again with the points.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from prep.evals.compare import eval_summary, evaluate_artifact
 from prep.recipe import EvaluateSection
 from prep.stages import Stage, StageResult
 
-VERSION = 2
+VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -26,15 +32,51 @@ class AccuracyCheck(StageResult):
     suites: dict
     data: str | None
     memory_budget: str | None
+    points: list  # per operating point: {"budget_bytes", "accuracy_delta": {suite: delta}, "measured_at"}
+
+    def report_entry(self) -> dict:
+        return {"suites": self.suites, "data": self.data, "memory_budget": self.memory_budget}
 
 
 def check_accuracy(artifact: Path, model_dir: Path, cfg: EvaluateSection, work: Path, root: Path) -> AccuracyCheck:
+    from loader.format import read_json, read_manifest
+    from loader.plan import read_plan
+    from prep.evals.compare import update_artifact_report
+    from prep.stages.package import report_markdown
+
     data = Path(cfg.data) if cfg.data else None
     if data is not None and not data.is_absolute():
         data = root / data
-    report = evaluate_artifact(artifact, model_dir, cfg.suites, data, cfg.limit, cfg.num_fewshot,
-                               cfg.memory_budget, cfg.gsm8k_format, output=work / "eval.json")
-    return AccuracyCheck(suites=eval_summary(report), data=report["data"], memory_budget=report["memory_budget"])
+
+    def run(budget, output: Path, plan=None) -> dict:
+        return evaluate_artifact(artifact, model_dir, cfg.suites, data, cfg.limit, cfg.num_fewshot, budget,
+                                 cfg.gsm8k_format, output=output, plan=plan)
+
+    report = run(cfg.memory_budget, work / "eval.json")
+    check = AccuracyCheck(suites=eval_summary(report), data=report["data"], memory_budget=report["memory_budget"],
+                          points=[])
+    manifest = read_manifest(artifact)
+    artifact_report = read_json(manifest.path("report.json"), "report.json")
+    if not artifact_report.get("operating_points"):
+        return check
+    plan = read_plan(manifest.root)
+    points = []
+    for point in artifact_report["operating_points"]:
+        if plan.routing.name == "cache_routing":  # outputs depend on the cache: measure at the point's budget
+            summary = eval_summary(run(point["budget_bytes"], work / f"eval-{point['budget_bytes']}.json", plan))
+            where = point["budget_bytes"]
+        else:
+            summary, where = check.suites, report["memory_budget"]
+        points.append({"budget_bytes": point["budget_bytes"], "measured_at": where,
+                       "accuracy_delta": {suite: s["delta"] for suite, s in summary.items()}})
+    updated = [p | {"accuracy_delta": q["accuracy_delta"], "accuracy_measured_at": q["measured_at"]}
+               for p, q in zip(artifact_report["operating_points"], points, strict=True)]
+    artifact_report = read_json(manifest.path("report.json"), "report.json") | {"operating_points": updated}
+    name = manifest.raw.get("recipe", {}).get("name", "artifact")
+    update_artifact_report(manifest.root, {"operating_points": updated},
+                           files={"report.md": report_markdown(name, artifact_report).encode()},
+                           package_key=manifest.raw["package_key"])
+    return AccuracyCheck(check.suites, check.data, check.memory_budget, points)
 
 
 def _in_report(inputs, result: AccuracyCheck) -> bool:
@@ -42,7 +84,10 @@ def _in_report(inputs, result: AccuracyCheck) -> bool:
         report = json.loads((inputs.artifact.path / "report.json").read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(report, dict) and report.get("eval") == json.loads(json.dumps(result.to_json()))
+    if not isinstance(report, dict) or report.get("eval") != json.loads(json.dumps(result.report_entry())):
+        return False
+    have = [p.get("accuracy_delta") for p in report.get("operating_points") or []]
+    return have == json.loads(json.dumps([p["accuracy_delta"] for p in result.points]))
 
 
 STAGE = Stage(

@@ -14,7 +14,6 @@ has its recorded size; otherwise it builds it again. Every file is a pure functi
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +23,10 @@ from safetensors.torch import save_file
 from loader.codec import RecordLayout
 from loader.files import write_bytes_atomic, write_json_atomic
 from loader.format import FORMAT, SCHEMA_VERSION, sha256_file, write_manifest
-from loader.plan import PLAN_FILE, Plan, PolicySpec, Pool
+from loader.plan import PLAN_FILE
 from loader.predict import PREDICTORS_FILE
 from prep.errors import MoeprepError
+from prep.planning import compose_plan, model_sizes
 from prep.recipe import PackageSection
 from prep.records import write_aligned_records
 from prep.stages import Stage, StageResult
@@ -34,7 +34,7 @@ from prep.stages.bitwidth import BitwidthChoice, uniform_choice
 from prep.stages.predict import prediction_markdown, predictor_tensors
 from prep.stages.quantize import PackedExperts
 
-VERSION = 5
+VERSION = 6
 REPORT = "report.json"
 REPORTED_DETAILS = ("loss", "metric", "sequences", "b_hi", "b_lo", "K", "met", "bounds", "trail", "sensitivity")  # the rest: the stage result
 
@@ -53,6 +53,8 @@ class ArtifactReport(StageResult):
     gating: dict | None  # the gating stage's T, S_l and shares (None when off)
     dynamic_precision: dict | None  # the dynamic_precision stage's thresholds and split (None when off)
     cache_routing: dict | None  # the cache_routing stage's knobs and logit ranges (None when off)
+    planning: dict | None  # the tune_policy and allocate_cache stages' figures (None when both are off)
+    operating_points: list  # per budget the allocation's modelled tokens/s; accuracy_delta from evaluate
 
 
 def _producer() -> dict:
@@ -67,7 +69,15 @@ def _producer() -> dict:
             "hqq": version("hqq")}
 
 
-def _dense_state(model, expert_params: set[str]) -> dict[str, torch.Tensor]:
+def expert_parameters(model, adapter) -> tuple[set[str], list]:
+    """(the state-dict names of every expert parameter, the experts modules in MoE-layer order)."""
+    paths = adapter.module_paths(model)
+    experts = [adapter.experts(model, layer) for layer in adapter.moe_layers]
+    return ({f"{path}.{p}" for path, m in zip(paths["experts_modules"], experts, strict=True)
+             for p, _ in m.named_parameters(recurse=False)}, experts)
+
+
+def dense_state(model, expert_params: set[str]) -> dict[str, torch.Tensor]:
     """Every non-expert tensor once (a tied lm_head is left to the loader to tie again)."""
     out, seen = {}, set()
     for name, tensor in model.state_dict().items():
@@ -89,19 +99,18 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
     ``recipe`` is the resolved recipe the artifact derives from, ``source`` the source model's
     {path, revision, fingerprint}, ``package_key`` this stage's cache key. ``techniques``: the results of the
     stages the recipe switched on: ``predict`` ((stage dir, PredictionStats)), ``gating`` (GatingChoice),
-    ``dynamic_precision`` (PrecisionThresholds), ``cache_routing`` (CacheRoutingChoice).
+    ``dynamic_precision`` (PrecisionThresholds), ``cache_routing`` (CacheRoutingChoice), ``tune_policy``
+    (TunedPolicy), ``allocate_cache`` (CacheAllocation).
     """
     techniques = techniques or {}
-    prediction, gating, dynamic, cache_routing = (techniques.get(k) for k in ("predict", "gating", "dynamic_precision",
-                                                                              "cache_routing"))
+    prediction, gating, dynamic, cache_routing, tuned, allocation = (techniques.get(k) for k in (
+        "predict", "gating", "dynamic_precision", "cache_routing", "tune_policy", "allocate_cache"))
     out = Path(out)
     paths = adapter.module_paths(model)
-    experts = [adapter.experts(model, layer) for layer in adapter.moe_layers]
-    expert_params = {f"{path}.{p}" for path, m in zip(paths["experts_modules"], experts, strict=True)
-                     for p, _ in m.named_parameters(recurse=False)}
+    expert_params, experts = expert_parameters(model, adapter)
     model.config.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    save_file(_dense_state(model, expert_params), str(out / "dense.safetensors"), metadata={"format": "pt"})
+    save_file(dense_state(model, expert_params), str(out / "dense.safetensors"), metadata={"format": "pt"})
 
     grid = choice.expert_precision
     position = {layer: pos for pos, layer in enumerate(quantize.layers)}
@@ -118,26 +127,19 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
                                                   quantize.records(quantize_dir, precision, keep), store["record_bytes"])
 
     budget = f"{cfg.cache_fraction * 100:g}%"
-    plan = Plan.mixed(grid, {p: quantize.stores[p]["record_bytes"] for p in planned}, default_budget=budget)
-    if dynamic is not None:
-        pools = plan.pools
-        if low not in {p.precision for p in pools}:  # a pool of its own for the low copies
-            pools = tuple(dataclasses.replace(p, share=p.share * (1 - dynamic.low_share)) for p in pools) + (
-                Pool("low", low, dynamic.low_share),)
-        plan = dataclasses.replace(plan, pools=pools, miss=PolicySpec("dynamic_precision", dynamic.knobs))
-    if gating is not None:
-        plan = dataclasses.replace(plan, routing=PolicySpec("adaptive_gating", gating.knobs))
-    if cache_routing is not None:
-        plan = dataclasses.replace(plan, routing=PolicySpec("cache_routing", cache_routing.knobs | {
-            "weights": adapter.routing_weights()}))
-    summary = None
+    knobs = {}
     if prediction is not None:
         stage_dir, stats = prediction
         wanted = stats.knobs.get("next_gates", {}).get("precision")
         if wanted is not None and wanted not in used:
             raise MoeprepError(f"predict.next_gates.precision is {wanted}, but the artifact ships no {wanted} store "
                                f"(its experts are at {used}); set it to null or to one of those")
-        plan = dataclasses.replace(plan, predictors=tuple(PolicySpec(n, stats.knobs[n]) for n in stats.predictors))
+        knobs = {n: stats.knobs[n] for n in stats.predictors}
+    sizes = model_sizes(model, adapter, {p: s["record_bytes"] for p, s in quantize.stores.items()})
+    plan = compose_plan(grid, {p: quantize.stores[p]["record_bytes"] for p in planned}, budget, dynamic, gating,
+                        cache_routing, adapter.routing_weights(), knobs, allocation, tuned, sizes)
+    summary = None
+    if prediction is not None:
         save_file(predictor_tensors(stage_dir, stats.predictors), str(out / PREDICTORS_FILE), metadata={"format": "pt"})
         summary = {k: v for k, v in stats.to_json().items() if k != "seconds"}  # files hold no timings
     write_json_atomic(out / PLAN_FILE, plan.to_json())
@@ -161,6 +163,8 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
         gating=({k: v for k, v in gating.to_json().items() if k != "knobs"} if gating is not None else None),
         dynamic_precision=dynamic.to_json() if dynamic is not None else None,
         cache_routing=cache_routing.to_json() if cache_routing is not None else None,
+        planning=planning_summary(tuned, allocation),
+        operating_points=operating_points(allocation, tuned),
     )
     write_json_atomic(out / REPORT, report.to_json())
     write_bytes_atomic(out / "report.md", report_markdown(recipe.get("name", "artifact"), report.to_json()).encode())
@@ -197,6 +201,37 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
     return report
 
 
+def planning_summary(tuned, allocation) -> dict | None:
+    """What report.json keeps of the planning stages: the policy search and the allocation's inputs."""
+    if tuned is None and allocation is None:
+        return None
+    out = {}
+    if tuned is not None:
+        out["tune_policy"] = {k: v for k, v in tuned.to_json().items() if k != "trials"} | {"trials": len(tuned.trials)}
+    if allocation is not None:
+        out["allocate_cache"] = {"cost": allocation.cost, "unit": allocation.unit, "inputs": allocation.inputs,
+                                 "cells": allocation.cells}
+    return out
+
+
+def operating_points(allocation, tuned=None) -> list:
+    """report.json's operating points: per budget the allocated plan's modelled figures (with the tuned
+    policy when it ran) beside the plan without an allocation and the closed-form allocation, both with
+    the plan's default policy; ``accuracy_delta`` is filled by evaluate."""
+    if allocation is None:
+        return []
+    rescored = {p["budget_bytes"]: p["tuned"] for p in tuned.points} if tuned is not None else {}
+    out = []
+    for point in allocation.points:
+        allocated = rescored.get(point["budget_bytes"], point["allocated"])
+        out.append({"budget_bytes": point["budget_bytes"], "share": point["share"], "slots": point["slots"],
+                    "modeled_tokens_per_s": allocated.get("modelled_tokens_per_s"),
+                    "cost": allocated.get("cost"), "miss_rate": allocated.get("miss_rate"),
+                    "demand_bytes_per_token": allocated.get("demand_bytes_per_token"),
+                    "uniform": point["uniform"], "closed_form": point["closed_form"], "accuracy_delta": None})
+    return out
+
+
 def report_markdown(name: str, report: dict) -> str:
     """The artifact's report.md, a function of report.json: what it holds, then the bit-width study (when
     one was merged in), the prediction figures and the prediction study."""
@@ -216,8 +251,43 @@ def report_markdown(name: str, report: dict) -> str:
         lines += [prediction_markdown(report["prediction"]), ""]
     if report.get("prediction_study"):
         lines += [prediction_study_markdown(report["prediction_study"]), ""]
+    if report.get("operating_points"):
+        lines += [operating_points_markdown(report), ""]
     if report.get("routing_study"):
         lines += [report["routing_study"]["markdown"], "![accuracy delta against miss rate](report-routing.png)", ""]
+    return "\n".join(lines)
+
+
+def operating_points_markdown(report: dict) -> str:
+    """The operating points table (and the tuned policy) of report.md."""
+    planning = report.get("planning") or {}
+    unit = (planning.get("allocate_cache") or {}).get("unit", "")
+    lines = ["## Operating points", "",
+             f"The plan holds one cache allocation per budget (AdapMoE's DP on {unit} measured by the simulator "
+             "on the calibration traces); the loader takes the point of the largest budget it is given. "
+             "Costs are compared with the same plan without an allocation (pools by expert bytes, layers "
+             "equal) and with the paper's closed-form allocation.", "",
+             "| budget | share of experts | records per cell | modelled tokens/s | miss rate | cost | without allocation | "
+             "closed form | accuracy delta |",
+             "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+
+    def cost(entry):
+        return f"{entry['cost']:.4g}" if entry and "cost" in entry else "refused"
+
+    for p in report["operating_points"]:
+        tps = f"{p['modeled_tokens_per_s']:.1f}" if p.get("modeled_tokens_per_s") else "-"
+        miss = f"{p['miss_rate']:.3f}" if p.get("miss_rate") is not None else "-"
+        delta = p.get("accuracy_delta")
+        acc = ", ".join(f"{s} {d * 100:+.1f} pt" for s, d in delta.items()) if delta else "not measured"
+        lines.append(f"| {p['budget_bytes'] / 2**20:.2f} MiB | {p['share']:.0%} | {p['slots']} | {tps} | {miss} | "
+                     f"{cost(p)} | {cost(p['uniform'])} | {cost(p['closed_form'])} | {acc} |")
+    tuned = planning.get("tune_policy")
+    if tuned:
+        values = ", ".join(f"{k} {v:.4g}" for k, v in tuned["objective"].items())
+        lines += ["", f"Eviction policy: {tuned['chosen']} ({tuned['eviction']['name']} "
+                      f"{ {k: round(v, 3) for k, v in tuned['eviction']['params'].items()} }, group {tuned['group']}, "
+                      f"prefetch depth {tuned['depth']}), searched over {tuned['trials']} trials at "
+                      f"{tuned['budget_bytes'] / 2**20:.2f} MiB; {tuned['unit']}: {values}."]
     return "\n".join(lines)
 
 
@@ -226,7 +296,7 @@ def _run(inputs) -> ArtifactReport:
     chosen = inputs.upstream("bitwidth", optional=True)
     choice = chosen[1] if chosen is not None else uniform_choice(quantize)
     techniques = {"predict": inputs.upstream("predict", optional=True)}
-    for name in ("gating", "dynamic_precision", "cache_routing"):
+    for name in ("gating", "dynamic_precision", "cache_routing", "tune_policy", "allocate_cache"):
         found = inputs.upstream(name, optional=True)
         techniques[name] = found[1] if found is not None else None
     with inputs.artifact.build() as out:
@@ -236,7 +306,8 @@ def _run(inputs) -> ArtifactReport:
 
 STAGE = Stage(
     name="package", version=VERSION, config=PackageSection, result=ArtifactReport,
-    reads=("quantize", "bitwidth", "predict", "gating", "dynamic_precision", "cache_routing"), needs=frozenset({"model", "recipe", "artifact"}),
+    reads=("quantize", "bitwidth", "predict", "gating", "dynamic_precision", "cache_routing", "tune_policy",
+           "allocate_cache"), needs=frozenset({"model", "recipe", "artifact"}),
     run=_run,
     output_ok=lambda inputs, result: inputs.artifact.matches(inputs.key),
 )

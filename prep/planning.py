@@ -1,0 +1,185 @@
+"""The draft plan and its simulated cost: what ``allocate_cache``, ``tune_policy`` and ``package`` share.
+
+``compose_plan`` is the one place where the stages' outputs become a ``loader.plan.Plan`` (precisions,
+pools, miss and routing policies, predictors, and with the planning stages the per-layer pool sizes,
+the eviction policy and the operating points). ``Draft`` is that plan before the artifact exists, with
+everything the simulator needs to replay the calibration traces through the loader's own cache:
+the budget arithmetic's sizes (from the model and the quantize stage), the replay and the predictors'
+feed (routers from the model, tensors from the predict stage). ``Draft.cost`` is the objective both
+planning stages minimise: modelled seconds per token with a device profile, else bytes read on demand
+per token (each miss weighed by its precision's record size, HOBBIT's precision-weighted penalty).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from loader.plan import Capacities, ModelSizes, Plan, PlanError, PolicySpec, Pool, buffer_bytes, capacities
+from prep.errors import MoeprepError
+
+SLOT_ALIGN = 4096  # the loader's slot under O_DIRECT (``loader.runtime.slot_bytes``): the larger of its two
+
+
+def compose_plan(grid, record_bytes: dict, default_budget: str, dynamic=None, gating=None, cache_routing=None,
+                 routing_weights: str | None = None, predictors: dict | None = None, allocation=None,
+                 policy=None, sizes: ModelSizes | None = None) -> Plan:
+    """The plan of the stages' outputs. grid: [L][E] precision names; record_bytes: per planned precision;
+    dynamic / gating / cache_routing: those stages' results (None: off); predictors: {name: knobs} in plan
+    order; allocation: ``prep.stages.allocate_cache.CacheAllocation`` (with ``sizes``, ``model_sizes``: its DP
+    runs again at the default budget); policy: ``prep.stages.tune_policy.TunedPolicy``."""
+    plan = Plan.mixed(grid, record_bytes, default_budget=default_budget)
+    if dynamic is not None:
+        low = dynamic.knobs["low"]
+        pools = plan.pools
+        if low not in {p.precision for p in pools}:  # a pool of its own for the low copies
+            pools = tuple(dataclasses.replace(p, share=p.share * (1 - dynamic.low_share)) for p in pools) + (
+                Pool("low", low, dynamic.low_share),)
+        plan = dataclasses.replace(plan, pools=pools, miss=PolicySpec("dynamic_precision", dynamic.knobs))
+    if gating is not None:
+        plan = dataclasses.replace(plan, routing=PolicySpec("adaptive_gating", gating.knobs))
+    if cache_routing is not None:
+        plan = dataclasses.replace(plan, routing=PolicySpec("cache_routing", cache_routing.knobs | {
+            "weights": routing_weights}))
+    if predictors:
+        plan = dataclasses.replace(plan, predictors=tuple(PolicySpec(n, k) for n, k in predictors.items()))
+    if allocation is not None:
+        plan = allocation.apply(plan, sizes)
+    if policy is not None:
+        plan = policy.apply(plan)
+    return plan
+
+
+def slot_bytes(record_bytes: int) -> int:
+    """Memory one cached record takes in the loader (its 4 KiB-aligned stride, the O_DIRECT case)."""
+    return -(-record_bytes // SLOT_ALIGN) * SLOT_ALIGN
+
+
+@dataclass
+class Draft:
+    """A plan before the artifact exists, with what the simulator needs to replay it."""
+
+    plan: Plan
+    sizes: ModelSizes  # record_bytes here are slot bytes, as the loader's budget arithmetic counts them
+    read_bytes: dict  # precision -> bytes a read fetches
+    replay: object  # prep.sim.replay.Replay of the calibration traces
+    feed: object | None  # prep.sim.simulate.PredictionFeed (None: no predictor in the plan)
+    profile: object | None  # prep.sim.device.DeviceProfile scaled to this model's experts, or None
+    shipped_expert_bytes: int  # the slot bytes of every expert at its planned precision
+
+    @property
+    def unit(self) -> str:
+        return "seconds per token" if self.profile is not None else "demand bytes per token"
+
+    def capacities(self, plan: Plan, budget) -> Capacities:
+        try:
+            return capacities(plan, budget, self.sizes)
+        except PlanError as e:
+            raise MoeprepError(str(e)) from None
+
+    def budget_for_share(self, share: float) -> int:
+        """The budget in bytes whose expert part holds ``share`` of the shipped experts' slots."""
+        return int(self.sizes.dense_bytes + buffer_bytes(self.plan, self.sizes) + share * self.shipped_expert_bytes)
+
+    def simulate(self, plan: Plan, caps: Capacities, sequences: slice | None = None):
+        """Replay (a slice of) the calibration traces through the cache ``plan`` builds with ``caps``."""
+        from loader.predict import make_predictor
+        from prep.sim.simulate import capacities_spec, simulate
+
+        replay, feed = self.replay, self.feed
+        if sequences is not None:
+            replay = dataclasses.replace(replay, sequences=replay.sequences[sequences],
+                                         weights=replay.weights[sequences] if replay.weights is not None else None,
+                                         logits=replay.logits[sequences] if replay.logits is not None else None)
+            if feed is not None:
+                feed = dataclasses.replace(feed, router_inputs=feed.router_inputs[sequences],
+                                           head_inputs=feed.head_inputs[sequences] if feed.head_inputs is not None else None)
+        spec = capacities_spec(plan, caps, self.read_bytes, self.sizes.record_bytes)
+        predictors = [make_predictor(p.name, p.params) for p in plan.predictors]
+        return simulate(replay, spec, profile=self.profile, predictors=predictors, feed=feed if predictors else None)
+
+    def cost(self, result) -> float:
+        """The objective of one simulation: modelled seconds per token, else demand bytes per token."""
+        if self.profile is not None:
+            return result.seconds / result.tokens
+        return sum(layer.demand_bytes for layer in result.layers) / result.tokens
+
+    def layer_costs(self, result) -> list[float]:
+        """The objective per MoE layer (per token)."""
+        if self.profile is not None:
+            return [(r.read_seconds + r.compute_seconds) / result.tokens for r in result.layers]
+        return [r.demand_bytes / result.tokens for r in result.layers]
+
+
+def model_sizes(model, adapter, read_bytes: dict) -> ModelSizes:
+    """The budget arithmetic's sizes before the artifact exists: the dense tensors' bytes, the source
+    experts' bytes, and per precision the slot a record takes."""
+    from prep.stages.package import dense_state, expert_parameters
+
+    params, experts = expert_parameters(model, adapter)
+    dense = sum(t.numel() * t.element_size() for t in dense_state(model, params).values())
+    source = sum(p.numel() * p.element_size() for m in experts for p in m.parameters(recurse=False))
+    return ModelSizes(len(adapter.moe_layers), adapter.num_experts, adapter.top_k, dense, source,
+                      {p: slot_bytes(b) for p, b in read_bytes.items()})
+
+
+def draft_from_inputs(inputs, profile_path: str | None, allocation=None) -> Draft:
+    """The draft of a planning stage's inputs: it reads quantize, bitwidth, predict, gating,
+    dynamic_precision and cache_routing (each may be off) and the trace; it needs the model. ``allocation``:
+    the allocate_cache result to apply."""
+    import torch
+
+    from prep.sim.device import load_profile
+    from prep.sim.replay import load_replay
+    from prep.sim.simulate import PredictionFeed
+    from prep.stages.bitwidth import uniform_choice
+    from prep.stages.predict import predictor_tensors
+    from prep.stages.trace import RoutingTraces
+    from prep.trace import open_trace
+
+    model, adapter = inputs.model, inputs.adapter
+    _, quantize = inputs.upstream("quantize")
+    chosen = inputs.upstream("bitwidth", optional=True)
+    choice = chosen[1] if chosen is not None else uniform_choice(quantize)
+    found = {n: inputs.upstream(n, optional=True) for n in ("predict", "gating", "dynamic_precision", "cache_routing")}
+    results = {n: f[1] if f is not None else None for n, f in found.items()}
+    planned = [p for p in quantize.stores if choice.counts.get(p)]
+    read_bytes = {p: s["record_bytes"] for p, s in quantize.stores.items()}
+    predictors = {n: results["predict"].knobs[n] for n in results["predict"].predictors} if results["predict"] else {}
+    sizes = model_sizes(model, adapter, read_bytes)
+    plan = compose_plan(choice.expert_precision, {p: read_bytes[p] for p in planned}, "50%", results["dynamic_precision"],
+                        results["gating"], results["cache_routing"], adapter.routing_weights(), predictors,
+                        allocation=allocation, sizes=sizes)
+    shipped = sum(sizes.record_bytes[p] for row in plan.expert_precision for p in row)
+
+    trace_dir, _ = inputs.upstream("trace")
+    path = RoutingTraces.path(trace_dir)
+    replay = load_replay(path)
+    feed = None
+    if plan.predictors:
+        trace = open_trace(path)
+        router_inputs = torch.stack([trace.router_inputs(layer) for layer in trace.layers], dim=1)
+        head = trace.tensor("head_input") if "head_input" in trace.index["tensors"] else None
+        cuts = trace.sequence_slices()
+        routers = []
+        for router_path in adapter.module_paths(model)["router_modules"]:
+            router = model.get_submodule(router_path)
+            bias = getattr(router, "bias", None)
+            routers.append((router.weight.detach().float(), bias.detach().float() if bias is not None else None))
+        tensors = predictor_tensors(found["predict"][0], list(predictors))
+        feed = PredictionFeed([router_inputs[c] for c in cuts], [head[c] for c in cuts] if head is not None else None,
+                              routers, tensors)
+    profile = None
+    if profile_path is not None:
+        itemsize = next(model.parameters()).element_size()
+        weights = sizes.source_expert_bytes / itemsize / (sizes.num_layers * sizes.num_experts)
+        profile = load_profile(Path(inputs.root) / profile_path).scaled_to(weights)
+    return Draft(plan, sizes, read_bytes, replay, feed, profile, shipped)
+
+
+def check_finite(value: float, what: str) -> float:
+    if not math.isfinite(value):
+        raise MoeprepError(f"{what} is not finite ({value}); the simulation counted no tokens")
+    return value

@@ -1,0 +1,260 @@
+"""Stage ``allocate_cache``: how many records each cache cell holds, per budget (AdapMoE 4.4, digest 2.5).
+
+A cell is one (layer, pool) of a per-layer pool, or a whole global pool. Its cost curve f_c(t),
+t = 0..n_c records, is either
+
+- ``measured``: the simulator replays the calibration traces through the loader's own cache with the
+  plan's policy (per-layer LRU; ``tune_policy`` runs next, on the allocated plan) and predictors. One baseline run holds every cell
+  full; then, per pool and t, one run holds that pool's cells at t (the others full), and f_c(t) is the
+  cell's layer cost above the baseline (a global pool: on a grid of t, interpolated);
+- ``closed_form``: AdapMoE's eqs. 10-15 per layer, from the gating stage's single-expert share (0 when
+  off) and the predict stage's top-1 accuracy for that layer (next-layer gate at distance 1; the
+  first-layer gate for layer 0; 0 without them), in loads, times the cost of one read of the cell.
+
+``prep.allocation.allocate`` then solves the DP in bytes (slot bytes as the knapsack weights) at the
+plan's default budget (the plan's pools, and an operating point) and at each operating point
+(``plan.points``: budgets holding that share of the shipped experts), and each result is simulated
+against the plan without an allocation (pools split by expert bytes, layers equal) and the closed-form
+allocation. The operating points go into the plan, so the loader takes the allocation made for the budget
+it is given, and into report.json with their modelled tokens/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from loader.plan import Capacities, ModelSizes, OperatingPoint, Plan, Pool, buffer_bytes, resolve_budget
+from prep.allocation import allocate, closed_form_curve
+from prep.errors import MoeprepError
+from prep.recipe import PlanSection
+from prep.stages import Stage, StageResult
+
+VERSION = 1
+GLOBAL_GRID = 9  # measured points of a global pool's curve
+
+
+@dataclass(frozen=True)
+class CacheAllocation(StageResult):
+    """The cells, their curves, the allocation at the default budget and at each operating point."""
+
+    cost: str  # "measured" or "closed_form"
+    unit: str
+    cells: list  # [{"pool", "layer" (int or "global"), "experts", "slot_bytes"}]
+    curves: list  # [C][t] the cost curve each allocation minimised
+    points: list  # [{"share", "budget_bytes", "slots", "pools", "allocated", "uniform", "closed_form"}]
+    inputs: dict  # the closed form's alpha and beta per layer
+
+    def apply(self, plan: Plan, sizes: ModelSizes) -> Plan:
+        """``plan`` with its own pools allocated for its default budget and the operating points."""
+        def pools(raw):
+            return tuple(Pool.from_json(p, "allocation", plan.num_layers) for p in raw)
+
+        budget = int(min(resolve_budget(None, plan, sizes), 2**62))
+        raw = {p["budget_bytes"]: p["pools"] for p in self.points}
+        try:
+            own = pools_of(plan, self.cells, solve(plan, sizes, self.cells, self.curves, budget))
+            raw[budget] = own  # the default budget is a point too
+        except MoeprepError:  # a default budget that holds no record: the smallest point's pools
+            own = raw[min(raw)]
+        points = tuple(OperatingPoint(b, pools(raw[b])) for b in sorted(raw))
+        return dataclasses.replace(plan, pools=pools(own), operating_points=points)
+
+
+def solve(plan: Plan, sizes: ModelSizes, cells: list[dict], curves: list, budget: float) -> tuple[int, ...]:
+    """The DP's records per cell for ``budget`` bytes (less the dense weights and the read buffers)."""
+    room = budget - sizes.dense_bytes - buffer_bytes(plan, sizes)
+    return allocate(curves, [c["slot_bytes"] for c in cells], room)[0]
+
+
+def with_points(plan: Plan, points: list[dict]) -> Plan:
+    """``plan`` with operating points only (its own pools unchanged): what one point's score replays."""
+    return dataclasses.replace(plan, operating_points=tuple(
+        OperatingPoint(p["budget_bytes"], tuple(Pool.from_json(q, "allocation", plan.num_layers) for q in p["pools"]))
+        for p in points))
+
+
+def cells_of(plan: Plan) -> list[dict]:
+    """The cache cells of ``plan``: (pool, layer) of a per-layer pool, or (pool, "global"), with the number
+    of experts each can ever hold (a pool's experts are those planned at its precision; the low pool of
+    dynamic precision holds a copy of every expert)."""
+    out = []
+    for pool in plan.pools:
+        if pool.name == "low":
+            counts = [plan.num_experts] * plan.num_layers
+        else:
+            counts = [sum(p == pool.precision for p in row) for row in plan.expert_precision]
+        if pool.group == "global":
+            if sum(counts):
+                out.append({"pool": pool.name, "layer": "global", "experts": sum(counts)})
+        else:
+            out += [{"pool": pool.name, "layer": layer, "experts": n} for layer, n in enumerate(counts) if n]
+    return out
+
+
+def _caps(draft, plan: Plan, cells: list[dict], slots: list[int]) -> Capacities:
+    """Byte capacities holding ``slots[c]`` records in cell c (nothing in a pool's other groups)."""
+    pools: dict = {p.name: ({"global": 0} if p.group == "global" else dict.fromkeys(range(plan.num_layers), 0))
+                   for p in plan.pools}
+    for cell, t in zip(cells, slots, strict=True):
+        pools[cell["pool"]][cell["layer"]] = t * cell["slot_bytes"]
+    return Capacities(math.inf, draft.sizes.dense_bytes, buffer_bytes(plan, draft.sizes), pools)
+
+
+def _layer_of(cell) -> int | None:
+    return cell["layer"] if cell["layer"] != "global" else None
+
+
+def measured_curves(draft, plan: Plan, cells: list[dict], sequences, progress: bool = True) -> list[list[float]]:
+    """f_c(t) for t = 0..n_c: each cell's cost above the all-full baseline (module docstring)."""
+    full = [c["experts"] for c in cells]
+
+    def run(slots) -> tuple[list[float], float]:
+        result = draft.simulate(plan, _caps(draft, plan, cells, slots), sequences)
+        return draft.layer_costs(result), draft.cost(result)
+
+    jobs = []
+    for pool in plan.pools:
+        members = [i for i, c in enumerate(cells) if c["pool"] == pool.name]
+        if not members:
+            continue
+        top = max(full[i] for i in members)
+        grid = (sorted({round(top * k / (GLOBAL_GRID - 1)) for k in range(GLOBAL_GRID)})
+                if pool.group == "global" and top >= GLOBAL_GRID else list(range(top + 1)))
+        jobs += [(pool.name, members, t) for t in grid if t < top]
+    bar = tqdm(total=len(jobs) + 1, desc="allocate_cache curves", unit="run", disable=not progress, leave=False)
+    base_layers, base_total = run(full)
+    bar.update(1)
+    seen: dict[int, dict[int, float]] = {i: {full[i]: 0.0} for i in range(len(cells))}
+    for _pool, members, t in jobs:
+        layers, total = run([min(t, full[i]) if i in members else full[i] for i in range(len(cells))])
+        bar.update(1)
+        for i in members:
+            if t >= full[i]:
+                continue
+            layer = _layer_of(cells[i])
+            seen[i][t] = max(0.0, (layers[layer] - base_layers[layer]) if layer is not None else total - base_total)
+    bar.close()
+    curves = []
+    for i, n in enumerate(full):
+        known = sorted(seen[i].items())
+        curve = []
+        for t in range(n + 1):  # linear between measured points (a global pool's grid)
+            lo = max((k, v) for k, v in known if k <= t)
+            hi = min((k, v) for k, v in known if k >= t)
+            curve.append(lo[1] if hi[0] == lo[0] else lo[1] + (hi[1] - lo[1]) * (t - lo[0]) / (hi[0] - lo[0]))
+        curves.append(curve)
+    return curves
+
+
+def closed_form_inputs(plan: Plan, gating, prediction) -> dict:
+    """alpha (single-expert share) and beta (top-1 prefetch accuracy) per layer, from the upstream stages."""
+    num_layers = plan.num_layers
+    alpha = [row["single"] for row in gating.per_layer] if gating is not None else [0.0] * num_layers
+    beta = [0.0] * num_layers
+    if prediction is not None:
+        stats = prediction.to_json()
+        for row in (stats.get("next_gates") or {}).get("layers", []):
+            if row["distance"] == 1 and 0 <= row["target"] < num_layers:
+                beta[row["target"]] = row["gate"]["top1"]
+        if stats.get("first_gate"):
+            beta[0] = stats["first_gate"]["held_out"]["top1"]
+    return {"alpha": [float(a) for a in alpha], "beta": [float(b) for b in beta]}
+
+
+def closed_form_curves(draft, plan: Plan, cells: list[dict], inputs: dict) -> list[list[float]]:
+    """The paper's expected loads for each cell's share of its layer, times the cost of one read."""
+    curves = []
+    for cell in cells:
+        n, pool = cell["experts"], next(p for p in plan.pools if p.name == cell["pool"])
+        read = draft.read_bytes[pool.precision]
+        one = draft.profile.read_seconds(read) if draft.profile is not None else read
+        if cell["layer"] == "global":
+            alpha = sum(inputs["alpha"]) / plan.num_layers
+            beta = sum(inputs["beta"]) / plan.num_layers
+        else:
+            alpha, beta = inputs["alpha"][cell["layer"]], inputs["beta"][cell["layer"]]
+        loads = closed_form_curve(alpha, beta, n) if n >= 2 else [1 - beta, 0.0]
+        scale = min(1.0, n / plan.num_experts) * (plan.num_layers if cell["layer"] == "global" else 1)
+        curves.append([v * scale * one for v in loads])
+    return curves
+
+
+def pools_of(plan: Plan, cells: list[dict], slots) -> list[dict]:
+    """The plan's pools holding ``slots`` per cell: shares by bytes, per-layer splits by bytes."""
+    held = {p.name: 0 for p in plan.pools}
+    layers = {p.name: [0.0] * plan.num_layers for p in plan.pools}
+    for cell, t in zip(cells, slots, strict=True):
+        held[cell["pool"]] += t * cell["slot_bytes"]
+        if cell["layer"] != "global":
+            layers[cell["pool"]][cell["layer"]] = float(t * cell["slot_bytes"])
+    total = sum(held.values())
+    if total == 0:
+        raise MoeprepError("the budget holds no expert record at all; raise the budget or the plan.points")
+    out = []
+    for p in plan.pools:
+        raw = {"name": p.name, "precision": p.precision, "share": held[p.name] / total, "group": p.group}
+        if p.group == "layer" and any(layers[p.name]):
+            raw["layers"] = layers[p.name]
+        out.append(raw)
+    return out
+
+
+def score_plan(draft, plan: Plan, budget: int, sequences) -> dict | None:
+    """Cost, demand misses and reads per token, modelled tokens/s of ``plan`` at ``budget`` (None: refused)."""
+    try:
+        result = draft.simulate(plan, draft.capacities(plan, budget), sequences)
+    except MoeprepError as e:
+        return {"refused": str(e)}
+    cost = draft.cost(result)
+    return {"cost": cost, "misses_per_token": result.misses / result.tokens, "miss_rate": result.miss_rate,
+            "demand_bytes_per_token": sum(r.demand_bytes for r in result.layers) / result.tokens,
+            "modelled_tokens_per_s": (1 / cost if draft.profile is not None and cost > 0 else None)}
+
+
+def allocate_plan(draft, cfg: PlanSection, gating=None, prediction=None, progress: bool = True) -> CacheAllocation:
+    """Curves, then the DP at each operating point, each scored against the unallocated and the closed-form plan."""
+    plan = draft.plan
+    sequences = slice(0, cfg.num_sequences) if cfg.num_sequences is not None else None
+    cells = [c | {"slot_bytes": draft.sizes.record_bytes[next(p.precision for p in plan.pools if p.name == c["pool"])]}
+             for c in cells_of(plan)]
+    if not cells:
+        raise MoeprepError("the plan has no cache cell to allocate (no pool holds an expert)")
+    inputs = closed_form_inputs(plan, gating, prediction)
+    closed = closed_form_curves(draft, plan, cells, inputs)
+    curves = measured_curves(draft, plan, cells, sequences, progress) if cfg.allocate.cost == "measured" else closed
+    points = []
+    for share in sorted(cfg.points):
+        budget = draft.budget_for_share(share)
+        slots = solve(plan, draft.sizes, cells, curves, budget)
+        pools = pools_of(plan, cells, slots)
+        allocated = with_points(plan, [{"budget_bytes": budget, "pools": pools}])
+        closed_slots = solve(plan, draft.sizes, cells, closed, budget)
+        closed_plan = with_points(plan, [{"budget_bytes": budget, "pools": pools_of(plan, cells, closed_slots)}])
+        points.append({"share": share, "budget_bytes": budget, "slots": list(slots), "pools": pools,
+                       "closed_form_slots": list(closed_slots),
+                       "allocated": score_plan(draft, allocated, budget, sequences),
+                       "closed_form": score_plan(draft, closed_plan, budget, sequences),
+                       "uniform": score_plan(draft, plan, budget, sequences)})
+    return CacheAllocation(cost=cfg.allocate.cost, unit=draft.unit, cells=cells, curves=curves, points=points,
+                           inputs=inputs)
+
+
+def _run(inputs) -> CacheAllocation:
+    from prep.planning import draft_from_inputs
+
+    cfg = inputs.config
+    draft = draft_from_inputs(inputs, cfg.device)
+    gating = inputs.upstream("gating", optional=True)
+    prediction = inputs.upstream("predict", optional=True)
+    return allocate_plan(draft, cfg, gating[1] if gating else None, prediction[1] if prediction else None)
+
+
+STAGE = Stage(
+    name="allocate_cache", version=VERSION, config=PlanSection, result=CacheAllocation,
+    reads=("trace", "quantize", "bitwidth", "predict", "gating", "dynamic_precision", "cache_routing"),
+    needs=frozenset({"model"}), enabled=lambda recipe: recipe.plan.allocate.enabled, run=_run,
+)

@@ -1,0 +1,291 @@
+"""Planning for a device: AdapMoE's DP allocation, HOBBIT's tuned cache weights, operating points."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import random
+
+import pytest
+
+from loader.plan import (
+    ModelSizes,
+    OperatingPoint,
+    Plan,
+    PlanError,
+    PolicySpec,
+    Pool,
+    capacities,
+    minimum_budget,
+)
+from prep.allocation import allocate, closed_form_curve
+from prep.errors import MoeprepError
+from prep.planning import Draft
+from prep.recipe import recipe_from_dict
+from prep.sim.replay import Replay
+from prep.sim.simulate import capacities_spec, simulate
+from prep.stages.tune_policy import JOURNAL, STUDY, tune
+from tests.tiny_models import prepare_tiny_artifact, tiny_recipe
+
+# ------------------------------------------------------------------------------------------- the DP
+
+
+def test_closed_form_reproduces_the_digest_numbers():
+    assert closed_form_curve(0.25, 0.9, 8) == pytest.approx(
+        [0.850, 0.659, 0.493, 0.350, 0.232, 0.138, 0.068, 0.022, 0.0], abs=6e-4)
+    assert closed_form_curve(0.6, 0.9, 8) == pytest.approx(
+        [0.5000, 0.3925, 0.2979, 0.2161, 0.1471, 0.0911, 0.0479, 0.0175, 0.0], abs=6e-5)
+    # no gating, no prefetch: two needed experts, each misses with probability 1 - t/N
+    assert closed_form_curve(0, 0, 8) == pytest.approx([2 * (1 - t / 8) for t in range(9)])
+
+
+def test_the_digest_worked_example():
+    curves = [closed_form_curve(a, b, 8) for a, b in [(0, 0.57), (0.25, 0.9), (0.6, 0.9)]]
+    slots, cost = allocate(curves, [1, 1, 1], 8)
+    assert slots == (6, 2, 0)
+    assert cost == pytest.approx(1.22821, abs=1e-5)
+    assert curves[0][5] + curves[1][3] + curves[2][0] == pytest.approx(1.23402, abs=1e-5)  # the runner-up
+
+
+def _brute_force(curves, sizes, capacity, lows):
+    best = None
+    for slots in itertools.product(*(range(lo, len(c)) for c, lo in zip(curves, lows, strict=True))):
+        if sum(t * b for t, b in zip(slots, sizes, strict=True)) > capacity:
+            continue
+        cost = sum(c[t] for c, t in zip(curves, slots, strict=True))
+        if best is None or cost < best[1] - 1e-12:
+            best = (slots, cost)
+    return best
+
+
+def test_brute_force_agrees_on_small_random_cases():
+    rng = random.Random(0)
+    for _ in range(60):
+        cells = rng.randint(1, 4)
+        curves = []
+        for _ in range(cells):
+            n = rng.randint(1, 5)
+            down = sorted((rng.random() * 3 for _ in range(n + 1)), reverse=True)
+            curves.append(down if rng.random() < 0.7 else [rng.random() * 3 for _ in range(n + 1)])
+        sizes = [rng.choice([1, 2, 3, 5]) for _ in range(cells)]
+        lows = [rng.choice([0, 0, 1]) for _ in range(cells)]
+        capacity = rng.randint(sum(lo * b for lo, b in zip(lows, sizes, strict=True)), 25)
+        slots, cost = allocate(curves, sizes, capacity, lows)
+        want = _brute_force(curves, sizes, capacity, lows)
+        assert cost == pytest.approx(want[1], abs=1e-9)
+        assert sum(t * b for t, b in zip(slots, sizes, strict=True)) <= capacity
+        assert all(lo <= t < len(c) for t, c, lo in zip(slots, curves, lows, strict=True))
+
+
+def test_no_cell_gets_more_than_its_experts():
+    curves = [closed_form_curve(0.1, 0.5, 8), closed_form_curve(0.2, 0.5, 4)]
+    slots, cost = allocate(curves, [1, 1], 1000)  # room for far more than 12 records
+    assert slots == (8, 4) and cost == pytest.approx(0.0)
+
+
+def test_an_allocation_that_cannot_fit_says_so():
+    with pytest.raises(MoeprepError, match="raise the budget"):
+        allocate([[1.0, 0.0]], [10], 5, [1])
+
+
+# --------------------------------------------------------------------------- plan: pools and points
+
+
+def _sizes(record=100, layers=2, experts=4):
+    return ModelSizes(layers, experts, 2, dense_bytes=1000, source_expert_bytes=layers * experts * record * 4,
+                      record_bytes={"int4": record, "int3": 80})
+
+
+def test_a_pools_layer_split_can_leave_a_layer_empty():
+    plan = Plan(2, 4, (("int4",) * 4, ("int4",) * 4), (Pool("main", "int4", 1.0, "layer", (3.0, 0.0)),))
+    sizes = _sizes()
+    caps = capacities(plan, 1000 + 200 + 300, sizes)  # dense + 2 read buffers + 3 records
+    assert caps.pools["main"] == {0: 300, 1: 0}
+    assert minimum_budget(plan, sizes) == 1000 + 200 + 100  # one record in the only group given bytes
+
+
+def test_operating_points_round_trip_and_are_picked_by_budget():
+    pools = (Pool("main", "int4", 1.0, "layer"),)
+    small = OperatingPoint(1500, (Pool("main", "int4", 1.0, "layer", (1.0, 2.0)),))
+    large = OperatingPoint(1800, (Pool("main", "int4", 1.0, "layer", (2.0, 1.0)),))
+    plan = Plan(2, 4, (("int4",) * 4,) * 2, pools, operating_points=(small, large))
+    again = Plan.from_json(json.loads(json.dumps(plan.to_json())))
+    assert again == plan
+    assert plan.for_budget(1700).pools == small.pools
+    assert plan.for_budget(1800).pools == large.pools
+    assert plan.for_budget(10).pools == small.pools  # below every point: the smallest
+    caps = capacities(plan, 1200 + 300, _sizes())
+    assert caps.pools["main"] == {0: 100, 1: 200}
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda raw: raw["operating_points"][0].update(pools=[{"name": "other", "precision": "int4", "share": 1.0,
+                                                           "group": "layer"}]), "names, precisions, groups"),
+    (lambda raw: raw["operating_points"].reverse(), "rising"),
+    (lambda raw: raw["pools"][0].update(layers=[0, 0]), "not all 0"),
+    (lambda raw: raw["pools"][0].update(layers=[1]), "non-negative"),
+])
+def test_malformed_points_and_splits_are_refused(edit, match):
+    pools = (Pool("main", "int4", 1.0, "layer"),)
+    points = tuple(OperatingPoint(b, pools) for b in (1500, 1800))
+    raw = Plan(2, 4, (("int4",) * 4,) * 2, pools, operating_points=points).to_json()
+    edit(raw)
+    with pytest.raises(PlanError, match=match):
+        Plan.from_json(raw)
+
+
+# ------------------------------------------------------------------------------------- tune_policy
+
+
+def _replay(seed=0, sequences=4, tokens=120, layers=3, experts=8) -> Replay:
+    """Routing with locality: each layer keeps a favourite pair for a while, plus noise."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(sequences):
+        favourite = [rng.sample(range(experts), 2) for _ in range(layers)]
+        seq = []
+        for _ in range(tokens):
+            token = []
+            for layer in range(layers):
+                if rng.random() < 0.1:
+                    favourite[layer] = rng.sample(range(experts), 2)
+                pair = favourite[layer] if rng.random() < 0.6 else rng.sample(range(experts), 2)
+                token.append(tuple(pair))
+            seq.append(tuple(token))
+        out.append(tuple(seq))
+    return Replay(tuple(out), layers, experts, 2, "synthetic")
+
+
+def _draft(replay: Replay) -> Draft:
+    plan = Plan.default(replay.num_layers, replay.num_experts, "int4")
+    sizes = ModelSizes(replay.num_layers, replay.num_experts, 2, 1000, 4 * 100 * replay.num_layers * replay.num_experts,
+                       {"int4": 100})
+    return Draft(plan, sizes, {"int4": 100}, replay, None, None, 100 * replay.num_layers * replay.num_experts)
+
+
+def _cfg(trials: int, **tune_knobs):
+    recipe = recipe_from_dict({"name": "t", "model": {"path": "m"},
+                               "plan": {"tune": {"enabled": True, "trials": trials, "share": 0.4} | tune_knobs}})
+    return recipe.plan
+
+
+def test_tuned_policy_is_never_worse_than_the_defaults(tmp_path):
+    draft = _draft(_replay())
+    cfg = _cfg(8)
+    tuned = tune(draft, cfg, tmp_path, progress=False)
+    plan = tuned.apply(draft.plan)
+    budget = draft.budget_for_share(0.4)
+    chosen = draft.cost(draft.simulate(plan, draft.capacities(plan, budget)))
+    assert chosen == pytest.approx(min(v for v in tuned.objective.values()))
+    # the baselines scored independently of the study, straight through the simulator
+    for name in ("lru", "lfu", "edgemoe"):
+        spec = capacities_spec(draft.plan, draft.capacities(draft.plan, budget), {"int4": 100})
+        plain = simulate(draft.replay, spec, policy=name)
+        assert chosen <= sum(r.demand_bytes for r in plain.layers) / plain.tokens + 1e-9
+    # trial 0 is HOBBIT's equal weights on one global pool
+    hobbit_equal = {"w_lru": 0.25, "w_lfu": 0.25, "w_lhu": 0.25, "w_fld": 0.25}
+    assert tuned.trials[0][0] == 0 and tuned.objective["default"] == tuned.trials[0][2]
+    default = dataclasses.replace(draft.plan, pools=(Pool("main", "int4", 1.0, "global"),),
+                                  eviction=PolicySpec("hobbit", hobbit_equal))
+    assert tuned.objective["default"] == pytest.approx(draft.cost(draft.simulate(default, draft.capacities(default, budget))))
+    assert chosen <= tuned.objective["default"]
+
+
+def test_a_killed_study_resumes_with_its_finished_trials(tmp_path):
+    draft = _draft(_replay(seed=1))
+    calls = {"n": 0}
+    original = draft.simulate
+
+    def dies_on_the_fourth(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt  # the process is killed during trial 3
+        return original(*args, **kwargs)
+
+    draft.simulate = dies_on_the_fourth
+    with pytest.raises(KeyboardInterrupt):
+        tune(draft, _cfg(6), tmp_path, progress=False)
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    assert (tmp_path / JOURNAL).is_file()
+    study = optuna.load_study(study_name=STUDY, storage=JournalStorage(JournalFileBackend(str(tmp_path / JOURNAL))))
+    before = [(t.number, t.params, t.value) for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(before) == 3
+    draft.simulate = original
+    tuned = tune(draft, _cfg(6), tmp_path, progress=False)
+    assert len(tuned.trials) == 6
+    assert [tuple(t) for t in tuned.trials[:3]] == before  # kept, not re-run
+
+
+def test_plan_section_errors_name_the_fix():
+    with pytest.raises(MoeprepError, match="plan.allocate.cost"):
+        recipe_from_dict({"name": "t", "model": {"path": "m"}, "plan": {"allocate": {"cost": "guess"}}})
+    with pytest.raises(MoeprepError, match="plan.points"):
+        recipe_from_dict({"name": "t", "model": {"path": "m"}, "plan": {"points": [0, 0.5]}})
+    with pytest.raises(MoeprepError, match="unknown"):
+        recipe_from_dict({"name": "t", "model": {"path": "m"}, "plan": {"tune": {"trails": 3}}})
+
+
+# ------------------------------------------------------------------------------------ the pipeline
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    root = tmp_path_factory.mktemp("planned")
+    recipe = tiny_recipe("passthrough", calibration={"num_sequences": 4, "sequence_length": 24},
+                         predict={"predictors": ["next_gates"]},
+                         plan={"points": [0.25, 0.5], "allocate": {"enabled": True},
+                               "tune": {"enabled": True, "trials": 3}},
+                         package={"cache_fraction": 0.2})
+    _, artifact = prepare_tiny_artifact(root, recipe=recipe)
+    return artifact
+
+
+def test_prepare_writes_the_joint_plan_and_its_operating_points(planned):
+    from loader.plan import read_plan
+
+    plan = read_plan(planned)
+    report = json.loads((planned / "report.json").read_text())
+    points = report["operating_points"]
+    assert [p["share"] for p in points] == [0.25, 0.5]
+    for p in points:
+        assert p["budget_bytes"] > 0 and "modeled_tokens_per_s" in p and "accuracy_delta" in p
+        assert isinstance(p["cost"], float) and math.isfinite(p["cost"])
+    assert {p.budget_bytes for p in plan.operating_points} >= {p["budget_bytes"] for p in points}
+    tuned = report["planning"]["tune_policy"]
+    assert plan.eviction.name == tuned["eviction"]["name"] and tuned["trials"] == 3
+    assert "## Operating points" in (planned / "report.md").read_text()
+    # the loader takes each point's pools at its budget, and every cell holds the records the DP gave it
+    from loader.runtime import cache_layout
+
+    cells = report["planning"]["allocate_cache"]["cells"]
+    for point in points:
+        layout = cache_layout(planned, point["budget_bytes"])
+        assert layout.plan.pools == next(p.pools for p in plan.operating_points if p.budget_bytes == point["budget_bytes"])
+        if layout.plan.pools[0].group == "layer":
+            for cell, records in zip(cells, point["slots"], strict=True):
+                slot = layout.slot_bytes[next(p.precision for p in plan.pools if p.name == cell["pool"])]
+                assert layout.capacities.pools[cell["pool"]][cell["layer"]] >= records * slot
+
+
+def test_the_loader_runs_each_operating_point_with_unchanged_outputs(planned):
+    import torch
+
+    from loader.runtime import load
+
+    report = json.loads((planned / "report.json").read_text())
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
+    outs = []
+    for point in report["operating_points"] + [{"budget_bytes": "unlimited"}]:
+        loaded = load(planned, memory_budget=point["budget_bytes"])
+        try:
+            with torch.no_grad():
+                outs.append(loaded.model(ids).logits)
+        finally:
+            loaded.close()
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
