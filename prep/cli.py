@@ -197,6 +197,27 @@ def prediction_study_command(recipe_path, artifact, budgets, seed, sequences, pr
     click.echo(f"wrote {out / 'study.json'}" + (f"; merged into {artifact}" if into else ""))
 
 
+@main.command("policy-study")
+@click.option("--trace", default="../shared/data/traces", show_default=True, type=click.Path(),
+              help="A routing trace with two or more sequences: the real Mixtral GSM8K traces, or a project trace.")
+@click.option("--capacity", default="2,4,6", show_default=True, help="Records per layer the caches hold.")
+@click.option("--trials", default=40, show_default=True, type=click.IntRange(1, 10000), help="Optuna trials per fit.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--output", default=None, type=click.Path(dir_okay=False), help="Also write the study as JSON here.")
+def policy_study_command(trace, capacity, trials, seed, output):
+    """HOBBIT's cache weights tuned on one sequence and tested on another, against LRU, LFU and EdgeMoE."""
+    from pathlib import Path
+
+    from loader.files import write_json_atomic
+    from prep.policy_study import run_study, study_markdown
+    from prep.sim.simulate import parse_list
+
+    study = run_study(trace, parse_list(capacity, "--capacity", int), trials=trials, seed=seed)
+    if output:
+        write_json_atomic(Path(output), study)
+    click.echo(study_markdown(study))
+
+
 @main.command("routing-study")
 @click.option("--recipe", "recipe_path", default="recipes/reference-lossless.yaml", show_default=True,
               type=click.Path(dir_okay=False), help="The recipe the study's artifact is prepared from.")

@@ -47,6 +47,7 @@ class CacheAllocation(StageResult):
     curves: list  # [C][t] the cost curve each allocation minimised
     points: list  # [{"share", "budget_bytes", "slots", "pools", "allocated", "uniform", "closed_form"}]
     inputs: dict  # the closed form's alpha and beta per layer
+    tolerance: float | None  # plan.tolerance: points of accuracy an operating point may lose (evaluate checks)
 
     def apply(self, plan: Plan, sizes: ModelSizes) -> Plan:
         """``plan`` with its own pools allocated for its default budget and the operating points."""
@@ -240,7 +241,7 @@ def allocate_plan(draft, cfg: PlanSection, gating=None, prediction=None, progres
                        "closed_form": score_plan(draft, closed_plan, budget, sequences),
                        "uniform": score_plan(draft, plan, budget, sequences)})
     return CacheAllocation(cost=cfg.allocate.cost, unit=draft.unit, cells=cells, curves=curves, points=points,
-                           inputs=inputs)
+                           inputs=inputs, tolerance=cfg.tolerance)
 
 
 def _run(inputs) -> CacheAllocation:

@@ -42,7 +42,7 @@ def check_accuracy(artifact: Path, model_dir: Path, cfg: EvaluateSection, work: 
     from loader.format import read_json, read_manifest
     from loader.plan import read_plan
     from prep.evals.compare import update_artifact_report
-    from prep.stages.package import report_markdown
+    from prep.stages.package import PLAN_PLOT, operating_points_plot, report_markdown
 
     data = Path(cfg.data) if cfg.data else None
     if data is not None and not data.is_absolute():
@@ -69,12 +69,16 @@ def check_accuracy(artifact: Path, model_dir: Path, cfg: EvaluateSection, work: 
             summary, where = check.suites, report["memory_budget"]
         points.append({"budget_bytes": point["budget_bytes"], "measured_at": where,
                        "accuracy_delta": {suite: s["delta"] for suite, s in summary.items()}})
-    updated = [p | {"accuracy_delta": q["accuracy_delta"], "accuracy_measured_at": q["measured_at"]}
+    tolerance = (artifact_report.get("planning") or {}).get("tolerance")
+    updated = [p | {"accuracy_delta": q["accuracy_delta"], "accuracy_measured_at": q["measured_at"],
+                    "within_tolerance": (None if tolerance is None else
+                                         all(abs(d) * 100 <= tolerance for d in q["accuracy_delta"].values()))}
                for p, q in zip(artifact_report["operating_points"], points, strict=True)]
     artifact_report = read_json(manifest.path("report.json"), "report.json") | {"operating_points": updated}
     name = manifest.raw.get("recipe", {}).get("name", "artifact")
     update_artifact_report(manifest.root, {"operating_points": updated},
-                           files={"report.md": report_markdown(name, artifact_report).encode()},
+                           files={"report.md": report_markdown(name, artifact_report).encode(),
+                                  PLAN_PLOT: operating_points_plot(artifact_report)},
                            package_key=manifest.raw["package_key"])
     return AccuracyCheck(check.suites, check.data, check.memory_budget, points)
 

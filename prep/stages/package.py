@@ -168,6 +168,8 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
     )
     write_json_atomic(out / REPORT, report.to_json())
     write_bytes_atomic(out / "report.md", report_markdown(recipe.get("name", "artifact"), report.to_json()).encode())
+    if report.operating_points:
+        write_bytes_atomic(out / PLAN_PLOT, operating_points_plot(report.to_json()))
 
     files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(out.iterdir()) if p.is_file()}
@@ -211,6 +213,7 @@ def planning_summary(tuned, allocation) -> dict | None:
     if allocation is not None:
         out["allocate_cache"] = {"cost": allocation.cost, "unit": allocation.unit, "inputs": allocation.inputs,
                                  "cells": allocation.cells}
+        out["tolerance"] = allocation.tolerance
     return out
 
 
@@ -228,7 +231,8 @@ def operating_points(allocation, tuned=None) -> list:
                     "modeled_tokens_per_s": allocated.get("modelled_tokens_per_s"),
                     "cost": allocated.get("cost"), "miss_rate": allocated.get("miss_rate"),
                     "demand_bytes_per_token": allocated.get("demand_bytes_per_token"),
-                    "uniform": point["uniform"], "closed_form": point["closed_form"], "accuracy_delta": None})
+                    "allocated_default_policy": point["allocated"], "uniform": point["uniform"],
+                    "closed_form": point["closed_form"], "accuracy_delta": None})
     return out
 
 
@@ -252,10 +256,56 @@ def report_markdown(name: str, report: dict) -> str:
     if report.get("prediction_study"):
         lines += [prediction_study_markdown(report["prediction_study"]), ""]
     if report.get("operating_points"):
-        lines += [operating_points_markdown(report), ""]
+        lines += [operating_points_markdown(report), "", f"![operating points]({PLAN_PLOT})", ""]
     if report.get("routing_study"):
         lines += [report["routing_study"]["markdown"], "![accuracy delta against miss rate](report-routing.png)", ""]
     return "\n".join(lines)
+
+
+PLAN_PLOT = "report-plan.png"
+
+
+def operating_points_plot(report: dict) -> bytes:
+    """Modelled tokens/s and miss rate against the budget: the allocation, the plan without one, the closed
+    form; each point labelled with its worst suite's accuracy delta once evaluate has measured it."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = report["operating_points"]
+    xs = [p["budget_bytes"] / 2**20 for p in points]
+    fig, (tps_ax, miss_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label, style in (("allocated", "the plan (DP, tuned policy)", "o-"),
+                              ("allocated_default_policy", "DP, default policy", "d-"),
+                              ("uniform", "without allocation, default policy", "s--"),
+                              ("closed_form", "closed-form DP, default policy", "^:")):
+        rows = [p if key == "allocated" else p.get(key) for p in points]
+        got = [(x, r) for x, r in zip(xs, rows, strict=True) if r and "cost" in r]
+        if not got:
+            continue
+        tps = [r.get("modeled_tokens_per_s") or r.get("modelled_tokens_per_s") for _, r in got]
+        if all(t is not None for t in tps):
+            tps_ax.plot([x for x, _ in got], tps, style, label=label)
+        miss_ax.plot([x for x, _ in got], [r["miss_rate"] for _, r in got], style, label=label)
+    for x, p in zip(xs, points, strict=True):
+        if p.get("accuracy_delta") and p.get("modeled_tokens_per_s"):
+            worst = min(p["accuracy_delta"].values()) * 100
+            tps_ax.annotate(f"{worst:+.1f} pt", (x, p["modeled_tokens_per_s"]), textcoords="offset points",
+                            xytext=(0, 8), ha="center", fontsize=8)
+    tps_ax.set_ylabel("modelled tokens/s")
+    miss_ax.set_ylabel("miss rate (calibration traces)")
+    for ax in (tps_ax, miss_ax):
+        ax.set_xlabel("memory budget (MiB)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100, metadata={"Software": None})
+    plt.close(fig)
+    return png.getvalue()
 
 
 def operating_points_markdown(report: dict) -> str:
@@ -264,12 +314,14 @@ def operating_points_markdown(report: dict) -> str:
     unit = (planning.get("allocate_cache") or {}).get("unit", "")
     lines = ["## Operating points", "",
              f"The plan holds one cache allocation per budget (AdapMoE's DP on {unit} measured by the simulator "
-             "on the calibration traces); the loader takes the point of the largest budget it is given. "
-             "Costs are compared with the same plan without an allocation (pools by expert bytes, layers "
-             "equal) and with the paper's closed-form allocation.", "",
-             "| budget | share of experts | records per cell | modelled tokens/s | miss rate | cost | without allocation | "
-             "closed form | accuracy delta |",
-             "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "on the calibration traces); the loader takes the point of the largest budget it is given. Records "
+             "per cell follow the cells of `planning.allocate_cache.cells` in report.json. Cost is the plan's "
+             "(with its tuned policy); the next three columns share the plan's default policy (per-layer LRU): "
+             "the DP allocation, the same plan without an allocation (pools by expert bytes, layers equal; "
+             "refused where a group would hold less than one record) and the paper's closed-form DP.", "",
+             "| budget | share of experts | records per cell | modelled tokens/s | miss rate | cost | DP, default policy | "
+             "without allocation | closed form | accuracy delta |",
+             "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
 
     def cost(entry):
         return f"{entry['cost']:.4g}" if entry and "cost" in entry else "refused"
@@ -279,8 +331,11 @@ def operating_points_markdown(report: dict) -> str:
         miss = f"{p['miss_rate']:.3f}" if p.get("miss_rate") is not None else "-"
         delta = p.get("accuracy_delta")
         acc = ", ".join(f"{s} {d * 100:+.1f} pt" for s, d in delta.items()) if delta else "not measured"
+        if p.get("within_tolerance") is not None:
+            acc += " (within tolerance)" if p["within_tolerance"] else " (**beyond tolerance**)"
         lines.append(f"| {p['budget_bytes'] / 2**20:.2f} MiB | {p['share']:.0%} | {p['slots']} | {tps} | {miss} | "
-                     f"{cost(p)} | {cost(p['uniform'])} | {cost(p['closed_form'])} | {acc} |")
+                     f"{cost(p)} | {cost(p.get('allocated_default_policy'))} | {cost(p['uniform'])} | "
+                     f"{cost(p['closed_form'])} | {acc} |")
     tuned = planning.get("tune_policy")
     if tuned:
         values = ", ".join(f"{k} {v:.4g}" for k, v in tuned["objective"].items())
