@@ -402,12 +402,14 @@ def capacities(plan: Plan, budget, sizes: ModelSizes) -> Capacities:
     for pool in plan.pools:
         record = sizes.record_bytes[pool.precision]
         part = share * pool.share
+        unlimited = math.isinf(limit)  # every group holds all its experts, whatever the shares and splits say
         if pool.group == "global":
             full = sizes.num_layers * sizes.num_experts * record
-            pools[pool.name] = {"global": int(min(full, part))}
+            pools[pool.name] = {"global": full if unlimited else int(min(full, part))}
         else:
             weights = layer_weights(plan, pool)
             total = sum(weights)
             full = sizes.num_experts * record
-            pools[pool.name] = {layer: int(min(full, part * w / total)) for layer, w in enumerate(weights)}
+            pools[pool.name] = {layer: full if unlimited else int(min(full, part * w / total))
+                                for layer, w in enumerate(weights)}
     return Capacities(limit, sizes.dense_bytes, buffers, pools)

@@ -103,6 +103,7 @@ def test_a_pools_layer_split_can_leave_a_layer_empty():
     sizes = _sizes()
     caps = capacities(plan, 1000 + 200 + 300, sizes)  # dense + 2 read buffers + 3 records
     assert caps.pools["main"] == {0: 300, 1: 0}
+    assert capacities(plan, "unlimited", sizes).pools["main"] == {0: 400, 1: 400}  # every expert fits
     assert minimum_budget(plan, sizes) == 1000 + 200 + 100  # one record in the only group given bytes
 
 

@@ -50,7 +50,9 @@ def test_reference_recipe_end_to_end(tmp_path):
 
     from loader.cli import main as moeload
 
-    recipe = load_recipe(REPO / "recipes/reference.yaml", (f"model.path={MODEL}", "evaluate.limit=8"))
+    recipe = load_recipe(REPO / "recipes/reference.yaml", (f"model.path={MODEL}", "evaluate.limit=8",
+                                                           "plan.tune.trials=3", "plan.num_sequences=2",
+                                                           f"plan.device={REPO / 'recipes/reference/device.json'}"))
     summary = prepare(recipe, root=tmp_path)
     artifact = Path(summary["artifact"])
     assert verify(artifact) == []
@@ -61,6 +63,16 @@ def test_reference_recipe_end_to_end(tmp_path):
     assert report["bitwidth"]["met"] and report["bitwidth"]["loss"] <= recipe.bitwidth.tolerance
     assert report["prediction"]["predictors"] == ["next_gates", "path_stats", "first_gate"]
     assert "## Prediction" in (artifact / "report.md").read_text()
+    # the joint plan: every planning field computed for this device, and the operating points reported
+    plan = json.loads((artifact / "plan.json").read_text())
+    assert plan["eviction"] == report["planning"]["tune_policy"]["eviction"]
+    assert all("layers" in p or p["group"] == "global" for p in plan["pools"])
+    points = report["operating_points"]
+    assert [p["share"] for p in points] == list(recipe.plan.points)
+    assert {p["budget_bytes"] for p in points} <= {p["budget_bytes"] for p in plan["operating_points"]}
+    assert all(p["modeled_tokens_per_s"] > 0 and set(p["accuracy_delta"]) == {"gsm8k", "mmlu", "truthfulqa_mc1",
+                                                                               "truthfulqa_mc2"} for p in points)
+    assert "## Operating points" in (artifact / "report.md").read_text() and (artifact / "report-plan.png").is_file()
     checked = report["eval"]["suites"]
     assert set(checked) == {"gsm8k", "mmlu", "truthfulqa_mc1", "truthfulqa_mc2"}
     assert all(0 <= s["mcnemar_p"] <= 1 for s in checked.values())
