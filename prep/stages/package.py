@@ -338,7 +338,7 @@ def operating_points_markdown(report: dict) -> str:
                      f"{cost(p['closed_form'])} | {acc} |")
     tuned = planning.get("tune_policy")
     if tuned:
-        values = ", ".join(f"{k} {v:.4g}" for k, v in tuned["objective"].items())
+        values = ", ".join(f"{k} {v:.4g}" if v is not None else f"{k} refused" for k, v in tuned["objective"].items())
         lines += ["", f"Eviction policy: {tuned['chosen']} ({tuned['eviction']['name']} "
                       f"{ {k: round(v, 3) for k, v in tuned['eviction']['params'].items()} }, group {tuned['group']}, "
                       f"prefetch depth {tuned['depth']}), searched over {tuned['trials']} trials at "

@@ -75,6 +75,11 @@ def _with_low_share(pools, low_share: float):
                  for p in pools)
 
 
+def _finite(value: float) -> float | None:
+    """JSON has no infinity: a refused configuration's score is kept as null."""
+    return value if math.isfinite(value) else None
+
+
 def weights_of(x: dict) -> dict:
     """Four draws in (0, 1] -> weights on the simplex (-log x normalised: uniform on the simplex)."""
     raw = [-math.log(x[f"x_{w[2:]}"]) for w in WEIGHTS]
@@ -125,12 +130,13 @@ def tune(draft, cfg: PlanSection, work: Path, allocation=None, progress: bool = 
     study = optuna.create_study(study_name=STUDY, storage=storage, direction="minimize", load_if_exists=True,
                                 sampler=optuna.samplers.TPESampler(seed=knobs.seed))
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-    if not study.trials:  # trial 0: HOBBIT's equal weights, global pools, the plan's own depth and low share
-        first = {f"x_{w[2:]}": math.exp(-1) for w in WEIGHTS} | {"group": "global"}
-        if gates is not None and max_depth >= 1:
-            first["depth"] = min(max(1, int(gates.params.get("depth", 1))), max_depth)
-        if low:
-            first["low_share"] = min(max(next(p.share for p in plan.pools if p.name == "low"), LOW_SHARE[0]), LOW_SHARE[1])
+    # trial 0: HOBBIT's equal weights, global pools, the plan's own depth and low share
+    first = {f"x_{w[2:]}": math.exp(-1) for w in WEIGHTS} | {"group": "global"}
+    if gates is not None and max_depth >= 1:
+        first["depth"] = min(max(1, int(gates.params.get("depth", 1))), max_depth)
+    if low:
+        first["low_share"] = min(max(next(p.share for p in plan.pools if p.name == "low"), LOW_SHARE[0]), LOW_SHARE[1])
+    if not study.trials:
         study.enqueue_trial(first)
     remaining = knobs.trials - len(done)
     if remaining > 0:
@@ -150,7 +156,9 @@ def tune(draft, cfg: PlanSection, work: Path, allocation=None, progress: bool = 
     if not finished:
         raise MoeprepError(f"the tune_policy study in {work} finished no trial; run prepare again")
     best = min(finished, key=lambda t: (t.value, t.number))
-    objective_values = {"default": finished[0].value, "best trial": best.value}
+    trial0 = next((t for t in finished if t.number == 0), None)  # a run killed inside trial 0 leaves it unfinished
+    objective_values = {"default": trial0.value if trial0 is not None else score(settings(first).apply(plan)),
+                        "best trial": best.value}
     for name in BASELINES:  # at the plan's own groups, depth and shares
         objective_values[name] = score(dataclasses.replace(plan, eviction=PolicySpec(name)))
     tuned = settings(best.params)
@@ -161,8 +169,11 @@ def tune(draft, cfg: PlanSection, work: Path, allocation=None, progress: bool = 
     if chosen in BASELINES:
         tuned = dataclasses.replace(tuned, eviction={"name": chosen, "params": {}}, group=None,
                                     depth=None, low_share=None)
-    tuned = dataclasses.replace(tuned, chosen=chosen, objective=objective_values,
-                                trials=[[t.number, t.params, t.value] for t in finished])
+    if not math.isfinite(value):
+        raise MoeprepError(f"no policy fits the budget of {budget:,} bytes (plan.tune.share {knobs.share}): every "
+                           "trial and baseline was refused; raise plan.tune.share or enable plan.allocate")
+    tuned = dataclasses.replace(tuned, chosen=chosen, objective={k: _finite(v) for k, v in objective_values.items()},
+                                trials=[[t.number, t.params, _finite(t.value)] for t in finished])
     if allocation is None:
         return tuned
     from prep.stages.allocate_cache import score_plan
