@@ -116,16 +116,21 @@ class Plan:
     operating_points: tuple[OperatingPoint, ...] = ()  # by rising budget (``for_budget``)
     version: int = PLAN_VERSION
 
-    def for_budget(self, budget_bytes: float) -> Plan:
-        """This plan with the pools of its operating point for ``budget_bytes``: the point of the largest
-        budget the given one covers, else the smallest point (itself when it has no points)."""
+    def point_for(self, budget_bytes: float) -> OperatingPoint | None:
+        """The operating point for ``budget_bytes``: the one of the largest budget the given one covers, else
+        the smallest (None without points)."""
         if not self.operating_points:
-            return self
+            return None
         chosen = self.operating_points[0]
         for point in self.operating_points:
             if point.budget_bytes <= budget_bytes:
                 chosen = point
-        return dataclasses.replace(self, pools=chosen.pools)
+        return chosen
+
+    def for_budget(self, budget_bytes: float) -> Plan:
+        """This plan with the pools of its operating point for ``budget_bytes`` (itself without points)."""
+        point = self.point_for(budget_bytes)
+        return dataclasses.replace(self, pools=point.pools) if point is not None else self
 
     @classmethod
     def default(cls, num_layers: int, num_experts: int, precision: str, default_budget: str = "50%") -> Plan:

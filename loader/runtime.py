@@ -672,7 +672,8 @@ def _load(artifact, device, memory_budget, store, policy, workers, routing, pred
                                "minimum_bytes": minimum_budget_of(plan, sizes), "host_store_bytes": host_bytes,
                                "record_bytes": {p: s.record_bytes for p, s in stores.items()},
                                "slot_bytes": runtime.slot_bytes, "eviction": plan.eviction.name,
-                               "cache_slots": {name: a.count for name, a in runtime.arenas.items()}}
+                               "cache_slots": {name: a.count for name, a in runtime.arenas.items()},
+                               "operating_point": (point.budget_bytes if (point := plan.point_for(caps.limit_bytes)) else None)}
     loaded = LoadedModel(model, tokenizer, runtime, budget)
     loaded.routing = install_routing(
         model, moe["experts_modules"], routing if routing is not None else _named(ROUTING_POLICIES, plan.routing, "routing policy",

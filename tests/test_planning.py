@@ -283,6 +283,8 @@ def test_the_loader_runs_each_operating_point_with_unchanged_outputs(planned):
     outs = []
     for point in report["operating_points"] + [{"budget_bytes": "unlimited"}]:
         loaded = load(planned, memory_budget=point["budget_bytes"])
+        if point["budget_bytes"] != "unlimited":
+            assert loaded.budget["operating_point"] == point["budget_bytes"]  # the point made for this budget
         try:
             with torch.no_grad():
                 outs.append(loaded.model(ids).logits)
