@@ -72,7 +72,7 @@ def check_accuracy(artifact: Path, model_dir: Path, cfg: EvaluateSection, work: 
     tolerance = (artifact_report.get("planning") or {}).get("tolerance")
     updated = [p | {"accuracy_delta": q["accuracy_delta"], "accuracy_measured_at": q["measured_at"],
                     "within_tolerance": (None if tolerance is None else
-                                         all(abs(d) * 100 <= tolerance for d in q["accuracy_delta"].values()))}
+                                         all(abs(d) * 100 <= tolerance + 1e-9 for d in q["accuracy_delta"].values()))}
                for p, q in zip(artifact_report["operating_points"], points, strict=True)]
     artifact_report = read_json(manifest.path("report.json"), "report.json") | {"operating_points": updated}
     name = manifest.raw.get("recipe", {}).get("name", "artifact")
