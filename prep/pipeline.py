@@ -108,6 +108,14 @@ def model_fingerprint(model_dir: Path) -> str:
     return digest.hexdigest()
 
 
+def _file_digest(path: Path) -> str | None:
+    """sha256 of a recipe-named input file (None when it is missing: the stage itself says so when it runs)."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
 def lineage(stage: Stage, stages: tuple[Stage, ...] = STAGES, recipe: Recipe | None = None) -> list[Stage]:
     """``stage`` and every stage it reads, directly or not, in table order; with ``recipe``, a stage it
     switches off is listed but what it would read is not followed."""
@@ -183,6 +191,8 @@ class _Sources:
             fingerprints["data"] = self.data_fingerprint
         if "recipe" in stage.needs:
             config["recipe"] = self.recipe_of(stage)
+        if stage.files is not None:
+            fingerprints["files"] = {name: _file_digest(self.root / name) for name in stage.files(self.recipe)}
         return config, fingerprints
 
 

@@ -292,3 +292,21 @@ def test_the_loader_runs_each_operating_point_with_unchanged_outputs(planned):
             loaded.close()
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
+
+
+def test_measuring_the_device_again_reruns_the_planning_stages(tmp_path):
+    from prep.pipeline import prepare
+    from prep.sim.device import DeviceProfile, write_profile
+    from tests.tiny_models import save_tiny_model
+
+    save_tiny_model("mixtral", tmp_path / "model")
+    recipe = tiny_recipe("passthrough", plan={"device": "device.json", "points": [0.5], "allocate": {"enabled": True}})
+
+    def keys(bandwidth: float) -> dict:
+        write_profile(DeviceProfile(bandwidth, 1e-4, {"passthrough": 1e-3}, "test"), tmp_path / "device.json")
+        summary = prepare(recipe, root=tmp_path, output=tmp_path / "artifact", until="allocate_cache")
+        return {name: summary[name]["key"] for name in ("trace", "allocate_cache")}
+
+    first, again, other = keys(1e9), keys(1e9), keys(2e9)
+    assert first == again
+    assert other["trace"] == first["trace"] and other["allocate_cache"] != first["allocate_cache"]

@@ -13,6 +13,8 @@ A stage declares
   reads the artifact directory, ``prep.store.ArtifactOutput``);
 - ``run(inputs) -> result``, where ``inputs`` (``prep.pipeline.StageInputs``) hands out only what was
   declared;
+- optionally ``files(recipe)``: input files the recipe names (a device profile), whose content the key
+  covers (so measuring the file again reruns the stage);
 - optionally ``enabled(recipe)`` (a stage the recipe can switch off, e.g. the sensitivity sweep only
   the ``edgemoe`` bit-width method reads; the key does not depend on it) and ``output_ok(inputs, result)``
   (for a stage whose real output lives outside the stage store: a cached result is reused only when
@@ -80,6 +82,7 @@ class Stage:
     reads: tuple[str, ...] = ()
     needs: frozenset[str] = frozenset()
     enabled: Callable[[Any], bool] | None = None
+    files: Callable[[Any], list[str]] | None = None  # input files the recipe names (relative to the project root)
     output_ok: Callable[[Any, StageResult], bool] | None = None
 
     def __post_init__(self) -> None:

@@ -257,5 +257,6 @@ def _run(inputs) -> CacheAllocation:
 STAGE = Stage(
     name="allocate_cache", version=VERSION, config=PlanSection, result=CacheAllocation,
     reads=("trace", "quantize", "bitwidth", "predict", "gating", "dynamic_precision", "cache_routing"),
-    needs=frozenset({"model"}), enabled=lambda recipe: recipe.plan.allocate.enabled, run=_run,
+    needs=frozenset({"model"}), files=lambda recipe: [recipe.plan.device] if recipe.plan.device else [],
+    enabled=lambda recipe: recipe.plan.allocate.enabled, run=_run,
 )

@@ -196,5 +196,6 @@ def _run(inputs) -> TunedPolicy:
 STAGE = Stage(
     name="tune_policy", version=VERSION, config=PlanSection, result=TunedPolicy,
     reads=("trace", "quantize", "bitwidth", "predict", "gating", "dynamic_precision", "cache_routing", "allocate_cache"),
-    needs=frozenset({"model"}), enabled=lambda recipe: recipe.plan.tune.enabled, run=_run,
+    needs=frozenset({"model"}), files=lambda recipe: [recipe.plan.device] if recipe.plan.device else [],
+    enabled=lambda recipe: recipe.plan.tune.enabled, run=_run,
 )
