@@ -75,11 +75,3 @@ def allocate(curves: Sequence[Sequence[float]], record_bytes: Sequence[int], cap
                 best = state[1]
     _, cost, slots = min(frontier, key=lambda s: (round(s[1], 12), s[0]))
     return slots, cost
-
-
-def uniform_allocation(sizes: Sequence[int], record_bytes: Sequence[int], capacity: float) -> tuple[int, ...]:
-    """The baseline: every cell holds the same share of its experts, the largest that fits."""
-    total = sum(n * b for n, b in zip(sizes, record_bytes, strict=True))
-    share = min(1.0, capacity / total) if total else 0.0
-    slots = [math.floor(n * share + 1e-9) for n in sizes]
-    return tuple(slots)

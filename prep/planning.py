@@ -13,7 +13,6 @@ per token (each miss weighed by its precision's record size, HOBBIT's precision-
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,15 +128,13 @@ def draft_from_inputs(inputs, profile_path: str | None, allocation=None) -> Draf
     """The draft of a planning stage's inputs: it reads quantize, bitwidth, predict, gating,
     dynamic_precision and cache_routing (each may be off) and the trace; it needs the model. ``allocation``:
     the allocate_cache result to apply."""
-    import torch
 
     from prep.sim.device import load_profile
     from prep.sim.replay import load_replay
-    from prep.sim.simulate import PredictionFeed
+    from prep.sim.simulate import trace_feed
     from prep.stages.bitwidth import uniform_choice
     from prep.stages.predict import predictor_tensors
     from prep.stages.trace import RoutingTraces
-    from prep.trace import open_trace
 
     model, adapter = inputs.model, inputs.adapter
     _, quantize = inputs.upstream("quantize")
@@ -159,27 +156,15 @@ def draft_from_inputs(inputs, profile_path: str | None, allocation=None) -> Draf
     replay = load_replay(path)
     feed = None
     if plan.predictors:
-        trace = open_trace(path)
-        router_inputs = torch.stack([trace.router_inputs(layer) for layer in trace.layers], dim=1)
-        head = trace.tensor("head_input") if "head_input" in trace.index["tensors"] else None
-        cuts = trace.sequence_slices()
         routers = []
         for router_path in adapter.module_paths(model)["router_modules"]:
             router = model.get_submodule(router_path)
             bias = getattr(router, "bias", None)
             routers.append((router.weight.detach().float(), bias.detach().float() if bias is not None else None))
-        tensors = predictor_tensors(found["predict"][0], list(predictors))
-        feed = PredictionFeed([router_inputs[c] for c in cuts], [head[c] for c in cuts] if head is not None else None,
-                              routers, tensors)
+        feed = trace_feed(path, routers, predictor_tensors(found["predict"][0], list(predictors)))
     profile = None
     if profile_path is not None:
         itemsize = next(model.parameters()).element_size()
         weights = sizes.source_expert_bytes / itemsize / (sizes.num_layers * sizes.num_experts)
         profile = load_profile(Path(inputs.root) / profile_path).scaled_to(weights)
     return Draft(plan, sizes, read_bytes, replay, feed, profile, shipped)
-
-
-def check_finite(value: float, what: str) -> float:
-    if not math.isfinite(value):
-        raise MoeprepError(f"{what} is not finite ({value}); the simulation counted no tokens")
-    return value

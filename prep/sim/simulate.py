@@ -462,20 +462,12 @@ def _bind_predictors(predictors: list, cache: ExpertCache, spec: CacheSpec, repl
 
 def prediction_feed(trace_dir, artifact) -> PredictionFeed:
     """The feed of a project trace directory and the artifact whose routers and predictor tensors to use."""
-    import torch
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     from loader.format import read_manifest
     from loader.predict import PREDICTORS_FILE
-    from prep.trace import open_trace
 
-    trace = open_trace(trace_dir)
-    if f"layers.{trace.layers[0]}.router_input" not in trace.index["tensors"]:
-        raise MoeprepError(f"{trace_dir} holds no router inputs; record it with hidden states (record_hidden)")
-    inputs = torch.stack([trace.router_inputs(layer) for layer in trace.layers], dim=1)  # [N, L, H]
-    head = trace.tensor("head_input") if "head_input" in trace.index["tensors"] else None
-    slices = trace.sequence_slices()
     manifest = read_manifest(artifact)
     routers = []
     with safe_open(str(manifest.path("dense.safetensors")), framework="pt") as f:
@@ -485,6 +477,22 @@ def prediction_feed(trace_dir, artifact) -> PredictionFeed:
             routers.append((f.get_tensor(f"{path}.weight").float(),
                             f.get_tensor(bias).float() if bias in names else None))
     tensors = load_file(str(manifest.path(PREDICTORS_FILE))) if PREDICTORS_FILE in manifest.raw["files"] else {}
+    return trace_feed(trace_dir, routers, tensors)
+
+
+def trace_feed(trace_dir, routers: list, tensors: dict) -> PredictionFeed:
+    """The feed of a project trace directory with the given routers ([(weight, bias)] per MoE layer) and
+    predictor tensors: per sequence the router inputs and, when recorded, the LM head's inputs."""
+    import torch
+
+    from prep.trace import open_trace
+
+    trace = open_trace(trace_dir)
+    if f"layers.{trace.layers[0]}.router_input" not in trace.index["tensors"]:
+        raise MoeprepError(f"{trace_dir} holds no router inputs; record it with hidden states (record_hidden)")
+    inputs = torch.stack([trace.router_inputs(layer) for layer in trace.layers], dim=1)  # [N, L, H]
+    head = trace.tensor("head_input") if "head_input" in trace.index["tensors"] else None
+    slices = trace.sequence_slices()
     return PredictionFeed([inputs[s] for s in slices], [head[s] for s in slices] if head is not None else None,
                           routers, tensors)
 

@@ -33,7 +33,7 @@ from prep.errors import MoeprepError
 from prep.recipe import PlanSection
 from prep.stages import Stage, StageResult
 
-VERSION = 1
+VERSION = 2
 GLOBAL_GRID = 9  # measured points of a global pool's curve
 
 
@@ -213,7 +213,7 @@ def score_plan(draft, plan: Plan, budget: int, sequences) -> dict | None:
     cost = draft.cost(result)
     return {"cost": cost, "misses_per_token": result.misses / result.tokens, "miss_rate": result.miss_rate,
             "demand_bytes_per_token": sum(r.demand_bytes for r in result.layers) / result.tokens,
-            "modelled_tokens_per_s": (1 / cost if draft.profile is not None and cost > 0 else None)}
+            "modeled_tokens_per_s": (1 / cost if draft.profile is not None and cost > 0 else None)}
 
 
 def allocate_plan(draft, cfg: PlanSection, gating=None, prediction=None, progress: bool = True) -> CacheAllocation:

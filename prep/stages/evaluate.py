@@ -74,7 +74,7 @@ def check_accuracy(artifact: Path, model_dir: Path, cfg: EvaluateSection, work: 
                     "within_tolerance": (None if tolerance is None else
                                          all(abs(d) * 100 <= tolerance + 1e-9 for d in q["accuracy_delta"].values()))}
                for p, q in zip(artifact_report["operating_points"], points, strict=True)]
-    artifact_report = read_json(manifest.path("report.json"), "report.json") | {"operating_points": updated}
+    artifact_report |= {"operating_points": updated}
     name = manifest.raw.get("recipe", {}).get("name", "artifact")
     update_artifact_report(manifest.root, {"operating_points": updated},
                            files={"report.md": report_markdown(name, artifact_report).encode(),

@@ -228,7 +228,7 @@ def operating_points(allocation, tuned=None) -> list:
     for point in allocation.points:
         allocated = rescored.get(point["budget_bytes"], point["allocated"])
         out.append({"budget_bytes": point["budget_bytes"], "share": point["share"], "slots": point["slots"],
-                    "modeled_tokens_per_s": allocated.get("modelled_tokens_per_s"),
+                    "modeled_tokens_per_s": allocated.get("modeled_tokens_per_s"),
                     "cost": allocated.get("cost"), "miss_rate": allocated.get("miss_rate"),
                     "demand_bytes_per_token": allocated.get("demand_bytes_per_token"),
                     "allocated_default_policy": point["allocated"], "uniform": point["uniform"],
@@ -286,7 +286,7 @@ def operating_points_plot(report: dict) -> bytes:
         got = [(x, r) for x, r in zip(xs, rows, strict=True) if r and "cost" in r]
         if not got:
             continue
-        tps = [r.get("modeled_tokens_per_s") or r.get("modelled_tokens_per_s") for _, r in got]
+        tps = [r.get("modeled_tokens_per_s") for _, r in got]
         if all(t is not None for t in tps):
             tps_ax.plot([x for x, _ in got], tps, style, label=label)
         miss_ax.plot([x for x, _ in got], [r["miss_rate"] for _, r in got], style, label=label)

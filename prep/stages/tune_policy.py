@@ -30,7 +30,7 @@ from prep.errors import MoeprepError
 from prep.recipe import PlanSection
 from prep.stages import Stage, StageResult
 
-VERSION = 1
+VERSION = 2
 STUDY = "tune_policy"
 JOURNAL = "study.journal"
 WEIGHTS = ("w_lru", "w_lfu", "w_lhu", "w_fld")
