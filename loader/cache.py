@@ -63,6 +63,12 @@ class Entry:
     prefetched: bool = False
     slot: int = -1  # the runtime's slot in its pool's memory
     read_seconds: float = 0.0  # how long the read took (a landed prefetch: what a demand would have waited)
+    # neuron-layout records (loader/neuron.py): which neuron rows are in the slot (None: the whole record),
+    # a neuron read in flight and the rows it brings, and the rows a predictor named for this expert
+    neurons: object = None
+    row_job: object = None
+    row_mask: object = None
+    predicted: object = None
 
 
 @dataclass

@@ -111,6 +111,22 @@ def check_device(device: str) -> None:
             raise MoeError(f"--device {device}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
 
 
+def neuron_switch(artifact: str, neuron: str, theta: float | None):
+    """``load``'s neuron argument for ``--neuron`` and ``--theta``: None (the plan), False, True or a config."""
+    if theta is None:
+        return {"plan": None, "on": True, "off": False}[neuron]
+    if neuron == "off":
+        raise MoeError("--theta sets neuron-level loading's threshold; it cannot go with --neuron off")
+    import dataclasses
+
+    from loader.neuron import NeuronConfig
+    from loader.plan import read_plan
+
+    plan = read_plan(artifact)
+    base = NeuronConfig.from_params(plan.neuron.params) if plan.neuron.name == "sparse" else NeuronConfig()
+    return dataclasses.replace(base, theta=NeuronConfig.from_params({"theta": theta}).theta)
+
+
 @main.command("generate")
 @click.argument("artifact", type=click.Path())
 @click.option("--prompt", required=True, help="Text to continue.")
@@ -125,10 +141,14 @@ def check_device(device: str) -> None:
               help="Route with the model's own top-k, not the plan's routing policy (adaptive gating, cache routing).")
 @click.option("--planned-precision", is_flag=True,
               help="Read every miss at its planned precision, not as the plan's miss policy says (dynamic precision).")
+@click.option("--neuron", type=click.Choice(["plan", "on", "off"]), default="plan", show_default=True,
+              help="Neuron-level loading (CORM; needs a neuron-layout artifact): as the plan says, on, or off.")
+@click.option("--theta", type=float, default=None,
+              help="Neuron activity threshold, overriding the plan's (implies --neuron on).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {text, token_ids, stats}.")
 def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_budget: str | None, device: str,
                      store: str, predictors: str | None, exact_routing: bool, planned_precision: bool,
-                     as_json: bool) -> None:
+                     neuron: str, theta: float | None, as_json: bool) -> None:
     """Greedy generation through the offloading runtime; streams the text, then prints the stats."""
     import torch
     from transformers import TextStreamer
@@ -142,7 +162,8 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
     chosen = None if predictors is None else [p for p in predictors.replace(" ", "").split(",") if p and p != "none"]
     loaded = load(artifact, device=device, memory_budget=memory_budget, store=store, predictors=chosen,
                   routing=RoutingPolicy() if exact_routing else None,
-                  miss_policy=MissPolicy() if planned_precision else None)
+                  miss_policy=MissPolicy() if planned_precision else None,
+                  neuron=neuron_switch(artifact, neuron, theta))
     tok = loaded.tokenizer
     ids = torch.tensor([tok(prompt)["input_ids"]], dtype=torch.long, device=device)
     if ids.numel() == 0:
@@ -165,7 +186,7 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
                f"hit rate {stats['hit_rate'] or 0:.3f}  read {stats['bytes_read']:,} B in "
                f"{stats['read_seconds']:.3f} s  stall {stats['stall_seconds']:.3f} s  "
                f"peak cache {stats['peak_cache_bytes']:,} B  direct I/O {stats['direct_io']}")
-    for what in ("routing", "miss_policy"):
+    for what in ("routing", "miss_policy", "neuron"):
         if stats.get(what):
             click.echo(f"{what.replace('_', ' ')}: " + "  ".join(f"{k} {v}" for k, v in stats[what].items()))
     pf = stats["prefetch"]

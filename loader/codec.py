@@ -9,6 +9,10 @@ the last meta group may be partial): ``scale = q * step + offset``. The offset f
 ``(q - zero) * step``) keeps float16 exact enough when the values' range is small next to their size.
 Passthrough matrices are stored as their raw bytes.
 
+A matrix with ``rows`` set is *row-interleaved*: row j's codes, scale and zero (and, with meta
+quantization, its one meta group) are contiguous, so any set of rows is a set of byte ranges. The neuron
+layout (CORM) uses it: see ``NeuronLayout``.
+
 One expert is one *record*: all its tensors back to back in one byte string, in an order given by a
 ``RecordLayout`` that is the same for every expert of a store, so a cache miss is one read and one
 copy. This module is the decoding side, shared by the loader and ``prep``; it needs nothing but torch.
@@ -92,6 +96,7 @@ class MatrixSpec:
     group_size: int = 0
     transposed: bool = False  # stored as its transpose, so groups run along the input dimension
     meta_group: int = 0  # 0: float16 scale and zero; >0: 8-bit, float16 step and offset per this many groups
+    rows: bool = False  # row-interleaved: each row's parts contiguous (meta_group 0 or one meta group per row)
 
     @property
     def numel(self) -> int:
@@ -100,8 +105,25 @@ class MatrixSpec:
             n *= s
         return n
 
+    def plain(self, num_rows: int | None = None) -> MatrixSpec:
+        """The same matrix (or its first ``num_rows`` rows) stored part after part, not row-interleaved."""
+        shape = (num_rows if num_rows is not None else self.shape[0], *self.shape[1:])
+        return MatrixSpec(self.name, shape, self.precision, self.dtype, self.group_size, self.transposed,
+                          self.meta_group)
+
+    def row_parts(self) -> list[tuple[str, str, int]]:
+        """(part name, dtype name, bytes per row) of one row of a row-interleaved matrix."""
+        rows = self.shape[0]
+        return [(name, dtype, size // rows) for name, dtype, size in self.plain(rows).parts()]
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(size for _n, _d, size in self.row_parts())
+
     def parts(self) -> list[tuple[str, str, int]]:
         """(part name, dtype name, byte size) of this matrix's pieces inside a record."""
+        if self.rows:
+            return [(f"{self.name}.rows", "uint8", self.shape[0] * self.row_bytes)]
         if self.precision == "passthrough":
             return [(self.name, self.dtype, self.numel * dtype_of(self.dtype).itemsize)]
         codes = (f"{self.name}.codes", "uint8", packed_nbytes(self.numel, BITS[self.precision]))
@@ -117,6 +139,11 @@ class MatrixSpec:
     def check(self) -> None:
         if self.meta_group < 0 or (self.meta_group and self.precision == "passthrough"):
             raise CodecError(f"{self.name}: meta group {self.meta_group} must be 0, or > 0 when quantized")
+        if self.rows:
+            per_row = self.shape[-1] // self.group_size if self.group_size else 0
+            if len(self.shape) != 2 or self.transposed or self.meta_group not in (0, per_row):
+                raise CodecError(f"{self.name}: a row-interleaved matrix is 2-D, not transposed, with meta group 0 "
+                                 f"or one meta group per row ({per_row} groups)")
         if self.precision == "passthrough":
             return
         if self.precision not in BITS:
@@ -141,8 +168,19 @@ def group_params(spec: MatrixSpec, parts: dict[str, torch.Tensor], kind: str) ->
     return q * step + offset
 
 
+def decode_rows(spec: MatrixSpec, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of a row-interleaved matrix: ``rows`` [n, row_bytes] uint8 (any n of its rows) -> [n, cols] floats."""
+    parts, start = {}, 0
+    for name, _dtype, size in spec.row_parts():
+        parts[name] = rows[:, start:start + size].contiguous().reshape(-1)
+        start += size
+    return decode_matrix(spec.plain(rows.shape[0]), parts)
+
+
 def decode_matrix(spec: MatrixSpec, parts: dict[str, torch.Tensor]) -> torch.Tensor:
     """The float matrix of ``spec`` from its record parts (as produced by ``RecordLayout.split``)."""
+    if spec.rows:
+        return decode_rows(spec, parts[f"{spec.name}.rows"].view(spec.shape[0], spec.row_bytes))
     out_dtype = dtype_of(spec.dtype)
     if spec.precision == "passthrough":
         return parts[spec.name].view(out_dtype).reshape(spec.shape)
@@ -195,10 +233,67 @@ class RecordLayout:
     def to_json(self) -> list[dict]:
         return [{"name": s.name, "shape": list(s.shape), "precision": s.precision, "dtype": s.dtype,
                  "group_size": s.group_size, "transposed": s.transposed, "meta_group": s.meta_group}
-                for s in self.matrices]
+                | ({"rows": True} if s.rows else {}) for s in self.matrices]
 
     @classmethod
     def from_json(cls, data: list[dict]) -> RecordLayout:
         """Accepts layouts written before ``meta_group`` existed (they mean 0)."""
         return cls(tuple(MatrixSpec(d["name"], tuple(d["shape"]), d["precision"], d["dtype"], d["group_size"],
-                                    d.get("transposed", False), d.get("meta_group", 0)) for d in data))
+                                    d.get("transposed", False), d.get("meta_group", 0), d.get("rows", False))
+                         for d in data))
+
+
+# ---------------------------------------------------------------------------------------- neuron layout
+
+NEURON_MATRICES = ("gate", "gate_bias", "up_bias", "down_bias", "neurons")
+PAIRINGS = ("halves", "interleaved")
+
+
+class NeuronLayout:
+    """The neuron-major record (CORM): ``gate`` [I, H] (W1, quantized along H, read whole: it names the active
+    neurons), the biases when the model has them (``gate_bias``, ``up_bias`` [I], ``down_bias`` [H]), then
+    ``neurons`` [I, 2H] row-interleaved, neuron j's row being its up row and its down column, both quantized
+    along H. A set of neurons is the header (everything before ``neurons``) plus one byte range per run of
+    consecutive neurons."""
+
+    def __init__(self, layout: RecordLayout) -> None:
+        specs = {s.name: s for s in layout.matrices}
+        if set(specs) - set(NEURON_MATRICES) or not {"gate", "neurons"} <= set(specs) \
+                or layout.matrices[-1].name != "neurons" or not specs["neurons"].rows:
+            raise CodecError(f"a neuron layout holds gate, optional biases and neurons (last, row-interleaved); "
+                             f"got {[s.name for s in layout.matrices]}")
+        self.layout = layout
+        self.specs = specs
+        self.intermediate, hidden2 = specs["neurons"].shape
+        self.hidden = hidden2 // 2
+        if specs["gate"].shape != (self.intermediate, self.hidden):
+            raise CodecError(f"neuron layout: gate is {specs['gate'].shape}, neurons {specs['neurons'].shape}")
+        self.rows_offset = next(off for name, _d, off, _s in layout.parts() if name == "neurons.rows")
+        self.row_bytes = specs["neurons"].row_bytes
+
+    @staticmethod
+    def holds(layout: RecordLayout) -> bool:
+        return any(spec.rows for spec in layout.matrices)
+
+    def ranges(self, rows: torch.Tensor) -> list[tuple[int, int]]:
+        """(start, length) byte ranges of the record holding the neurons of the bool mask ``rows`` [I],
+        one per run of consecutive neurons."""
+        idx = torch.nonzero(rows).flatten().tolist()
+        out = []
+        for j in idx:
+            start = self.rows_offset + j * self.row_bytes
+            if out and out[-1][0] + out[-1][1] == start:
+                out[-1] = (out[-1][0], out[-1][1] + self.row_bytes)
+            else:
+                out.append((start, self.row_bytes))
+        return out
+
+    def header(self, record: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The gate matrix and the biases of a record whose header is in place."""
+        parts = self.layout.split(record)
+        return {name: decode_matrix(spec, parts) for name, spec in self.specs.items() if name != "neurons"}
+
+    def rows(self, record: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Decoded neuron rows ``index`` [n] -> [n, 2H] (up row, down column), read from their place in the record."""
+        block = record[self.rows_offset:self.rows_offset + self.intermediate * self.row_bytes]
+        return decode_rows(self.specs["neurons"], block.view(self.intermediate, self.row_bytes)[index])

@@ -41,13 +41,14 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path, PurePosixPath
 
-from loader.codec import BITS, CodecError, RecordLayout
+from loader.codec import BITS, PAIRINGS, CodecError, NeuronLayout, RecordLayout
 from loader.errors import MoeError
 from loader.files import write_json_atomic
 from loader.plan import PLAN_FILE, Plan, read_plan
 
 FORMAT = "moeprep-artifact"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: a store may hold neuron-layout records (its "neuron" key)
+READABLE_SCHEMAS = (2, 3)
 ALIGN = 4096
 MANIFEST = "manifest.json"
 DIGEST = "digest"  # the manifest's own sha256 (``manifest_digest``): the manifest protects itself too
@@ -172,6 +173,7 @@ class StoreInfo:
     record_bytes: int
     layout: list  # RecordLayout.to_json()
     crc32: dict  # expert key -> zlib.crc32 of the record's record_bytes
+    neuron: dict | None = None  # neuron layout: {"pairing": "halves" | "interleaved"} (codec.NeuronLayout)
 
     @property
     def stride(self) -> int:
@@ -200,7 +202,7 @@ class Manifest:
 
     @cached_property
     def stores(self) -> dict[str, StoreInfo]:
-        return {p: StoreInfo(p, s["file"], s["record_bytes"], s["layout"], s["crc32"])
+        return {p: StoreInfo(p, s["file"], s["record_bytes"], s["layout"], s["crc32"], s.get("neuron"))
                 for p, s in self.raw["stores"].items()}
 
     def path(self, name: str) -> Path:
@@ -268,7 +270,7 @@ def _validate(raw, root: Path) -> None:
     version = raw.get("schema_version")
     if not _is_int(version):
         raise c.fail(f"schema_version must be an integer, got {json.dumps(version)}")
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_SCHEMAS:
         older = version < SCHEMA_VERSION
         raise ArtifactError(
             f"{root / MANIFEST} has schema_version {version}; this loader reads schema_version {SCHEMA_VERSION}: "
@@ -328,7 +330,7 @@ def _validate(raw, root: Path) -> None:
             raise c.fail(f"stores has an unknown precision {precision!r}; known: {PRECISIONS}")
         if not isinstance(store, dict):
             raise c.fail(f"stores.{precision} must be dict")
-        c.only(store, {"file", "record_bytes", "layout", "crc32"}, f"stores.{precision}")
+        c.only(store, {"file", "record_bytes", "layout", "crc32", "neuron"}, f"stores.{precision}")
         if c.get(store, "file", where, "str") != f"experts-{precision}.safetensors":
             raise c.fail(f"{where}file must be 'experts-{precision}.safetensors', got {store['file']!r}")
         record_bytes = c.get(store, "record_bytes", where, "int")
@@ -339,7 +341,19 @@ def _validate(raw, root: Path) -> None:
         if moe["source_expert_bytes"] != len(layers) * n_experts * numel * _ITEMSIZE[moe["dtype"]]:
             raise c.fail(f"moe.source_expert_bytes {moe['source_expert_bytes']} is not the size of "
                          f"{len(layers)} x {n_experts} experts of the {precision} layout in {moe['dtype']}")
-        names = {f"{module}.{spec.name}" for module in modules for spec in layout.matrices}
+        neuron = store.get("neuron")
+        if neuron is not None:
+            if version < 3 or not isinstance(neuron, dict) or set(neuron) != {"pairing"} \
+                    or neuron["pairing"] not in PAIRINGS:
+                raise c.fail(f"{where}neuron must be {{pairing: one of {list(PAIRINGS)}}} (schema_version 3)")
+            try:
+                NeuronLayout(layout)
+            except CodecError as e:
+                raise c.fail(f"{where}layout: {e}") from None
+        elif NeuronLayout.holds(layout):
+            raise c.fail(f"{where}layout has row-interleaved matrices, which only a neuron store (its 'neuron' key) "
+                         "holds")
+        names = {f"{module}.{name}" for module in modules for name in layout_params(layout, neuron is not None)}
         if names != set(params) or len(params) != len(names):
             raise c.fail(f"moe.expert_params do not match the experts modules and the {precision} layout")
         crc = c.get(store, "crc32", where, "dict")
@@ -390,13 +404,24 @@ def write_manifest(directory: str | Path, raw: dict) -> dict:
     return sealed
 
 
+def layout_params(layout: RecordLayout, neuron: bool) -> list[str]:
+    """The experts-module parameters a store's records hold: the layout's matrices, or for a neuron layout
+    the fused parameters its gate, neuron rows and biases come from."""
+    if not neuron:
+        return [spec.name for spec in layout.matrices]
+    has_bias = any(spec.name.endswith("_bias") for spec in layout.matrices)
+    return ["gate_up_proj", "down_proj", *(["gate_up_proj_bias", "down_proj_bias"] if has_bias else [])]
+
+
 def _layout(c: _Checker, raw: list, where: str, precision: str, dtype: str) -> RecordLayout:
     """A store's record layout, every field typed, each matrix at the store's precision (or passthrough)."""
     fields = {"name", "shape", "precision", "dtype", "group_size", "transposed", "meta_group"}
     if not raw:
         raise c.fail(f"{where}layout is empty")
     for i, d in enumerate(raw):
-        if (not isinstance(d, dict) or set(d) != fields or not isinstance(d["name"], str) or not d["name"]
+        if isinstance(d, dict) and d.get("rows") is not True and "rows" in d:
+            raise c.fail(f"{where}layout[{i}].rows must be true when present")
+        if (not isinstance(d, dict) or set(d) - {"rows"} != fields or not isinstance(d["name"], str) or not d["name"]
                 or not _is_int(d["meta_group"]) or d["meta_group"] < 0
                 or not isinstance(d["shape"], list) or not d["shape"]
                 or not all(_is_int(s) and s > 0 for s in d["shape"])
@@ -660,6 +685,25 @@ def check_record(manifest: Manifest, precision: str, key: str, data) -> None:
                             f"manifest says {expected:08x}); {_PREPARE_AGAIN}", file=info.file)
 
 
+def _check_neuron_store(info: StoreInfo, experts, num_experts: int, path: str, fail) -> None:
+    """A neuron store fits an experts module when its gate [I, H] and neuron rows [I, 2H] come from the module's
+    fused parameters: gate_up_proj [E, 2I, H] (or [E, H, 2I]) and down_proj [E, H, I] (or [E, I, H])."""
+    layout = NeuronLayout(RecordLayout.from_json(info.layout))
+    i, h = layout.intermediate, layout.hidden
+    want = {"gate_up_proj": {(num_experts, 2 * i, h), (num_experts, h, 2 * i)},
+            "down_proj": {(num_experts, h, i), (num_experts, i, h)}}
+    if "gate_bias" in layout.specs:
+        want |= {"gate_up_proj_bias": {(num_experts, 2 * i)}, "down_proj_bias": {(num_experts, h)}}
+    params = experts._parameters
+    if set(params) != set(want):
+        raise fail(f"the {info.precision} neuron layout comes from {sorted(want)}, the experts module {path!r} has "
+                   f"{sorted(params)}")
+    for name, shapes in want.items():
+        if params[name] is None or tuple(params[name].shape) not in shapes:
+            raise fail(f"{path}.{name} is {tuple(params[name].shape)} in the model, the {info.precision} neuron "
+                       f"layout needs one of {sorted(shapes)}")
+
+
 _TORCH_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 
@@ -690,6 +734,9 @@ def check_model(manifest: Manifest, model) -> None:
     for path in moe["experts_modules"]:
         experts = module(path)
         for info in manifest.stores.values():
+            if info.neuron is not None:
+                _check_neuron_store(info, experts, moe["num_experts"], path, fail)
+                continue
             names = [spec["name"] for spec in info.layout]
             if names != list(experts._parameters):  # a record holds every parameter, in the module's order
                 raise fail(f"the {info.precision} layout holds {names}, the experts module {path!r} has "

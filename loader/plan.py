@@ -112,6 +112,8 @@ class Plan:
     predictors: tuple[PolicySpec, ...] = ()
     routing: PolicySpec = field(default_factory=lambda: PolicySpec("topk"))
     miss: PolicySpec = field(default_factory=lambda: PolicySpec("plan"))  # read the planned precision
+    # CORM's neuron-level loading: "off", or "sparse" with theta, crossover, compute, trust_prediction, prefill
+    neuron: PolicySpec = field(default_factory=lambda: PolicySpec("off"))
     default_budget: str = "50%"
     operating_points: tuple[OperatingPoint, ...] = ()  # by rising budget (``for_budget``)
     version: int = PLAN_VERSION
@@ -172,7 +174,8 @@ class Plan:
             "routing": self.routing.to_json(),
             "miss": self.miss.to_json(),
             "default_budget": self.default_budget,
-        } | ({"operating_points": [p.to_json() for p in self.operating_points]} if self.operating_points else {})
+        } | ({"neuron": self.neuron.to_json()} if self.neuron.name != "off" else {}) \
+          | ({"operating_points": [p.to_json() for p in self.operating_points]} if self.operating_points else {})
 
     @classmethod
     def from_json(cls, raw) -> Plan:
@@ -185,7 +188,7 @@ class Plan:
         if not isinstance(raw, dict):
             raise bad(f"expected an object, got {type(raw).__name__}")
         known = {"version", "num_layers", "num_experts", "expert_precision", "pools", "layer_capacity",
-                 "eviction", "predictors", "routing", "miss", "default_budget", "operating_points"}
+                 "eviction", "predictors", "routing", "miss", "default_budget", "operating_points", "neuron"}
         if unknown := sorted(set(raw) - known):
             raise bad(f"unknown keys {unknown}")
         if raw.get("version") != PLAN_VERSION or type(raw.get("version")) is not int:
@@ -235,7 +238,8 @@ class Plan:
                    PolicySpec.from_json(raw.get("eviction"), "eviction"),
                    tuple(PolicySpec.from_json(p, f"predictors[{i}]") for i, p in enumerate(predictors)),
                    PolicySpec.from_json(raw.get("routing"), "routing"),
-                   PolicySpec.from_json(raw.get("miss"), "miss"), budget, tuple(points))
+                   PolicySpec.from_json(raw.get("miss"), "miss"),
+                   PolicySpec.from_json(raw.get("neuron", {"name": "off"}), "neuron"), budget, tuple(points))
         pooled = {p.precision for p in pools}
         if missing := sorted({p for row in plan.expert_precision for p in row} - pooled):
             raise bad(f"experts planned at precisions {missing} that no pool holds")

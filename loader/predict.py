@@ -20,6 +20,10 @@ Three techniques, each a plan entry (``Plan.predictors``: name and knobs) and a 
   next layer's experts by descending probability, at most ``max_preload`` with probability >= ``floor``.
 - ``first_gate`` (AdapMoE 4.3): a trained linear map from the LM head's input to the next token's first
   MoE layer routing; it also serves the first decode step after prefill.
+- ``neuron_gates`` (CORM C2): layer l+1's router on layer l's router input names the experts, and the
+  requests carry that input, so that on a neuron-layout artifact the loader reads each predicted
+  expert's W1 and then the neurons W1 names (``loader/neuron.py``); elsewhere it is a one-layer
+  next-gate predictor. It counts how many chosen experts it had named (expert-level accuracy).
 
 Their learned tensors come from the artifact's ``predictors.safetensors`` (``PathStats.from_tensors``
 documents the path-statistics layout; ``first_gate.weight`` is [E, H] float32).
@@ -43,11 +47,13 @@ class PredictorError(MoeError):
 
 @dataclass(frozen=True)
 class PrefetchRequest:
-    """Read expert ``expert`` of MoE layer position ``layer``; ``precision`` None means the planned one."""
+    """Read expert ``expert`` of MoE layer position ``layer``; ``precision`` None means the planned one.
+    ``inputs`` [T, H]: an input to predict the expert's active neurons from (neuron-level loading)."""
 
     layer: int
     expert: int
     precision: str | None = None
+    inputs: torch.Tensor | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -293,7 +299,40 @@ class FirstGatePredictor(Predictor):
         return [PrefetchRequest(0, e) for e in ranked_votes(logits, self.k, self.k)]
 
 
-PREDICTORS: dict[str, type[Predictor]] = {p.name: p for p in (NextGates, PathStatsPredictor, FirstGatePredictor)}
+class NeuronGates(NextGates):
+    """CORM's coarse step: layer l+1's gate on layer l's router input (see the module docstring)."""
+
+    name = "neuron_gates"
+
+    def __init__(self, experts: int | None = None) -> None:
+        super().__init__(depth=1, experts=experts)
+        self.reset()
+
+    def after_router(self, layer, router_input, indices):
+        if self._named is not None and self._named[0] == layer:  # score the prediction made for this layer
+            chosen = set(indices.flatten().tolist()) - {-1}
+            self.chosen += len(chosen)
+            self.hits += len(chosen & self._named[1])
+        self._named = None
+        predicted = self.predict(layer, router_input)
+        if not predicted:
+            return []
+        self._named = (layer + 1, set(predicted[0]))
+        x = router_input.reshape(-1, router_input.shape[-1]).detach()
+        return [PrefetchRequest(layer + 1, e, None, x) for e in predicted[0]]
+
+    def reset(self) -> None:
+        self._named = None
+        if not hasattr(self, "chosen"):
+            self.chosen = self.hits = 0
+
+    def stats(self) -> dict:
+        """Of the experts the routers chose at layers 2..L, the share this predictor had named."""
+        return {"chosen": self.chosen, "named": self.hits, "accuracy": self.hits / self.chosen if self.chosen else None}
+
+
+PREDICTORS: dict[str, type[Predictor]] = {p.name: p for p in (NextGates, PathStatsPredictor, FirstGatePredictor,
+                                                             NeuronGates)}
 
 
 def make_predictor(name: str, params: dict | None = None) -> Predictor:

@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from loader.cache import ExpertCache, MemoryMeter, PoolConfig, ordered_experts, policy_factory
-from loader.codec import RecordLayout
+from loader.codec import NeuronLayout, RecordLayout
 from loader.format import ArtifactError, check_model, check_record, expert_key, open_artifact, read_manifest
+from loader.neuron import NeuronConfig, NeuronError, active_set, neuron_forward
 from loader.plan import (
     Capacities,
     ModelSizes,
@@ -97,7 +98,8 @@ class ExpertRuntime:
 
     def __init__(self, plan: Plan, caps: Capacities, stores: dict[str, ExpertStore],
                  layouts: dict[str, RecordLayout], top_k: int, device: torch.device, workers: int,
-                 miss_policy: MissPolicy, predictors: list[Predictor], layer_ids: list[int]) -> None:
+                 miss_policy: MissPolicy, predictors: list[Predictor], layer_ids: list[int],
+                 neuron: NeuronConfig | None = None, pairings: dict[str, str] | None = None) -> None:
         self.plan = plan
         self.layer_ids = layer_ids  # position among the MoE layers -> the model's layer index (record keys)
         self.caps = caps
@@ -127,6 +129,15 @@ class ExpertRuntime:
         self.prefetch_saved_seconds = 0.0  # read time of used prefetches a demand did not wait for
         miss_policy.bind(plan.num_layers, plan.num_experts)
         miss_policy.view = self.cache.view
+        # neuron-level loading (loader/neuron.py): the stores in the neuron layout and their gate_up pairing
+        self.neuron = neuron
+        self.pairings = pairings or {}
+        self.neuron_layouts = {p: NeuronLayout(lay) for p, lay in layouts.items() if p in self.pairings}
+        self.modules: list = []  # the experts module of each MoE layer (the neuron predictor's activation)
+        self._neuron_pending: list = []  # (entry, router input): predicted experts whose header is on its way
+        self.neuron_counts = dict.fromkeys(
+            ("experts", "neurons", "active", "computed", "rows_read", "whole_reads", "partial_reads",
+             "predicted_experts", "predicted_rows", "predicted_active", "active_predicted"), 0)
 
     def bind_predictors(self, routers: list, tensors: dict) -> None:
         """Hand every predictor the routers' weights, the artifact's predictor tensors and a view of the cache."""
@@ -145,12 +156,12 @@ class ExpertRuntime:
         """The cache dropped ``entry``: its slot returns to the pool's free list once no read targets it."""
         if entry.slot < 0:
             return
-        job = entry.ticket
-        if job is not None and not self.reader.cancel(job):
-            job.wait_done()  # already being read: let it land before the slot is reused
+        for job in (entry.ticket, entry.row_job):
+            if job is not None and not self.reader.cancel(job):
+                job.wait_done()  # already being read: let it land before the slot is reused
         self.arenas[entry.pool].give(entry.slot)
         entry.slot = -1
-        entry.ticket = None
+        entry.ticket = entry.row_job = None
 
     def _reap(self) -> None:
         """Mark prefetches whose reads have landed as resident (evictable again); drop failed ones (a
@@ -162,7 +173,7 @@ class ExpertRuntime:
                 continue
             if job.state == "done":
                 self.cache.complete(entry, True)
-                entry.read_seconds = job.seconds
+                entry.read_seconds += job.seconds
             elif job.state in ("failed", "cancelled"):
                 self.cache.cancel(entry)
             else:
@@ -193,6 +204,10 @@ class ExpertRuntime:
     def run_layer(self, layer: int, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H]."""
+        if self._neuron_on(hidden.shape[0]):
+            out = self._run_neuron_layer(layer, module, hidden, top_k_index, top_k_weights)
+            self._advance_neuron_prefetches()
+            return out
         out = torch.zeros_like(hidden)
         cache = self.cache
         self._reap()
@@ -254,6 +269,7 @@ class ExpertRuntime:
 
         submit_next()
         for expert, entry in ready:
+            self._fill(layer, entry)
             self._compute(module, expert, self._record(entry), entry.precision, hidden, top_k_index, top_k_weights, out)
         for expert, entry in waiting:
             stalled = self.times[layer].stall_seconds
@@ -261,6 +277,7 @@ class ExpertRuntime:
             if prefetched.get(expert) is entry:  # a prefetch still in flight: saved what was read before the wait
                 self.prefetch_saved_seconds += max(0.0, entry.ticket.seconds - (self.times[layer].stall_seconds - stalled))
             cache.complete(entry, True)
+            self._fill(layer, entry)
             self._compute(module, expert, self._record(entry), entry.precision, hidden, top_k_index, top_k_weights, out)
         while reads:
             expert, entry, slot, job = reads.pop(0)
@@ -276,18 +293,31 @@ class ExpertRuntime:
                 self.meter.sub(self.buffers.slot_bytes)
                 buffers_free += 1
             submit_next()
-        cache.end_layer(layer)
-        self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes)
+        self._end_layer(layer)
+        self._advance_neuron_prefetches()
+        return out
+
+    def _end_layer(self, layer: int) -> None:
+        self.cache.end_layer(layer)
+        self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache.nbytes)
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
             self.reader.after_compute = event
-        return out
 
-    def _compute(self, module, expert, record, precision, hidden, top_k_index, top_k_weights, out) -> None:
+    def _compute(self, module, expert, record, precision, hidden, top_k_index, top_k_weights, out,
+                 rows: torch.Tensor | None = None, header: dict | None = None) -> None:
+        """Add expert ``expert``'s weighted output for its tokens to ``out``; a neuron-layout record computes over
+        the neurons of the bool mask ``rows`` (None: all)."""
         tokens, slot = torch.where((top_k_index == expert) & (top_k_weights != 0))
-        w = self.layouts[precision].decode(record)
         x = hidden[tokens]
+        if precision in self.neuron_layouts:
+            index = None if rows is None or bool(rows.all()) else rows.nonzero().flatten()
+            y = neuron_forward(module, self.neuron_layouts[precision], record, self.pairings[precision], x, index,
+                               header)
+            out.index_add_(0, tokens, (y * top_k_weights[tokens, slot, None]).to(out.dtype))
+            return
+        w = self.layouts[precision].decode(record)
         if module.is_transposed:
             gate_up = x @ w["gate_up_proj"].to(x.dtype)
             if "gate_up_proj_bias" in w:
@@ -300,6 +330,233 @@ class ExpertRuntime:
             y = y + w["down_proj_bias"].to(x.dtype)
         y = y * top_k_weights[tokens, slot, None]
         out.index_add_(0, tokens, y.to(out.dtype))
+
+    # ----------------------------------------------------------------------------- neuron-level loading
+    def _neuron_on(self, tokens: int) -> bool:
+        """Whether a forward of ``tokens`` tokens takes the neuron path (decode only unless ``prefill``)."""
+        return self.neuron is not None and bool(self.neuron_layouts) and (tokens == 1 or self.neuron.prefill)
+
+    def _rows_job(self, layer: int, entry_or_none, store: ExpertStore, arena: SlotArena, slot: int, expert: int,
+                  rows: torch.Tensor, priority: int) -> ReadJob:
+        """Read the neuron rows of the bool mask ``rows`` into ``slot`` (their bytes counted as read)."""
+        ranges = self.neuron_layouts[store.precision].ranges(rows)
+        job = self.reader.submit(ReadJob(store, self.key(layer, expert), arena, slot, priority, ranges))
+        self.cache.count_read(layer, sum(length for _s, length in ranges))
+        self.neuron_counts["rows_read"] += int(rows.sum())
+        return job
+
+    def _header_job(self, layer: int, store: ExpertStore, arena: SlotArena, slot: int, expert: int,
+                    priority: int) -> ReadJob:
+        """Read a neuron record's header (W1 and the biases) into ``slot``."""
+        header = self.neuron_layouts[store.precision].rows_offset
+        job = self.reader.submit(ReadJob(store, self.key(layer, expert), arena, slot, priority, [(0, header)]))
+        self.cache.count_read(layer, header)
+        return job
+
+    def _land_rows(self, layer: int, entry, wait: bool = True) -> None:
+        """Merge a finished neuron read into the entry's mask (waiting for it when ``wait``): the union rule."""
+        job = entry.row_job
+        if job is None or (not wait and job.state not in ("done", "failed", "cancelled")):
+            return
+        if wait:
+            self._await(layer, job)
+        if job.state == "done":
+            entry.neurons = entry.neurons | entry.row_mask
+        entry.row_job = entry.row_mask = None
+
+    def _fill(self, layer: int, entry) -> None:
+        """Make a partly read neuron record whole before a whole-expert compute (a prefill after decode)."""
+        if entry.neurons is None:
+            return
+        self._land_rows(layer, entry)
+        missing = ~entry.neurons
+        if bool(missing.any()):
+            store = self.stores[entry.precision]
+            self._await(layer, self._rows_job(layer, entry, store, self.arenas[entry.pool], entry.slot, entry.expert,
+                                              missing, DEMAND))
+        entry.neurons = None
+
+    def _to_read(self, resident: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """The rows to read for ``active`` given ``resident``: the active ones missing, or every missing row
+        once the expert would hold more than ``crossover`` of its neurons (a whole read costs less)."""
+        need = active & ~resident
+        if bool(need.any()) and float((resident | need).float().mean()) > self.neuron.crossover:
+            need = ~resident
+            self.neuron_counts["whole_reads"] += 1
+        elif bool(need.any()):
+            self.neuron_counts["partial_reads"] += 1
+        return need
+
+    def _run_neuron_layer(self, layer: int, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The layer step with neuron-level loading: a miss reads the record's header (W1), W1 names the active
+        neurons, and only the rows the slot lacks are read (``_to_read``); hits add their missing active
+        rows the same way. Headers are read for every miss first, then each expert's rows, so reads overlap."""
+        out = torch.zeros_like(hidden)
+        cache = self.cache
+        self._reap()
+        planned = self.plan.expert_precision[layer]
+        active = top_k_weights != 0
+        chosen = top_k_index if bool(active.all()) else top_k_index.masked_fill(~active, -1)
+        wanted = [(e, planned[e]) for e in ordered_experts(chosen.tolist(), self.num_experts)]
+        prefetched = {e.expert: e for e in cache.layer_entries(layer) if e.prefetched}
+        requests = cache.begin_layer(layer, wanted)
+        self._cancel_unwanted(layer, prefetched, {e for e, _ in wanted})
+        self._neuron_pending = [(e, x) for e, x in self._neuron_pending if e.layer != layer]
+        items, skipped = [], []
+        for req in requests:
+            entry, precision = req.entry, req.precision
+            if req.kind == "miss":
+                precision = self.miss_policy.decide(layer, req.expert, req.precision, top_k_index, top_k_weights)
+                if precision == SKIP:
+                    cache.skip(layer, req.expert)
+                    skipped.append(req.expert)
+                    continue
+                if precision != req.precision:
+                    entry = cache.find(layer, req.expert, precision)
+                if entry is None and precision not in self.stores:
+                    raise LoaderError(f"the miss policy asked for precision {precision!r}, which the artifact has "
+                                      f"no store for (stores: {sorted(self.stores)})")
+            elif prefetched.get(req.expert) is entry and not entry.in_flight:
+                self.prefetch_saved_seconds += entry.read_seconds
+            cache.use(layer, req.expert, entry.precision if entry is not None else precision)
+            items.append({"expert": req.expert, "entry": entry, "precision": entry.precision if entry else precision})
+        if skipped and self.miss_policy.renormalize:
+            top_k_weights = renormalized(top_k_weights, chosen, skipped)
+        batch = []
+        for item in items:
+            if item["entry"] is None:
+                precision = item["precision"]
+                item["entry"] = cache.admit(layer, item["expert"], precision, self.slot_bytes[precision])
+                if item["entry"] is None and not self.buffers.free:
+                    self._neuron_batch(layer, module, hidden, top_k_index, top_k_weights, out, batch)
+                    batch = []
+                self._start_miss(layer, item)
+            batch.append(item)
+        self._neuron_batch(layer, module, hidden, top_k_index, top_k_weights, out, batch)
+        self._end_layer(layer)
+        return out
+
+    def _start_miss(self, layer: int, item: dict) -> None:
+        """A miss: take a slot (the admitted entry's, else a read buffer) and start reading the header (a
+        neuron record) or the whole record."""
+        entry, precision, expert = item["entry"], item["precision"], item["expert"]
+        store = self.stores[precision]
+        if entry is not None:
+            arena, entry.slot = self.arenas[entry.pool], self.arenas[entry.pool].take()
+            slot = entry.slot
+        else:
+            arena, slot = self.buffers, self.buffers.take()
+            self.meter.add(self.buffers.slot_bytes)
+            item["buffer"] = slot
+        if precision in self.neuron_layouts:
+            job = self._header_job(layer, store, arena, slot, expert, DEMAND)
+            if entry is not None:
+                entry.neurons = torch.zeros(self.neuron_layouts[precision].intermediate, dtype=torch.bool)
+        else:
+            job = self.reader.submit(ReadJob(store, self.key(layer, expert), arena, slot, DEMAND))
+            self.cache.count_read(layer, store.record_bytes)
+        if entry is not None:
+            entry.ticket = job
+        item["job"] = job
+
+    def _neuron_batch(self, layer, module, hidden, top_k_index, top_k_weights, out, items: list) -> None:
+        """Wait for each item's header, read the rows its active set lacks, then compute each over its rows."""
+        cfg = self.neuron
+        for item in items:
+            entry, precision, expert = item["entry"], item["precision"], item["expert"]
+            job = item.get("job") or (entry.ticket if entry is not None and entry.in_flight else None)
+            if job is not None:
+                self._await(layer, job)
+                if entry is not None:
+                    self.cache.complete(entry, True)
+            if precision not in self.neuron_layouts:
+                if entry is not None:
+                    self._fill(layer, entry)
+                continue
+            layout = self.neuron_layouts[precision]
+            if entry is not None:
+                self._land_rows(layer, entry)
+                arena, slot = self.arenas[entry.pool], entry.slot
+                resident = entry.neurons if entry.neurons is not None else torch.ones(layout.intermediate, dtype=torch.bool)
+            else:
+                arena, slot = self.buffers, item["buffer"]
+                resident = torch.zeros(layout.intermediate, dtype=torch.bool)
+            record = arena.tensor(slot, self.stores[precision].record_bytes)
+            tokens, _ = torch.where((top_k_index == expert) & (top_k_weights != 0))
+            header = layout.header(record)
+            wanted = active_set(module, header, hidden[tokens], self.pairings[precision], cfg.theta)
+            counts = self.neuron_counts
+            counts["experts"] += 1
+            counts["neurons"] += layout.intermediate
+            counts["active"] += int(wanted.sum())
+            predicted = entry.predicted if entry is not None else None
+            if predicted is not None:
+                counts["predicted_experts"] += 1
+                counts["predicted_rows"] += int(predicted.sum())
+                counts["predicted_active"] += int((predicted & wanted).sum())
+                counts["active_predicted"] += int(wanted.sum())
+                entry.predicted = None
+            trusted = cfg.trust_prediction and predicted is not None
+            need = torch.zeros_like(wanted) if trusted else self._to_read(resident, wanted)
+            item.update(header=header, wanted=wanted, resident=resident, record=record)
+            if bool(need.any()):
+                item["rows"] = (need, self._rows_job(layer, entry, self.stores[precision], arena, slot, expert, need,
+                                                    DEMAND))
+        for item in items:
+            entry, precision, expert = item["entry"], item["precision"], item["expert"]
+            if precision not in self.neuron_layouts:
+                record = self.arenas[entry.pool].tensor(entry.slot, self.stores[precision].record_bytes) \
+                    if entry is not None else self.buffers.tensor(item["buffer"], self.stores[precision].record_bytes)
+                self._compute(module, expert, record, precision, hidden, top_k_index, top_k_weights, out)
+            else:
+                resident = item["resident"]
+                if "rows" in item:
+                    need, job = item["rows"]
+                    self._await(layer, job)
+                    resident = resident | need
+                    if entry is not None:
+                        entry.neurons = resident
+                rows = resident if self.neuron.compute == "resident" else item["wanted"] & resident
+                self.neuron_counts["computed"] += int(rows.sum())
+                self._compute(module, expert, item["record"], precision, hidden, top_k_index, top_k_weights, out,
+                              rows, item["header"])
+            if "buffer" in item:
+                self.buffers.give(item["buffer"])
+                self.meter.sub(self.buffers.slot_bytes)
+
+    def _predict_rows(self, entry, x: torch.Tensor) -> None:
+        """CORM's neuron prediction: the held W1 of a predicted expert on the earlier layer's router input names
+        the active neurons; the rows the slot lacks are prefetched."""
+        if entry.slot < 0 or entry.in_flight or entry.neurons is None or entry.row_job is not None:
+            return
+        layout = self.neuron_layouts[entry.precision]
+        header = layout.header(self._record(entry))
+        predicted = active_set(self.modules[entry.layer], header, x, self.pairings[entry.precision], self.neuron.theta)
+        entry.predicted = predicted
+        need = self._to_read(entry.neurons, predicted)
+        if bool(need.any()):
+            entry.row_mask = need
+            entry.row_job = self._rows_job(entry.layer, entry, self.stores[entry.precision], self.arenas[entry.pool],
+                                           entry.slot, entry.expert, need, PREFETCH)
+
+    def _advance_neuron_prefetches(self) -> None:
+        """After a layer's compute: predicted experts whose header has landed get their neuron rows prefetched;
+        finished neuron reads are merged into their masks."""
+        if not self._neuron_pending:
+            return
+        still = []
+        for entry, x in self._neuron_pending:
+            if entry.slot < 0:
+                continue
+            if entry.in_flight and entry.ticket is not None and entry.ticket.state == "done":
+                self.cache.complete(entry, True)
+                entry.read_seconds += entry.ticket.seconds if entry.ticket else 0.0
+            if entry.in_flight:
+                still.append((entry, x))
+                continue
+            self._predict_rows(entry, x)
+        self._neuron_pending = still
 
     # ----------------------------------------------------------------------------------- prefetch
     def _cancel_unwanted(self, layer: int, prefetched: dict, wanted: set) -> None:
@@ -317,17 +574,33 @@ class ExpertRuntime:
         if not requests:
             return
         self._reap()
-        wanted = []
+        wanted, inputs = [], {}
         for req in requests:
             if not (0 <= req.layer < self.num_layers and 0 <= req.expert < self.num_experts):
                 continue
             precision = req.precision or self.plan.expert_precision[req.layer][req.expert]
             if precision in self.stores:
                 wanted.append((req.layer, req.expert, precision, self.slot_bytes[precision]))
-        for entry in self.cache.prefetch(wanted):
-            self._read_into_entry(entry, PREFETCH)
+                if req.inputs is not None and precision in self.neuron_layouts and self._neuron_on(req.inputs.shape[0]):
+                    inputs[(req.layer, req.expert, precision)] = req.inputs
+        admitted = self.cache.prefetch(wanted)
+        for entry in admitted:
+            x = inputs.pop((entry.layer, entry.expert, entry.precision), None)
+            if x is not None:  # CORM: the header (W1) first; its neurons once it has landed
+                arena = self.arenas[entry.pool]
+                entry.slot = arena.take()
+                entry.neurons = torch.zeros(self.neuron_layouts[entry.precision].intermediate, dtype=torch.bool)
+                entry.ticket = self._header_job(entry.layer, self.stores[entry.precision], arena, entry.slot,
+                                                entry.expert, PREFETCH)
+                self._neuron_pending.append((entry, x))
+            else:
+                self._read_into_entry(entry, PREFETCH)
+                self.cache.count_read(entry.layer, self.stores[entry.precision].record_bytes)
             self._prefetching.append(entry)
-            self.cache.count_read(entry.layer, self.stores[entry.precision].record_bytes)
+        for (layer, expert, precision), x in inputs.items():  # held already: predict its neurons now
+            entry = self.cache.find(layer, expert, precision)
+            if entry is not None and not entry.in_flight:
+                self._predict_rows(entry, x)
 
     def after_router(self, layer: int, router_input, indices) -> None:
         for expert in indices.flatten().tolist():  # chosen now: no prefetch for a later layer may evict them
@@ -348,6 +621,25 @@ class ExpertRuntime:
             for p in [self.miss_policy, *self.predictors, *([self.routing] if self.routing else [])]:
                 p.reset()
         self.cache.clock.token = past_length + max(tokens, 1) - 1
+
+    def neuron_stats(self) -> dict | None:
+        """Neuron-level loading: experts computed on the neuron path, their active and computed share, rows
+        read, whole and partial reads, and the predictor's accuracy at expert and neuron level; None when off."""
+        if not self._neuron_on(1):
+            return None
+        c = self.neuron_counts
+        experts = next((p.stats() for p in self.predictors if p.name == "neuron_gates"), None)
+        return c | {
+            "theta": self.neuron.theta, "crossover": self.neuron.crossover, "compute": self.neuron.compute,
+            "trust_prediction": self.neuron.trust_prediction,
+            "active_share": c["active"] / c["neurons"] if c["neurons"] else None,
+            "computed_share": c["computed"] / c["neurons"] if c["neurons"] else None,
+            # of the neurons active at a predicted expert, the share the prediction named
+            "neuron_recall": c["predicted_active"] / c["active_predicted"] if c["active_predicted"] else None,
+            # of the neurons the prediction named, the share that were active
+            "neuron_precision": c["predicted_active"] / c["predicted_rows"] if c["predicted_rows"] else None,
+            "expert_prediction": experts,
+        }
 
     def close(self) -> None:
         self.reader.close()
@@ -437,6 +729,7 @@ class LoadedModel:
             # runs saved; DynamicPrecision: misses read high, low, skipped); None for the defaults
             "routing": self.routing.policy.stats() if self.routing and hasattr(self.routing.policy, "stats") else None,
             "miss_policy": rt.miss_policy.stats() if hasattr(rt.miss_policy, "stats") else None,
+            "neuron": rt.neuron_stats(),
         }
 
     def close(self) -> None:
@@ -571,7 +864,7 @@ def budget_bytes(artifact: str | Path, memory_budget, store: str = "disk", plan:
 def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: str = "disk",
          policy: str | None = None, workers: int = 2, routing: RoutingPolicy | None = None,
          predictors: list[Predictor] | None = None, miss_policy: MissPolicy | None = None,
-         plan: Plan | None = None) -> LoadedModel:
+         plan: Plan | None = None, neuron: NeuronConfig | bool | None = None) -> LoadedModel:
     """Open ``artifact`` and return a runnable model with its experts offloaded.
 
     memory_budget: None (the plan's default budget), bytes, a size string ("1.5GiB"), a percentage
@@ -579,13 +872,15 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     policy: an eviction policy name overriding the plan's. routing / predictors / miss_policy: objects
     overriding the plan's (``loader.routing``, ``loader.predict``); predictors may also be names
     (``loader.predict.PREDICTORS``), which take the plan's knobs for that name, and ``[]`` turns them
-    off. plan: a whole ``Plan`` instead of the artifact's ``plan.json``.
+    off. plan: a whole ``Plan`` instead of the artifact's ``plan.json``. neuron: neuron-level loading
+    (``loader/neuron.py``) on with the plan's knobs (True), off (False), these knobs (a ``NeuronConfig``),
+    or as the plan says (None); it needs an artifact whose stores are in the neuron layout.
 
     ``prepare`` publishes a new artifact by swapping a symlink and then deletes the old version; a load
     that was reading the old version when it went is retried once on the new one.
     """
     args = dict(device=device, memory_budget=memory_budget, store=store, policy=policy, workers=workers,
-                routing=routing, predictors=predictors, miss_policy=miss_policy, plan=plan)
+                routing=routing, predictors=predictors, miss_policy=miss_policy, plan=plan, neuron=neuron)
     resolved = Path(artifact).resolve()
     try:
         return _load(artifact, **args)
@@ -595,8 +890,28 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     return _load(artifact, **args)  # the artifact was swapped under us: once more, on the new version
 
 
+def _neuron_config(plan: Plan, neuron, pairings: dict) -> NeuronConfig | None:
+    """The neuron-level loading the load runs with (see ``load``), checked against the artifact's stores."""
+    if neuron is False or (neuron is None and plan.neuron.name == "off"):
+        return None
+    if isinstance(neuron, NeuronConfig):
+        cfg = neuron
+    else:
+        if plan.neuron.name not in ("off", "sparse"):
+            raise LoaderError(f"the plan's neuron entry {plan.neuron.name!r} is unknown (known: off, sparse); "
+                              "upgrade the loader or prepare the artifact again")
+        try:
+            cfg = NeuronConfig.from_params(plan.neuron.params)
+        except (NeuronError, TypeError) as e:
+            raise LoaderError(f"{e}; prepare the artifact again") from None
+    if not pairings:
+        raise LoaderError("neuron-level loading needs an artifact whose expert stores are in the neuron layout; "
+                          "prepare it with `--set neuron.layout=neuron` (or leave neuron loading off)")
+    return cfg
+
+
 def _load(artifact, device, memory_budget, store, policy, workers, routing, predictors, miss_policy,
-          plan) -> LoadedModel:
+          plan, neuron) -> LoadedModel:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -627,6 +942,13 @@ def _load(artifact, device, memory_budget, store, policy, workers, routing, pred
             s.close()
         raise
     layouts = {p: RecordLayout.from_json(s["layout"]) for p, s in manifest.raw["stores"].items()}
+    pairings = {p: s.neuron["pairing"] for p, s in manifest.stores.items() if s.neuron is not None}
+    try:
+        neuron_cfg = _neuron_config(plan, neuron, pairings)
+    except LoaderError:
+        for s in stores.values():
+            s.close()
+        raise
 
     config = AutoConfig.from_pretrained(artifact)
     with torch.device("meta"):
@@ -652,7 +974,7 @@ def _load(artifact, device, memory_budget, store, policy, workers, routing, pred
         plan, caps, stores, layouts, moe["top_k"], dev, workers,
         miss_policy if miss_policy is not None else _named(MISS_POLICIES, plan.miss, "miss policy", MissPolicy),
         chosen,
-        list(layers))
+        list(layers), neuron_cfg, pairings)
     for position, path in enumerate(moe["experts_modules"]):
         module = _submodule(model, path, "experts")
         if getattr(module, "num_experts", moe["num_experts"]) != moe["num_experts"]:
@@ -661,6 +983,7 @@ def _load(artifact, device, memory_budget, store, policy, workers, routing, pred
         for name in [n for n, p in module.named_parameters(recurse=False) if p.is_meta]:
             del module._parameters[name]  # never materialised: experts live in the store and the cache
         module._moeprep = OffloadedExperts(position, runtime)
+        runtime.modules.append(module)
     _register_implementation()
     model.config._experts_implementation = IMPLEMENTATION
     leftover = [n for n, p in model.named_parameters() if p.is_meta]

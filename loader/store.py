@@ -163,10 +163,12 @@ class ReadJob:
     """One queued or running read; ``wait()`` returns the seconds the read itself took."""
 
     def __init__(self, store: ExpertStore, key: str, arena: SlotArena, slot: int, priority: int,
-                 start: int = 0, length: int | None = None) -> None:
+                 ranges: list[tuple[int, int]] | None = None) -> None:
+        """ranges: (start, length) byte ranges of the record, each landing at its own place in the slot
+        (a neuron read); None reads the whole record."""
         self.store, self.key, self.arena, self.slot = store, key, arena, slot
         self.priority = priority
-        self.start, self.length = start, length
+        self.ranges = ranges
         self.state = "queued"  # queued -> running -> done | failed; or queued -> cancelled
         self.seconds = 0.0
         self.nbytes = 0
@@ -248,19 +250,24 @@ class Reader:
             job._done.set()
 
     def _read(self, job: ReadJob) -> int:
+        if job.ranges is None:
+            return self._read_range(job, 0, None)
+        return sum(self._read_range(job, start, length) for start, length in job.ranges)
+
+    def _read_range(self, job: ReadJob, start: int, length: int | None) -> int:
         arena = job.arena
         if arena.device.type != "cuda":
-            return job.store.read_into(job.key, arena.host_view(job.slot), job.start, job.length)
+            return job.store.read_into(job.key, arena.host_view(job.slot)[start:], start, length)
         staging = getattr(self._local, "staging", None)
         if staging is None or staging.numel() < arena.slot_bytes:
             staging = self._local.staging = torch.empty(arena.slot_bytes, dtype=torch.uint8, pin_memory=True)
             self._local.stream = torch.cuda.Stream(device=arena.device)
-        n = job.store.read_into(job.key, memoryview(staging.numpy()), job.start, job.length)
+        n = job.store.read_into(job.key, memoryview(staging.numpy()), start, length)
         stream = self._local.stream
         with torch.cuda.stream(stream):
             if self.after_compute is not None:
                 stream.wait_event(self.after_compute)  # the slot's previous record may still be in use
-            arena.tensor(job.slot, arena.slot_bytes)[job.start:job.start + n].copy_(staging[:n], non_blocking=True)
+            arena.tensor(job.slot, arena.slot_bytes)[start:start + n].copy_(staging[:n], non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
         done.synchronize()  # staging is reused by this thread's next read

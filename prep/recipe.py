@@ -270,6 +270,32 @@ class CacheRoutingSection:
     num_sequences: int | None = 8
 
 
+@dataclass(frozen=True)
+class NeuronSection:
+    """CORM's neuron-level loading. ``layout``: ``expert`` (whole-expert records) or ``neuron`` (neuron-major
+    records: W1 whole, then one contiguous row per neuron; ``loader/codec.py`` NeuronLayout). ``enabled``:
+    the loader reads only each token's active neurons (needs the neuron layout; decode only unless
+    ``prefill``). ``theta``: the activity threshold; with ``tolerance`` (mean next-token KL, nats, on the last
+    ``num_sequences`` calibration sequences) it is the largest of ``thetas`` up to ``theta`` whose source
+    model with the inactive neurons dropped stays within it. ``crossover``: the active share above which a
+    whole read is cheaper (null: measured on this machine's disk). ``compute``: ``resident`` or ``active``
+    neurons; ``predictor``: CORM's next-gate + W1 prefetch (the ``neuron_gates`` predictor);
+    ``trust_prediction``: a predicted expert computes with what was prefetched (CORM) instead of reading the
+    active neurons it lacks."""
+
+    layout: str = "expert"
+    enabled: bool = False
+    theta: float = 0.1
+    thetas: tuple[float, ...] = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3)
+    tolerance: float | None = None
+    num_sequences: int | None = 8
+    crossover: float | None = None
+    compute: str = "resident"
+    predictor: bool = False
+    trust_prediction: bool = False
+    prefill: bool = False
+
+
 ALLOCATION_COSTS = ("measured", "closed_form")
 
 
@@ -344,6 +370,7 @@ class Recipe:
     gating: GatingSection = field(default_factory=GatingSection)
     dynamic_precision: DynamicPrecisionSection = field(default_factory=DynamicPrecisionSection)
     cache_routing: CacheRoutingSection = field(default_factory=CacheRoutingSection)
+    neuron: NeuronSection = field(default_factory=NeuronSection)
     plan: PlanSection = field(default_factory=PlanSection)
     package: PackageSection = field(default_factory=PackageSection)
     evaluate: EvaluateSection = field(default_factory=EvaluateSection)
@@ -470,6 +497,7 @@ def _validate(recipe: Recipe) -> None:
     _validate_predict(recipe.predict, q.precisions, recipe.calibration.num_sequences)
     _validate_less_per_token(recipe.gating, recipe.dynamic_precision, q.precisions)
     _validate_cache_routing(recipe.cache_routing, recipe.gating.enabled)
+    _validate_neuron(recipe.neuron)
     _validate_plan(recipe.plan)
     if not 0 < recipe.package.cache_fraction <= 1:
         raise MoeprepError("package.cache_fraction must be in (0, 1]")
@@ -570,6 +598,25 @@ def _validate_cache_routing(c: CacheRoutingSection, gating: bool) -> None:
     if c.enabled and gating:
         raise MoeprepError("gating and cache_routing both rewrite the routing and a plan runs one routing policy; "
                            "enable one of them")
+
+
+def _validate_neuron(n: NeuronSection) -> None:
+    from loader.neuron import COMPUTE
+
+    if n.layout not in ("expert", "neuron"):
+        raise MoeprepError(f"neuron.layout {n.layout!r} unknown; use expert or neuron")
+    if n.enabled and n.layout != "neuron":
+        raise MoeprepError("neuron.enabled needs the neuron record layout: set neuron.layout: neuron")
+    if n.theta < 0 or any(t < 0 for t in n.thetas) or not n.thetas:
+        raise MoeprepError("neuron.theta and neuron.thetas must be >= 0 (thetas: a non-empty list)")
+    if n.tolerance is not None and n.tolerance < 0:
+        raise MoeprepError(f"neuron.tolerance must be >= 0 nats (or null), got {n.tolerance}")
+    if n.crossover is not None and not 0 <= n.crossover <= 1:
+        raise MoeprepError(f"neuron.crossover is a share in [0, 1] (or null to measure it), got {n.crossover}")
+    if n.compute not in COMPUTE:
+        raise MoeprepError(f"neuron.compute must be one of {COMPUTE}, got {n.compute!r}")
+    if n.num_sequences is not None and n.num_sequences <= 0:
+        raise MoeprepError("neuron.num_sequences must be positive (or null for all)")
 
 
 def recipe_from_dict(data: dict, overrides: tuple[str, ...] = ()) -> Recipe:

@@ -22,6 +22,7 @@ from loader.errors import MoeError
 from loader.format import (
     DIGEST,
     DIGEST_REQUIRED,
+    SCHEMA_VERSION,
     ArtifactError,
     check_model,
     check_record,
@@ -100,7 +101,7 @@ def _store(artifact: Path) -> Path:
 def test_the_sound_artifact_passes_every_check(built):
     manifest = open_artifact(built)
     assert verify(built) == [] and manifest.plan is not None
-    assert manifest.raw["schema_version"] == 2 and manifest.root == built
+    assert manifest.raw["schema_version"] == SCHEMA_VERSION == 3 and manifest.root == built
     config = AutoConfig.from_pretrained(manifest.root)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -288,8 +289,8 @@ def test_a_hand_edited_manifest_is_refused_by_its_digest(artifact):
 # ------------------------------------------------------------------------------ malformed input (item 7)
 
 
-@pytest.mark.parametrize("value", [True, 1, "2", 2.0, None, 3])
-def test_schema_version_must_be_the_integer_2(artifact, value):
+@pytest.mark.parametrize("value", [True, 1, "3", 3.0, None, 4])
+def test_schema_version_must_be_a_readable_integer(artifact, value):
     _edit(artifact, lambda raw: raw.update(schema_version=value))
     with pytest.raises(ArtifactError, match="schema_version") as err:
         read_manifest(artifact)
@@ -371,6 +372,13 @@ def test_invalid_json_gets_one_error_naming_the_file(artifact, name):
     if name == "report.json":
         result = CliRunner().invoke(moeload, ["info", str(artifact)])
         assert result.exit_code == 1 and "report.json" in result.output and "not valid JSON" in result.output
+
+
+def test_schema_2_artifacts_still_open(artifact):
+    """Schema 3 only adds neuron stores: an artifact written as schema 2 (no neuron store) still loads."""
+    _edit(artifact, lambda raw: raw.update(schema_version=2))
+    assert read_manifest(artifact).raw["schema_version"] == 2
+    assert verify(artifact) == []
 
 
 def test_version_1_artifacts_are_refused_with_the_fix(artifact):

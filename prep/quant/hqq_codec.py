@@ -114,3 +114,42 @@ def fake_quantize(weight: torch.Tensor, nbits: int, group_size: int, meta_group:
         )
     spec = matrix_spec("w", weight, f"int{nbits}", group_size, meta_group=meta_group)
     return decode_matrix(spec, encode_matrix(spec, weight))
+
+
+def encode_rows(spec: MatrixSpec, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``weight`` as a row-interleaved matrix (``spec.rows``): encoded part after part, then each row's
+    slices of every part joined, so row j is one contiguous run of ``spec.row_bytes`` bytes."""
+    rows = spec.shape[0]
+    parts = encode_matrix(spec.plain(), weight)
+    slices = [parts[name].contiguous().reshape(-1).view(torch.uint8).view(rows, -1) for name, _d, _s in spec.row_parts()]
+    return {f"{spec.name}.rows": torch.cat(slices, 1).reshape(-1)}
+
+
+def encode_neuron_expert(weights, precision: str, group_size: int, meta_group: int = 0
+                         ) -> tuple[RecordLayout, torch.Tensor]:
+    """One expert (``prep.adapters.base.ExpertWeights``) -> (its neuron layout, record): see
+    ``loader.codec.NeuronLayout``. Groups run along the hidden dimension for W1, W3 and W2 alike (W2 is
+    stored transposed, one down column per neuron row); with a meta group, the gate matrix keeps the
+    store's meta group and each neuron row gets one meta group of its own."""
+    hidden = weights.gate.shape[1]
+    quantized = precision != "passthrough"
+    if quantized and hidden % group_size:
+        raise MoeprepError(f"the neuron layout quantizes along the hidden dimension {hidden}; group size {group_size} "
+                           "does not divide it: choose one that does")
+    tensors = {"gate": weights.gate}
+    for name in ("gate_bias", "up_bias", "down_bias"):
+        if getattr(weights, name) is not None:
+            tensors[name] = getattr(weights, name)
+    neurons = torch.cat([weights.up, weights.down.T], 1).contiguous()
+    specs = [matrix_spec(name, t, precision, group_size, meta_group=meta_group) for name, t in tensors.items()]
+    per_row = neurons.shape[1] // group_size if quantized else 0
+    rows = MatrixSpec("neurons", tuple(neurons.shape), precision if quantized else "passthrough",
+                      dtype_name(neurons.dtype), group_size if quantized else 0, False,
+                      per_row if quantized and meta_group else 0, rows=True)
+    rows.check()
+    layout = RecordLayout((*specs, rows))
+    parts: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        parts.update(encode_matrix(spec, tensors[spec.name]))
+    parts.update(encode_rows(rows, neurons))
+    return layout, join_record(layout, parts)

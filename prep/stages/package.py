@@ -14,6 +14,7 @@ has its recorded size; otherwise it builds it again. Every file is a pure functi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from safetensors.torch import save_file
 from loader.codec import RecordLayout
 from loader.files import write_bytes_atomic, write_json_atomic
 from loader.format import FORMAT, SCHEMA_VERSION, sha256_file, write_manifest
-from loader.plan import PLAN_FILE
+from loader.plan import PLAN_FILE, PolicySpec
 from loader.predict import PREDICTORS_FILE
 from prep.errors import MoeprepError
 from prep.planning import compose_plan, model_sizes
@@ -34,7 +35,7 @@ from prep.stages.bitwidth import BitwidthChoice, uniform_choice
 from prep.stages.predict import prediction_markdown, predictor_tensors
 from prep.stages.quantize import PackedExperts
 
-VERSION = 6
+VERSION = 7
 REPORT = "report.json"
 REPORTED_DETAILS = ("loss", "metric", "sequences", "b_hi", "b_lo", "K", "met", "bounds", "trail", "sensitivity")  # the rest: the stage result
 
@@ -55,6 +56,7 @@ class ArtifactReport(StageResult):
     cache_routing: dict | None  # the cache_routing stage's knobs and logit ranges (None when off)
     planning: dict | None  # the tune_policy and allocate_cache stages' figures (None when both are off)
     operating_points: list  # per budget the allocation's modelled tokens/s; accuracy_delta from evaluate
+    neuron: dict | None = None  # the neuron stage's layout, theta, crossover and activation profile (None: off)
 
 
 def _producer() -> dict:
@@ -105,6 +107,9 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
     techniques = techniques or {}
     prediction, gating, dynamic, cache_routing, tuned, allocation = (techniques.get(k) for k in (
         "predict", "gating", "dynamic_precision", "cache_routing", "tune_policy", "allocate_cache"))
+    neuron = techniques.get("neuron")  # (stage dir, NeuronChoice): its neuron-layout records replace quantize's
+    if neuron is not None:
+        quantize_dir, quantize = neuron[0], neuron[1].packed_experts()
     out = Path(out)
     paths = adapter.module_paths(model)
     expert_params, experts = expert_parameters(model, adapter)
@@ -136,8 +141,12 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
                                f"(its experts are at {used}); set it to null or to one of those")
         knobs = {n: stats.knobs[n] for n in stats.predictors}
     sizes = model_sizes(model, adapter, {p: s["record_bytes"] for p, s in quantize.stores.items()})
+    if neuron is not None and neuron[1].enabled and neuron[1].predictor:
+        knobs = knobs | {"neuron_gates": {}}
     plan = compose_plan(grid, {p: quantize.stores[p]["record_bytes"] for p in planned}, budget, dynamic, gating,
                         cache_routing, adapter.routing_weights(), knobs, allocation, tuned, sizes)
+    if neuron is not None and neuron[1].enabled:
+        plan = dataclasses.replace(plan, neuron=PolicySpec("sparse", neuron[1].knobs))
     summary = None
     if prediction is not None:
         save_file(predictor_tensors(stage_dir, stats.predictors), str(out / PREDICTORS_FILE), metadata={"format": "pt"})
@@ -165,6 +174,8 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
         cache_routing=cache_routing.to_json() if cache_routing is not None else None,
         planning=planning_summary(tuned, allocation),
         operating_points=operating_points(allocation, tuned),
+        neuron=({k: v for k, v in neuron[1].to_json().items() if k != "packed"} | {"layout": "neuron"}
+                if neuron is not None else None),
     )
     write_json_atomic(out / REPORT, report.to_json())
     write_bytes_atomic(out / "report.md", report_markdown(recipe.get("name", "artifact"), report.to_json()).encode())
@@ -194,7 +205,8 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
             "source_expert_bytes": source_bytes,
         },
         "stores": {p: {"file": stores[p]["file"], "record_bytes": stores[p]["record_bytes"],
-                       "layout": stores[p]["layout"], "crc32": crc32s[p]} for p in used},
+                       "layout": stores[p]["layout"], "crc32": crc32s[p]}
+                   | ({"neuron": {"pairing": neuron[1].pairing}} if neuron is not None else {}) for p in used},
         "plan_summary": {"precision": quantize.precision if len(planned) == 1 else "mixed",
                          "experts": choice.counts, "default_budget": budget, "eviction": plan.eviction.name},
         "files": files,
@@ -350,7 +362,8 @@ def _run(inputs) -> ArtifactReport:
     quantize_dir, quantize = inputs.upstream("quantize")
     chosen = inputs.upstream("bitwidth", optional=True)
     choice = chosen[1] if chosen is not None else uniform_choice(quantize)
-    techniques = {"predict": inputs.upstream("predict", optional=True)}
+    techniques = {"predict": inputs.upstream("predict", optional=True),
+                  "neuron": inputs.upstream("neuron", optional=True)}
     for name in ("gating", "dynamic_precision", "cache_routing", "tune_policy", "allocate_cache"):
         found = inputs.upstream(name, optional=True)
         techniques[name] = found[1] if found is not None else None
@@ -361,8 +374,8 @@ def _run(inputs) -> ArtifactReport:
 
 STAGE = Stage(
     name="package", version=VERSION, config=PackageSection, result=ArtifactReport,
-    reads=("quantize", "bitwidth", "predict", "gating", "dynamic_precision", "cache_routing", "tune_policy",
-           "allocate_cache"), needs=frozenset({"model", "recipe", "artifact"}),
+    reads=("quantize", "bitwidth", "predict", "gating", "dynamic_precision", "cache_routing", "neuron",
+           "tune_policy", "allocate_cache"), needs=frozenset({"model", "recipe", "artifact"}),
     run=_run,
     output_ok=lambda inputs, result: inputs.artifact.matches(inputs.key),
 )

@@ -1,0 +1,135 @@
+"""Stage ``neuron``: CORM's neuron-level loading (digest C1-C3), run when ``neuron.layout`` is ``neuron``.
+
+1. Packs every expert at every precision of the quantize stage in the neuron layout
+   (``loader.codec.NeuronLayout``), one file per MoE layer as quantize does, so an interrupted run resumes.
+2. The activation profile: per layer, the share of the selected experts' neurons active against theta, on
+   the calibration traces (router inputs and selections).
+3. The read-cost crossover: partial against whole neuron reads timed on this machine's disk
+   (``prep.neuron.measure_crossover``), unless the recipe gives one.
+4. theta: the recipe's, or with a tolerance the largest of ``thetas`` up to it whose source model with the
+   inactive neurons dropped (``prep.neuron.dropped_neurons``) stays within the mean next-token KL; the
+   trail is kept.
+
+Package ships these records instead of the quantize stage's, and writes the plan's ``neuron`` entry (and the
+``neuron_gates`` predictor) when ``neuron.enabled``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors.torch import save
+from tqdm import tqdm
+
+from loader.codec import RecordLayout
+from loader.files import write_bytes_atomic
+from loader.format import expert_key
+from prep.neuron import activity_profile, dropped_neurons, measure_crossover, pairing_of
+from prep.quant.hqq_codec import encode_neuron_expert
+from prep.recipe import NeuronSection
+from prep.stages import Stage, StageResult
+from prep.stages.quantize import PackedExperts
+
+VERSION = 1
+CROSSOVER_FRACTIONS = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+
+
+@dataclass(frozen=True)
+class NeuronChoice(StageResult):
+    packed: dict  # PackedExperts.to_json() of the neuron-layout records in this stage's directory
+    pairing: str  # how the experts module fuses gate and up: halves or interleaved
+    theta: float
+    crossover: float
+    crossover_measured: dict | None  # measure_crossover's output (None when the recipe gave the crossover)
+    profile: dict  # activity_profile: share of active neurons per layer against theta
+    trail: list  # [[theta, mean next-token KL]] when a tolerance was set
+    knobs: dict  # the plan's neuron entry: theta, crossover, compute, trust_prediction, prefill
+    enabled: bool
+    predictor: bool
+
+    def packed_experts(self) -> PackedExperts:
+        return PackedExperts.from_json(self.packed)
+
+
+def pack_neuron_experts(model, adapter, quantize: PackedExperts, work: Path) -> PackedExperts:
+    """Every expert at every precision of ``quantize`` in the neuron layout: ``work/<precision>/layer-<l>``."""
+    stores = {}
+    for precision, info in quantize.stores.items():
+        group, meta = info["group_size"], info["meta_group"]
+        directory = work / precision
+        directory.mkdir(parents=True, exist_ok=True)
+        files, layout = [], None
+        bar = tqdm(total=len(adapter.moe_layers) * adapter.num_experts, desc=f"neuron layout {precision}",
+                   unit="expert", leave=False)
+        for layer in adapter.moe_layers:
+            path = directory / f"layer-{layer}.safetensors"
+            files.append(path.name)
+            if path.is_file() and layout is not None:
+                bar.update(adapter.num_experts)
+                continue
+            records = {}
+            for expert in range(adapter.num_experts):
+                layout, record = encode_neuron_expert(adapter.get_expert(model, layer, expert), precision, group, meta)
+                records[expert_key(layer, expert)] = record
+                bar.update(1)
+            if not path.is_file():
+                write_bytes_atomic(path, save(records))
+        bar.close()
+        stores[precision] = {"group_size": group, "meta_group": meta, "layout": layout.to_json(),
+                             "record_bytes": layout.nbytes, "files": files}
+    return PackedExperts(precision=quantize.precision, stores=stores, layers=list(quantize.layers),
+                         num_experts=quantize.num_experts)
+
+
+def choose_theta(model, adapter, sequences: list, cfg: NeuronSection) -> tuple[float, list]:
+    """The recipe's theta, or with a tolerance the largest candidate within it (from the top down)."""
+    if cfg.tolerance is None:
+        return cfg.theta, []
+    from prep.quant.decoded import mean_kl, next_token_logprobs
+    from prep.stages.bitwidth import held_out
+
+    held = held_out(sequences, cfg.num_sequences)
+    reference = next_token_logprobs(model, held)
+    trail = []
+    for theta in sorted({t for t in cfg.thetas if t <= cfg.theta} | {cfg.theta}, reverse=True):
+        with dropped_neurons(model, adapter, theta):
+            trail.append([theta, mean_kl(reference, model, held)])
+        if trail[-1][1] <= cfg.tolerance:
+            return theta, trail
+    return 0.0, trail
+
+
+def _run(inputs) -> NeuronChoice:
+    from prep.stages.trace import RoutingTraces
+    from prep.trace import open_trace
+
+    cfg: NeuronSection = inputs.config
+    quantize_dir, quantize = inputs.upstream("quantize")
+    trace_dir, _ = inputs.upstream("trace")
+    model, adapter = inputs.model, inputs.adapter
+    packed = pack_neuron_experts(model, adapter, quantize, inputs.work)
+    trace = open_trace(RoutingTraces.path(trace_dir))
+    profile = activity_profile(model, adapter, trace, sorted(set(cfg.thetas) | {cfg.theta}))
+    measured = None
+    crossover = cfg.crossover
+    if crossover is None:
+        layer = packed.layers[0]
+        records = {k: v for k, v in packed.records(inputs.work, packed.precision, lambda lay, e: lay == layer).items()}
+        measured = measure_crossover(records, RecordLayout.from_json(packed.stores[packed.precision]["layout"]),
+                                     CROSSOVER_FRACTIONS, directory=inputs.work)
+        crossover = measured["crossover"]
+    theta, trail = choose_theta(model, adapter, inputs.sequences, cfg)
+    knobs = {"theta": theta, "crossover": crossover, "compute": cfg.compute,
+             "trust_prediction": cfg.trust_prediction, "prefill": cfg.prefill}
+    return NeuronChoice(packed=packed.to_json(), pairing=pairing_of(adapter), theta=theta, crossover=crossover,
+                        crossover_measured=measured, profile=profile, trail=trail, knobs=knobs,
+                        enabled=cfg.enabled, predictor=cfg.predictor)
+
+
+STAGE = Stage(
+    name="neuron", version=VERSION, config=NeuronSection, result=NeuronChoice,
+    reads=("trace", "quantize"), needs=frozenset({"model", "calibration"}),
+    enabled=lambda recipe: recipe.neuron.layout == "neuron",
+    run=_run,
+)

@@ -1,0 +1,219 @@
+"""CORM's neuron-level loading (issue 20): the neuron-major record layout, partial reads, the neuron cache's
+union rule, the budget with partial records, the neuron_gates predictor, and the neuron stage."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from loader.codec import NeuronLayout, RecordLayout
+from loader.format import read_manifest, verify
+from loader.neuron import NeuronConfig, active_set, neuron_forward
+from loader.plan import read_plan
+from loader.runtime import LoaderError, load, minimum_budget
+from loader.store import DEMAND, ExpertStore, Reader, ReadJob, SlotArena
+from prep.adapters import get_adapter
+from prep.errors import MoeprepError
+from prep.neuron import dropped_neurons
+from prep.quant.hqq_codec import encode_neuron_expert
+from prep.records import write_aligned_records
+from tests.tiny_models import ARCHITECTURES, prepare_tiny_artifact, tiny_recipe
+
+NEURON = {"layout": "neuron", "enabled": True, "theta": 0.0, "crossover": 1.0}
+PROMPT = [5, 9, 13, 20, 7, 11]
+
+
+def neuron_artifact(root, arch: str = "mixtral", precision: str = "passthrough", **knobs):
+    return prepare_tiny_artifact(root, arch, precision, recipe=tiny_recipe(precision, neuron=NEURON | knobs))
+
+
+@torch.no_grad()
+def decode(artifact, neuron, budget="unlimited", steps: int = 5, stepwise: bool = False, predictors=None):
+    """Greedy decode through the loader: (logits of every step [steps + 1, V], the tokens, stats). ``stepwise``
+    feeds the prompt one token per call, so every call is a decode step."""
+    lm = load(artifact, memory_budget=budget, neuron=neuron, predictors=predictors)
+    try:
+        ids = torch.tensor([PROMPT])
+        chunks = [ids[:, i:i + 1] for i in range(ids.shape[1])] if stepwise else [ids]
+        past, logits = None, []
+        for chunk in chunks:
+            out = lm.model(chunk, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+        logits.append(out.logits[0, -1])
+        tokens = []
+        for _ in range(steps):
+            tok = logits[-1].argmax().view(1, 1)
+            tokens.append(int(tok))
+            out = lm.model(tok, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits.append(out.logits[0, -1])
+        return torch.stack(logits), tokens, lm.stats()
+    finally:
+        lm.close()
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_theta_zero_neuron_path_equals_whole_expert_path(arch, tmp_path):
+    """theta 0 reads (nearly) every neuron row by row and computes through the neuron layout: the logits equal
+    the whole-expert path's within 1e-5 (float32), and the source model's dense forward within 1e-4."""
+    model, artifact = neuron_artifact(tmp_path, arch)
+    whole, tokens, _ = decode(artifact, False)
+    sparse, sparse_tokens, stats = decode(artifact, NeuronConfig(theta=0.0, crossover=1.0))
+    assert stats["neuron"]["experts"] > 0  # the neuron path computed
+    assert sparse_tokens == tokens
+    assert (whole - sparse).abs().max() <= 1e-5
+    prefill, _, stats = decode(artifact, NeuronConfig(theta=0.0, crossover=1.0, prefill=True))
+    assert stats["neuron"]["partial_reads"] > 0  # every read went row by row
+    assert (whole - prefill).abs().max() <= 1e-5
+    with torch.no_grad():
+        dense = model(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1:]
+    assert (dense - whole).abs().max() <= 1e-4
+
+
+def test_partial_read_returns_exactly_those_neurons_bytes(tmp_path):
+    """A read of random neuron sets fills exactly those neurons' byte ranges of the slot (and the header)."""
+    torch.manual_seed(0)
+    from prep.adapters.base import ExpertWeights
+
+    layout, _ = encode_neuron_expert(ExpertWeights(torch.randn(40, 32), torch.randn(40, 32), torch.randn(32, 40)),
+                                     "int4", 16, 0)
+    neuron = NeuronLayout(layout)
+    rng = random.Random(0)
+    records = {f"layers.0.experts.{e}": bytes(rng.randrange(1, 256) for _ in range(layout.nbytes)) for e in range(3)}
+    path = tmp_path / "store.safetensors"
+    write_aligned_records(path, records, layout.nbytes)
+    store = ExpertStore(path, "int4")
+    arena = SlotArena(1, store.stride, torch.device("cpu"))
+    reader = Reader(2)
+    try:
+        for trial in range(20):
+            key = rng.choice(list(records))
+            rows = torch.rand(neuron.intermediate) < rng.choice([0.05, 0.3, 0.7, 1.0])
+            arena.data.zero_()
+            ranges = [(0, neuron.rows_offset), *neuron.ranges(rows)]
+            reader.submit(ReadJob(store, key, arena, 0, DEMAND, ranges)).wait()
+            got = bytes(arena.tensor(0, layout.nbytes).numpy())
+            want = bytearray(layout.nbytes)
+            want[:neuron.rows_offset] = records[key][:neuron.rows_offset]
+            for j in rows.nonzero().flatten().tolist():
+                start = neuron.rows_offset + j * neuron.row_bytes
+                want[start:start + neuron.row_bytes] = records[key][start:start + neuron.row_bytes]
+            if not store.direct_io:  # O_DIRECT reads whole 4 KiB blocks: the header's block may hold rows too
+                assert got == bytes(want), trial
+            for j in rows.nonzero().flatten().tolist():
+                start = neuron.rows_offset + j * neuron.row_bytes
+                assert got[start:start + neuron.row_bytes] == records[key][start:start + neuron.row_bytes]
+            assert got[:neuron.rows_offset] == records[key][:neuron.rows_offset]
+            assert sum(n for _s, n in neuron.ranges(rows)) == int(rows.sum()) * neuron.row_bytes
+    finally:
+        reader.close()
+        store.close()
+
+
+def test_union_rule_on_a_hand_made_sequence(tmp_path):
+    """Three decode tokens for one expert: its neuron cache grows as the union of their active sets, each step
+    reads exactly the active rows it lacked, and the output is the expert over every resident neuron."""
+    _, artifact = neuron_artifact(tmp_path, "mixtral", "int4")
+    lm = load(artifact, memory_budget="unlimited", neuron=True)
+    try:
+        rt = lm.runtime
+        precision = rt.plan.expert_precision[0][0]
+        layout = rt.neuron_layouts[precision]
+        store = rt.stores[precision]
+        record = torch.zeros(store.stride, dtype=torch.uint8)
+        store.read_into("layers.0.experts.0", memoryview(record.numpy()))
+        header = layout.header(record)
+        module = rt.modules[0]
+        torch.manual_seed(3)
+        xs = [torch.randn(1, layout.hidden) for _ in range(3)]
+        from loader.neuron import activity, gate_projection
+
+        acts = torch.cat([activity(module, gate_projection(header, x), rt.pairings[precision]) for x in xs])
+        theta = float(acts.median())
+        rt.neuron = NeuronConfig(theta=theta, crossover=1.0)
+        union = torch.zeros(layout.intermediate, dtype=torch.bool)
+        for x in xs:
+            wanted = active_set(module, header, x, rt.pairings[precision], theta)
+            assert 0 < int(wanted.sum()) < layout.intermediate  # a real subset
+            before = rt.neuron_counts["rows_read"]
+            out = rt.run_layer(0, module, x, torch.tensor([[0]]), torch.tensor([[1.0]]))
+            new = wanted & ~union
+            union |= wanted
+            entry = rt.cache.find(0, 0, precision)
+            assert torch.equal(entry.neurons, union)
+            assert rt.neuron_counts["rows_read"] - before == int(new.sum())
+            expected = neuron_forward(module, layout, record, rt.pairings[precision], x, union.nonzero().flatten())
+            assert torch.allclose(out, expected, atol=1e-6)
+        assert not bool(union.all())  # some rows were never read
+    finally:
+        lm.close()
+
+
+def test_the_budget_is_never_exceeded_with_partial_records(tmp_path):
+    _, artifact = neuron_artifact(tmp_path, "qwen3_moe", "int4", theta=0.3, predictor=True)
+    budget = minimum_budget(artifact) + 4096
+    for predictors in (None, []):
+        _, _, stats = decode(artifact, None, budget=budget, steps=8, predictors=predictors)
+        assert stats["peak_expert_bytes"] <= budget - stats["budget"]["dense_bytes"]
+        assert stats["neuron"]["rows_read"] < stats["neuron"]["experts"] * 48  # partial records were held
+        assert stats["neuron"]["partial_reads"] > 0
+
+
+def test_loader_with_compute_active_matches_the_source_model_with_inactive_neurons_dropped(tmp_path):
+    """compute: active decodes the expert over each token's own active neurons: what prep's emulation (used to
+    choose theta) computes on the source model. The neuron_gates predictor changes nothing there."""
+    model, artifact = neuron_artifact(tmp_path, "olmoe", "passthrough", predictor=True)
+    cfg = NeuronConfig(theta=0.2, crossover=1.0, compute="active")
+    with_pred, tokens, stats = decode(artifact, cfg, stepwise=True)
+    without, tokens_off, stats_off = decode(artifact, cfg, stepwise=True, predictors=[])
+    assert torch.equal(with_pred, without) and tokens == tokens_off
+    assert stats["neuron"]["predicted_experts"] > 0 and stats_off["neuron"]["predicted_experts"] == 0
+    assert stats["neuron"]["expert_prediction"]["chosen"] > 0
+    assert 0 <= stats["neuron"]["neuron_recall"] <= 1 and stats["neuron"]["computed"] < stats["neuron"]["neurons"]
+    adapter = get_adapter(model)
+    with torch.no_grad(), dropped_neurons(model, adapter, 0.2):
+        past = None
+        for t in PROMPT + tokens:
+            out = model(torch.tensor([[t]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            last = out.logits[0, -1]
+            if t == PROMPT[-1]:
+                first = last
+    assert (first - with_pred[0]).abs().max() <= 1e-4 and (last - with_pred[-1]).abs().max() <= 1e-4
+
+
+def test_trust_prediction_reads_no_rows_on_demand_for_predicted_experts(tmp_path):
+    _, artifact = neuron_artifact(tmp_path, "mixtral", "int4", theta=0.3, predictor=True)
+    _, _, fixed = decode(artifact, NeuronConfig(theta=0.3, crossover=1.0), stepwise=True)
+    _, _, trusted = decode(artifact, NeuronConfig(theta=0.3, crossover=1.0, trust_prediction=True), stepwise=True)
+    assert trusted["neuron"]["predicted_experts"] > 0
+    assert trusted["neuron"]["rows_read"] <= fixed["neuron"]["rows_read"]
+
+
+def test_neuron_stage_packs_profiles_measures_and_plans(tmp_path):
+    _, artifact = neuron_artifact(tmp_path, "gpt_oss", "int4", theta=0.3, crossover=None, tolerance=0.05,
+                                  predictor=True)
+    assert verify(artifact) == []
+    manifest = read_manifest(artifact)
+    assert all(s.neuron == {"pairing": "interleaved"} for s in manifest.stores.values())
+    plan = read_plan(artifact)
+    assert plan.neuron.name == "sparse" and "neuron_gates" in [p.name for p in plan.predictors]
+    report = json.loads((artifact / "report.json").read_text())["neuron"]
+    shares = report["profile"]["mean"]
+    assert all(a >= b for a, b in zip(shares, shares[1:], strict=False)) and shares[0] <= 1
+    assert report["trail"] and all(kl <= 0.05 for t, kl in report["trail"] if t == report["theta"])
+    assert report["theta"] <= 0.3 and 0 <= report["crossover"] <= 1
+    assert report["crossover_measured"]["whole_seconds"] > 0
+    layout = RecordLayout.from_json(manifest.raw["stores"][plan.expert_precision[0][0]]["layout"])
+    assert NeuronLayout.holds(layout)
+
+
+def test_neuron_loading_needs_the_neuron_layout(tmp_path):
+    with pytest.raises(MoeprepError, match="neuron.layout"):
+        tiny_recipe("int4", neuron={"enabled": True})
+    _, artifact = prepare_tiny_artifact(tmp_path, "mixtral", "int4")
+    with pytest.raises(LoaderError, match="neuron layout"):
+        load(artifact, neuron=True)
