@@ -91,9 +91,11 @@ def active_set(module, header: dict, x: torch.Tensor, pairing: str, theta: float
 
 
 def neuron_forward(module, layout: NeuronLayout, record: torch.Tensor, pairing: str, x: torch.Tensor,
-                   index: torch.Tensor | None = None, header: dict | None = None) -> torch.Tensor:
+                   index: torch.Tensor | None = None, header: dict | None = None,
+                   theta: float | None = None) -> torch.Tensor:
     """The expert's MLP on x [T, H] over the neurons ``index`` (None: all) -> [T, H], read from a neuron-layout
-    record whose header and those rows are in place."""
+    record whose header and those rows are in place. With ``theta`` each token also drops the neurons
+    inactive for it (``compute: active``: a token of a prefill computes its own active set, as in decode)."""
     header = header if header is not None else layout.header(record)
     if index is None:
         index = torch.arange(layout.intermediate)
@@ -102,7 +104,10 @@ def neuron_forward(module, layout: NeuronLayout, record: torch.Tensor, pairing: 
     up = x @ rows[:, :layout.hidden].T
     if "up_bias" in header:
         up = up + header["up_bias"][index].to(x.dtype)
-    y = module._apply_gate(pair(gate, up, pairing)) @ rows[:, layout.hidden:]
+    hidden = module._apply_gate(pair(gate, up, pairing))
+    if theta is not None:
+        hidden = hidden * (activity(module, gate, pairing) > theta)
+    y = hidden @ rows[:, layout.hidden:]
     if "down_bias" in header:
         y = y + header["down_bias"].to(x.dtype)
     return y

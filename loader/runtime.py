@@ -308,13 +308,16 @@ class ExpertRuntime:
     def _compute(self, module, expert, record, precision, hidden, top_k_index, top_k_weights, out,
                  rows: torch.Tensor | None = None, header: dict | None = None) -> None:
         """Add expert ``expert``'s weighted output for its tokens to ``out``; a neuron-layout record computes over
-        the neurons of the bool mask ``rows`` (None: all)."""
+        the neurons of the bool mask ``rows`` (None: all), each token over its own active ones with
+        ``compute: active``."""
         tokens, slot = torch.where((top_k_index == expert) & (top_k_weights != 0))
         x = hidden[tokens]
         if precision in self.neuron_layouts:
             index = None if rows is None or bool(rows.all()) else rows.nonzero().flatten()
+            per_token = self.neuron.theta if self.neuron is not None and self.neuron.compute == "active" \
+                and rows is not None else None
             y = neuron_forward(module, self.neuron_layouts[precision], record, self.pairings[precision], x, index,
-                               header)
+                               header, per_token)
             out.index_add_(0, tokens, (y * top_k_weights[tokens, slot, None]).to(out.dtype))
             return
         w = self.layouts[precision].decode(record)

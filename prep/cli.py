@@ -259,6 +259,40 @@ def routing_study_command(recipe_path, output, budgets, gating, dynamic, lambdas
     click.echo(f"wrote {Path(output) / 'study.json'}, study.md, study.png" + (f"; merged into {into}" if into else ""))
 
 
+@main.command("neuron-study")
+@click.option("--recipe", "recipe_path", default="recipes/reference-lossless.yaml", show_default=True,
+              type=click.Path(dir_okay=False), help="The recipe the study's neuron-layout artifact is prepared from.")
+@click.option("--output", default="artifacts/neuron-study", show_default=True, type=click.Path(file_okay=False),
+              help="Where the study's artifact, study.json and study.md go.")
+@click.option("--thetas", default="0,0.05,0.1,0.2,0.3", show_default=True, help="Comma-separated activity thresholds.")
+@click.option("--budget", default="25%", show_default=True, help="The memory budget of every decode run.")
+@click.option("--suites", default="gsm8k,mmlu,truthfulqa", show_default=True)
+@click.option("--data", default=None, help="Suites directory (default: suites/ beside the original model).")
+@click.option("--limit", type=int, default=None, help="First N items of each suite (default: all).")
+@click.option("--sequences", type=click.IntRange(1, 1000), default=4, show_default=True,
+              help="Sequences of fresh text decoded one token per call.")
+@click.option("--sequence-length", type=click.IntRange(2, 100000), default=64, show_default=True)
+@click.option("--trust-theta", type=float, default=None,
+              help="theta of the trust_prediction point (default: the stage's theta).")
+@click.option("--into", is_flag=True, help="Also merge the study into the study artifact's report.json and report.md.")
+def neuron_study_command(recipe_path, output, thetas, budget, suites, data, limit, sequences, sequence_length,
+                         trust_theta, into):
+    """Bytes read per decoded token, tokens/s and accuracy across theta, with and without CORM's predictor,
+    against whole-expert loading at the same budget."""
+    from pathlib import Path
+
+    from prep.neuron_study import merge_into, run_study
+
+    study = run_study(recipe_path, output, thetas=_floats(thetas, "--thetas"), budget=budget,
+                      suites=tuple(s.strip() for s in suites.split(",") if s.strip()), limit=limit, data=data,
+                      sequences=sequences, sequence_length=sequence_length, trust_theta=trust_theta,
+                      echo=lambda m: click.echo(m, err=True))
+    if into:
+        merge_into(Path(output) / "artifact", study)
+    click.echo((Path(output) / "study.md").read_text())
+    click.echo(f"wrote {Path(output) / 'study.json'}, study.md" + (f"; merged into {Path(output) / 'artifact'}" if into else ""))
+
+
 @main.command("reference-model")
 @click.option("--out", default="recipes/reference", show_default=True, type=click.Path(file_okay=False),
               help="Where model/, suites/ and training.json are written.")

@@ -123,8 +123,9 @@ def test_union_rule_on_a_hand_made_sequence(tmp_path):
         precision = rt.plan.expert_precision[0][0]
         layout = rt.neuron_layouts[precision]
         store = rt.stores[precision]
-        record = torch.zeros(store.stride, dtype=torch.uint8)
-        store.read_into("layers.0.experts.0", memoryview(record.numpy()))
+        buffer = SlotArena(1, store.stride, torch.device("cpu"))  # page-aligned, as an O_DIRECT read needs
+        store.read_into("layers.0.experts.0", buffer.host_view(0))
+        record = buffer.tensor(0, store.record_bytes).clone()
         header = layout.header(record)
         module = rt.modules[0]
         torch.manual_seed(3)
@@ -183,6 +184,11 @@ def test_loader_with_compute_active_matches_the_source_model_with_inactive_neuro
             if t == PROMPT[-1]:
                 first = last
     assert (first - with_pred[0]).abs().max() <= 1e-4 and (last - with_pred[-1]).abs().max() <= 1e-4
+    # with prefill on, a prompt reads the union of its tokens' active rows and each token computes its own
+    prefill, prefill_tokens, _ = decode(artifact, NeuronConfig(theta=0.2, crossover=1.0, compute="active", prefill=True))
+    with torch.no_grad(), dropped_neurons(model, adapter, 0.2):
+        dense = model(torch.tensor([PROMPT + prefill_tokens])).logits[0, len(PROMPT) - 1:]
+    assert (dense - prefill).abs().max() <= 1e-4
 
 
 def test_trust_prediction_reads_no_rows_on_demand_for_predicted_experts(tmp_path):
@@ -217,3 +223,30 @@ def test_neuron_loading_needs_the_neuron_layout(tmp_path):
     _, artifact = prepare_tiny_artifact(tmp_path, "mixtral", "int4")
     with pytest.raises(LoaderError, match="neuron layout"):
         load(artifact, neuron=True)
+
+
+def test_the_neuron_study_measures_every_theta_and_lands_in_report_json(tmp_path):
+    import yaml
+
+    from prep.neuron_study import merge_into, run_study
+    from tests.tiny_models import save_tiny_model, write_tiny_suites
+
+    save_tiny_model("mixtral", tmp_path / "model")
+    write_tiny_suites(tmp_path / "suites")
+    recipe_path = tmp_path / "tiny.yaml"
+    recipe_path.write_text(yaml.safe_dump(tiny_recipe("passthrough", neuron={"crossover": 0.9}).to_dict()))
+    study = run_study(recipe_path, tmp_path / "study", tmp_path, thetas=(0.0, 0.5), budget="unlimited",
+                      suites=("mmlu", "truthfulqa"), limit=3, data=tmp_path / "suites", sequences=2,
+                      sequence_length=8, echo=lambda m: None)  # loglikelihood suites only: seconds, not minutes
+    zero, high = study["points"]
+    assert all(s["delta"] == 0 for s in zero["suites"].values())  # lossless; theta 0 drops only zero activations
+    assert high["no_predictor"]["neuron"]["active_share"] < zero["no_predictor"]["neuron"]["active_share"]
+    assert high["no_predictor"]["bytes_per_token"] < study["baseline"]["bytes_per_token"]
+    assert high["predictor"]["neuron"]["expert_prediction"]["chosen"] > 0
+    artifact = tmp_path / "study" / "artifact"
+    merge_into(artifact, study)
+    assert verify(artifact) == []
+    neuron = json.loads((artifact / "report.json").read_text())["neuron"]
+    assert [p["theta"] for p in neuron["study"]["points"]] == [0.0, 0.5]
+    assert {"bytes_per_token", "deltas"} <= set(neuron["study"]["points"][1])
+    assert "### Neuron study" in (artifact / "report.md").read_text()

@@ -271,6 +271,28 @@ def report_markdown(name: str, report: dict) -> str:
         lines += [operating_points_markdown(report), "", f"![operating points]({PLAN_PLOT})", ""]
     if report.get("routing_study"):
         lines += [report["routing_study"]["markdown"], "![accuracy delta against miss rate](report-routing.png)", ""]
+    if report.get("neuron"):
+        lines += [neuron_markdown(report["neuron"]), ""]
+    return "\n".join(lines)
+
+
+def neuron_markdown(neuron: dict) -> str:
+    """report.md's neuron-level loading section: the stage's theta, crossover and profile, and the study's
+    table when one was merged in."""
+    profile = neuron["profile"]
+    lines = ["## Neuron-level loading (CORM)", "",
+             f"theta {neuron['theta']:g}, crossover {neuron['crossover']:.0%} of the neurons"
+             + (" (measured on the preparing machine's disk)" if neuron.get("crossover_measured") else " (given)")
+             + f", compute {neuron['knobs']['compute']}, predictor {'on' if neuron['predictor'] else 'off'}"
+             + (f"; theta trail (theta, KL): {neuron['trail']}" if neuron.get("trail") else "") + ".", "",
+             "Share of the selected experts' neurons active (|act(W1 x)| > theta) on the calibration traces:", "",
+             "| theta | " + " | ".join(f"layer {i}" for i in range(len(profile["layers"]))) + " | mean |",
+             "| ---: | " + " | ".join("---:" for _ in profile["layers"]) + " | ---: |"]
+    for i, theta in enumerate(profile["thetas"]):
+        lines.append(f"| {theta:g} | " + " | ".join(f"{row[i]:.3f}" for row in profile["layers"])
+                     + f" | {profile['mean'][i]:.3f} |")
+    if neuron.get("study"):
+        lines += ["", neuron["study"]["markdown"]]
     return "\n".join(lines)
 
 

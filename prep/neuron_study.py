@@ -1,0 +1,183 @@
+"""The neuron study (issue 20, section 5): bytes read per decoded token and accuracy across theta, with and
+without CORM's predictor, against whole-expert loading at the same budget.
+
+One artifact is prepared from the recipe in the neuron layout with neuron loading and the ``neuron_gates``
+predictor on (theta as the recipe says; the study sets it per point). For each theta:
+
+- decode: the loader runs fresh text (another calibration seed) one token per call at the budget, with the
+  plan's neuron entry at that theta, predictor off and on: bytes read per token, tokens/s, the active and
+  computed shares, partial and whole reads, and the predictor's accuracy at expert level (chosen experts
+  it had named) and neuron level (active neurons it had named, and named neurons that were active);
+- accuracy: ``moeprep eval`` with ``compute: active`` and ``prefill: true``, so every token of every suite
+  (the choice suites are prefill only) computes its own active set, as a decode step does; paired against
+  the original model (the artifact is lossless for a passthrough recipe, so the delta is theta's alone).
+  The predictor does not enter: with predictions fixed on demand it never changes an output
+  (``tests/test_neuron.py``); ``trust_prediction`` (CORM's own behaviour) is one more accuracy point.
+
+The baseline is the same artifact with neuron loading off (whole-expert reads). ``study.json`` is written
+after every point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from loader.files import write_json_atomic, write_text_atomic
+
+PREPARE_OVERRIDES = ("neuron.layout=neuron", "neuron.enabled=true", "neuron.predictor=true",
+                     "neuron.tolerance=null", "evaluate.enabled=false")
+DEFAULT_THETAS = (0.0, 0.05, 0.1, 0.2, 0.3)
+
+
+def plan_variant(plan, theta: float | None, predictor: bool, **knobs):
+    """The artifact's plan with neuron loading at ``theta`` (None: off) and the neuron_gates predictor on or off."""
+    from loader.plan import PolicySpec
+
+    predictors = tuple(p for p in plan.predictors if p.name != "neuron_gates")
+    if predictor:
+        predictors += (PolicySpec("neuron_gates", {}),)
+    neuron = PolicySpec("off") if theta is None else PolicySpec("sparse", plan.neuron.params | {"theta": theta} | knobs)
+    return dataclasses.replace(plan, neuron=neuron, predictors=predictors)
+
+
+def measure_decode(artifact, plan, budget: str, sequences) -> dict:
+    """The loader on ``sequences`` one token per call: bytes read per token, tokens/s and the neuron stats."""
+    import torch
+
+    from loader.runtime import load
+
+    lm = load(artifact, memory_budget=budget, plan=plan)
+    try:
+        with torch.no_grad():
+            for seq in sequences:
+                past = None
+                for token in seq.reshape(-1).tolist():
+                    past = lm.model(torch.tensor([[token]]), past_key_values=past, use_cache=True).past_key_values
+        stats = lm.stats()
+    finally:
+        lm.close()
+    return {"tokens": stats["tokens"], "bytes_per_token": stats["bytes_read"] / stats["tokens"],
+            "tokens_per_s": stats["tokens_per_second"], "stall_seconds": stats["stall_seconds"],
+            "neuron": stats["neuron"]}
+
+
+def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".", *, thetas=DEFAULT_THETAS,
+              budget: str = "25%", suites=("gsm8k", "mmlu", "truthfulqa"), limit: int | None = None, data=None,
+              seed: int = 1, sequences: int = 4, sequence_length: int = 64, trust_theta: float | None = None,
+              echo=print) -> dict:
+    """Prepare the study's artifact and measure every theta; writes study.json and study.md."""
+    from loader.plan import read_plan
+    from prep.calibration import calibration_sequences
+    from prep.evals.compare import evaluate_artifact
+    from prep.pipeline import prepare
+    from prep.recipe import load_recipe
+
+    output, root = Path(output), Path(root)
+    recipe = load_recipe(recipe_path, PREPARE_OVERRIDES)
+    artifact = output / "artifact"
+    echo("prepare the study's artifact (neuron layout, neuron loading and the neuron_gates predictor on)")
+    prepare(recipe, root=root, output=artifact)
+    plan = read_plan(artifact)
+    from transformers import AutoTokenizer
+
+    fresh = load_recipe(recipe_path, (f"calibration.seed={seed}", f"calibration.num_sequences={sequences}",
+                                      f"calibration.sequence_length={sequence_length}"))
+    text = calibration_sequences(fresh.calibration, AutoTokenizer.from_pretrained(artifact), root)
+    report = json.loads((artifact / "report.json").read_text())["neuron"]
+    trust_theta = report["theta"] if trust_theta is None else trust_theta
+    settings = {"budget": budget, "suites": list(suites), "limit": limit, "seed": seed, "sequences": sequences,
+                "sequence_length": sequence_length, "crossover": report["crossover"]}
+    study = {"recipe": str(recipe_path), "settings": settings, "points": []}
+    path = output / "study.json"
+    started = time.perf_counter()
+
+    def evaluate(variant) -> dict:
+        result = evaluate_artifact(artifact, recipe.model_path(root), suites=tuple(suites), data=data, limit=limit,
+                                   memory_budget=budget, reuse_original=output / "original", plan=variant)
+        return {name: {"delta": s["delta"], "flips": s["flips"], "mcnemar_p": s["mcnemar_p"]}
+                for name, s in result["suites"].items()}
+
+    echo(f"whole-expert loading at {budget}: decode")
+    study["baseline"] = measure_decode(artifact, plan_variant(plan, None, False), budget, text)
+    for i, theta in enumerate(thetas, start=1):
+        point = {"theta": theta}
+        for predictor in (False, True):
+            echo(f"[{i}/{len(thetas)}] theta {theta} predictor {'on' if predictor else 'off'}: decode")
+            point["predictor" if predictor else "no_predictor"] = measure_decode(
+                artifact, plan_variant(plan, theta, predictor), budget, text)
+        echo(f"[{i}/{len(thetas)}] theta {theta}: accuracy (compute active, prefill on)")
+        point["suites"] = evaluate(plan_variant(plan, theta, False, compute="active", prefill=True))
+        study["points"].append(point)
+        write_json_atomic(path, study)
+    echo(f"theta {trust_theta} with trust_prediction (CORM): decode and accuracy")
+    trusted = plan_variant(plan, trust_theta, True, trust_prediction=True)
+    study["trust"] = {"theta": trust_theta, "decode": measure_decode(artifact, trusted, budget, text),
+                      "suites": evaluate(plan_variant(plan, trust_theta, True, trust_prediction=True,
+                                                      compute="active", prefill=True))}
+    study["seconds"] = time.perf_counter() - started
+    write_json_atomic(path, study)
+    write_text_atomic(output / "study.md", study_markdown(study))
+    return study
+
+
+def _cells(suites: dict) -> str:
+    return " | ".join(f"{v['delta'] * 100:+.1f} ({v['flips']['right_to_wrong']}/{v['flips']['wrong_to_right']})"
+                      for v in suites.values())
+
+
+def study_markdown(study: dict) -> str:
+    s, base = study["settings"], study["baseline"]
+    suites = list(study["points"][0]["suites"]) if study["points"] else []
+    first = "" if s["limit"] is None else f", first {s['limit']} items of each"
+    lines = ["### Neuron study", "",
+             f"Recipe `{study['recipe']}` in the neuron layout at a {s['budget']} budget, crossover "
+             f"{s['crossover']:.0%}. Decode: {base['tokens']} tokens of fresh text (seed {s['seed']}) one per call; "
+             f"whole-expert loading reads {base['bytes_per_token'] / 1e3:.1f} KB/token at "
+             f"{base['tokens_per_s']:.1f} tokens/s. Accuracy: `moeprep eval` with every token computing its own "
+             f"active neurons ({', '.join(suites)}{first}), delta in points (flips right->wrong/wrong->right).", "",
+             "| theta | active share | KB/token | x fewer bytes | tokens/s | KB/token, predictor | tokens/s, predictor | "
+             "expert acc. | neuron recall | neuron precision | " + " | ".join(f"{x} delta" for x in suites) + " |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+             + " | ".join("---" for _ in suites) + " |"]
+
+    def share(v):
+        return "-" if v is None else f"{v:.3f}"
+
+    for p in study["points"]:
+        off, on = p["no_predictor"], p["predictor"]
+        n = on["neuron"]
+        expert = (n.get("expert_prediction") or {}).get("accuracy")
+        lines.append(f"| {p['theta']:g} | {share(off['neuron']['active_share'])} | {off['bytes_per_token'] / 1e3:.1f} | "
+                     f"{base['bytes_per_token'] / off['bytes_per_token']:.2f} | {off['tokens_per_s']:.1f} | "
+                     f"{on['bytes_per_token'] / 1e3:.1f} | {on['tokens_per_s']:.1f} | {share(expert)} | "
+                     f"{share(n['neuron_recall'])} | {share(n['neuron_precision'])} | {_cells(p['suites'])} |")
+    trust = study.get("trust")
+    if trust:
+        d = trust["decode"]
+        lines += ["", f"CORM's trust_prediction at theta {trust['theta']:g} (predicted experts compute with the "
+                      f"prefetched neurons, no demand reads for them): {d['bytes_per_token'] / 1e3:.1f} KB/token, "
+                      f"{d['tokens_per_s']:.1f} tokens/s; deltas {_cells(trust['suites'])}."]
+    return "\n".join(lines) + "\n"
+
+
+def merge_into(artifact: str | Path, study: dict) -> None:
+    """The study into the artifact's report.json ``neuron`` (bytes per token and deltas per theta) and report.md."""
+    from loader.format import read_manifest
+    from prep.evals.compare import update_artifact_report
+    from prep.stages.package import report_markdown
+
+    manifest = read_manifest(artifact)
+    report = json.loads(manifest.path("report.json").read_text())
+    neuron = dict(report.get("neuron") or {})
+    neuron["study"] = {
+        "settings": study["settings"], "baseline_bytes_per_token": study["baseline"]["bytes_per_token"],
+        "points": [{"theta": p["theta"], "bytes_per_token": p["no_predictor"]["bytes_per_token"],
+                    "bytes_per_token_predictor": p["predictor"]["bytes_per_token"],
+                    "deltas": {k: v["delta"] for k, v in p["suites"].items()}} for p in study["points"]],
+        "markdown": study_markdown(study)}
+    report["neuron"] = neuron
+    text = report_markdown(manifest.raw["recipe"].get("name", "artifact"), report)
+    update_artifact_report(manifest.root, {"neuron": neuron}, files={"report.md": text.encode()})
