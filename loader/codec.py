@@ -288,6 +288,16 @@ class NeuronLayout:
                 out.append((start, self.row_bytes))
         return out
 
+    def covered(self, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """The neurons whose whole row lies inside the byte ranges ``spans`` (a read brings them all): bool [I]."""
+        rows = torch.zeros(self.intermediate, dtype=torch.bool)
+        for start, length in spans:
+            first = max(0, -(-(start - self.rows_offset) // self.row_bytes))
+            last = (start + length - self.rows_offset) // self.row_bytes  # exclusive
+            if last > first:
+                rows[first:min(last, self.intermediate)] = True
+        return rows
+
     def header(self, record: torch.Tensor) -> dict[str, torch.Tensor]:
         """The gate matrix and the biases of a record whose header is in place."""
         parts = self.layout.split(record)

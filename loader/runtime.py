@@ -339,22 +339,27 @@ class ExpertRuntime:
         """Whether a forward of ``tokens`` tokens takes the neuron path (decode only unless ``prefill``)."""
         return self.neuron is not None and bool(self.neuron_layouts) and (tokens == 1 or self.neuron.prefill)
 
-    def _rows_job(self, layer: int, entry_or_none, store: ExpertStore, arena: SlotArena, slot: int, expert: int,
-                  rows: torch.Tensor, priority: int) -> ReadJob:
-        """Read the neuron rows of the bool mask ``rows`` into ``slot`` (their bytes counted as read)."""
-        ranges = self.neuron_layouts[store.precision].ranges(rows)
-        job = self.reader.submit(ReadJob(store, self.key(layer, expert), arena, slot, priority, ranges))
-        self.cache.count_read(layer, sum(length for _s, length in ranges))
-        self.neuron_counts["rows_read"] += int(rows.sum())
-        return job
+    def _rows_job(self, layer: int, store: ExpertStore, arena: SlotArena, slot: int, expert: int,
+                  rows: torch.Tensor, priority: int) -> tuple[ReadJob, torch.Tensor]:
+        """Read the neuron rows of the bool mask ``rows`` into ``slot``: (the job, every row the read brings,
+        which with O_DIRECT's whole blocks may be more than asked). The bytes fetched count as read."""
+        layout = self.neuron_layouts[store.precision]
+        spans = store.spans(layout.ranges(rows))
+        job = self.reader.submit(ReadJob(store, self.key(layer, expert), arena, slot, priority, spans))
+        self.cache.count_read(layer, sum(length for _s, length in spans))
+        brought = rows | layout.covered(spans)
+        self.neuron_counts["rows_read"] += int(brought.sum())
+        return job, brought
 
     def _header_job(self, layer: int, store: ExpertStore, arena: SlotArena, slot: int, expert: int,
-                    priority: int) -> ReadJob:
-        """Read a neuron record's header (W1 and the biases) into ``slot``."""
-        header = self.neuron_layouts[store.precision].rows_offset
-        job = self.reader.submit(ReadJob(store, self.key(layer, expert), arena, slot, priority, [(0, header)]))
-        self.cache.count_read(layer, header)
-        return job
+                    priority: int) -> tuple[ReadJob, torch.Tensor]:
+        """Read a neuron record's header (W1 and the biases) into ``slot``: (the job, the rows its read brings
+        along, the rest of its last 4 KiB block with O_DIRECT)."""
+        layout = self.neuron_layouts[store.precision]
+        spans = store.spans([(0, layout.rows_offset)])
+        job = self.reader.submit(ReadJob(store, self.key(layer, expert), arena, slot, priority, spans))
+        self.cache.count_read(layer, sum(length for _s, length in spans))
+        return job, layout.covered(spans)
 
     def _land_rows(self, layer: int, entry, wait: bool = True) -> None:
         """Merge a finished neuron read into the entry's mask (waiting for it when ``wait``): the union rule."""
@@ -375,8 +380,8 @@ class ExpertRuntime:
         missing = ~entry.neurons
         if bool(missing.any()):
             store = self.stores[entry.precision]
-            self._await(layer, self._rows_job(layer, entry, store, self.arenas[entry.pool], entry.slot, entry.expert,
-                                              missing, DEMAND))
+            job, _ = self._rows_job(layer, store, self.arenas[entry.pool], entry.slot, entry.expert, missing, DEMAND)
+            self._await(layer, job)
         entry.neurons = None
 
     def _to_read(self, resident: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
@@ -453,9 +458,9 @@ class ExpertRuntime:
             self.meter.add(self.buffers.slot_bytes)
             item["buffer"] = slot
         if precision in self.neuron_layouts:
-            job = self._header_job(layer, store, arena, slot, expert, DEMAND)
+            job, item["brought"] = self._header_job(layer, store, arena, slot, expert, DEMAND)
             if entry is not None:
-                entry.neurons = torch.zeros(self.neuron_layouts[precision].intermediate, dtype=torch.bool)
+                entry.neurons = item["brought"]
         else:
             job = self.reader.submit(ReadJob(store, self.key(layer, expert), arena, slot, DEMAND))
             self.cache.count_read(layer, store.record_bytes)
@@ -484,7 +489,7 @@ class ExpertRuntime:
                 resident = entry.neurons if entry.neurons is not None else torch.ones(layout.intermediate, dtype=torch.bool)
             else:
                 arena, slot = self.buffers, item["buffer"]
-                resident = torch.zeros(layout.intermediate, dtype=torch.bool)
+                resident = item.get("brought", torch.zeros(layout.intermediate, dtype=torch.bool))
             record = arena.tensor(slot, self.stores[precision].record_bytes)
             tokens, _ = torch.where((top_k_index == expert) & (top_k_weights != 0))
             header = layout.header(record)
@@ -504,8 +509,8 @@ class ExpertRuntime:
             need = torch.zeros_like(wanted) if trusted else self._to_read(resident, wanted)
             item.update(header=header, wanted=wanted, resident=resident, record=record)
             if bool(need.any()):
-                item["rows"] = (need, self._rows_job(layer, entry, self.stores[precision], arena, slot, expert, need,
-                                                    DEMAND))
+                job, brought = self._rows_job(layer, self.stores[precision], arena, slot, expert, need, DEMAND)
+                item["rows"] = (brought, job)
         for item in items:
             entry, precision, expert = item["entry"], item["precision"], item["expert"]
             if precision not in self.neuron_layouts:
@@ -539,9 +544,9 @@ class ExpertRuntime:
         entry.predicted = predicted
         need = self._to_read(entry.neurons, predicted)
         if bool(need.any()):
-            entry.row_mask = need
-            entry.row_job = self._rows_job(entry.layer, entry, self.stores[entry.precision], self.arenas[entry.pool],
-                                           entry.slot, entry.expert, need, PREFETCH)
+            entry.row_job, entry.row_mask = self._rows_job(entry.layer, self.stores[entry.precision],
+                                                           self.arenas[entry.pool], entry.slot, entry.expert, need,
+                                                           PREFETCH)
 
     def _advance_neuron_prefetches(self) -> None:
         """After a layer's compute: predicted experts whose header has landed get their neuron rows prefetched;
@@ -592,9 +597,8 @@ class ExpertRuntime:
             if x is not None:  # CORM: the header (W1) first; its neurons once it has landed
                 arena = self.arenas[entry.pool]
                 entry.slot = arena.take()
-                entry.neurons = torch.zeros(self.neuron_layouts[entry.precision].intermediate, dtype=torch.bool)
-                entry.ticket = self._header_job(entry.layer, self.stores[entry.precision], arena, entry.slot,
-                                                entry.expert, PREFETCH)
+                entry.ticket, entry.neurons = self._header_job(entry.layer, self.stores[entry.precision], arena,
+                                                               entry.slot, entry.expert, PREFETCH)
                 self._neuron_pending.append((entry, x))
             else:
                 self._read_into_entry(entry, PREFETCH)

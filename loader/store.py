@@ -90,6 +90,22 @@ class ExpertStore:
             raise ArtifactError(f"{self.path.name} has no record {key}; the artifact is incomplete, "
                                 "rerun `moeprep prepare`") from None
 
+    def spans(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The byte ranges a read of ``ranges`` of one record actually fetches: with O_DIRECT each widened to
+        whole 4 KiB blocks (clipped to the record) and merged where they touch, so a dense set of small
+        ranges is a few large reads; without it, the ranges themselves."""
+        if not self.direct_io:
+            return list(ranges)
+        out: list[list[int]] = []
+        for start, length in sorted(ranges):
+            a = start // 4096 * 4096
+            b = min(-(-(start + length) // 4096) * 4096, self.record_bytes)
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return [(a, b - a) for a, b in out]
+
     def read_into(self, key: str, dest: memoryview, start: int = 0, length: int | None = None) -> int:
         """Read bytes [start, start + length) of record ``key`` into ``dest`` (host memory); returns the
         number of useful bytes. A full-record read is checked against the manifest's crc32."""

@@ -100,8 +100,9 @@ def measure_crossover(records: dict[str, bytes], layout: RecordLayout, fractions
                       repeats: int = 24, seed: int = 0, directory: Path | None = None) -> dict:
     """CORM's 75% rule measured on this disk: for each active share f, the time to read a record's header
     plus f of its neuron rows at random (one range per run of neurons) against the header plus every row
-    (one range), through the loader's own store reads (O_DIRECT where the filesystem allows). The crossover
-    is the smallest f whose partial read is no faster than the whole one (1.0 when none)."""
+    (one range), through the loader's own store reads (O_DIRECT where the filesystem allows, each range
+    widened to whole 4 KiB blocks and merged where they touch: ``ExpertStore.spans``). The crossover is
+    the smallest f whose partial read is no faster than the whole one (1.0 when none)."""
     from loader.store import ExpertStore, SlotArena
 
     neuron = NeuronLayout(layout)
@@ -113,10 +114,10 @@ def measure_crossover(records: dict[str, bytes], layout: RecordLayout, fractions
         arena = SlotArena(1, store.stride, torch.device("cpu"))
         keys = list(records)
 
-        def timed(ranges) -> float:
+        def timed(ranges) -> float:  # as the loader reads them: O_DIRECT spans of whole blocks, merged
             key = rng.choice(keys)
             start = time.perf_counter()
-            for s, n in ranges:
+            for s, n in store.spans(ranges):
                 store.read_into(key, arena.host_view(0)[s:], s, n)
             return time.perf_counter() - start
 

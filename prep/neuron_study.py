@@ -2,12 +2,15 @@
 without CORM's predictor, against whole-expert loading at the same budget.
 
 One artifact is prepared from the recipe in the neuron layout with neuron loading and the ``neuron_gates``
-predictor on (theta as the recipe says; the study sets it per point). For each theta:
+predictor on (theta as the recipe says, or as its tolerance chooses; the study sets it per point). For each
+theta:
 
 - decode: the loader runs fresh text (another calibration seed) one token per call at the budget, with the
-  plan's neuron entry at that theta, predictor off and on: bytes read per token, tokens/s, the active and
-  computed shares, partial and whole reads, and the predictor's accuracy at expert level (chosen experts
-  it had named) and neuron level (active neurons it had named, and named neurons that were active);
+  plan's neuron entry at that theta and the rows always read as named (crossover 1), predictor off and on:
+  bytes read per token, tokens/s, the active and computed shares, partial and whole reads, and the
+  predictor's accuracy at expert level (chosen experts it had named) and neuron level (active neurons it
+  had named, and named neurons that were active); then once more at the crossover the neuron stage
+  measured on this disk (above it an expert is read whole), predictor off;
 - accuracy: ``moeprep eval`` with ``compute: active`` and ``prefill: true``, so every token of every suite
   (the choice suites are prefill only) computes its own active set, as a decode step does; paired against
   the original model (the artifact is lossless for a passthrough recipe, so the delta is theta's alone).
@@ -27,8 +30,7 @@ from pathlib import Path
 
 from loader.files import write_json_atomic, write_text_atomic
 
-PREPARE_OVERRIDES = ("neuron.layout=neuron", "neuron.enabled=true", "neuron.predictor=true",
-                     "neuron.tolerance=null", "evaluate.enabled=false")
+PREPARE_OVERRIDES = ("neuron.layout=neuron", "neuron.enabled=true", "neuron.predictor=true", "evaluate.enabled=false")
 DEFAULT_THETAS = (0.0, 0.05, 0.1, 0.2, 0.3)
 
 
@@ -104,16 +106,18 @@ def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".
     study["baseline"] = measure_decode(artifact, plan_variant(plan, None, False), budget, text)
     for i, theta in enumerate(thetas, start=1):
         point = {"theta": theta}
-        for predictor in (False, True):
+        for predictor in (False, True):  # rows read as named (crossover 1): the bytes neuron loading saves
             echo(f"[{i}/{len(thetas)}] theta {theta} predictor {'on' if predictor else 'off'}: decode")
             point["predictor" if predictor else "no_predictor"] = measure_decode(
-                artifact, plan_variant(plan, theta, predictor), budget, text)
+                artifact, plan_variant(plan, theta, predictor, crossover=1.0), budget, text)
+        echo(f"[{i}/{len(thetas)}] theta {theta} at the measured crossover: decode")
+        point["measured_crossover"] = measure_decode(artifact, plan_variant(plan, theta, False), budget, text)
         echo(f"[{i}/{len(thetas)}] theta {theta}: accuracy (compute active, prefill on)")
         point["suites"] = evaluate(plan_variant(plan, theta, False, compute="active", prefill=True))
         study["points"].append(point)
         write_json_atomic(path, study)
     echo(f"theta {trust_theta} with trust_prediction (CORM): decode and accuracy")
-    trusted = plan_variant(plan, trust_theta, True, trust_prediction=True)
+    trusted = plan_variant(plan, trust_theta, True, trust_prediction=True, crossover=1.0)
     study["trust"] = {"theta": trust_theta, "decode": measure_decode(artifact, trusted, budget, text),
                       "suites": evaluate(plan_variant(plan, trust_theta, True, trust_prediction=True,
                                                       compute="active", prefill=True))}
@@ -138,9 +142,12 @@ def study_markdown(study: dict) -> str:
              f"whole-expert loading reads {base['bytes_per_token'] / 1e3:.1f} KB/token at "
              f"{base['tokens_per_s']:.1f} tokens/s. Accuracy: `moeprep eval` with every token computing its own "
              f"active neurons ({', '.join(suites)}{first}), delta in points (flips right->wrong/wrong->right).", "",
+             "Rows are read as named (crossover 1) except in the `measured crossover` columns, where an expert "
+             f"whose active share would pass {s['crossover']:.0%} is read whole.", "",
              "| theta | active share | KB/token | x fewer bytes | tokens/s | KB/token, predictor | tokens/s, predictor | "
+             "KB/token, measured crossover | tokens/s, measured crossover | "
              "expert acc. | neuron recall | neuron precision | " + " | ".join(f"{x} delta" for x in suites) + " |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
              + " | ".join("---" for _ in suites) + " |"]
 
     def share(v):
@@ -150,9 +157,11 @@ def study_markdown(study: dict) -> str:
         off, on = p["no_predictor"], p["predictor"]
         n = on["neuron"]
         expert = (n.get("expert_prediction") or {}).get("accuracy")
+        measured = p["measured_crossover"]
         lines.append(f"| {p['theta']:g} | {share(off['neuron']['active_share'])} | {off['bytes_per_token'] / 1e3:.1f} | "
                      f"{base['bytes_per_token'] / off['bytes_per_token']:.2f} | {off['tokens_per_s']:.1f} | "
-                     f"{on['bytes_per_token'] / 1e3:.1f} | {on['tokens_per_s']:.1f} | {share(expert)} | "
+                     f"{on['bytes_per_token'] / 1e3:.1f} | {on['tokens_per_s']:.1f} | "
+                     f"{measured['bytes_per_token'] / 1e3:.1f} | {measured['tokens_per_s']:.1f} | {share(expert)} | "
                      f"{share(n['neuron_recall'])} | {share(n['neuron_precision'])} | {_cells(p['suites'])} |")
     trust = study.get("trust")
     if trust:
@@ -176,6 +185,7 @@ def merge_into(artifact: str | Path, study: dict) -> None:
         "settings": study["settings"], "baseline_bytes_per_token": study["baseline"]["bytes_per_token"],
         "points": [{"theta": p["theta"], "bytes_per_token": p["no_predictor"]["bytes_per_token"],
                     "bytes_per_token_predictor": p["predictor"]["bytes_per_token"],
+                    "bytes_per_token_measured_crossover": p["measured_crossover"]["bytes_per_token"],
                     "deltas": {k: v["delta"] for k, v in p["suites"].items()}} for p in study["points"]],
         "markdown": study_markdown(study)}
     report["neuron"] = neuron

@@ -67,9 +67,33 @@ def test_bench_runs_each_planned_predictor_against_naive_on_the_lossless_referen
 
     report = run_bench("reference-lossless", "25%", quick=True, output=tmp_path / "bench", root=root, echo=lambda m: None)
     rows = {r["system"]: r for r in report["results"]}
-    assert set(PREDICTOR_SYSTEMS) <= set(rows)
-    for system in (*PREDICTOR_SYSTEMS, "moeprep"):
+    planned = [f"naive+{name}" for name in ("next_gates", "path_stats", "first_gate")]
+    assert set(planned) <= set(rows) and set(rows) - set(planned) <= {"resident", "accelerate", "naive", "moeprep"}
+    assert set(planned) <= set(PREDICTOR_SYSTEMS)
+    for system in (*planned, "moeprep"):
         assert not rows[system].get("error"), rows[system]
         assert rows[system]["prefetch"]["issued"] > 0, system
     assert rows["naive"]["prefetch"]["issued"] == 0
     assert "vs naive" in (tmp_path / "bench" / "bench.md").read_text()
+
+
+def test_bench_runs_neuron_loading_against_whole_expert_reads_of_the_same_records(tmp_path):
+    """reference-neuron: naive (whole reads of the neuron-layout records), naive+neuron, naive+neuron_gates and
+    moeprep, and a neuron table; reading only active rows reads fewer bytes per token."""
+    import shutil
+
+    from prep.bench.run import run_bench
+
+    repo = Path(__file__).resolve().parents[1]
+    root = tmp_path / "repo"
+    (root / "recipes").mkdir(parents=True)
+    shutil.copy(repo / "recipes" / "reference-neuron.yaml", root / "recipes")
+    (root / "recipes" / "reference").symlink_to(repo / "recipes" / "reference")
+    report = run_bench("reference-neuron", "25%", quick=True, output=tmp_path / "bench", root=root, echo=lambda m: None)
+    rows = {r["system"]: r for r in report["results"]}
+    assert {"naive", "naive+neuron", "naive+neuron_gates", "moeprep"} <= set(rows)
+    for system in ("naive", "naive+neuron", "naive+neuron_gates", "moeprep"):
+        assert not rows[system].get("error"), rows[system]
+    assert rows["naive+neuron"]["neuron"]["active_share"] < 1 and "neuron" not in rows["naive"]
+    assert rows["naive+neuron"]["bytes_read_per_token"] < rows["naive"]["bytes_read_per_token"]
+    assert "Neuron-level loading (CORM)" in (tmp_path / "bench" / "bench.md").read_text()

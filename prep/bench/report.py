@@ -11,7 +11,8 @@ from pathlib import Path
 
 from loader.files import write_bytes_atomic
 
-SYSTEM_ORDER = ("resident", "accelerate", "naive", "naive+next_gates", "naive+path_stats", "naive+first_gate",
+SYSTEM_ORDER = ("resident", "accelerate", "naive", "naive+neuron", "naive+next_gates", "naive+path_stats", "naive+first_gate",
+                "naive+neuron_gates",
                 "moeprep")
 
 
@@ -100,6 +101,7 @@ def write_markdown(report: dict) -> str:
                     f"{_ratio(speed, resident)} | {_ratio(speed, acc)} | {r['prefill_s']:.2f} | {_num(mb, '.1f')} | "
                     f"{_num(r['hit_rate'], '.3f')} | {_num(r['stall_fraction'], '.3f')} | {r['peak_rss_mb']:.0f} |")
         lines.append("")
+        lines += neuron_table(rows, report["budgets"])
         lines += prefetch_table(rows, report["budgets"])
     lines += [
         "## How to read this",
@@ -131,6 +133,34 @@ def write_markdown(report: dict) -> str:
     ]
     lines += [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def neuron_table(rows: list[dict], budgets: list[str]) -> list[str]:
+    """Neuron-level loading against whole-expert reads of the same records (``naive``); nothing when none ran."""
+    runs = [r for r in rows if r.get("neuron") and not r.get("error")]
+    if not runs:
+        return []
+    lines = ["Neuron-level loading (CORM), decode steps (`naive`: whole-expert reads of the same neuron-layout "
+             "records; `naive+neuron`: only the active neurons' rows; `moeprep`: with the neuron_gates predictor and "
+             "the rest of the plan):", "",
+             "| budget | system | decode tok/s | vs naive | MB read/token | x fewer bytes | active share | partial / whole "
+             "reads | neuron recall |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for budget in budgets:
+        at = {r["system"]: r for r in rows if r["budget"] == budget and not r.get("error")}
+        naive = at.get("naive") or {}
+        for system in ("naive", "naive+neuron", "moeprep"):
+            r = at.get(system)
+            if r is None:
+                continue
+            n = r.get("neuron") or {}
+            mb = r["bytes_read_per_token"]
+            fewer = _ratio(naive.get("bytes_read_per_token"), mb) if mb else "-"
+            lines.append(f"| {budget} | {system} | {r['decode_tokens_per_s']:.3g} | "
+                         f"{_ratio(r['decode_tokens_per_s'], naive.get('decode_tokens_per_s'))} | "
+                         f"{_num(mb / 1e6 if mb is not None else None, '.3f')} | {fewer} | "
+                         f"{_num(n.get('active_share'), '.3f')} | {n.get('partial_reads', '-')} / "
+                         f"{n.get('whole_reads', '-')} | {_num(n.get('neuron_recall'), '.3f')} |")
+    return lines + [""]
 
 
 def prefetch_table(rows: list[dict], budgets: list[str]) -> list[str]:

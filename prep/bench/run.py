@@ -8,6 +8,9 @@ Systems (DESIGN.md section 7, "Speed"):
 - ``naive+<predictor>``: ``naive`` plus one prefetch predictor of the artifact's plan (with its knobs), for
   each predictor the plan has: what that predictor alone buys. The mixtral-shape subject's plan has none
   (its weights are random and its routing replayed, so hidden-state predictors would predict noise).
+- ``naive+neuron``: ``naive`` plus the plan's neuron-level loading (CORM, a neuron-layout artifact), no
+  predictor: against ``naive`` (whole-expert reads of the same records), what reading only the active
+  neurons buys at the same budget.
 - ``moeprep``: the loader with the artifact's plan (``plan.json``: its pools, eviction policy, predictors,
   routing and miss policies), scaled to the budget.
 
@@ -39,8 +42,8 @@ from prep.errors import MoeprepError
 from prep.trace import MIXTRAL_TRACE_FILE
 
 SYSTEMS = ("resident", "accelerate", "naive", "moeprep")
-PREDICTOR_SYSTEMS = tuple(f"naive+{name}" for name in ("next_gates", "path_stats", "first_gate"))
-SUBJECTS = ("reference", "reference-lossless", "mixtral-shape")
+PREDICTOR_SYSTEMS = tuple(f"naive+{name}" for name in ("next_gates", "path_stats", "first_gate", "neuron_gates"))
+SUBJECTS = ("reference", "reference-lossless", "reference-neuron", "mixtral-shape")
 DEFAULT_BUDGETS = "12.5%,25%,50%,100%"
 QUICK_BUDGETS = "25%"
 RESULT_KEYS = ("subject", "system", "budget", "decode_tokens_per_s", "prefill_s", "bytes_read_per_token",
@@ -219,8 +222,10 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
     bandwidth = read_bandwidth(Path(largest.facts["store_file"]), sizes.bandwidth_bytes)
 
     def systems(subj: Subject) -> list[str]:
-        planned = {p["name"] for p in json.loads((Path(subj.artifact) / "plan.json").read_text())["predictors"]}
-        return [*SYSTEMS[1:3], *(s for s in PREDICTOR_SYSTEMS if s.split("+", 1)[1] in planned), SYSTEMS[3]]
+        plan = json.loads((Path(subj.artifact) / "plan.json").read_text())
+        planned = {p["name"] for p in plan["predictors"]}
+        neuron = ["naive+neuron"] if plan.get("neuron", {}).get("name", "off") != "off" else []
+        return [*SYSTEMS[1:3], *neuron, *(s for s in PREDICTOR_SYSTEMS if s.split("+", 1)[1] in planned), SYSTEMS[3]]
 
     runs = [(s, sys_, b) for s in subjects for sys_, b in
             [("resident", "100%")] + [(x, b) for b in budget_list for x in systems(s)]]

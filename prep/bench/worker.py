@@ -109,7 +109,9 @@ def _load(spec: dict, routing):
             own = read_plan(spec["artifact"])
             stores = json.loads((Path(spec["artifact"]) / "manifest.json").read_text())["stores"]
             plan = Plan.mixed(own.expert_precision, {p: s["record_bytes"] for p, s in stores.items()})
-            if "+" in system:  # naive+<predictor>: that one predictor with the artifact's knobs, nothing else
+            if system == "naive+neuron":  # the plan's neuron-level loading, nothing else
+                plan = dataclasses.replace(plan, neuron=own.neuron)
+            elif "+" in system:  # naive+<predictor>: that one predictor with the artifact's knobs, nothing else
                 name = system.split("+", 1)[1]
                 plan = dataclasses.replace(plan, predictors=tuple(s for s in own.predictors if s.name == name))
         loaded = load(spec["artifact"], device=device, memory_budget=spec["budget"],
@@ -191,6 +193,9 @@ def measure(spec: dict) -> dict:
                    "budget_bytes": loaded.budget["limit_bytes"], "misses_per_token": misses / n,
                    "prefetch": {k: after["prefetch"][k] - before["prefetch"][k]  # decode steps only
                                 for k in ("issued", "used", "wasted", "cancelled", "saved_seconds")}}
+        if after["neuron"] is not None:  # neuron-level loading (decode only): the whole run's shares
+            result["neuron"] = {k: after["neuron"][k] for k in ("theta", "crossover", "active_share", "computed_share",
+                                                                "partial_reads", "whole_reads", "neuron_recall")}
         loaded.close()
     elif probe is not None:
         moe_modules = spec["experts_modules"]

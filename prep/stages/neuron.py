@@ -31,7 +31,7 @@ from prep.recipe import NeuronSection
 from prep.stages import Stage, StageResult
 from prep.stages.quantize import PackedExperts
 
-VERSION = 1
+VERSION = 2
 CROSSOVER_FRACTIONS = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 
 
