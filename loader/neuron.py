@@ -86,8 +86,9 @@ def activity(module, gate: torch.Tensor, pairing: str) -> torch.Tensor:
 
 
 def active_set(module, header: dict, x: torch.Tensor, pairing: str, theta: float) -> torch.Tensor:
-    """The neurons active for any token of x [T, H]: bool [I] (the union over tokens)."""
-    return (activity(module, gate_projection(header, x), pairing) > theta).any(0)
+    """The neurons active for any token of x [T, H]: bool [I] on the CPU (the union over tokens; the masks the
+    runtime keeps per cached expert live there)."""
+    return (activity(module, gate_projection(header, x), pairing) > theta).any(0).cpu()
 
 
 def neuron_forward(module, layout: NeuronLayout, record: torch.Tensor, pairing: str, x: torch.Tensor,

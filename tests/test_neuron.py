@@ -46,12 +46,13 @@ def save_wide_mixtral(directory):
 
 
 @torch.no_grad()
-def decode(artifact, neuron, budget="unlimited", steps: int = 5, stepwise: bool = False, predictors=None):
+def decode(artifact, neuron, budget="unlimited", steps: int = 5, stepwise: bool = False, predictors=None,
+           device: str = "cpu", store: str = "disk"):
     """Greedy decode through the loader: (logits of every step [steps + 1, V], the tokens, stats). ``stepwise``
     feeds the prompt one token per call, so every call is a decode step."""
-    lm = load(artifact, memory_budget=budget, neuron=neuron, predictors=predictors)
+    lm = load(artifact, memory_budget=budget, neuron=neuron, predictors=predictors, device=device, store=store)
     try:
-        ids = torch.tensor([PROMPT])
+        ids = torch.tensor([PROMPT], device=device)
         chunks = [ids[:, i:i + 1] for i in range(ids.shape[1])] if stepwise else [ids]
         past, logits = None, []
         for chunk in chunks:
@@ -65,7 +66,7 @@ def decode(artifact, neuron, budget="unlimited", steps: int = 5, stepwise: bool 
             out = lm.model(tok, past_key_values=past, use_cache=True)
             past = out.past_key_values
             logits.append(out.logits[0, -1])
-        return torch.stack(logits), tokens, lm.stats()
+        return torch.stack(logits).cpu(), tokens, lm.stats()
     finally:
         lm.close()
 
@@ -275,3 +276,15 @@ def test_the_neuron_study_measures_every_theta_and_lands_in_report_json(tmp_path
     assert [p["theta"] for p in neuron["study"]["points"]] == [0.0, 0.3]
     assert {"bytes_per_token", "deltas"} <= set(neuron["study"]["points"][1])
     assert "### Neuron study" in (artifact / "report.md").read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("store", ["disk", "host"])
+def test_the_neuron_path_on_cuda_matches_the_cpu(tmp_path, store):
+    _, artifact = neuron_artifact(tmp_path, "mixtral", "int4", theta=0.2, predictor=True)
+    for cfg in (NeuronConfig(theta=0.2, crossover=1.0), NeuronConfig(theta=0.2, crossover=1.0, compute="active")):
+        cpu, _, _ = decode(artifact, cfg, stepwise=True)
+        cuda, _, stats = decode(artifact, cfg, stepwise=True, device="cuda", store=store)
+        assert stats["neuron"]["experts"] > 0
+        assert (cpu - cuda).abs().max() <= 1e-4
