@@ -80,7 +80,6 @@ def test_bench_runs_each_planned_predictor_against_naive_on_the_lossless_referen
 def test_bench_runs_neuron_loading_against_whole_expert_reads_of_the_same_records(tmp_path):
     """reference-neuron: naive (whole reads of the neuron-layout records), naive+neuron, naive+neuron_gates and
     moeprep, and a neuron table; reading only active rows reads fewer bytes per token."""
-    import shutil
 
     from prep.bench.run import run_bench
 
