@@ -70,6 +70,7 @@ def info_command(artifact: str, as_json: bool) -> None:
         "top_k": raw["moe"]["top_k"],
         "stores": _store_summary(manifest),
         "plan": raw["plan_summary"],
+        "neuron": read_plan(manifest.root).neuron.to_json(),  # CORM's neuron-level loading ("off" or its knobs)
         "total_bytes": sum(f["bytes"] for f in raw["files"].values()),
         "sizes": report.get("sizes", {}),
         "compression": report.get("compression", {}),
@@ -92,7 +93,8 @@ def _store_summary(manifest) -> dict:
         experts = planned.count(precision)
         out[precision] = {"file": store.file, "experts": experts, "records": len(store.crc32),
                           "record_bytes": store.record_bytes, "expert_bytes": experts * store.record_bytes,
-                          "bits_per_weight": round(RecordLayout.from_json(store.layout).bits_per_weight, 4)}
+                          "bits_per_weight": round(RecordLayout.from_json(store.layout).bits_per_weight, 4),
+                          "layout": "neuron" if store.neuron is not None else "expert"}
     return out
 
 
