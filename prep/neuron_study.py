@@ -17,8 +17,9 @@ theta:
   The predictor does not enter: with predictions fixed on demand it never changes an output
   (``tests/test_neuron.py``); ``trust_prediction`` (CORM's own behaviour) is one more accuracy point.
 
-The baseline is the same artifact with neuron loading off (whole-expert reads). ``study.json`` is written
-after every point.
+The baseline is the same artifact with neuron loading off (whole-expert reads), decoded once more beside
+every theta so each speed ratio compares runs made under the same load (these 2-core machines vary
+several-fold when other work runs). ``study.json`` is written after every point.
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".
     study["baseline"] = measure_decode(artifact, plan_variant(plan, None, False), budget, text)
     for i, theta in enumerate(thetas, start=1):
         point = {"theta": theta}
+        echo(f"[{i}/{len(thetas)}] whole-expert loading again: decode (the speed ratio's baseline, measured beside)")
+        point["whole"] = measure_decode(artifact, plan_variant(plan, None, False), budget, text)
         for predictor in (False, True):  # rows read as named (crossover 1): the bytes neuron loading saves
             echo(f"[{i}/{len(thetas)}] theta {theta} predictor {'on' if predictor else 'off'}: decode")
             point["predictor" if predictor else "no_predictor"] = measure_decode(
@@ -139,11 +142,11 @@ def study_markdown(study: dict) -> str:
     lines = ["### Neuron study", "",
              f"Recipe `{study['recipe']}` in the neuron layout at a {s['budget']} budget, crossover "
              f"{s['crossover']:.0%}. Decode: {base['tokens']} tokens of fresh text (seed {s['seed']}) one per call; "
-             f"whole-expert loading reads {base['bytes_per_token'] / 1e3:.1f} KB/token at "
-             f"{base['tokens_per_s']:.1f} tokens/s. Accuracy: `moeprep eval` with every token computing its own "
+             f"whole-expert loading reads {base['bytes_per_token'] / 1e3:.1f} KB/token. Accuracy: `moeprep eval` with every token computing its own "
              f"active neurons ({', '.join(suites)}{first}), delta in points (flips right->wrong/wrong->right).", "",
              "Rows are read as named (crossover 1) except in the `measured crossover` columns, where an expert "
              f"whose active share would pass {s['crossover']:.0%} is read whole.", "",
+             "Speed: tokens/s and, in brackets, the ratio to whole-expert loading decoded just before it.", "",
              "| theta | active share | KB/token | x fewer bytes | tokens/s | KB/token, predictor | tokens/s, predictor | "
              "KB/token, measured crossover | tokens/s, measured crossover | "
              "expert acc. | neuron recall | neuron precision | " + " | ".join(f"{x} delta" for x in suites) + " |",
@@ -158,10 +161,15 @@ def study_markdown(study: dict) -> str:
         n = on["neuron"]
         expert = (n.get("expert_prediction") or {}).get("accuracy")
         measured = p["measured_crossover"]
+        whole = p.get("whole", base)["tokens_per_s"]
+
+        def speed(run):
+            return f"{run['tokens_per_s']:.1f} ({run['tokens_per_s'] / whole:.2f}x)"
+
         lines.append(f"| {p['theta']:g} | {share(off['neuron']['active_share'])} | {off['bytes_per_token'] / 1e3:.1f} | "
-                     f"{base['bytes_per_token'] / off['bytes_per_token']:.2f} | {off['tokens_per_s']:.1f} | "
-                     f"{on['bytes_per_token'] / 1e3:.1f} | {on['tokens_per_s']:.1f} | "
-                     f"{measured['bytes_per_token'] / 1e3:.1f} | {measured['tokens_per_s']:.1f} | {share(expert)} | "
+                     f"{base['bytes_per_token'] / off['bytes_per_token']:.2f} | {speed(off)} | "
+                     f"{on['bytes_per_token'] / 1e3:.1f} | {speed(on)} | "
+                     f"{measured['bytes_per_token'] / 1e3:.1f} | {speed(measured)} | {share(expert)} | "
                      f"{share(n['neuron_recall'])} | {share(n['neuron_precision'])} | {_cells(p['suites'])} |")
     trust = study.get("trust")
     if trust:
