@@ -163,7 +163,7 @@ def study_markdown(study: dict) -> str:
         measured = p["measured_crossover"]
         whole = p.get("whole", base)["tokens_per_s"]
 
-        def speed(run):
+        def speed(run, whole=whole):
             return f"{run['tokens_per_s']:.1f} ({run['tokens_per_s'] / whole:.2f}x)"
 
         lines.append(f"| {p['theta']:g} | {share(off['neuron']['active_share'])} | {off['bytes_per_token'] / 1e3:.1f} | "
