@@ -200,15 +200,11 @@ class ExpertRuntime:
         self.times[layer].stall_seconds += time.perf_counter() - start
         self.times[layer].read_seconds += seconds
 
-    # ------------------------------------------------------------------------------ the layer step
-    def run_layer(self, layer: int, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                  top_k_weights: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H]."""
-        if self._neuron_on(hidden.shape[0]):
-            out = self._run_neuron_layer(layer, module, hidden, top_k_index, top_k_weights)
-            self._advance_neuron_prefetches()
-            return out
-        out = torch.zeros_like(hidden)
+    def _begin(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """The start of a layer step (both paths): the wanted experts classified by the cache, queued prefetches
+        the router did not choose cancelled, and per wanted expert the precision to compute it at (the miss
+        policy's for a miss; skipped experts left out, the weights renormalized after a skip when the policy
+        says so). Returns ([(expert, entry or None, precision)], top_k_weights, {expert: prefetched entry})."""
         cache = self.cache
         self._reap()
         planned = self.plan.expert_precision[layer]
@@ -218,11 +214,11 @@ class ExpertRuntime:
         prefetched = {e.expert: e for e in cache.layer_entries(layer) if e.prefetched}
         requests = cache.begin_layer(layer, wanted)
         self._cancel_unwanted(layer, prefetched, {e for e, _ in wanted})
-        ready, waiting, queue, skipped = [], [], [], []  # queue: misses to read, (expert, precision)
+        decisions, skipped = [], []
         for req in requests:
-            entry, precision = req.entry, None
-            if req.entry is not None and prefetched.get(req.expert) is req.entry and not req.entry.in_flight:
-                self.prefetch_saved_seconds += req.entry.read_seconds
+            entry, precision = req.entry, req.precision
+            if entry is not None and prefetched.get(req.expert) is entry and not entry.in_flight:
+                self.prefetch_saved_seconds += entry.read_seconds
             if req.kind == "miss":
                 precision = self.miss_policy.decide(layer, req.expert, req.precision, top_k_index, top_k_weights)
                 if precision == SKIP:
@@ -234,15 +230,32 @@ class ExpertRuntime:
                 if entry is None and precision not in self.stores:
                     raise LoaderError(f"the miss policy asked for precision {precision!r}, which the artifact has "
                                       f"no store for (stores: {sorted(self.stores)})")
-            if entry is None:
-                queue.append((req.expert, precision))
-            elif entry.in_flight:
-                waiting.append((req.expert, entry))
-            else:
-                ready.append((req.expert, entry))
-            cache.use(layer, req.expert, entry.precision if entry is not None else precision)
+            precision = entry.precision if entry is not None else precision
+            cache.use(layer, req.expert, precision)
+            decisions.append((req.expert, entry, precision))
         if skipped and self.miss_policy.renormalize:  # the token's remaining weights keep their former total
             top_k_weights = renormalized(top_k_weights, chosen, skipped)
+        return decisions, top_k_weights, prefetched
+
+    # ------------------------------------------------------------------------------ the layer step
+    def run_layer(self, layer: int, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H]."""
+        if self._neuron_on(hidden.shape[0]):
+            out = self._run_neuron_layer(layer, module, hidden, top_k_index, top_k_weights)
+            self._advance_neuron_prefetches()
+            return out
+        out = torch.zeros_like(hidden)
+        cache = self.cache
+        decisions, top_k_weights, prefetched = self._begin(layer, top_k_index, top_k_weights)
+        ready, waiting, queue = [], [], []  # queue: misses to read, (expert, precision)
+        for expert, entry, precision in decisions:
+            if entry is None:
+                queue.append((expert, precision))
+            elif entry.in_flight:
+                waiting.append((expert, entry))
+            else:
+                ready.append((expert, entry))
         reads = []  # (expert, entry or None, buffer slot or None, job)
         buffers_free = self.buffers.count
 
@@ -402,35 +415,9 @@ class ExpertRuntime:
         rows the same way. Headers are read for every miss first, then each expert's rows, so reads overlap."""
         out = torch.zeros_like(hidden)
         cache = self.cache
-        self._reap()
-        planned = self.plan.expert_precision[layer]
-        active = top_k_weights != 0
-        chosen = top_k_index if bool(active.all()) else top_k_index.masked_fill(~active, -1)
-        wanted = [(e, planned[e]) for e in ordered_experts(chosen.tolist(), self.num_experts)]
-        prefetched = {e.expert: e for e in cache.layer_entries(layer) if e.prefetched}
-        requests = cache.begin_layer(layer, wanted)
-        self._cancel_unwanted(layer, prefetched, {e for e, _ in wanted})
+        decisions, top_k_weights, _ = self._begin(layer, top_k_index, top_k_weights)
         self._neuron_pending = [(e, x) for e, x in self._neuron_pending if e.layer != layer]
-        items, skipped = [], []
-        for req in requests:
-            entry, precision = req.entry, req.precision
-            if req.kind == "miss":
-                precision = self.miss_policy.decide(layer, req.expert, req.precision, top_k_index, top_k_weights)
-                if precision == SKIP:
-                    cache.skip(layer, req.expert)
-                    skipped.append(req.expert)
-                    continue
-                if precision != req.precision:
-                    entry = cache.find(layer, req.expert, precision)
-                if entry is None and precision not in self.stores:
-                    raise LoaderError(f"the miss policy asked for precision {precision!r}, which the artifact has "
-                                      f"no store for (stores: {sorted(self.stores)})")
-            elif prefetched.get(req.expert) is entry and not entry.in_flight:
-                self.prefetch_saved_seconds += entry.read_seconds
-            cache.use(layer, req.expert, entry.precision if entry is not None else precision)
-            items.append({"expert": req.expert, "entry": entry, "precision": entry.precision if entry else precision})
-        if skipped and self.miss_policy.renormalize:
-            top_k_weights = renormalized(top_k_weights, chosen, skipped)
+        items = [{"expert": expert, "entry": entry, "precision": precision} for expert, entry, precision in decisions]
         batch = []
         for item in items:
             if item["entry"] is None:
