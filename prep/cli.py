@@ -324,7 +324,7 @@ def reference_metrics_command(ref_dir: str) -> None:
 
 
 @main.command("bench")
-@click.option("--subject", type=click.Choice(["reference", "reference-lossless", "mixtral-shape", "all"]),
+@click.option("--subject", type=click.Choice(["reference", "reference-lossless", "reference-neuron", "mixtral-shape", "all"]),
               default="all", show_default=True, help="What to measure.")
 @click.option("--budgets", default=None,
               help="Comma-separated shares of the expert store. [default: 12.5%,25%,50%,100%; with --quick: 25%]")
