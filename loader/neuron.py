@@ -21,6 +21,7 @@ import torch
 
 from loader.codec import NeuronLayout
 from loader.errors import MoeError
+from loader.routing import RoutingPolicy, selection_weights
 
 COMPUTE = ("resident", "active")
 
@@ -36,7 +37,9 @@ class NeuronConfig:
     read) or "active" (the token's active set only; digest ambiguity 6); trust_prediction: a predicted
     expert computes with the neurons the predictor read, missing active ones are not read on demand
     (CORM's own behaviour; off: wrong predictions are fixed on demand); prefill: also in prefill (off:
-    decode only, since a prompt's union of active sets is nearly everything)."""
+    decode only, since a prompt's union of active sets is nearly everything). With trust_prediction and the
+    neuron_gates predictor the layers also compute the predicted experts instead of the router's
+    (``TrustedPrediction``)."""
 
     theta: float = 0.0
     crossover: float = 0.75
@@ -112,3 +115,35 @@ def neuron_forward(module, layout: NeuronLayout, record: torch.Tensor, pairing: 
     if "down_bias" in header:
         y = y + header["down_bias"].to(x.dtype)
     return y
+
+
+class TrustedPrediction(RoutingPolicy):
+    """CORM proceeds with its prediction (``trust_prediction``): where the neuron path runs, MoE layer l computes
+    the experts the ``neuron_gates`` predictor named from layer l-1's router input instead of its router's
+    choice (the first MoE layer, with nothing named, keeps its router's). They are weighted by the router's
+    own weight function on its logits (digest ambiguity 5: the true gate, renormalized as the model does)."""
+
+    name = "trusted_prediction"
+
+    def __init__(self, predictor, weights: dict, applies) -> None:
+        """predictor: the bound ``loader.predict.NeuronGates``; weights: the manifest's ``routing_weights``;
+        applies(tokens) -> whether a call of that many tokens takes the neuron path."""
+        self.predictor, self.weights, self.applies = predictor, weights, applies
+        self.decisions = self.replaced = 0
+
+    def route(self, layer, logits, weights, indices, view=None):
+        named = self.predictor.named_for(layer)
+        if named is None or not self.applies(indices.shape[0]):
+            return weights, indices
+        k = indices.shape[-1]
+        own = indices[0].tolist()
+        chosen = (named + [e for e in own if e not in named])[:k]  # too few named: the router's next ones
+        new = torch.tensor([chosen] * indices.shape[0], dtype=indices.dtype, device=indices.device)
+        self.decisions += 1
+        self.replaced += len(set(own) - set(chosen))
+        self.predictor.router_choice[layer] = indices
+        return selection_weights(self.weights, logits, new).to(weights.dtype), new
+
+    def stats(self) -> dict:
+        """Layer decisions taken from the prediction, and the router's experts they replaced."""
+        return {"policy": self.name, "decisions": self.decisions, "experts_replaced": self.replaced}

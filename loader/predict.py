@@ -308,21 +308,28 @@ class NeuronGates(NextGates):
         super().__init__(depth=1, experts=experts)
         self.reset()
 
+    def named_for(self, layer: int) -> list[int] | None:
+        """The experts named for ``layer`` (ranked), or None when nothing was named for it."""
+        return self._named[1] if self._named is not None and self._named[0] == layer else None
+
     def after_router(self, layer, router_input, indices):
-        if self._named is not None and self._named[0] == layer:  # score the prediction made for this layer
-            chosen = set(indices.flatten().tolist()) - {-1}
+        named = self.named_for(layer)
+        if named is not None:  # score the prediction made for this layer against the router's own choice
+            own = self.router_choice.pop(layer, indices)
+            chosen = set(own.flatten().tolist()) - {-1}
             self.chosen += len(chosen)
-            self.hits += len(chosen & self._named[1])
+            self.hits += len(chosen & set(named))
         self._named = None
         predicted = self.predict(layer, router_input)
         if not predicted:
             return []
-        self._named = (layer + 1, set(predicted[0]))
+        self._named = (layer + 1, list(predicted[0]))
         x = router_input.reshape(-1, router_input.shape[-1]).detach()
         return [PrefetchRequest(layer + 1, e, None, x) for e in predicted[0]]
 
     def reset(self) -> None:
         self._named = None
+        self.router_choice: dict = {}  # layer -> the router's indices, when a routing policy replaced them
         if not hasattr(self, "chosen"):
             self.chosen = self.hits = 0
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from loader.cache import ExpertCache, MemoryMeter, PoolConfig, ordered_experts, policy_factory
 from loader.codec import NeuronLayout, RecordLayout
 from loader.format import ArtifactError, check_model, check_record, expert_key, open_artifact, read_manifest
-from loader.neuron import NeuronConfig, NeuronError, active_set, neuron_forward
+from loader.neuron import NeuronConfig, NeuronError, TrustedPrediction, active_set, neuron_forward
 from loader.plan import (
     Capacities,
     ModelSizes,
@@ -59,6 +59,7 @@ from loader.routing import (
     MISS_POLICIES,
     ROUTING_POLICIES,
     SKIP,
+    ChainedRouting,
     InstalledRouting,
     MissPolicy,
     RoutingPolicy,
@@ -992,9 +993,10 @@ def _load(artifact, device, memory_budget, store, policy, workers, routing, pred
                                "cache_slots": {name: a.count for name, a in runtime.arenas.items()},
                                "operating_point": (point.budget_bytes if (point := plan.point_for(caps.limit_bytes)) else None)}
     loaded = LoadedModel(model, tokenizer, runtime, budget)
+    policy = routing if routing is not None else _named(ROUTING_POLICIES, plan.routing, "routing policy", RoutingPolicy)
+    trusted = _trusted_prediction(runtime, moe)
     loaded.routing = install_routing(
-        model, moe["experts_modules"], routing if routing is not None else _named(ROUTING_POLICIES, plan.routing, "routing policy",
-                                                                                  RoutingPolicy),
+        model, moe["experts_modules"], ChainedRouting(policy, trusted) if trusted is not None else policy,
         router_paths=moe.get("router_modules"), view=runtime.cache.view,
         after_router=runtime.after_router if runtime.predictors else None)
     runtime.routing = loaded.routing.policy
@@ -1009,6 +1011,19 @@ def _load(artifact, device, memory_budget, store, policy, workers, routing, pred
         model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: runtime.after_last_layer(args[0]))
     _attach_counters(loaded)
     return loaded
+
+
+def _trusted_prediction(runtime: ExpertRuntime, moe: dict) -> TrustedPrediction | None:
+    """CORM's expert-level trust: with ``trust_prediction`` and the neuron_gates predictor, the layers compute
+    the predicted experts (``loader.neuron.TrustedPrediction``); None otherwise."""
+    gates = next((p for p in runtime.predictors if p.name == "neuron_gates"), None)
+    if runtime.neuron is None or not runtime.neuron.trust_prediction or gates is None:
+        return None
+    if moe.get("routing_weights") is None:
+        runtime.close()
+        raise LoaderError("trust_prediction weighs the predicted experts with the router's weight function, which "
+                          "this artifact's manifest does not record (moe.routing_weights); prepare it again")
+    return TrustedPrediction(gates, moe["routing_weights"], runtime._neuron_on)
 
 
 def _predictors(plan: Plan, given: list | None) -> list[Predictor]:

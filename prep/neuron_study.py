@@ -174,8 +174,9 @@ def study_markdown(study: dict) -> str:
     trust = study.get("trust")
     if trust:
         d = trust["decode"]
-        lines += ["", f"CORM's trust_prediction at theta {trust['theta']:g} (predicted experts compute with the "
-                      f"prefetched neurons, no demand reads for them): {d['bytes_per_token'] / 1e3:.1f} KB/token, "
+        lines += ["", f"CORM's trust_prediction at theta {trust['theta']:g} (each layer after the first computes the "
+                      "experts the predictor named, with the neurons prefetched for them, no demand reads for those): "
+                      f"{d['bytes_per_token'] / 1e3:.1f} KB/token, "
                       f"{d['tokens_per_s']:.1f} tokens/s; deltas {_cells(trust['suites'])}."]
     return "\n".join(lines) + "\n"
 

@@ -280,8 +280,8 @@ class NeuronSection:
     model with the inactive neurons dropped stays within it. ``crossover``: the active share above which a
     whole read is cheaper (null: measured on this machine's disk). ``compute``: ``resident`` or ``active``
     neurons; ``predictor``: CORM's next-gate + W1 prefetch (the ``neuron_gates`` predictor);
-    ``trust_prediction``: a predicted expert computes with what was prefetched (CORM) instead of reading the
-    active neurons it lacks."""
+    ``trust_prediction``: proceed with the prediction as CORM does (the layer computes the predicted experts
+    with the prefetched neurons) instead of fixing wrong predictions on demand."""
 
     layout: str = "expert"
     enabled: bool = False

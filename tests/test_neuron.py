@@ -217,12 +217,24 @@ def test_loader_with_compute_active_matches_the_source_model_with_inactive_neuro
     assert (dense - prefill).abs().max() <= 1e-4
 
 
-def test_trust_prediction_reads_no_rows_on_demand_for_predicted_experts(tmp_path):
-    _, artifact = neuron_artifact(tmp_path, "mixtral", "int4", theta=0.3, predictor=True)
-    _, _, fixed = decode(artifact, NeuronConfig(theta=0.3, crossover=1.0), stepwise=True)
-    _, _, trusted = decode(artifact, NeuronConfig(theta=0.3, crossover=1.0, trust_prediction=True), stepwise=True)
+def test_trust_prediction_computes_the_predicted_experts_with_the_prefetched_neurons(tmp_path):
+    """CORM proceeds with its prediction: a decode layer after the first computes the experts neuron_gates named
+    (weighted by the router's own function), with the neurons prefetched for them; the expert-level accuracy
+    is still scored against the router's own choice."""
+    _, artifact = neuron_artifact(tmp_path, "olmoe", "int4", theta=0.3, predictor=True)
+    fixed_logits, _, fixed = decode(artifact, NeuronConfig(theta=0.3, crossover=1.0), stepwise=True)
+    cfg = NeuronConfig(theta=0.3, crossover=1.0, trust_prediction=True)
+    trusted_logits, _, trusted = decode(artifact, cfg, stepwise=True)
+    layers = len(trusted["layers"])
+    steps = len(PROMPT) + 5
+    assert trusted["routing"]["decisions"] == steps * (layers - 1)  # every decode step, every layer after the first
+    assert trusted["routing"]["experts_replaced"] > 0
+    accuracy = trusted["neuron"]["expert_prediction"]
+    assert accuracy["named"] < accuracy["chosen"]  # scored against the router, not against itself
     assert trusted["neuron"]["predicted_experts"] > 0
-    assert trusted["neuron"]["rows_read"] <= fixed["neuron"]["rows_read"]
+    assert not torch.equal(fixed_logits, trusted_logits)
+    _, _, no_predictor = decode(artifact, cfg, stepwise=True, predictors=[])
+    assert no_predictor["routing"] is None  # nothing named: the router's own choice
 
 
 def test_neuron_stage_packs_profiles_measures_and_plans(tmp_path):
