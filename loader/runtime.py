@@ -541,17 +541,15 @@ class ExpertRuntime:
         finished neuron reads are merged into their masks."""
         if not self._neuron_pending:
             return
+        self._reap()  # headers that have landed become resident (they are prefetches like any other)
         still = []
         for entry, x in self._neuron_pending:
             if entry.slot < 0:
                 continue
-            if entry.in_flight and entry.ticket is not None and entry.ticket.state == "done":
-                self.cache.complete(entry, True)
-                entry.read_seconds += entry.ticket.seconds if entry.ticket else 0.0
             if entry.in_flight:
                 still.append((entry, x))
-                continue
-            self._predict_rows(entry, x)
+            else:
+                self._predict_rows(entry, x)
         self._neuron_pending = still
 
     # ----------------------------------------------------------------------------------- prefetch

@@ -105,11 +105,26 @@ def eval_command(artifact, original, suites, data, limit, num_fewshot, gsm8k_for
     from prep.evals.compare import evaluate_artifact, summary_markdown
 
     output = output or str(Path(artifact).parent / "eval.json")
-    report = evaluate_artifact(artifact, original, tuple(s.strip() for s in suites.split(",") if s.strip()), data,
+    report = evaluate_artifact(artifact, original, _names(suites), data,
                                limit, num_fewshot, memory_budget, gsm8k_format, output=output,
                                reuse_original=reuse_original)
     click.echo(summary_markdown(report))
     click.echo(f"wrote {output}")
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated list of names (suites, budgets), blanks dropped."""
+    return tuple(n.strip() for n in text.split(",") if n.strip())
+
+
+def _study_suites(command):
+    """The studies' accuracy options: --suites, --data and --limit (each study scores with `moeprep eval`)."""
+    for option in reversed((
+            click.option("--suites", default="gsm8k,mmlu,truthfulqa", show_default=True, help="Comma-separated suites."),
+            click.option("--data", default=None, help="Suites directory (default: suites/ beside the original model)."),
+            click.option("--limit", type=int, default=None, help="First N items of each suite (default: all)."))):
+        command = option(command)
+    return command
 
 
 def _floats(text: str, what: str) -> tuple[float, ...]:
@@ -127,9 +142,7 @@ def _floats(text: str, what: str) -> tuple[float, ...]:
 @click.option("--tolerances", default="0.0015,0.003,0.005", show_default=True,
               help="edgemoe tolerances (mean next-token KL, nats); the middle one sets the random row's bytes.")
 @click.option("--shares", default="0.25,0.5", show_default=True, help="frequency shares q.")
-@click.option("--suites", default="gsm8k,mmlu,truthfulqa", show_default=True, help="Comma-separated suites.")
-@click.option("--data", default=None, help="Suites directory (default: suites/ beside the original model).")
-@click.option("--limit", type=int, default=None, help="First N items of each suite (default: all).")
+@_study_suites
 @click.option("--memory-budget", default=None, help="Loader budget for every row (default: each plan's).")
 @click.option("--into", default=None, type=click.Path(file_okay=False),
               help="Also put the study into this artifact: report.json's bitwidth_study, report.md and report.png.")
@@ -141,7 +154,7 @@ def bitwidth_study_command(recipe_path, output, tolerances, shares, suites, data
     from prep.bitwidth_study import merge_study_into, run_study
 
     study = run_study(recipe_path, output, tolerances=_floats(tolerances, "--tolerances"),
-                      shares=_floats(shares, "--shares"), suites=tuple(s.strip() for s in suites.split(",") if s.strip()),
+                      shares=_floats(shares, "--shares"), suites=_names(suites),
                       limit=limit, data=data, memory_budget=memory_budget, echo=lambda m: click.echo(m, err=True))
     if into:
         merge_study_into(into, study)
@@ -229,9 +242,7 @@ def policy_study_command(trace, capacity, trials, seed, output):
               help="Target high/skip splits of dynamic precision.")
 @click.option("--lambdas", default="0.25,0.5,1", show_default=True, help="Cache-prior lambdas.")
 @click.option("--max-rank", default="3,4", show_default=True, help="Max-rank m values.")
-@click.option("--suites", default="gsm8k,mmlu,truthfulqa", show_default=True)
-@click.option("--data", default=None, help="Suites directory (default: suites/ beside the original model).")
-@click.option("--limit", type=int, default=None, help="First N items of each suite (default: all).")
+@_study_suites
 @click.option("--low", default="int4", show_default=True, help="Precision of dynamic precision's low copies.")
 @click.option("--into", default=None, type=click.Path(file_okay=False),
               help="Also put the curves into this artifact: report.json routing_curves, report.md, report-routing.png.")
@@ -250,8 +261,8 @@ def routing_study_command(recipe_path, output, budgets, gating, dynamic, lambdas
                  "max_rank": tuple(int(m) for m in max_rank.split(",") if m.strip())}
     except ValueError:
         raise click.BadParameter("--dynamic is high/skip pairs like 0.67/0.03, --max-rank whole numbers") from None
-    study = run_study(recipe_path, output, budgets=tuple(b.strip() for b in budgets.split(",") if b.strip()),
-                      knobs=knobs, suites=tuple(s.strip() for s in suites.split(",") if s.strip()), limit=limit,
+    study = run_study(recipe_path, output, budgets=_names(budgets),
+                      knobs=knobs, suites=_names(suites), limit=limit,
                       data=data, low=low, echo=lambda m: click.echo(m, err=True))
     if into:
         merge_into(into, study, (Path(output) / "study.png").read_bytes())
@@ -266,9 +277,7 @@ def routing_study_command(recipe_path, output, budgets, gating, dynamic, lambdas
               help="Where the study's artifact, study.json and study.md go.")
 @click.option("--thetas", default="0,0.05,0.1,0.2,0.3", show_default=True, help="Comma-separated activity thresholds.")
 @click.option("--budget", default="25%", show_default=True, help="The memory budget of every decode run.")
-@click.option("--suites", default="gsm8k,mmlu,truthfulqa", show_default=True)
-@click.option("--data", default=None, help="Suites directory (default: suites/ beside the original model).")
-@click.option("--limit", type=int, default=None, help="First N items of each suite (default: all).")
+@_study_suites
 @click.option("--sequences", type=click.IntRange(1, 1000), default=4, show_default=True,
               help="Sequences of fresh text decoded one token per call.")
 @click.option("--sequence-length", type=click.IntRange(2, 100000), default=64, show_default=True)
@@ -284,7 +293,7 @@ def neuron_study_command(recipe_path, output, thetas, budget, suites, data, limi
     from prep.neuron_study import merge_into, run_study
 
     study = run_study(recipe_path, output, thetas=_floats(thetas, "--thetas"), budget=budget,
-                      suites=tuple(s.strip() for s in suites.split(",") if s.strip()), limit=limit, data=data,
+                      suites=_names(suites), limit=limit, data=data,
                       sequences=sequences, sequence_length=sequence_length, trust_theta=trust_theta,
                       echo=lambda m: click.echo(m, err=True))
     if into:

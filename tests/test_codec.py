@@ -222,6 +222,30 @@ def test_readme_table_matches_the_layouts():
             assert documented == f"{_layout(MIXTRAL_EXPERT, precision, int(group_size), m).bits_per_weight:.3f}"
 
 
+def _neuron_layout(intermediate: int, hidden: int, precision: str) -> RecordLayout:
+    group_size, meta_group = DEFAULT_FORMATS[precision]
+    return RecordLayout((MatrixSpec("gate", (intermediate, hidden), precision, "bfloat16", group_size, False, meta_group),
+                         MatrixSpec("neurons", (intermediate, 2 * hidden), precision, "bfloat16", group_size, False,
+                                    2 * hidden // group_size, rows=True)))
+
+
+def test_readme_neuron_layout_costs_match_the_layouts():
+    """loader/README's neuron-against-expert bits per weight (a Mixtral-8x7B expert) and the reference model's
+    1-2.5% are what the layouts give."""
+    text = (Path(__file__).resolve().parents[1] / "loader" / "README.md").read_text()
+    section = text[text.index("### The neuron layout"):text.index("### Quantized metadata")]
+    rows = re.findall(r"(int\d) ([\d.]+) against ([\d.]+)", " ".join(section.split()))
+    assert sorted(r[0] for r in rows) == sorted(DEFAULT_FORMATS)
+    for precision, neuron, expert in rows:
+        group_size, meta_group = DEFAULT_FORMATS[precision]
+        assert neuron == f"{_neuron_layout(14336, 4096, precision).bits_per_weight:.3f}"
+        assert expert == f"{_layout(MIXTRAL_EXPERT, precision, group_size, meta_group).bits_per_weight:.3f}"
+    for precision, (group_size, meta_group) in DEFAULT_FORMATS.items():
+        reference = {"gate_up_proj": (768, 256), "down_proj": (256, 384)}
+        extra = _neuron_layout(384, 256, precision).nbytes / _layout(reference, precision, group_size, meta_group).nbytes
+        assert 1.0 < extra <= 1.025, precision
+
+
 def test_layout_json_carries_meta_group_and_reads_old_layouts():
     layout = _layout({"w": (4, 64)}, "int2", 16, 128)
     assert layout.to_json()[0]["meta_group"] == 128

@@ -115,7 +115,7 @@ def _run(inputs) -> NeuronChoice:
     crossover = cfg.crossover
     if crossover is None:
         layer = packed.layers[0]
-        records = {k: v for k, v in packed.records(inputs.work, packed.precision, lambda lay, e: lay == layer).items()}
+        records = dict(packed.records(inputs.work, packed.precision, lambda lay, e: lay == layer).items())
         measured = measure_crossover(records, RecordLayout.from_json(packed.stores[packed.precision]["layout"]),
                                      CROSSOVER_FRACTIONS, directory=inputs.work)
         crossover = measured["crossover"]
