@@ -278,15 +278,14 @@ class NeuronLayout:
     def ranges(self, rows: torch.Tensor) -> list[tuple[int, int]]:
         """(start, length) byte ranges of the record holding the neurons of the bool mask ``rows`` [I],
         one per run of consecutive neurons."""
-        idx = torch.nonzero(rows).flatten().tolist()
-        out = []
-        for j in idx:
-            start = self.rows_offset + j * self.row_bytes
-            if out and out[-1][0] + out[-1][1] == start:
-                out[-1] = (out[-1][0], out[-1][1] + self.row_bytes)
-            else:
-                out.append((start, self.row_bytes))
-        return out
+        idx = torch.nonzero(rows).flatten()
+        if idx.numel() == 0:
+            return []
+        breaks = torch.nonzero(idx[1:] - idx[:-1] != 1).flatten() + 1  # where a run of consecutive neurons ends
+        firsts = torch.cat([idx[:1], idx[breaks]]).tolist()
+        counts = torch.diff(torch.cat([torch.zeros(1, dtype=breaks.dtype), breaks,
+                                       torch.tensor([idx.numel()])])).tolist()
+        return [(self.rows_offset + j * self.row_bytes, n * self.row_bytes) for j, n in zip(firsts, counts, strict=True)]
 
     def covered(self, spans: list[tuple[int, int]]) -> torch.Tensor:
         """The neurons whose whole row lies inside the byte ranges ``spans`` (a read brings them all): bool [I]."""

@@ -300,3 +300,23 @@ def test_the_neuron_path_on_cuda_matches_the_cpu(tmp_path, store):
         cuda, _, stats = decode(artifact, cfg, stepwise=True, device="cuda", store=store)
         assert stats["neuron"]["experts"] > 0
         assert (cpu - cuda).abs().max() <= 1e-4
+
+
+def test_neuron_ranges_are_the_runs_of_consecutive_neurons():
+    """Against a plain loop over the neurons: one (start, length) per run, in order."""
+    from prep.adapters.base import ExpertWeights
+
+    layout, _ = encode_neuron_expert(ExpertWeights(torch.randn(40, 32), torch.randn(40, 32), torch.randn(32, 40)),
+                                     "int4", 16, 0)
+    neuron = NeuronLayout(layout)
+    rng = random.Random(1)
+    for _ in range(300):
+        rows = torch.rand(neuron.intermediate) < rng.random()
+        expected = []
+        for j in rows.nonzero().flatten().tolist():
+            start = neuron.rows_offset + j * neuron.row_bytes
+            if expected and sum(expected[-1]) == start:
+                expected[-1] = (expected[-1][0], expected[-1][1] + neuron.row_bytes)
+            else:
+                expected.append((start, neuron.row_bytes))
+        assert neuron.ranges(rows) == expected
