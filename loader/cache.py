@@ -69,6 +69,7 @@ class Entry:
     row_job: object = None
     row_mask: object = None
     predicted: object = None
+    weights: object = None  # the runtime's decoded copy of the record in this slot (loader/kernels.py), once made
 
 
 @dataclass

@@ -147,10 +147,14 @@ def neuron_switch(artifact: str, neuron: str, theta: float | None):
               help="Neuron-level loading (CORM; needs a neuron-layout artifact): as the plan says, on, or off.")
 @click.option("--theta", type=float, default=None,
               help="Neuron activity threshold, overriding the plan's (implies --neuron on).")
+@click.option("--expert-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16", "packed"]),
+              default="auto", show_default=True,
+              help="How a cached quantized expert is held: decoded in the dtype measured fastest here (auto), "
+                   "decoded in that dtype, or packed (decoded on every use, the smallest).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {text, token_ids, stats}.")
 def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_budget: str | None, device: str,
                      store: str, predictors: str | None, exact_routing: bool, planned_precision: bool,
-                     neuron: str, theta: float | None, as_json: bool) -> None:
+                     neuron: str, theta: float | None, expert_dtype: str, as_json: bool) -> None:
     """Greedy generation through the offloading runtime; streams the text, then prints the stats."""
     import torch
     from transformers import TextStreamer
@@ -165,7 +169,7 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
     loaded = load(artifact, device=device, memory_budget=memory_budget, store=store, predictors=chosen,
                   routing=RoutingPolicy() if exact_routing else None,
                   miss_policy=MissPolicy() if planned_precision else None,
-                  neuron=neuron_switch(artifact, neuron, theta))
+                  neuron=neuron_switch(artifact, neuron, theta), expert_dtype=expert_dtype)
     tok = loaded.tokenizer
     ids = torch.tensor([tok(prompt)["input_ids"]], dtype=torch.long, device=device)
     if ids.numel() == 0:
@@ -188,7 +192,7 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
                f"hit rate {stats['hit_rate'] or 0:.3f}  read {stats['bytes_read']:,} B in "
                f"{stats['read_seconds']:.3f} s  stall {stats['stall_seconds']:.3f} s  "
                f"peak cache {stats['peak_cache_bytes']:,} B  direct I/O {stats['direct_io']}")
-    for what in ("routing", "miss_policy", "neuron"):
+    for what in ("routing", "miss_policy", "neuron", "compute"):
         if stats.get(what):
             click.echo(f"{what.replace('_', ' ')}: " + "  ".join(f"{k} {v}" for k, v in stats[what].items()))
     pf = stats["prefetch"]

@@ -327,7 +327,8 @@ class ModelSizes:
     top_k: int
     dense_bytes: int
     source_expert_bytes: int  # every expert of the source model in its original dtype
-    record_bytes: dict  # precision -> bytes of one record of that precision
+    record_bytes: dict  # precision -> bytes one cached expert of that precision takes (its slot)
+    read_bytes: dict | None = None  # precision -> bytes a read buffer takes (None: the slot, no decoded copy)
 
 
 @dataclass(frozen=True)
@@ -356,7 +357,8 @@ def resolve_budget(budget, plan: Plan, sizes: ModelSizes) -> float:
 
 def buffer_bytes(plan: Plan, sizes: ModelSizes) -> int:
     """Read buffers: K records of the largest precision can be in flight or in use outside a cache."""
-    return sizes.top_k * max(sizes.record_bytes[p] for p in plan.precisions)
+    read = sizes.read_bytes or sizes.record_bytes
+    return sizes.top_k * max(read[p] for p in plan.precisions)
 
 
 def minimum_budget(plan: Plan, sizes: ModelSizes) -> int:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from loader.cache import ExpertCache, MemoryMeter, PoolConfig, ordered_experts, policy_factory
 from loader.codec import NeuronLayout, RecordLayout
 from loader.format import ArtifactError, check_model, check_record, expert_key, open_artifact, read_manifest
+from loader.kernels import DecodedLayout, KernelError, check_expert_dtype, decoded_dtype, needs_decoding
 from loader.neuron import NeuronConfig, NeuronError, TrustedPrediction, active_set, neuron_forward
 from loader.plan import (
     Capacities,
@@ -100,7 +101,8 @@ class ExpertRuntime:
     def __init__(self, plan: Plan, caps: Capacities, stores: dict[str, ExpertStore],
                  layouts: dict[str, RecordLayout], top_k: int, device: torch.device, workers: int,
                  miss_policy: MissPolicy, predictors: list[Predictor], layer_ids: list[int],
-                 neuron: NeuronConfig | None = None, pairings: dict[str, str] | None = None) -> None:
+                 neuron: NeuronConfig | None = None, pairings: dict[str, str] | None = None,
+                 decoded: dict[str, DecodedLayout] | None = None) -> None:
         self.plan = plan
         self.layer_ids = layer_ids  # position among the MoE layers -> the model's layer index (record keys)
         self.caps = caps
@@ -109,7 +111,12 @@ class ExpertRuntime:
         self.top_k = top_k
         self.device = device
         self.num_layers, self.num_experts = plan.num_layers, plan.num_experts
-        self.slot_bytes = {p: slot_bytes(s) for p, s in stores.items()}
+        # a quantized store's cached experts hold a decoded copy after their record (loader/kernels.py)
+        self.decoded = {p: d for p, d in (decoded or {}).items() if d is not None}
+        self.read_bytes = {p: slot_bytes(s) for p, s in stores.items()}
+        self.slot_bytes = {p: held_bytes(s, self.decoded.get(p)) for p, s in stores.items()}
+        self.quantized = {p for p, lay in layouts.items() if needs_decoding(lay)}
+        self.decodes, self.decode_seconds = 0, 0.0  # decodes of a quantized record, and their time
         self.meter = MemoryMeter()
         self.cache = ExpertCache(
             [PoolConfig(pool.name, pool.precision, pool.group, caps.pools[pool.name], self.slot_bytes[pool.precision])
@@ -119,7 +126,7 @@ class ExpertRuntime:
         self.cache.on_evict = self._free_slot
         self.arenas = {pool.name: SlotArena(sum(b // self.slot_bytes[pool.precision] for b in caps.pools[pool.name].values()),
                                             self.slot_bytes[pool.precision], device) for pool in plan.pools}
-        self.buffers = SlotArena(top_k, max(self.slot_bytes.values()), device)
+        self.buffers = SlotArena(top_k, max(self.read_bytes.values()), device)
         self.reader = Reader(workers, device)
         self.miss_policy = miss_policy
         self.predictors = predictors
@@ -162,6 +169,7 @@ class ExpertRuntime:
                 job.wait_done()  # already being read: let it land before the slot is reused
         self.arenas[entry.pool].give(entry.slot)
         entry.slot = -1
+        entry.weights = None
         entry.ticket = entry.row_job = None
 
     def _reap(self) -> None:
@@ -184,6 +192,7 @@ class ExpertRuntime:
     def _read_into_entry(self, entry, priority: int) -> ReadJob:
         arena = self.arenas[entry.pool]
         entry.slot = arena.take()
+        entry.weights = None
         job = ReadJob(self.stores[entry.precision], self.key(entry.layer, entry.expert), arena, entry.slot, priority)
         entry.ticket = job
         return self.reader.submit(job)
@@ -284,7 +293,8 @@ class ExpertRuntime:
         submit_next()
         for expert, entry in ready:
             self._fill(layer, entry)
-            self._compute(module, expert, self._record(entry), entry.precision, hidden, top_k_index, top_k_weights, out)
+            self._compute(module, expert, self._record(entry), entry.precision, hidden, top_k_index, top_k_weights, out,
+                          entry=entry)
         for expert, entry in waiting:
             stalled = self.times[layer].stall_seconds
             self._await(layer, entry.ticket)
@@ -292,7 +302,8 @@ class ExpertRuntime:
                 self.prefetch_saved_seconds += max(0.0, entry.ticket.seconds - (self.times[layer].stall_seconds - stalled))
             cache.complete(entry, True)
             self._fill(layer, entry)
-            self._compute(module, expert, self._record(entry), entry.precision, hidden, top_k_index, top_k_weights, out)
+            self._compute(module, expert, self._record(entry), entry.precision, hidden, top_k_index, top_k_weights, out,
+                          entry=entry)
         while reads:
             expert, entry, slot, job = reads.pop(0)
             self._await(layer, job)
@@ -301,7 +312,7 @@ class ExpertRuntime:
                 record, precision = self._record(entry), entry.precision
             else:
                 record, precision = self.buffers.tensor(slot, job.store.record_bytes), job.store.precision
-            self._compute(module, expert, record, precision, hidden, top_k_index, top_k_weights, out)
+            self._compute(module, expert, record, precision, hidden, top_k_index, top_k_weights, out, entry=entry)
             if slot is not None:
                 self.buffers.give(slot)
                 self.meter.sub(self.buffers.slot_bytes)
@@ -319,8 +330,29 @@ class ExpertRuntime:
             event.record(torch.cuda.current_stream(self.device))
             self.reader.after_compute = event
 
+    def _weights(self, record: torch.Tensor, precision: str, entry) -> dict[str, torch.Tensor]:
+        """The matrices to compute with: a cached expert's decoded copy (decoded into its slot on first use),
+        a read buffer's record decoded for this one use, or the record itself (passthrough, or packed)."""
+        decoded = self.decoded.get(precision)
+        if entry is not None and entry.weights is not None:
+            return entry.weights
+        if decoded is None and precision not in self.quantized:
+            return self.layouts[precision].decode(record)  # plain matrices: views of the record
+        start = time.perf_counter()
+        if decoded is None:
+            weights = self.layouts[precision].decode(record)
+        elif entry is None:
+            weights = decoded.decode_into(record, torch.empty(decoded.nbytes, dtype=torch.uint8, device=record.device))
+        else:
+            arena = self.arenas[entry.pool]
+            begin = entry.slot * arena.slot_bytes + self.read_bytes[precision]
+            weights = entry.weights = decoded.decode_into(record, arena.data[begin:begin + decoded.nbytes])
+        self.decodes += 1
+        self.decode_seconds += time.perf_counter() - start
+        return weights
+
     def _compute(self, module, expert, record, precision, hidden, top_k_index, top_k_weights, out,
-                 rows: torch.Tensor | None = None, header: dict | None = None) -> None:
+                 rows: torch.Tensor | None = None, header: dict | None = None, entry=None) -> None:
         """Add expert ``expert``'s weighted output for its tokens to ``out``; a neuron-layout record computes over
         the neurons of the bool mask ``rows`` (None: all), each token over its own active ones with
         ``compute: active``."""
@@ -334,19 +366,20 @@ class ExpertRuntime:
                                header, per_token)
             out.index_add_(0, tokens, (y * top_k_weights[tokens, slot, None]).to(out.dtype))
             return
-        w = self.layouts[precision].decode(record)
+        w = self._weights(record, precision, entry)
+        x = x.to(w["gate_up_proj"].dtype)  # the products run in the weights' dtype (a decoded copy's)
         if module.is_transposed:
-            gate_up = x @ w["gate_up_proj"].to(x.dtype)
+            gate_up = x @ w["gate_up_proj"]
             if "gate_up_proj_bias" in w:
-                gate_up = gate_up + w["gate_up_proj_bias"].to(x.dtype)
-            y = module._apply_gate(gate_up) @ w["down_proj"].to(x.dtype)
+                gate_up = gate_up + w["gate_up_proj_bias"]
+            y = module._apply_gate(gate_up) @ w["down_proj"]
         else:
-            gate_up = F.linear(x, w["gate_up_proj"].to(x.dtype), w.get("gate_up_proj_bias"))
-            y = F.linear(module._apply_gate(gate_up), w["down_proj"].to(x.dtype))
+            gate_up = F.linear(x, w["gate_up_proj"], w.get("gate_up_proj_bias"))
+            y = F.linear(module._apply_gate(gate_up), w["down_proj"])
         if "down_proj_bias" in w:
-            y = y + w["down_proj_bias"].to(x.dtype)
-        y = y * top_k_weights[tokens, slot, None]
-        out.index_add_(0, tokens, y.to(out.dtype))
+            y = y + w["down_proj_bias"]
+        y = y.to(out.dtype) * top_k_weights[tokens, slot, None]
+        out.index_add_(0, tokens, y)
 
     # ----------------------------------------------------------------------------- neuron-level loading
     def _neuron_on(self, tokens: int) -> bool:
@@ -504,7 +537,7 @@ class ExpertRuntime:
             if precision not in self.neuron_layouts:
                 record = self.arenas[entry.pool].tensor(entry.slot, self.stores[precision].record_bytes) \
                     if entry is not None else self.buffers.tensor(item["buffer"], self.stores[precision].record_bytes)
-                self._compute(module, expert, record, precision, hidden, top_k_index, top_k_weights, out)
+                self._compute(module, expert, record, precision, hidden, top_k_index, top_k_weights, out, entry=entry)
             else:
                 resident = item["resident"]
                 if "rows" in item:
@@ -723,6 +756,10 @@ class LoadedModel:
             "routing": self.routing.policy.stats() if self.routing and hasattr(self.routing.policy, "stats") else None,
             "miss_policy": rt.miss_policy.stats() if hasattr(rt.miss_policy, "stats") else None,
             "neuron": rt.neuron_stats(),
+            # the compute path (loader/kernels.py): decodes of a quantized record (once per miss when decoded
+            # copies are held, on every use when packed) and the seconds they took
+            "compute": {"expert_dtype": self.budget["expert_dtype"], "decodes": rt.decodes,
+                        "decode_seconds": rt.decode_seconds},
         }
 
     def close(self) -> None:
@@ -768,9 +805,31 @@ def _named(registry: dict, spec: PolicySpec, what: str, default: type):
 
 
 def slot_bytes(store: ExpertStore) -> int:
-    """Memory one cached record takes: its 4 KiB-aligned stride when reads are O_DIRECT (which reads
+    """Memory one read record takes: its 4 KiB-aligned stride when reads are O_DIRECT (which reads
     whole aligned blocks), else the record itself rounded up to 64 bytes."""
     return store.stride if store.direct_io else -(-store.record_bytes // 64) * 64
+
+
+def held_bytes(store: ExpertStore, decoded: DecodedLayout | None) -> int:
+    """Memory one cached expert takes: its record's slot, then its decoded copy when it has one (kept at the
+    record's alignment so every slot of the pool starts aligned)."""
+    align = 4096 if store.direct_io else 64
+    return slot_bytes(store) + (-(-decoded.nbytes // align) * align if decoded is not None else 0)
+
+
+def decoded_layouts(manifest, expert_dtype: str, device: torch.device) -> dict[str, DecodedLayout | None]:
+    """Per store: how its cached experts are held decoded (None: computed from the record). Neuron-layout
+    stores stay packed: their rows are read and decoded a few at a time."""
+    try:
+        check_expert_dtype(expert_dtype)
+    except KernelError as e:
+        raise LoaderError(str(e)) from None
+    out = {}
+    for p, s in manifest.raw["stores"].items():
+        layout = RecordLayout.from_json(s["layout"])
+        dtype = None if s.get("neuron") is not None else decoded_dtype(expert_dtype, layout, device)
+        out[p] = DecodedLayout(layout, dtype) if dtype is not None else None
+    return out
 
 
 def _dense_bytes(path: Path) -> int:
@@ -782,15 +841,19 @@ def _dense_bytes(path: Path) -> int:
     return path.stat().st_size - 8 - int.from_bytes(head, "little")
 
 
-def artifact_sizes(manifest, stores: dict[str, ExpertStore], device: torch.device) -> ModelSizes:
-    """The sizes the budget arithmetic needs. A record counts the memory its slot takes; the dense weights
-    count their tensor bytes, plus a host-mode store's whole file when the budget is RAM (CPU device)."""
+def artifact_sizes(manifest, stores: dict[str, ExpertStore], device: torch.device,
+                   decoded: dict[str, DecodedLayout | None] | None = None) -> ModelSizes:
+    """The sizes the budget arithmetic needs. A cached expert counts the memory its slot takes (record and
+    decoded copy, ``held_bytes``); the dense weights count their tensor bytes, plus a host-mode store's
+    whole file when the budget is RAM (CPU device)."""
     moe = manifest.raw["moe"]
     held = _dense_bytes(manifest.path("dense.safetensors"))
     if device.type == "cpu":
         held += sum(s.host_bytes for s in stores.values())
     return ModelSizes(len(moe["layers"]), moe["num_experts"], moe["top_k"], held,
-                      int(moe["source_expert_bytes"]), {p: slot_bytes(s) for p, s in stores.items()})
+                      int(moe["source_expert_bytes"]),
+                      {p: held_bytes(s, (decoded or {}).get(p)) for p, s in stores.items()},
+                      {p: slot_bytes(s) for p, s in stores.items()})
 
 
 @dataclass(frozen=True)
@@ -815,49 +878,79 @@ def _capacities(plan: Plan, sizes: ModelSizes, memory_budget, host_bytes: int, d
         raise LoaderError(f"{e}{extra}") from None
 
 
-def _budget_inputs(artifact: str | Path, store: str, plan: Plan | None,
-                   device: torch.device) -> tuple[Plan, ModelSizes, dict, int]:
-    """(plan, sizes, record bytes per precision, host-store bytes) as ``load`` sees them, without the model."""
+NO_BUDGET = object()  # _held_form without a budget: sizes only
+
+
+def _held_form(manifest, stores: dict[str, ExpertStore], plan: Plan, memory_budget, device: torch.device,
+               expert_dtype: str, smallest: bool = False) -> tuple[dict, ModelSizes, Capacities | None]:
+    """(decoded layouts, sizes, capacities for ``memory_budget``; None with ``NO_BUDGET``). ``auto`` falls back
+    to packed records when the budget cannot hold one decoded expert per eviction group: a small budget
+    still loads, decoding per use. ``smallest``: the packed form's sizes for ``auto`` (its minimum budget)."""
+    host = sum(s.host_bytes for s in stores.values())
+    decoded = decoded_layouts(manifest, expert_dtype, device)
+    forms = [decoded]
+    if expert_dtype == "auto" and any(d is not None for d in decoded.values()):
+        forms.append(dict.fromkeys(decoded))
+    if smallest:
+        forms = forms[-1:]
+    for i, form in enumerate(forms):
+        sizes = artifact_sizes(manifest, stores, device, form)
+        if memory_budget is NO_BUDGET:
+            return form, sizes, None
+        try:
+            return form, sizes, _capacities(plan, sizes, memory_budget, host, device)
+        except LoaderError:
+            if i == len(forms) - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _budget_inputs(artifact: str | Path, store: str, plan: Plan | None, device: torch.device,
+                   expert_dtype: str = "auto", memory_budget=NO_BUDGET, smallest: bool = False,
+                   ) -> tuple[Plan, ModelSizes, dict, Capacities | None]:
+    """(plan, sizes, record bytes per precision, capacities or None) as ``load`` sees them, without the model."""
     manifest = read_manifest(artifact)
     plan = plan or read_plan(manifest.root)
     stores = {p: ExpertStore(manifest.path(s.file), p, mode=store) for p, s in manifest.stores.items()}
     try:
-        return (plan, artifact_sizes(manifest, stores, device), {p: s.record_bytes for p, s in stores.items()},
-                sum(s.host_bytes for s in stores.values()))
+        _, sizes, caps = _held_form(manifest, stores, plan, memory_budget, device, expert_dtype, smallest)
+        return plan, sizes, {p: s.record_bytes for p, s in stores.items()}, caps
     finally:
         for s in stores.values():
             s.close()
 
 
 def cache_layout(artifact: str | Path, memory_budget=None, store: str = "disk", plan: Plan | None = None,
-                 device: str = "cpu") -> CacheLayout:
-    """The cache ``load(artifact, memory_budget, store=store, plan=plan, device=device)`` builds, without
-    building the model (the simulator replays traces through exactly this)."""
+                 device: str = "cpu", expert_dtype: str = "auto") -> CacheLayout:
+    """The cache ``load(artifact, memory_budget, store=store, plan=plan, device=device, expert_dtype=...)``
+    builds, without building the model (the simulator replays traces through exactly this)."""
     dev = torch.device(device)
-    plan, sizes, record_bytes, host = _budget_inputs(artifact, store, plan, dev)
-    caps = _capacities(plan, sizes, memory_budget, host, dev)
+    plan, sizes, record_bytes, caps = _budget_inputs(artifact, store, plan, dev, expert_dtype, memory_budget)
     # the operating point the budget picked (its pools' shares and splits; names and groups are the plan's)
     return CacheLayout(plan.for_budget(caps.limit_bytes), sizes, caps, dict(sizes.record_bytes), record_bytes)
 
 
-def minimum_budget(artifact: str | Path, store: str = "disk", plan: Plan | None = None, device: str = "cpu") -> int:
+def minimum_budget(artifact: str | Path, store: str = "disk", plan: Plan | None = None, device: str = "cpu",
+                   expert_dtype: str = "auto") -> int:
     """The smallest memory budget in bytes that ``load(artifact, ...)`` accepts (dense weights, the read
-    buffers, and one record per eviction group); with ``store='host'`` on a CPU the store counts too."""
-    plan, sizes, _, _ = _budget_inputs(artifact, store, plan, torch.device(device))
+    buffers, and one record per eviction group); with ``store='host'`` on a CPU the store counts too. With
+    ``auto`` it is the packed form's: below the decoded form's minimum, ``auto`` decodes per use."""
+    plan, sizes, _, _ = _budget_inputs(artifact, store, plan, torch.device(device), expert_dtype, smallest=True)
     return minimum_budget_of(plan, sizes)
 
 
 def budget_bytes(artifact: str | Path, memory_budget, store: str = "disk", plan: Plan | None = None,
                  device: str = "cpu") -> int:
     """What ``memory_budget`` means in bytes for ``artifact`` (the bench gives accelerate the same number)."""
-    plan, sizes, _, _ = _budget_inputs(artifact, store, plan, torch.device(device))
+    plan, sizes, _, _ = _budget_inputs(artifact, store, plan, torch.device(device), "packed")
     return int(min(resolve_budget(memory_budget, plan, sizes), 2**62))
 
 
 def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: str = "disk",
          policy: str | None = None, workers: int = 2, routing: RoutingPolicy | None = None,
          predictors: list[Predictor] | None = None, miss_policy: MissPolicy | None = None,
-         plan: Plan | None = None, neuron: NeuronConfig | bool | None = None) -> LoadedModel:
+         plan: Plan | None = None, neuron: NeuronConfig | bool | None = None,
+         expert_dtype: str = "auto") -> LoadedModel:
     """Open ``artifact`` and return a runnable model with its experts offloaded.
 
     memory_budget: None (the plan's default budget), bytes, a size string ("1.5GiB"), a percentage
@@ -867,13 +960,16 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     (``loader.predict.PREDICTORS``), which take the plan's knobs for that name, and ``[]`` turns them
     off. plan: a whole ``Plan`` instead of the artifact's ``plan.json``. neuron: neuron-level loading
     (``loader/neuron.py``) on with the plan's knobs (True), off (False), these knobs (a ``NeuronConfig``),
-    or as the plan says (None); it needs an artifact whose stores are in the neuron layout.
+    or as the plan says (None); it needs an artifact whose stores are in the neuron layout. expert_dtype:
+    how a cached quantized expert is held (``loader/kernels.py``): "auto" (decoded, in the dtype measured
+    fastest here), "float32", "bfloat16", "float16" (decoded in that dtype) or "packed" (decoded per use).
 
     ``prepare`` publishes a new artifact by swapping a symlink and then deletes the old version; a load
     that was reading the old version when it went is retried once on the new one.
     """
     args = dict(device=device, memory_budget=memory_budget, store=store, policy=policy, workers=workers,
-                routing=routing, predictors=predictors, miss_policy=miss_policy, plan=plan, neuron=neuron)
+                routing=routing, predictors=predictors, miss_policy=miss_policy, plan=plan, neuron=neuron,
+                expert_dtype=expert_dtype)
     resolved = Path(artifact).resolve()
     try:
         return _load(artifact, **args)
@@ -904,7 +1000,7 @@ def _neuron_config(plan: Plan, neuron, pairings: dict) -> NeuronConfig | None:
 
 
 def _load(artifact, device, memory_budget, store, policy, workers, routing, predictors, miss_policy,
-          plan, neuron) -> LoadedModel:
+          plan, neuron, expert_dtype) -> LoadedModel:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -927,9 +1023,8 @@ def _load(artifact, device, memory_budget, store, policy, workers, routing, pred
                              check=lambda key, data, p=p: check_record(manifest, p, key, data))
               for p, s in manifest.stores.items()}
     host_bytes = sum(s.host_bytes for s in stores.values())
-    sizes = artifact_sizes(manifest, stores, dev)
     try:
-        caps = _capacities(plan, sizes, memory_budget, host_bytes, dev)
+        decoded, sizes, caps = _held_form(manifest, stores, plan, memory_budget, dev, expert_dtype)
     except LoaderError:
         for s in stores.values():
             s.close()
@@ -967,7 +1062,7 @@ def _load(artifact, device, memory_budget, store, policy, workers, routing, pred
         plan, caps, stores, layouts, moe["top_k"], dev, workers,
         miss_policy if miss_policy is not None else _named(MISS_POLICIES, plan.miss, "miss policy", MissPolicy),
         chosen,
-        list(layers), neuron_cfg, pairings)
+        list(layers), neuron_cfg, pairings, decoded)
     for position, path in enumerate(moe["experts_modules"]):
         module = _submodule(model, path, "experts")
         if getattr(module, "num_experts", moe["num_experts"]) != moe["num_experts"]:
@@ -988,6 +1083,8 @@ def _load(artifact, device, memory_budget, store, policy, workers, routing, pred
                                "minimum_bytes": minimum_budget_of(plan, sizes), "host_store_bytes": host_bytes,
                                "record_bytes": {p: s.record_bytes for p, s in stores.items()},
                                "slot_bytes": runtime.slot_bytes, "eviction": plan.eviction.name,
+                               "expert_dtype": {p: str(d.dtype).removeprefix("torch.") if d is not None else "record"
+                                                for p, d in decoded.items()},
                                "cache_slots": {name: a.count for name, a in runtime.arenas.items()},
                                "operating_point": (point.budget_bytes if (point := plan.point_for(caps.limit_bytes)) else None)}
     loaded = LoadedModel(model, tokenizer, runtime, budget)

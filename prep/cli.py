@@ -336,24 +336,31 @@ def reference_metrics_command(ref_dir: str) -> None:
 @click.option("--subject", type=click.Choice(["reference", "reference-lossless", "reference-neuron", "mixtral-shape", "all"]),
               default="all", show_default=True, help="What to measure.")
 @click.option("--budgets", default=None,
-              help="Comma-separated shares of the expert store. [default: 12.5%,25%,50%,100%; with --quick: 25%]")
+              help="Comma-separated shares of the source model's expert bytes, and 4bit-25% (dense + 25% of the "
+                   "experts at 4 bits). [default: 100%,50%,25%,12.5%,4bit-25%; with --quick: 25%]")
+@click.option("--repeats", default=None, type=click.IntRange(1),
+              help="Runs of every configuration, interleaved; rows give the median, min and max. [default: 3; "
+                   "with --quick: 1]")
 @click.option("--quick", is_flag=True, help="Smoke-sized: tiny mixtral-shape, one budget, a few tokens.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--output", default="artifacts/bench", show_default=True, type=click.Path(file_okay=False),
               help="Where bench.json, bench.md, bench.png (and the mixtral-shape model) go.")
 @click.option("--traces", default="../shared/data/traces", show_default=True, type=click.Path(),
               help="The real routing traces (holding mixtral-8x7b/gsm8k_routing.jsonl).")
-def bench_command(subject, budgets, quick, device, output, traces) -> None:
+def bench_command(subject, budgets, repeats, quick, device, output, traces) -> None:
     """Decode speed of resident, accelerate offloading, naive offloading and moeprep at each budget."""
     from pathlib import Path
 
     from prep.bench.report import goal_check
     from prep.bench.run import run_bench
 
-    report = run_bench(subject, budgets, quick, device, output, traces, echo=lambda m: click.echo(m, err=True))
+    report = run_bench(subject, budgets, quick, device, output, traces, echo=lambda m: click.echo(m, err=True),
+                       repeats=repeats)
     for r in report["results"]:
-        speed = f"{r['decode_tokens_per_s']:.3g} tok/s" if r.get("decode_tokens_per_s") else r.get("error")
-        click.echo(f"{r['subject']:14s} {r['budget']:>6s} {r['system']:10s} {speed}")
+        speed = (f"{r['decode_tokens_per_s']:.3g} tok/s (min {r['decode_tokens_per_s_min']:.3g}, max "
+                 f"{r['decode_tokens_per_s_max']:.3g}, {r['repeats']} runs)") if r.get("decode_tokens_per_s") \
+            else r.get("error")
+        click.echo(f"{r['subject']:14s} {r['budget']:>8s} {r['system']:10s} {speed}")
     goal = goal_check(report)
     if goal:
         click.echo(f"goal (25%, mixtral-shape, loader vs accelerate): {goal}")
@@ -429,6 +436,24 @@ def profile_device_command(output, directory, file_mb, device):
     compute = ", ".join(f"{p} {s * 1e3:.1f} ms" for p, s in profile.compute_seconds.items())
     click.echo(f"compute per expert ({profile.device}): {compute}")
     click.echo(f"wrote {output}")
+
+
+@main.command("kernel-study")
+@click.option("--hidden", default=768, show_default=True, type=click.IntRange(16),
+              help="Expert hidden size (default: the bench's mixtral-shape).")
+@click.option("--intermediate", default=1792, show_default=True, type=click.IntRange(16),
+              help="Expert intermediate size (a multiple of 64).")
+@click.option("--prefill-tokens", default=16, show_default=True, type=click.IntRange(2))
+@click.option("--repeats", default=20, show_default=True, type=click.IntRange(3))
+@click.option("--output", default="artifacts/kernel-study", show_default=True, type=click.Path(file_okay=False))
+def kernel_study_command(hidden, intermediate, prefill_tokens, repeats, output):
+    """Time one expert in each compute form here: decoding, float and low-bit products (loader/kernels.py)."""
+    from prep.kernel_study import run_kernel_study
+
+    if hidden % 64 or intermediate % 64:
+        raise click.UsageError("--hidden and --intermediate must be multiples of 64 (the int4 group size)")
+    run_kernel_study(hidden, intermediate, prefill_tokens, repeats, output, echo=click.echo)
+    click.echo(f"wrote {output}/kernels.json and kernels.md")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,16 @@
-"""Session guard: tests must not write into the repository (they use tmp_path)."""
+"""Session guard: tests must not write into the repository (they use tmp_path). The loader's "auto" expert
+dtype is pinned to float32 (``loader/kernels.py``): the parity tolerances of the suite are float32's, the
+same on every machine; ``tests/test_kernels.py`` tests the measured choice and bfloat16 at their own."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+os.environ["MOEPREP_EXPERT_DTYPE"] = "float32"  # before any test (and any worker it starts) loads
 _IGNORED = {".venv", ".git", ".pytest_cache", ".ruff_cache", "__pycache__", ".gpu"}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from prep.bench.run import SYSTEMS, parse_budgets
@@ -16,7 +17,7 @@ TRACES_ROOT = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 def test_bench_quick_writes_every_system(tmp_path):
     # Without the real traces the quick run routes with the model's own routers and says so.
     result = CliRunner().invoke(main, ["bench", "--quick", "--subject", "mixtral-shape", "--output",
-                                       str(tmp_path), "--traces", str(TRACES_ROOT)])
+                                       str(tmp_path), "--traces", str(TRACES_ROOT), "--repeats", "2"])
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "bench.json").read_text())
     assert {"cpu", "cores", "ram_gb", "torch", "device"} <= set(report["machine"])
@@ -28,12 +29,27 @@ def test_bench_quick_writes_every_system(tmp_path):
         assert r["subject"] == "mixtral-shape" and r["budget"] == "25%"
         assert r["decode_tokens_per_s"] > 0 and r["peak_rss_mb"] > 0
         assert 0 <= r["hit_rate"] <= 1 and r["stall_fraction"] >= 0
+        # two interleaved repeats: the median of two is their mean, between min and max
+        assert r["repeats"] == 2 and len(r["decode_tokens_per_s_runs"]) == 2
+        assert r["decode_tokens_per_s_min"] <= r["decode_tokens_per_s"] <= r["decode_tokens_per_s_max"]
+        assert r["decode_tokens_per_s"] == pytest.approx(sum(r["decode_tokens_per_s_runs"]) / 2)
+    assert len(report["raw"]) == 2 * len(rows)
     loader = [r for r in rows if r["system"] in ("naive", "moeprep")]
     assert all(r["bytes_read_per_token"] > 0 for r in loader)  # a 25% cache misses
+    # the bounds: resident compute, and Belady's decode reads at 25% (some, and never more than every
+    # expert each token asks for)
+    subject = report["subjects"]["mixtral-shape"]
+    bound = report["bounds"]["mixtral-shape"]["25%"]
+    every = subject["moe_layers"] * subject["top_k"] * subject["record_bytes"]
+    assert 0 < bound["belady_bytes_per_token"] <= every
+    assert bound["resident_tokens_per_s"] == next(r for r in rows if r["system"] == "resident")["decode_tokens_per_s"]
+    assert bound["bound_tokens_per_s"] == pytest.approx(
+        1 / max(1 / bound["resident_tokens_per_s"], bound["io_floor_s_per_token"]))
+    assert all(r["share_of_bound"] > 0 for r in rows)
     routing = report["subjects"]["mixtral-shape"]["routing"]
     assert ("replayed" in routing) == TRACES_ROOT.is_dir()
     md = (tmp_path / "bench.md").read_text()
-    assert "| 25% | accelerate |" in md
+    assert "| 25% | accelerate |" in md and "Physical bounds" in md
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -49,7 +65,7 @@ def test_bench_refuses_bad_options(tmp_path):
     result = runner.invoke(main, ["bench", "--subject", "mixtral-shape", "--traces", str(tmp_path / "none"),
                                   "--output", str(tmp_path)])
     assert result.exit_code == 1 and "traces" in result.output
-    assert parse_budgets("12.5%, 25%") == ["12.5%", "25%"]
+    assert parse_budgets("12.5%, 25%, 4bit-25%") == ["12.5%", "25%", "4bit-25%"]
 
 
 def test_bench_runs_each_planned_predictor_against_naive_on_the_lossless_reference(tmp_path):

@@ -10,12 +10,10 @@ import torch
 from click.testing import CliRunner
 
 from loader.cli import main as moeload
-from loader.codec import RecordLayout
-from loader.format import ArtifactError, expert_key, read_record_offsets, verify
+from loader.format import ArtifactError, read_record_offsets, verify
 from loader.plan import PlanError, parse_budget
 from loader.runtime import LoaderError, load, minimum_budget
-from prep.adapters import get_adapter
-from tests.tiny_models import ARCHITECTURES, tiny_artifact
+from tests.tiny_models import ARCHITECTURES, decoded_reference, tiny_artifact
 
 
 def _ids(seed=0):
@@ -50,32 +48,20 @@ def test_passthrough_logits_equal_transformers(tmp_path_factory, arch):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_int4_logits_equal_model_with_decoded_experts(tmp_path_factory, arch):
     model, artifact = tiny_artifact(tmp_path_factory, arch, "int4")
-    manifest = json.loads((artifact / "manifest.json").read_text())
-    store = manifest["stores"]["int4"]
-    layout = RecordLayout.from_json(store["layout"])
-    offsets, record_bytes, _ = read_record_offsets(artifact / store["file"])
-    raw = (artifact / store["file"]).read_bytes()
-    adapter = get_adapter(model)
-    reference = type(model)(model.config).eval()
-    reference.load_state_dict(model.state_dict())
-    with torch.no_grad():
-        for layer in adapter.moe_layers:
-            module = adapter.experts(reference, layer)
-            for e in range(adapter.num_experts):
-                off = offsets[expert_key(layer, e)]
-                record = torch.frombuffer(bytearray(raw[off:off + record_bytes]), dtype=torch.uint8)
-                for name, tensor in layout.decode(record).items():
-                    getattr(module, name)[e].copy_(tensor)
+    reference = decoded_reference(model, artifact, "int4")
     ids = _ids(1)
     with torch.no_grad():
         expected = reference(input_ids=ids).logits
         original = model(input_ids=ids).logits
-    for budget in ("unlimited", minimum_budget(artifact)):
-        loaded = load(artifact, memory_budget=budget)
+    # decoded copies in float32 and decoding per use: the same float32 values, the same products (bfloat16
+    # copies: tests/test_kernels.py)
+    for budget, form in (("unlimited", "float32"), ("unlimited", "packed"), (minimum_budget(artifact, expert_dtype="float32"), "float32"),
+                         (minimum_budget(artifact, expert_dtype="packed"), "packed")):
+        loaded = load(artifact, memory_budget=budget, expert_dtype=form)
         with torch.no_grad():
             got = loaded.model(input_ids=ids).logits
         loaded.close()
-        assert torch.allclose(got, expected, atol=1e-5), (arch, budget)
+        assert torch.allclose(got, expected, atol=1e-5), (arch, budget, form)
         assert not torch.allclose(got, original, atol=1e-5)  # quantization really happened
 
 

@@ -280,6 +280,33 @@ def tiny_artifact(tmp_path_factory, arch: str = "mixtral", precision: str = "pas
     return _BUILT[(arch, precision)]
 
 
+def decoded_reference(model, artifact: Path, precision: str):
+    """A copy of ``model`` whose experts are the artifact's decoded ``precision`` records (what the loader
+    must compute with), built by reading the store file directly."""
+    import json
+
+    from loader.codec import RecordLayout
+    from loader.format import expert_key, read_record_offsets
+    from prep.adapters import get_adapter
+
+    store = json.loads((artifact / "manifest.json").read_text())["stores"][precision]
+    layout = RecordLayout.from_json(store["layout"])
+    offsets, record_bytes, _ = read_record_offsets(artifact / store["file"])
+    raw = (artifact / store["file"]).read_bytes()
+    adapter = get_adapter(model)
+    reference = type(model)(model.config).eval()
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for layer in adapter.moe_layers:
+            module = adapter.experts(reference, layer)
+            for e in range(adapter.num_experts):
+                off = offsets[expert_key(layer, e)]
+                record = torch.frombuffer(bytearray(raw[off:off + record_bytes]), dtype=torch.uint8)
+                for name, tensor in layout.decode(record).items():
+                    getattr(module, name)[e].copy_(tensor)
+    return reference
+
+
 def file_hashes(directory: Path) -> dict[str, str]:
     """{file name: sha256} of every file in ``directory``."""
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}

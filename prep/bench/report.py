@@ -78,9 +78,11 @@ def write_markdown(report: dict) -> str:
             f"Each measurement: a prefill of {facts['prompt_tokens']} tokens, then {facts['decode_tokens']} "
             "decode steps of one token (the same tokens for every system).",
             "",
-            "| budget | system | decode tok/s | vs resident | vs accelerate | prefill s | MB read/token "
-            "| hit rate | stall fraction | peak RSS MB |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            f"Accuracy of the artifact against its original (its report): {_accuracy(facts.get('accuracy_delta'))}.",
+            "",
+            "| budget | system | decode tok/s (median) | min - max (runs) | vs resident | vs accelerate | of bound "
+            "| prefill s | MB read/token | hit rate | stall fraction | peak RSS MB |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         rows = _rows(report, subject)
         resident = next((r for r in rows if r["system"] == "resident"), {}).get("decode_tokens_per_s")
@@ -92,15 +94,18 @@ def write_markdown(report: dict) -> str:
                 if r is None:
                     continue
                 if r.get("error"):
-                    lines.append(f"| {budget} | {system} | failed: {r['error'][:120]} |  |  |  |  |  |  |  |")
+                    lines.append(f"| {budget} | {system} | failed: {r['error'][:160]} |  |  |  |  |  |  |  |  |  |  |")
                     continue
                 speed = r["decode_tokens_per_s"]
                 mb = r["bytes_read_per_token"] / 1e6 if r["bytes_read_per_token"] is not None else None
                 lines.append(
-                    f"| {budget} | {system}{' (once)' if r.get('measured_once') else ''} | {speed:.3g} | "
-                    f"{_ratio(speed, resident)} | {_ratio(speed, acc)} | {r['prefill_s']:.2f} | {_num(mb, '.1f')} | "
+                    f"| {budget} | {system}{' (budget-free)' if r.get('measured_once') else ''} | {speed:.3g} | "
+                    f"{r['decode_tokens_per_s_min']:.3g} - {r['decode_tokens_per_s_max']:.3g} ({r['repeats']}) | "
+                    f"{_ratio(speed, resident)} | {_ratio(speed, acc)} | {_num(r.get('share_of_bound'), '.2f')} | "
+                    f"{r['prefill_s']:.2f} | {_num(mb, '.1f')} | "
                     f"{_num(r['hit_rate'], '.3f')} | {_num(r['stall_fraction'], '.3f')} | {r['peak_rss_mb']:.0f} |")
         lines.append("")
+        lines += bounds_table(report.get("bounds", {}).get(subject, {}), report["budgets"])
         lines += neuron_table(rows, report["budgets"])
         lines += prefetch_table(rows, report["budgets"])
     lines += [
@@ -133,6 +138,35 @@ def write_markdown(report: dict) -> str:
     ]
     lines += [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def _accuracy(delta: dict | None) -> str:
+    if not delta:
+        return "none measured (no eval in the report; random weights have no accuracy)"
+    return ", ".join(f"{name} {d['delta_points']:+.1f} pt (n={d['n']})" for name, d in delta.items())
+
+
+def bounds_table(bounds: dict, budgets: list[str]) -> list[str]:
+    """The physical bounds at each budget: resident compute, Belady's I/O floor, the bound they make."""
+    if not bounds:
+        return []
+    lines = ["Physical bounds (`of bound` above is each system's speed over the bound): compute = the resident "
+             "speed; I/O floor = Belady's demand bytes per decode token in naive's cache at that budget over the "
+             "measured disk bandwidth; bound = 1 / max(compute, I/O) per token (reads hidden perfectly).", "",
+             "| budget | resident tok/s | Belady MB/token | I/O floor ms/token | bound tok/s |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for budget in budgets:
+        b = bounds.get(budget) or {}
+        if b.get("error"):
+            lines.append(f"| {budget} | {_num(b.get('resident_tokens_per_s'), '.3g')} | {b['error'][:120]} |  |  |")
+            continue
+        mb = b.get("belady_bytes_per_token")
+        floor = b.get("io_floor_s_per_token")
+        lines.append(f"| {budget} | {_num(b.get('resident_tokens_per_s'), '.3g')} | "
+                     f"{_num(mb / 1e6 if mb is not None else None, '.2f')} | "
+                     f"{_num(floor * 1e3 if floor is not None else None, '.2f')} | "
+                     f"{_num(b.get('bound_tokens_per_s'), '.3g')} |")
+    return lines + [""]
 
 
 def neuron_table(rows: list[dict], budgets: list[str]) -> list[str]:
@@ -196,9 +230,10 @@ def write_plot(report: dict, path: Path) -> None:
     subjects = list(report["subjects"])
     fig, axes = plt.subplots(1, max(1, len(subjects)), figsize=(6 * max(1, len(subjects)), 4.2), squeeze=False)
     budgets = report["budgets"]
-    x = [float(b.removesuffix("%")) for b in budgets]
     for ax, subject in zip(axes[0], subjects, strict=False):
         rows = _rows(report, subject)
+        shares = report.get("bounds", {}).get(subject, {})
+        x = [shares.get(b, {}).get("budget_share") or float(b.removesuffix("%").split("-")[-1]) for b in budgets]
         for system in SYSTEM_ORDER:
             by_budget = {r["budget"]: r.get("decode_tokens_per_s") for r in rows if r["system"] == system}
             ys = [by_budget.get(b) for b in budgets]

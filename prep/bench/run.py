@@ -44,10 +44,13 @@ from prep.trace import MIXTRAL_TRACE_FILE
 SYSTEMS = ("resident", "accelerate", "naive", "moeprep")
 PREDICTOR_SYSTEMS = tuple(f"naive+{name}" for name in ("next_gates", "path_stats", "first_gate", "neuron_gates"))
 SUBJECTS = ("reference", "reference-lossless", "reference-neuron", "mixtral-shape")
-DEFAULT_BUDGETS = "12.5%,25%,50%,100%"
+BELOW_4BIT = "4bit-25%"  # the dense weights + 25% of the model's expert bytes at 4 bits: below a 4-bit model's size
+DEFAULT_BUDGETS = f"100%,50%,25%,12.5%,{BELOW_4BIT}"
 QUICK_BUDGETS = "25%"
-RESULT_KEYS = ("subject", "system", "budget", "decode_tokens_per_s", "prefill_s", "bytes_read_per_token",
-               "hit_rate", "stall_fraction", "peak_rss_mb")
+DEFAULT_REPEATS, QUICK_REPEATS = 3, 1
+RESULT_KEYS = ("subject", "system", "budget", "repeats", "decode_tokens_per_s", "decode_tokens_per_s_min",
+               "decode_tokens_per_s_max", "prefill_s", "bytes_read_per_token", "hit_rate", "stall_fraction",
+               "peak_rss_mb")
 
 
 @dataclass(frozen=True)
@@ -67,16 +70,19 @@ QUICK = Sizes(reference_prompt=8, reference_decode=4, shape_prompt=4, shape_deco
 
 
 def parse_budgets(text: str) -> list[str]:
-    """"12.5%,25%" -> ["12.5%", "25%"]; each a share of the expert store in (0, 100]."""
+    """"12.5%,25%" -> ["12.5%", "25%"]; each a share of the expert store in (0, 100], or ``4bit-25%`` (the
+    dense weights + 25% of the experts' bytes at 4 bits)."""
     budgets = [b.strip() for b in text.split(",") if b.strip()]
     for b in budgets:
+        if b == BELOW_4BIT:
+            continue
         try:
             share = float(b.removesuffix("%"))
         except ValueError:
             share = -1
         if not b.endswith("%") or not 0 < share <= 100:
-            raise MoeprepError(f"--budgets: {b!r} is not a share like 25% (in (0, 100]); "
-                               "pass e.g. --budgets 12.5%,25%,50%,100%")
+            raise MoeprepError(f"--budgets: {b!r} is not a share like 25% (in (0, 100]) or {BELOW_4BIT}; "
+                               f"pass e.g. --budgets 12.5%,25%,50%,100%,{BELOW_4BIT}")
     if not budgets:
         raise MoeprepError("--budgets is empty; pass e.g. --budgets 25%")
     return budgets
@@ -137,10 +143,27 @@ def read_bandwidth(path: Path, limit: int, chunk: int = 16 << 20) -> dict:
             "direct": direct}
 
 
+def four_bit_expert_bytes(subject: Subject) -> int:
+    """The source model's experts at 4 bits in the codec's default int4 format (its bits per weight: codes,
+    8-bit scale and zero per group of 64, their float16 meta)."""
+    from loader.codec import DEFAULT_FORMATS, MatrixSpec
+
+    group, meta = DEFAULT_FORMATS["int4"]
+    moe = subject.manifest["moe"]
+    source_weights = int(moe["source_expert_bytes"]) // {"float32": 4, "bfloat16": 2, "float16": 2}[moe["dtype"]]
+    spec = MatrixSpec("w", (4096, 4096), "int4", moe["dtype"], group, meta_group=meta)
+    per_weight = sum(size for _n, _d, size in spec.parts()) / spec.numel
+    return int(source_weights * per_weight)
+
+
 def _budget_bytes(subject: Subject, budget: str) -> int:
-    """The loader's reading of a share budget, in bytes (one function for the loader, bench and simulator)."""
+    """The loader's reading of a share budget, in bytes (one function for the loader, bench and simulator);
+    ``4bit-25%``: the dense weights + 25% of ``four_bit_expert_bytes``."""
     from loader.runtime import budget_bytes
 
+    if budget == BELOW_4BIT:
+        dense = budget_bytes(subject.artifact, "100%") - int(subject.manifest["moe"]["source_expert_bytes"])
+        return dense + four_bit_expert_bytes(subject) // 4
     return budget_bytes(subject.artifact, budget)
 
 
@@ -162,13 +185,97 @@ def _run_worker(spec: dict, work: Path) -> dict:
     return json.loads(lines[-1])
 
 
+def summarize(runs: list[dict]) -> dict:
+    """One row from the repeats of a configuration: the median run's figures (by decode speed), the median,
+    min and max decode speed, and how many repeats succeeded; an error when none did."""
+    ok = sorted((r for r in runs if "error" not in r), key=lambda r: r["decode_tokens_per_s"])
+    if not ok:
+        return {"repeats": 0, "error": runs[-1]["error"]}
+    speeds = [r["decode_tokens_per_s"] for r in ok]
+    mid = len(ok) // 2
+    median = speeds[mid] if len(ok) % 2 else (speeds[mid - 1] + speeds[mid]) / 2
+    return ok[mid] | {"repeats": len(ok), "decode_tokens_per_s": median, "decode_tokens_per_s_min": speeds[0],
+                      "decode_tokens_per_s_max": speeds[-1], "decode_tokens_per_s_runs": speeds,
+                      "failed_repeats": len(runs) - len(ok)}
+
+
+def accuracy_delta(artifact: Path) -> dict | None:
+    """Per suite, the prepared-minus-original accuracy in points from the artifact's report (None: no eval)."""
+    path = Path(artifact) / "report.json"
+    try:
+        suites = (json.loads(path.read_text()).get("eval") or {}).get("suites") or {}
+    except (OSError, ValueError):
+        return None
+    return {name: {"delta_points": 100 * s["delta"], "n": s["n"]} for name, s in suites.items()
+            if s.get("delta") is not None} or None
+
+
+def _decisions(subject: Subject) -> torch.Tensor | None:
+    """The subject's routing decisions [T, L, K]: the replay, or what the resident run recorded."""
+    if subject.replay is not None:
+        from safetensors.torch import load_file
+
+        return load_file(str(subject.replay))["expert_ids"]
+    recorded = subject.facts.get("recorded_routing")
+    return torch.tensor(recorded) if recorded else None
+
+
+def _belady_demand_bytes(ids: list, moe: dict, spec) -> int:
+    """Demand bytes Belady's policy reads replaying ``ids`` [T][L][K] (one sequence) through ``spec``."""
+    from prep.sim.replay import Replay
+    from prep.sim.simulate import simulate
+
+    replay = Replay((tuple(tuple(tuple(e) for e in t) for t in ids),), len(ids[0]), moe["num_experts"],
+                    moe["top_k"], "bench")
+    return sum(layer.demand_bytes for layer in simulate(replay, spec, "belady").layers)
+
+
+def physical_bounds(subject: Subject, budgets: list[str], results: list[dict], bandwidth_mb_s: float | None) -> dict:
+    """Per budget: the resident compute speed, the I/O floor (Belady's demand bytes per decode token at that
+    budget, in ``naive``'s cache, over the measured disk bandwidth) and the speed bound they make together
+    (reads hidden perfectly behind compute: 1 / max(compute, I/O) per token)."""
+    from loader.plan import Plan, read_plan
+    from prep.sim.simulate import artifact_spec
+
+    resident = next((r.get("decode_tokens_per_s") for r in results
+                     if r["subject"] == subject.name and r["system"] == "resident"), None)
+    compute_seconds = 1 / resident if resident else 0.0
+    decisions = _decisions(subject)
+    moe, prompt = subject.manifest["moe"], len(subject.prompt_ids)
+    own = read_plan(subject.artifact)
+    plan = Plan.mixed(own.expert_precision, {p: s["record_bytes"] for p, s in subject.manifest["stores"].items()})
+    out = {}
+    for budget in budgets:
+        limit = _budget_bytes(subject, budget)
+        dense = _budget_bytes(subject, "100%") - int(moe["source_expert_bytes"])
+        entry = {"resident_tokens_per_s": resident, "budget_bytes": limit,
+                 "budget_share": 100 * (limit - dense) / int(moe["source_expert_bytes"])}
+        out[budget] = entry
+        if decisions is None or not bandwidth_mb_s:
+            continue
+        ids = decisions.tolist()
+        try:
+            spec = artifact_spec(subject.artifact, limit, plan=plan)
+        except MoeprepError as e:
+            entry["error"] = str(e)
+            continue
+        # Belady over prompt + decode, less the prompt alone: what the decode steps must read
+        decode_bytes = _belady_demand_bytes(ids, moe, spec) - _belady_demand_bytes(ids[:prompt], moe, spec)
+        per_token = decode_bytes / max(1, len(ids) - prompt)
+        io_seconds = per_token / (bandwidth_mb_s * 1e6)
+        slowest = max(compute_seconds, io_seconds)
+        entry |= {"belady_bytes_per_token": per_token, "io_floor_s_per_token": io_seconds,
+                  "bound_tokens_per_s": 1 / slowest if slowest else None}
+    return out
+
+
 def _write_atomic(path: Path, data: str | bytes) -> None:
     write_bytes_atomic(path, data if isinstance(data, bytes) else data.encode())
 
 
 def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = False, device: str = "cpu",
               output: str | Path = "artifacts/bench", traces: str | Path | None = "../shared/data/traces",
-              root: str | Path = ".", echo=print) -> dict:
+              root: str | Path = ".", echo=print, repeats: int | None = None) -> dict:
     """Measure, write bench.json / bench.md / bench.png under ``output``, and return the report."""
     from prep.bench.report import write_markdown, write_plot
 
@@ -180,6 +287,9 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
     if subject not in (*SUBJECTS, "all"):
         raise MoeprepError(f"--subject {subject!r} unknown; use {', '.join(SUBJECTS)} or all")
     budget_list = parse_budgets(budgets or (QUICK_BUDGETS if quick else DEFAULT_BUDGETS))
+    repeats = repeats or (QUICK_REPEATS if quick else DEFAULT_REPEATS)
+    if repeats < 1:
+        raise MoeprepError(f"--repeats must be at least 1, got {repeats}")
     sizes = QUICK if quick else FULL
     root, output = Path(root), Path(output)
     output.mkdir(parents=True, exist_ok=True)
@@ -229,29 +339,47 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
 
     runs = [(s, sys_, b) for s in subjects for sys_, b in
             [("resident", "100%")] + [(x, b) for b in budget_list for x in systems(s)]]
-    results, raw = [], []
-    bar = tqdm(runs, desc="bench", unit="run")
-    for subj, system, budget in bar:
-        bar.set_postfix_str(f"{subj.name} {system} {budget}")
-        offload = work / "offload"
-        spec = {"subject": subj.name, "system": system, "budget": budget, "device": device,
-                "budget_bytes": _budget_bytes(subj, budget), "host_bytes": os.sysconf("SC_PAGE_SIZE") *
-                os.sysconf("SC_PHYS_PAGES") // 2, "model_dir": str(subj.model_dir),
-                "artifact": str(subj.artifact), "experts_modules": subj.manifest["moe"]["experts_modules"],
-                "prompt_ids": subj.prompt_ids, "decode_ids": subj.decode_ids,
-                "replay": str(subj.replay) if subj.replay else None, "offload_dir": str(offload)}
-        shutil.rmtree(offload, ignore_errors=True)
-        measured = _run_worker(spec, work)
-        shutil.rmtree(offload, ignore_errors=True)
-        raw.append({"subject": subj.name, "system": system, "budget": budget} | measured)
-        if "error" in measured:
-            echo(f"{subj.name} {system} {budget}: FAILED {measured['error']}")
+    measured: dict = {}  # (subject, system, budget) -> [result of each repeat]
+    raw = []
+    bar = tqdm(total=len(runs) * repeats, desc="bench", unit="run")
+    for repeat in range(repeats):  # interleaved: every configuration once per round, so drift hits them all
+        for subj, system, budget in runs:
+            bar.set_postfix_str(f"round {repeat + 1}/{repeats} {subj.name} {system} {budget}")
+            offload = work / "offload"
+            limit = _budget_bytes(subj, budget)
+            spec = {"subject": subj.name, "system": system, "budget": budget, "device": device,
+                    "memory_budget": limit if budget == BELOW_4BIT else budget,
+                    "budget_bytes": limit, "host_bytes": os.sysconf("SC_PAGE_SIZE") *
+                    os.sysconf("SC_PHYS_PAGES") // 2, "model_dir": str(subj.model_dir),
+                    "artifact": str(subj.artifact), "experts_modules": subj.manifest["moe"]["experts_modules"],
+                    "prompt_ids": subj.prompt_ids, "decode_ids": subj.decode_ids,
+                    "replay": str(subj.replay) if subj.replay else None, "offload_dir": str(offload),
+                    "record_routing": system == "resident" and repeat == 0 and subj.replay is None}
+            shutil.rmtree(offload, ignore_errors=True)
+            result = _run_worker(spec, work)
+            shutil.rmtree(offload, ignore_errors=True)
+            bar.update()
+            routing_seen = result.pop("routing", None)
+            if routing_seen is not None:
+                subj.facts["recorded_routing"] = routing_seen
+            raw.append({"subject": subj.name, "system": system, "budget": budget, "repeat": repeat} | result)
+            if "error" in result:
+                echo(f"{subj.name} {system} {budget}: FAILED {result['error']}")
+            measured.setdefault((subj.name, system, budget), []).append(result)
+    bar.close()
+
+    results = []
+    for (name, system, budget), runs_of in measured.items():
+        row = summarize(runs_of)
         targets = budget_list if system == "resident" else [budget]
         for b in targets:
-            row = {"subject": subj.name, "system": system, "budget": b} | measured
-            if system == "resident":
-                row["measured_once"] = True
-            results.append(row)
+            results.append({"subject": name, "system": system, "budget": b} | row
+                           | ({"measured_once": True} if system == "resident" else {}))
+    bounds = {s.name: physical_bounds(s, budget_list, results, bandwidth["mb_s"]) for s in subjects}
+    for row in results:
+        bound = bounds[row["subject"]].get(row["budget"], {}).get("bound_tokens_per_s")
+        if bound and row.get("decode_tokens_per_s"):
+            row["share_of_bound"] = row["decode_tokens_per_s"] / bound
 
     report = {
         "machine": machine_info(device),
@@ -260,9 +388,13 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
         "results": [{k: r.get(k) for k in RESULT_KEYS} | {k: v for k, v in r.items() if k not in RESULT_KEYS}
                     for r in results],
         "subjects": {s.name: {"model": str(s.model_dir), "artifact": str(s.artifact), "routing": s.routing,
-                              "prompt_tokens": len(s.prompt_ids), "decode_tokens": len(s.decode_ids)} | s.facts
-                     for s in subjects},
+                              "prompt_tokens": len(s.prompt_ids), "decode_tokens": len(s.decode_ids),
+                              "accuracy_delta": accuracy_delta(s.artifact)}
+                     | {k: v for k, v in s.facts.items() if k != "recorded_routing"} for s in subjects},
+        "bounds": bounds,
         "budgets": budget_list,
+        "repeats": repeats,
+        "raw": raw,
         "quick": quick,
         "notes": notes,
         "wall_seconds": round(time.time() - started, 1),

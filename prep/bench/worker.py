@@ -24,7 +24,28 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from loader.routing import ReplayRouting, install_routing
+from loader.routing import ReplayRouting, RoutingPolicy, install_routing
+
+
+class RecordingRouting(RoutingPolicy):
+    """The model's own routing, writing down each MoE layer's chosen experts (the bench's Belady bound)."""
+
+    def __init__(self) -> None:
+        self.calls: list[list] = []  # per layer, the indices [T, K] of each call
+
+    def bind(self, num_layers: int) -> None:
+        self.calls = [[] for _ in range(num_layers)]
+
+    def route(self, layer, logits, weights, indices, view=None):
+        self.calls[layer].append(indices.detach().cpu())
+        return weights, indices
+
+    def decisions(self) -> list:
+        """[T][L][K] over every call so far."""
+        import torch as _torch
+
+        per_layer = [_torch.cat(calls) for calls in self.calls]
+        return _torch.stack(per_layer, 1).tolist()
 
 
 def peak_rss_mb() -> float:
@@ -114,7 +135,7 @@ def _load(spec: dict, routing):
             elif "+" in system:  # naive+<predictor>: that one predictor with the artifact's knobs, nothing else
                 name = system.split("+", 1)[1]
                 plan = dataclasses.replace(plan, predictors=tuple(s for s in own.predictors if s.name == name))
-        loaded = load(spec["artifact"], device=device, memory_budget=spec["budget"],
+        loaded = load(spec["artifact"], device=device, memory_budget=spec.get("memory_budget", spec["budget"]),
                       store="host" if device == "cuda" else "disk", plan=plan, routing=routing)
         return loaded.model, loaded, None, []
 
@@ -122,7 +143,10 @@ def _load(spec: dict, routing):
 
     if system == "resident":
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(device).eval()
+        if routing is None and spec.get("record_routing"):
+            routing = RecordingRouting()
         install_routing(model, spec["experts_modules"], routing)
+        model._bench_routing = routing
         return model, None, None, []
 
     offload = Path(spec["offload_dir"])
@@ -208,6 +232,9 @@ def measure(spec: dict) -> dict:
                    "device_map": probe["device_map"]}
     else:
         result |= {"bytes_read_per_token": 0.0, "hit_rate": 1.0, "stall_fraction": 0.0}
+    recorder = getattr(model, "_bench_routing", None)
+    if isinstance(recorder, RecordingRouting):
+        result["routing"] = recorder.decisions()
     experts_impl = getattr(model.config, "_experts_implementation", None)
     result["experts_implementation"] = experts_impl
     result["peak_rss_mb"] = peak_rss_mb()

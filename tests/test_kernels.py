@@ -1,0 +1,156 @@
+"""The compute path (loader/kernels.py): decoded copies held in the cache, counted in its bytes, decoded once
+per miss; the dtype they are held in, chosen by measurement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loader import kernels
+from loader.codec import RecordLayout
+from loader.kernels import DecodedLayout, KernelError, decoded_dtype, pick_dtype
+from loader.runtime import LoaderError, load, minimum_budget
+from prep.quant.hqq_codec import encode_expert
+from tests.tiny_models import decoded_reference, tiny_artifact
+
+
+def _ids(seed=0):
+    torch.manual_seed(seed)
+    return torch.randint(4, 60, (2, 11))
+
+
+@pytest.mark.parametrize("precision,group,meta", [("int4", 16, 0), ("int2", 16, 4), ("int8", 32, 2), ("int3", 16, 0)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_decode_into_a_slot_equals_the_record_decoding(precision, group, meta, transposed):
+    torch.manual_seed(0)
+    tensors = {"gate_up_proj": torch.randn(64, 32), "down_proj": torch.randn(32, 32), "down_proj_bias": torch.randn(32)}
+    if transposed:
+        tensors = {"gate_up_proj": torch.randn(32, 64), "down_proj": torch.randn(32, 32)}
+    layout, record = encode_expert(tensors, precision, group, transposed, meta)
+    expected = layout.decode(record)
+    for dtype in (torch.float32, torch.bfloat16):
+        decoded = DecodedLayout(layout, dtype)
+        region = torch.full((decoded.nbytes + 64,), 0xAB, dtype=torch.uint8)
+        views = decoded.decode_into(record, region)
+        assert set(views) == set(expected)
+        for name, want in expected.items():
+            assert views[name].shape == want.shape and views[name].dtype == dtype
+            # float32: bit for bit; bfloat16: the float32 values rounded once
+            assert torch.equal(views[name], want.to(dtype)), (name, dtype)
+        assert bool((region[decoded.nbytes:] == 0xAB).all())  # nothing written past the decoded region
+
+
+def test_the_decoded_region_is_counted_in_the_slot_and_a_hit_never_decodes(tmp_path_factory):
+    model, artifact = tiny_artifact(tmp_path_factory, "mixtral", "int4")
+    ids = _ids(3)
+    packed = load(artifact, memory_budget="unlimited", expert_dtype="packed")
+    held = load(artifact, memory_budget="unlimited", expert_dtype="float32")
+    layout = RecordLayout.from_json(held.runtime.layouts["int4"].to_json())
+    decoded_bytes = DecodedLayout(layout, torch.float32).nbytes
+    assert held.budget["expert_dtype"] == {"int4": "float32"} and packed.budget["expert_dtype"] == {"int4": "record"}
+    assert held.budget["slot_bytes"]["int4"] >= packed.budget["slot_bytes"]["int4"] + decoded_bytes
+    with torch.no_grad():
+        for loaded in (packed, held):
+            loaded.model(input_ids=ids)
+    first = {name: m.stats() for name, m in (("packed", packed), ("held", held))}
+    assert first["held"]["compute"]["decodes"] == first["held"]["misses"]  # once per miss
+    assert first["packed"]["compute"]["decodes"] == first["packed"]["hits"] + first["packed"]["misses"]  # every use
+    with torch.no_grad():
+        for loaded in (packed, held):
+            loaded.model(input_ids=ids)  # everything is cached now: all hits
+    again = {name: m.stats() for name, m in (("packed", packed), ("held", held))}
+    assert again["held"]["misses"] == first["held"]["misses"]
+    assert again["held"]["compute"]["decodes"] == first["held"]["compute"]["decodes"]  # hits use the copy
+    assert again["packed"]["compute"]["decodes"] > first["packed"]["compute"]["decodes"]
+    packed.close()
+    held.close()
+
+
+def test_decoded_copies_stay_inside_a_small_budget_and_give_the_same_logits(tmp_path_factory):
+    model, artifact = tiny_artifact(tmp_path_factory, "qwen3_moe", "int4")
+    reference = decoded_reference(model, artifact, "int4")
+    ids = _ids(4)
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+    minimum = minimum_budget(artifact, expert_dtype="float32")
+    assert minimum > minimum_budget(artifact, expert_dtype="packed")  # a slot holds the copy too
+    with pytest.raises(LoaderError, match="minimum"):
+        load(artifact, memory_budget=minimum - 1, expert_dtype="float32")
+    loaded = load(artifact, memory_budget=minimum, expert_dtype="float32")  # one expert per layer: evictions
+    with torch.no_grad():
+        got = torch.cat([loaded.model(input_ids=ids[:, :t]).logits[:, -1:] for t in range(1, ids.shape[1] + 1)], 1)
+    stats, b = loaded.stats(), loaded.budget
+    loaded.close()
+    assert stats["misses"] > loaded.runtime.num_layers
+    assert stats["peak_expert_bytes"] <= b["limit_bytes"] - b["dense_bytes"]
+    # a slot reused by another expert decodes that expert again: a stale copy would change the logits
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_bfloat16_copies_are_within_bfloat16_rounding_of_the_decoded_model(tmp_path_factory):
+    model, artifact = tiny_artifact(tmp_path_factory, "mixtral", "int4")
+    reference = decoded_reference(model, artifact, "int4")
+    ids = _ids(5)
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+        loaded = load(artifact, memory_budget="unlimited", expert_dtype="bfloat16")
+        got = loaded.model(input_ids=ids).logits
+    loaded.close()
+    # Tolerance of the kernel: weights and the expert products' inputs rounded to bfloat16 (8-bit mantissa,
+    # relative error 2^-9 each) through 2 MoE layers: 2% of the logits' spread.
+    spread = float(expected.abs().max())
+    err = float((got - expected).abs().max())
+    assert err <= 0.02 * spread, (err, spread)
+    assert err > 0  # the products really ran in bfloat16
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_auto_takes_the_measured_faster_dtype_and_bfloat16_on_a_near_tie(monkeypatch):
+    times = {}
+    monkeypatch.setattr(kernels, "time_linear", lambda rows, cols, dtype, device: times[dtype])
+    for f32, bf16, want in ((1.0, 3.0, "float32"), (1.0, 0.5, "bfloat16"), (1.0, 1.1, "bfloat16"), (1.0, 1.3, "float32")):
+        pick_dtype.cache_clear()
+        times.update({torch.float32: f32, torch.bfloat16: bf16})
+        name, seconds = pick_dtype("float32", ((64, 32),), "cpu")
+        assert name == want and seconds == {"float32": f32, "bfloat16": bf16}
+    pick_dtype.cache_clear()
+    assert pick_dtype("bfloat16", ((64, 32),), "cpu")[0] == "bfloat16"  # nothing to compare against
+    pick_dtype.cache_clear()
+
+
+def test_auto_passthrough_and_the_environment(monkeypatch):
+    torch.manual_seed(0)
+    tensors = {"gate_up_proj": torch.randn(64, 32), "down_proj": torch.randn(32, 32)}
+    quantized, _ = encode_expert(tensors, "int4", 16)
+    plain, _ = encode_expert(tensors, "passthrough", 16)
+    assert decoded_dtype("auto", plain, torch.device("cpu")) is None  # a plain record is computed as it is
+    assert decoded_dtype("packed", quantized, torch.device("cpu")) is None
+    monkeypatch.setenv("MOEPREP_EXPERT_DTYPE", "bfloat16")
+    assert decoded_dtype("auto", quantized, torch.device("cpu")) == torch.bfloat16
+    assert decoded_dtype("float32", quantized, torch.device("cpu")) == torch.float32  # an explicit choice wins
+    monkeypatch.setenv("MOEPREP_EXPERT_DTYPE", "fp8")
+    with pytest.raises(KernelError, match="MOEPREP_EXPERT_DTYPE='fp8' unknown"):
+        decoded_dtype("auto", quantized, torch.device("cpu"))
+    monkeypatch.delenv("MOEPREP_EXPERT_DTYPE")
+    measured = pick_dtype("float32", ((64, 32), (32, 32)), "cpu")[0]
+    assert decoded_dtype("auto", quantized, torch.device("cpu")) == getattr(torch, measured)
+    with pytest.raises(KernelError, match="expert dtype 'int4' unknown"):
+        decoded_dtype("int4", quantized, torch.device("cpu"))
+
+
+def test_an_unknown_expert_dtype_is_one_clear_error(tmp_path_factory):
+    _, artifact = tiny_artifact(tmp_path_factory, "mixtral", "int4")
+    with pytest.raises(LoaderError, match="expert dtype 'half' unknown; use one of auto, float32"):
+        load(artifact, expert_dtype="half")
+
+
+def test_auto_decodes_per_use_where_a_decoded_copy_does_not_fit(tmp_path_factory):
+    _, artifact = tiny_artifact(tmp_path_factory, "mixtral", "int4")
+    small = minimum_budget(artifact)  # auto: the packed form's minimum
+    assert small == minimum_budget(artifact, expert_dtype="packed") < minimum_budget(artifact, expert_dtype="float32")
+    loaded = load(artifact, memory_budget=small)
+    assert loaded.budget["expert_dtype"] == {"int4": "record"}
+    loaded.close()
+    loaded = load(artifact, memory_budget=minimum_budget(artifact, expert_dtype="float32"))
+    assert loaded.budget["expert_dtype"] == {"int4": "float32"}  # the pinned "auto" of the suite
+    loaded.close()
