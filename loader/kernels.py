@@ -1,17 +1,24 @@
-"""The compute form of a cached expert: the packed record decoded once into the slot, and the dtype to hold it in.
+"""The compute form of a cached expert, and one expert's forward in each form.
 
 Decoding a quantized record (unpack the codes, apply scale and zero per group) costs several times the
-one-token matrix products it feeds (``loader/README.md``, "Compute path", has this machine's figures from
-``moeprep kernel-study``), so a cached expert of a quantized store keeps a *decoded copy* beside its
-record, in the same cache slot, and the slot's bytes count both: a miss decodes once, a hit only
-multiplies. Stores that are already plain matrices (passthrough) are computed from the record as it is.
+one-token products it feeds (``loader/README.md``, "Compute path", has this machine's figures from
+``moeprep kernel-study``), so a cached expert of a quantized store keeps a *held form* beside its record,
+in the same cache slot, made once when the expert is first used after its read; the slot's bytes count
+both. Stores of plain matrices (passthrough) are computed from the record as it is. The forms:
+
+- a decoded copy (``DecodedLayout``) in float32, bfloat16 or float16;
+- ``int4pack`` (``Int4PackLayout``): the codes repacked for torch's CPU int4 weight-only kernel
+  (``_weight_int4pack_mm_for_cpu``), which reads them packed; scale and zero per group in bfloat16 and
+  activations in bfloat16. It takes records of at most 4 bits with groups of 32-256 and output sizes that
+  are multiples of 16. The codec's ``(code - zero) * scale`` is the kernel's ``(code - 8) * scale + zero'``
+  with ``zero' = (8 - zero) * scale``.
 
 ``expert_dtype`` (a ``load`` argument) picks the form:
-- ``auto``: a decoded copy in the faster of the model's dtype and bfloat16 for one-token products on
-  this device, measured once per process (``pick_dtype``); bfloat16 wins a near tie, since it holds twice
-  the experts in the same bytes;
-- ``float32`` / ``bfloat16`` / ``float16``: a decoded copy in that dtype;
-- ``packed``: no decoded copy, the record is decoded on every use (the smallest slot).
+- ``auto``: per store, the fastest of the forms that apply for one-token products on this device,
+  measured once per process (``pick_form``); within ``TIE`` of the fastest the smallest slot wins;
+- ``float32`` / ``bfloat16`` / ``float16``: a decoded copy in that dtype; ``int4pack``: that form where
+  it applies, else a bfloat16 copy;
+- ``packed``: no held form: the record is decoded on every use (the smallest slot).
 
 The environment variable ``MOEPREP_EXPERT_DTYPE`` (one of the names above but ``auto``) replaces what
 ``auto`` would measure: a device team pins the form once, and the test suite pins float32 so that its
@@ -26,14 +33,16 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from loader.codec import RecordLayout, decode_matrix, dtype_of
+from loader.codec import BITS, RecordLayout, decode_matrix, dtype_of, group_params, unpack_codes
 from loader.errors import MoeError
 
-EXPERT_DTYPES = ("auto", "float32", "bfloat16", "float16", "packed")
+EXPERT_DTYPES = ("auto", "float32", "bfloat16", "float16", "int4pack", "packed")
 ENV = "MOEPREP_EXPERT_DTYPE"
-TIE = 1.15  # bfloat16 is taken while it is at most this much slower than the model's dtype: twice the experts
+TIE = 1.15  # forms within this factor of the fastest count as equally fast: the smallest slot wins
 ALIGN = 64
+INT4PACK_GROUPS = (32, 64, 128, 256)
 
 
 class KernelError(MoeError):
@@ -51,25 +60,69 @@ def needs_decoding(layout: RecordLayout) -> bool:
     return any(spec.precision != "passthrough" for spec in layout.matrices)
 
 
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+# ------------------------------------------------------------------------------------------ the forward
+
+
+def expert_forward(module, weights, x: torch.Tensor) -> torch.Tensor:
+    """One expert's output for tokens ``x`` [T, H] (in the weights' compute dtype): ``weights`` is a dict of
+    matrices in the module's parameter layout (a record's decoding or a decoded copy) or ``Int4Weights``."""
+    if isinstance(weights, Int4Weights):
+        x = x.to(torch.bfloat16)
+        gate_up = weights.linear("gate_up_proj", x)
+        y = weights.linear("down_proj", module._apply_gate(gate_up))
+        return y
+    x = x.to(weights["gate_up_proj"].dtype)
+    if module.is_transposed:
+        gate_up = x @ weights["gate_up_proj"]
+        if "gate_up_proj_bias" in weights:
+            gate_up = gate_up + weights["gate_up_proj_bias"]
+        y = module._apply_gate(gate_up) @ weights["down_proj"]
+    else:
+        gate_up = F.linear(x, weights["gate_up_proj"], weights.get("gate_up_proj_bias"))
+        y = F.linear(module._apply_gate(gate_up), weights["down_proj"])
+    if "down_proj_bias" in weights:
+        y = y + weights["down_proj_bias"]
+    return y
+
+
+# ------------------------------------------------------------------------------------------ decoded copies
+
+
 @dataclass(frozen=True)
 class DecodedLayout:
-    """Where each matrix of a record's decoded copy lives inside the decoded region of a slot."""
+    """Where each matrix of a record's decoded copy lives inside the held region of a slot."""
 
     layout: RecordLayout
     dtype: torch.dtype
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
 
     @functools.cached_property
     def offsets(self) -> list[tuple[str, tuple[int, ...], int]]:
         out, offset = [], 0
         for spec in self.layout.matrices:
-            out.append((spec.name, spec.shape[::-1] if spec.transposed else spec.shape, offset))
-            offset += -(-spec.numel * self.dtype.itemsize // ALIGN) * ALIGN
+            shape = spec.shape[::-1] if spec.transposed else spec.shape
+            out.append((spec.name, shape, offset))
+            offset += _aligned(_numel(shape) * self.dtype.itemsize)
         return out
 
     @property
     def nbytes(self) -> int:
         name, shape, offset = self.offsets[-1]
-        return offset + -(-_numel(shape) * self.dtype.itemsize // ALIGN) * ALIGN
+        return offset + _aligned(_numel(shape) * self.dtype.itemsize)
 
     def views(self, region: torch.Tensor) -> dict[str, torch.Tensor]:
         """The decoded matrices as views into ``region`` (uint8, at least ``nbytes``)."""
@@ -77,7 +130,7 @@ class DecodedLayout:
         return {name: region[offset:offset + _numel(shape) * size].view(self.dtype).view(shape)
                 for name, shape, offset in self.offsets}
 
-    def decode_into(self, record: torch.Tensor, region: torch.Tensor) -> dict[str, torch.Tensor]:
+    def fill(self, record: torch.Tensor, region: torch.Tensor) -> dict[str, torch.Tensor]:
         """Decode ``record`` into ``region`` and return the views (what a miss does once)."""
         parts = self.layout.split(record)
         views = self.views(region)
@@ -86,41 +139,150 @@ class DecodedLayout:
         return views
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+# ------------------------------------------------------------------------------------------ int4pack
 
 
-def time_linear(rows: int, cols: int, dtype: torch.dtype, device: torch.device, tokens: int = 1,
-                repeats: int = 20) -> float:
-    """Median seconds of ``tokens`` rows through one [rows, cols] weight in ``dtype`` on ``device``."""
-    w = torch.randn(rows, cols, device=device).to(dtype)
-    x = torch.randn(tokens, cols, device=device).to(dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+class Int4Weights:
+    """An expert in torch's CPU int4 form: per quantized matrix [out, in] its packed codes and bfloat16
+    (scale, zero') per group; biases in bfloat16."""
+
+    def __init__(self, matrices: dict, vectors: dict) -> None:
+        self.matrices = matrices  # name -> (packed [N, K/2] uint8, scales_and_zeros [K/g, N, 2], group)
+        self.vectors = vectors
+
+    def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        packed, scales_zeros, group = self.matrices[name]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)
+        bias = self.vectors.get(f"{name}_bias")
+        return y if bias is None else y + bias
+
+
+def int4pack_available(device: torch.device) -> bool:
+    """Whether this torch build has the CPU int4 weight-only kernel (and the device is a CPU)."""
+    if device.type != "cpu":
+        return False
+    return _int4pack_works()
+
+
+@functools.cache
+def _int4pack_works() -> bool:
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.zeros(16, 32, dtype=torch.int32), 2)
+        torch.ops.aten._weight_int4pack_mm_for_cpu(torch.zeros(1, 32, dtype=torch.bfloat16), packed, 32,
+                                                   torch.zeros(1, 16, 2, dtype=torch.bfloat16))
+        return True
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def int4pack_fits(layout: RecordLayout) -> bool:
+    """Whether every matrix of the layout can take the int4 form: quantized 2-D matrices of at most 4 bits
+    with a supported group and an output size that is a multiple of 16, and 1-D biases."""
+    for spec in layout.matrices:
+        if len(spec.shape) == 1 and spec.precision == "passthrough":
+            continue
+        if spec.precision not in BITS or BITS[spec.precision] > 4 or spec.rows or len(spec.shape) != 2 \
+                or spec.group_size not in INT4PACK_GROUPS or spec.shape[0] % 16 or spec.shape[1] % spec.group_size:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Int4PackLayout:
+    """Where each matrix's int4 form lives inside the held region of a slot."""
+
+    layout: RecordLayout
+    name = "int4pack"
+
+    @functools.cached_property
+    def offsets(self) -> list[tuple[str, int, int, int]]:
+        """(matrix name, offset, packed bytes, scales bytes); a 1-D bias has packed bytes 0."""
+        out, offset = [], 0
+        for spec in self.layout.matrices:
+            if len(spec.shape) == 1:
+                out.append((spec.name, offset, 0, spec.numel * 2))
+                offset += _aligned(spec.numel * 2)
+                continue
+            n, k = spec.shape
+            packed, scales = n * k // 2, k // spec.group_size * n * 2 * 2
+            out.append((spec.name, offset, packed, scales))
+            offset += _aligned(packed) + _aligned(scales)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        name, offset, packed, scales = self.offsets[-1]
+        return offset + _aligned(packed) + _aligned(scales)
+
+    def fill(self, record: torch.Tensor, region: torch.Tensor) -> Int4Weights:
+        """Repack ``record`` into ``region`` (what a miss does once)."""
+        parts = self.layout.split(record)
+        specs = {spec.name: spec for spec in self.layout.matrices}
+        matrices, vectors = {}, {}
+        for name, offset, packed_bytes, scale_bytes in self.offsets:
+            spec = specs[name]
+            if packed_bytes == 0:
+                vectors[name] = region[offset:offset + scale_bytes].view(torch.bfloat16).copy_(
+                    decode_matrix(spec, parts))
+                continue
+            n, k = spec.shape
+            groups = k // spec.group_size
+            codes = unpack_codes(parts[f"{name}.codes"], BITS[spec.precision], spec.numel).view(n, k)
+            packed = region[offset:offset + packed_bytes].view(n, k // 2)
+            packed.copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2))
+            scale = group_params(spec, parts, "scale").view(n, groups)
+            zero = (8 - group_params(spec, parts, "zero").view(n, groups)) * scale
+            start = offset + _aligned(packed_bytes)
+            scales_zeros = region[start:start + scale_bytes].view(torch.bfloat16).view(groups, n, 2)
+            scales_zeros.copy_(torch.stack([scale.T, zero.T], -1))
+            matrices[name] = (packed, scales_zeros, spec.group_size)
+        return Int4Weights(matrices, vectors)
+
+
+# ------------------------------------------------------------------------------------------ choosing
+
+
+def _time(fn, repeats: int = 20) -> float:
     for _ in range(3):
-        torch.nn.functional.linear(x, w)
-    sync()
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        torch.nn.functional.linear(x, w)
-        sync()
+        fn()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
 
+def time_linear(rows: int, cols: int, form: str, device: torch.device, group: int = 64) -> float:
+    """Median seconds of one token through one [rows, cols] weight held in ``form`` on ``device``."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if form == "int4pack":
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            torch.randint(0, 16, (rows, cols), dtype=torch.int32), 2)
+        scales = torch.rand(cols // group, rows, 2).to(torch.bfloat16)
+        x = torch.randn(1, cols).to(torch.bfloat16)
+        return _time(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales))
+    w = torch.randn(rows, cols, device=device).to(dtype_of(form))
+    x = torch.randn(1, cols, device=device).to(dtype_of(form))
+
+    def run():
+        F.linear(x, w)
+        sync()
+
+    return _time(run)
+
+
 @functools.cache
-def pick_dtype(model_dtype: str, shapes: tuple, device: str = "cpu") -> tuple[str, dict]:
-    """(dtype name, {dtype: seconds}) for ``auto``: the faster of the model's dtype and bfloat16 for one token
-    through an expert's matrices (``shapes``, each [out, in]), bfloat16 winning within ``TIE``."""
+def pick_form(model_dtype: str, shapes: tuple, int4pack: bool, group: int, device: str = "cpu") -> tuple[str, dict]:
+    """(form, {form: seconds}) for ``auto``: the fastest form for one token through an expert's matrices
+    (``shapes``, each [out, in]) among a decoded copy in the model's dtype, one in bfloat16, and int4pack
+    (when ``int4pack``); within ``TIE`` of the fastest, the smallest slot (int4pack, bfloat16, float32)."""
     dev = torch.device(device)
-    candidates = [model_dtype] if model_dtype == "bfloat16" else [model_dtype, "bfloat16"]
-    seconds = {name: sum(time_linear(rows, cols, dtype_of(name), dev) for rows, cols in shapes) for name in candidates}
-    if len(candidates) == 1 or seconds["bfloat16"] <= TIE * seconds[model_dtype]:
-        return "bfloat16", seconds
-    return model_dtype, seconds
+    candidates = ["int4pack"] if int4pack else []
+    candidates += ["bfloat16"] + ([model_dtype] if model_dtype != "bfloat16" else [])
+    seconds = {form: sum(time_linear(rows, cols, form, dev, group) for rows, cols in shapes) for form in candidates}
+    fastest = min(seconds.values())
+    return next(form for form in candidates if seconds[form] <= TIE * fastest), seconds
 
 
 def matrix_shapes(layout: RecordLayout) -> tuple:
@@ -128,8 +290,9 @@ def matrix_shapes(layout: RecordLayout) -> tuple:
     return tuple(tuple(spec.shape) for spec in layout.matrices if len(spec.shape) == 2)
 
 
-def decoded_dtype(expert_dtype: str, layout: RecordLayout, device: torch.device) -> torch.dtype | None:
-    """The dtype a store's cached experts are held in decoded, or None (computed from the record)."""
+def held_layout(expert_dtype: str, layout: RecordLayout, device: torch.device):
+    """How a store's cached experts are held: a ``DecodedLayout``, an ``Int4PackLayout``, or None (computed
+    from the record)."""
     check_expert_dtype(expert_dtype)
     if expert_dtype == "auto" and os.environ.get(ENV):
         expert_dtype = os.environ[ENV]
@@ -138,7 +301,10 @@ def decoded_dtype(expert_dtype: str, layout: RecordLayout, device: torch.device)
                               f"{', '.join(EXPERT_DTYPES[1:])} or unset it")
     if expert_dtype == "packed" or not needs_decoding(layout):
         return None
-    if expert_dtype != "auto":
-        return dtype_of(expert_dtype)
-    name, _ = pick_dtype(layout.matrices[0].dtype, matrix_shapes(layout), str(device))
-    return dtype_of(name)
+    int4pack = int4pack_available(device) and int4pack_fits(layout)
+    if expert_dtype == "auto":
+        group = next(spec.group_size for spec in layout.matrices if spec.precision != "passthrough")
+        expert_dtype, _ = pick_form(layout.matrices[0].dtype, matrix_shapes(layout), int4pack, group, str(device))
+    if expert_dtype == "int4pack":
+        return Int4PackLayout(layout) if int4pack else DecodedLayout(layout, torch.bfloat16)
+    return DecodedLayout(layout, dtype_of(expert_dtype))

@@ -30,12 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from loader.cache import ExpertCache, MemoryMeter, PoolConfig, ordered_experts, policy_factory
 from loader.codec import NeuronLayout, RecordLayout
 from loader.format import ArtifactError, check_model, check_record, expert_key, open_artifact, read_manifest
-from loader.kernels import DecodedLayout, KernelError, check_expert_dtype, decoded_dtype, needs_decoding
+from loader.kernels import KernelError, check_expert_dtype, expert_forward, held_layout, needs_decoding
 from loader.neuron import NeuronConfig, NeuronError, TrustedPrediction, active_set, neuron_forward
 from loader.plan import (
     Capacities,
@@ -102,7 +101,7 @@ class ExpertRuntime:
                  layouts: dict[str, RecordLayout], top_k: int, device: torch.device, workers: int,
                  miss_policy: MissPolicy, predictors: list[Predictor], layer_ids: list[int],
                  neuron: NeuronConfig | None = None, pairings: dict[str, str] | None = None,
-                 decoded: dict[str, DecodedLayout] | None = None) -> None:
+                 decoded: dict | None = None) -> None:
         self.plan = plan
         self.layer_ids = layer_ids  # position among the MoE layers -> the model's layer index (record keys)
         self.caps = caps
@@ -342,11 +341,11 @@ class ExpertRuntime:
         if decoded is None:
             weights = self.layouts[precision].decode(record)
         elif entry is None:
-            weights = decoded.decode_into(record, torch.empty(decoded.nbytes, dtype=torch.uint8, device=record.device))
+            weights = decoded.fill(record, torch.empty(decoded.nbytes, dtype=torch.uint8, device=record.device))
         else:
             arena = self.arenas[entry.pool]
             begin = entry.slot * arena.slot_bytes + self.read_bytes[precision]
-            weights = entry.weights = decoded.decode_into(record, arena.data[begin:begin + decoded.nbytes])
+            weights = entry.weights = decoded.fill(record, arena.data[begin:begin + decoded.nbytes])
         self.decodes += 1
         self.decode_seconds += time.perf_counter() - start
         return weights
@@ -366,18 +365,7 @@ class ExpertRuntime:
                                header, per_token)
             out.index_add_(0, tokens, (y * top_k_weights[tokens, slot, None]).to(out.dtype))
             return
-        w = self._weights(record, precision, entry)
-        x = x.to(w["gate_up_proj"].dtype)  # the products run in the weights' dtype (a decoded copy's)
-        if module.is_transposed:
-            gate_up = x @ w["gate_up_proj"]
-            if "gate_up_proj_bias" in w:
-                gate_up = gate_up + w["gate_up_proj_bias"]
-            y = module._apply_gate(gate_up) @ w["down_proj"]
-        else:
-            gate_up = F.linear(x, w["gate_up_proj"], w.get("gate_up_proj_bias"))
-            y = F.linear(module._apply_gate(gate_up), w["down_proj"])
-        if "down_proj_bias" in w:
-            y = y + w["down_proj_bias"]
+        y = expert_forward(module, self._weights(record, precision, entry), x)  # in the held form's dtype
         y = y.to(out.dtype) * top_k_weights[tokens, slot, None]
         out.index_add_(0, tokens, y)
 
@@ -810,14 +798,14 @@ def slot_bytes(store: ExpertStore) -> int:
     return store.stride if store.direct_io else -(-store.record_bytes // 64) * 64
 
 
-def held_bytes(store: ExpertStore, decoded: DecodedLayout | None) -> int:
+def held_bytes(store: ExpertStore, decoded) -> int:
     """Memory one cached expert takes: its record's slot, then its decoded copy when it has one (kept at the
     record's alignment so every slot of the pool starts aligned)."""
     align = 4096 if store.direct_io else 64
     return slot_bytes(store) + (-(-decoded.nbytes // align) * align if decoded is not None else 0)
 
 
-def decoded_layouts(manifest, expert_dtype: str, device: torch.device) -> dict[str, DecodedLayout | None]:
+def decoded_layouts(manifest, expert_dtype: str, device: torch.device) -> dict:
     """Per store: how its cached experts are held decoded (None: computed from the record). Neuron-layout
     stores stay packed: their rows are read and decoded a few at a time."""
     try:
@@ -827,8 +815,7 @@ def decoded_layouts(manifest, expert_dtype: str, device: torch.device) -> dict[s
     out = {}
     for p, s in manifest.raw["stores"].items():
         layout = RecordLayout.from_json(s["layout"])
-        dtype = None if s.get("neuron") is not None else decoded_dtype(expert_dtype, layout, device)
-        out[p] = DecodedLayout(layout, dtype) if dtype is not None else None
+        out[p] = None if s.get("neuron") is not None else held_layout(expert_dtype, layout, device)
     return out
 
 
@@ -842,7 +829,7 @@ def _dense_bytes(path: Path) -> int:
 
 
 def artifact_sizes(manifest, stores: dict[str, ExpertStore], device: torch.device,
-                   decoded: dict[str, DecodedLayout | None] | None = None) -> ModelSizes:
+                   decoded: dict | None = None) -> ModelSizes:
     """The sizes the budget arithmetic needs. A cached expert counts the memory its slot takes (record and
     decoded copy, ``held_bytes``); the dense weights count their tensor bytes, plus a host-mode store's
     whole file when the budget is RAM (CPU device)."""
@@ -1083,8 +1070,7 @@ def _load(artifact, device, memory_budget, store, policy, workers, routing, pred
                                "minimum_bytes": minimum_budget_of(plan, sizes), "host_store_bytes": host_bytes,
                                "record_bytes": {p: s.record_bytes for p, s in stores.items()},
                                "slot_bytes": runtime.slot_bytes, "eviction": plan.eviction.name,
-                               "expert_dtype": {p: str(d.dtype).removeprefix("torch.") if d is not None else "record"
-                                                for p, d in decoded.items()},
+                               "expert_dtype": {p: d.name if d is not None else "record" for p, d in decoded.items()},
                                "cache_slots": {name: a.count for name, a in runtime.arenas.items()},
                                "operating_point": (point.budget_bytes if (point := plan.point_for(caps.limit_bytes)) else None)}
     loaded = LoadedModel(model, tokenizer, runtime, budget)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from loader.codec import DEFAULT_FORMATS
 from loader.files import write_bytes_atomic
-from loader.kernels import DecodedLayout
+from loader.kernels import DecodedLayout, Int4PackLayout, int4pack_fits
 
 PRECISIONS = ("int8", "int4", "int3", "int2")
 
@@ -120,14 +120,21 @@ def run_kernel_study(hidden: int, intermediate: int, prefill_tokens: int = 16, r
         for dtype in (torch.float32, torch.bfloat16):
             decoded = DecodedLayout(layout, dtype)
             region = torch.empty(decoded.nbytes, dtype=torch.uint8)
-            row[str(dtype).removeprefix("torch.")] = _median_seconds(
-                lambda d=decoded, r=region, rec=record: d.decode_into(rec, r), repeats) * 1e3
-            row[f"{str(dtype).removeprefix('torch.')}_mb"] = decoded.nbytes / 1e6
+            row[decoded.name] = _median_seconds(lambda d=decoded, r=region, rec=record: d.fill(rec, r), repeats) * 1e3
+            row[f"{decoded.name}_mb"] = decoded.nbytes / 1e6
+        if int4pack_fits(layout) and "int4 weight-only (torch _weight_int4pack_mm_for_cpu)" in study["forward_ms"]:
+            held = Int4PackLayout(layout)
+            region = torch.empty(held.nbytes, dtype=torch.uint8)
+            row["int4pack"] = _median_seconds(lambda d=held, r=region, rec=record: d.fill(rec, r), repeats) * 1e3
+            row["int4pack_mb"] = held.nbytes / 1e6
         study["decode_ms"][precision] = row
         one = study["forward_ms"]["float32"]["1"]
         study["use_ms"][precision] = {"packed (decode every use)": row["float32"] + one,
                                       "decoded copy, float32": one,
                                       "decoded copy, bfloat16": study["forward_ms"]["bfloat16"]["1"]}
+        if "int4pack" in row:
+            study["use_ms"][precision]["int4pack"] = \
+                study["forward_ms"]["int4 weight-only (torch _weight_int4pack_mm_for_cpu)"]["1"]
         echo(f"decode {precision}: float32 {row['float32']:.2f} ms, bfloat16 {row['bfloat16']:.2f} ms")
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
@@ -142,12 +149,17 @@ def markdown(study: dict) -> str:
              f"{study['torch']}, {study['threads']} threads; medians of {study['repeats']} runs, ms.", "",
              f"| one expert's products from | 1 token | {t} tokens |", "| --- | ---: | ---: |"]
     lines += [f"| {name} | {row['1']:.3f} | {row[str(t)]:.3f} |" for name, row in study["forward_ms"].items()]
-    lines += ["", "| precision | record MB | decode to float32 | decode to bfloat16 | one use, packed (decode + "
-              "float32) | one use, decoded float32 | one use, decoded bfloat16 | bfloat16 copy MB |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += ["", "Per precision (default format): what a miss costs once to make each held form, what one use of a "
+              "cached expert costs in each form (1 token), and each held form's MB.", "",
+              "| precision | record MB | make float32 | make bfloat16 | make int4pack | use: packed (decode + float32) "
+              "| use: float32 | use: bfloat16 | use: int4pack | float32 MB | bfloat16 MB | int4pack MB |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for p, row in study["decode_ms"].items():
         use = study["use_ms"][p]
+        pack = row.get("int4pack")
         lines.append(f"| {p} | {row['record_mb']:.2f} | {row['float32']:.2f} | {row['bfloat16']:.2f} | "
-                     f"{use['packed (decode every use)']:.2f} | {use['decoded copy, float32']:.3f} | "
-                     f"{use['decoded copy, bfloat16']:.3f} | {row['bfloat16_mb']:.2f} |")
+                     f"{'-' if pack is None else format(pack, '.2f')} | {use['packed (decode every use)']:.2f} | "
+                     f"{use['decoded copy, float32']:.3f} | {use['decoded copy, bfloat16']:.3f} | "
+                     f"{'-' if 'int4pack' not in use else format(use['int4pack'], '.3f')} | {row['float32_mb']:.2f} | "
+                     f"{row['bfloat16_mb']:.2f} | {'-' if pack is None else format(row['int4pack_mb'], '.2f')} |")
     return "\n".join(lines) + "\n"
