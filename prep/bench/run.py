@@ -242,8 +242,10 @@ def physical_bounds(subject: Subject, budgets: list[str], results: list[dict], b
     compute_seconds = 1 / resident if resident else 0.0
     decisions = _decisions(subject)
     moe, prompt = subject.manifest["moe"], len(subject.prompt_ids)
-    own = read_plan(subject.artifact)
-    plan = Plan.mixed(own.expert_precision, {p: s["record_bytes"] for p, s in subject.manifest["stores"].items()})
+    naive = subject.naive_artifact
+    own = read_plan(naive)
+    stores = json.loads((naive / "manifest.json").read_text())["stores"]
+    plan = Plan.mixed(own.expert_precision, {p: s["record_bytes"] for p, s in stores.items()})
     out = {}
     for budget in budgets:
         limit = _budget_bytes(subject, budget)
@@ -255,7 +257,7 @@ def physical_bounds(subject: Subject, budgets: list[str], results: list[dict], b
             continue
         ids = decisions.tolist()
         try:
-            spec = artifact_spec(subject.artifact, limit, plan=plan)
+            spec = artifact_spec(naive, limit, plan=plan)
         except MoeprepError as e:
             entry["error"] = str(e)
             continue
@@ -332,6 +334,8 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
     bandwidth = read_bandwidth(Path(largest.facts["store_file"]), sizes.bandwidth_bytes)
 
     def systems(subj: Subject) -> list[str]:
+        if subj.lossless is not None:  # naive on the lossless artifact, moeprep on the recipe's
+            return [*SYSTEMS[1:3], SYSTEMS[3]]
         plan = json.loads((Path(subj.artifact) / "plan.json").read_text())
         planned = {p["name"] for p in plan["predictors"]}
         neuron = ["naive+neuron"] if plan.get("neuron", {}).get("name", "off") != "off" else []
@@ -351,7 +355,8 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
                     "memory_budget": limit if budget == BELOW_4BIT else budget,
                     "budget_bytes": limit, "host_bytes": os.sysconf("SC_PAGE_SIZE") *
                     os.sysconf("SC_PHYS_PAGES") // 2, "model_dir": str(subj.model_dir),
-                    "artifact": str(subj.artifact), "experts_modules": subj.manifest["moe"]["experts_modules"],
+                    "artifact": str(subj.naive_artifact if system.startswith("naive") else subj.artifact),
+                    "experts_modules": subj.manifest["moe"]["experts_modules"],
                     "prompt_ids": subj.prompt_ids, "decode_ids": subj.decode_ids,
                     "replay": str(subj.replay) if subj.replay else None, "offload_dir": str(offload),
                     "record_routing": system == "resident" and repeat == 0 and subj.replay is None}
@@ -387,7 +392,8 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
         "read_bandwidth": bandwidth,
         "results": [{k: r.get(k) for k in RESULT_KEYS} | {k: v for k, v in r.items() if k not in RESULT_KEYS}
                     for r in results],
-        "subjects": {s.name: {"model": str(s.model_dir), "artifact": str(s.artifact), "routing": s.routing,
+        "subjects": {s.name: {"model": str(s.model_dir), "artifact": str(s.artifact),
+                              "naive_artifact": str(s.naive_artifact), "routing": s.routing,
                               "prompt_tokens": len(s.prompt_ids), "decode_tokens": len(s.decode_ids),
                               "accuracy_delta": accuracy_delta(s.artifact)}
                      | {k: v for k, v in s.facts.items() if k != "recorded_routing"} for s in subjects},

@@ -1,14 +1,20 @@
 """The bench's subjects: a model, its prepared artifact, the tokens to run and whose routing to use.
 
-``reference``: the reference artifact of ``recipes/reference.yaml`` (prepared here; the stage cache makes
-that free when nothing changed) with its own routing, against its original model. ``reference-lossless``:
-the same from ``recipes/reference-lossless.yaml`` (experts as trained, and the prefetch predictors), where a
-percentage budget really offloads (the mixed artifact is 9x smaller than its float32 source, so it fits
-whole at 12.5%).
+Each subject has two artifacts: ``artifact``, the recipe's (what ``moeprep`` runs: its whole plan), and
+``lossless``, the experts as they are (what ``naive`` runs: per-layer LRU, no prediction, exact routing).
+
+``reference``: the artifact of ``recipes/reference.yaml`` (mixed precision and the techniques; prepared
+here, the stage cache makes that free when nothing changed) with the model's own routing, against its
+original model; ``naive`` runs ``recipes/reference-lossless.yaml``'s artifact. ``reference-lossless``:
+that lossless artifact for both (experts as trained, and the prefetch predictors: ``moeprep`` here is the
+lossless mode), where a percentage budget really offloads. ``reference-neuron``: the neuron-layout
+artifact for both, since its point is neuron reads against whole reads of the same records.
 
 ``mixtral-shape``: Mixtral-8x7B's architecture (32 layers, 8 experts, top-2) with hidden and expert sizes
 scaled so the expert store is about 4 GB and a 25% budget about 1 GB, random (seeded) weights, a tiny
-character tokenizer, experts stored as they are (passthrough), and the router decisions replayed from
+character tokenizer, experts stored as they are (passthrough, ``naive``'s) and at int4 (``moeprep``'s:
+a uniform precision, the only mixed-precision reading that means something for random weights), and
+the router decisions replayed from
 the real Mixtral-8x7B GSM8K decode traces: the weights are fake, but which experts each token needs,
 and so the compute and the I/O, are real. Built once under ``<output>/mixtral-shape/`` and reused while
 its shape is unchanged.
@@ -53,12 +59,17 @@ class Subject:
 
     name: str
     model_dir: Path  # the original model (resident and accelerate)
-    artifact: Path  # the prepared artifact (naive and moeprep)
+    artifact: Path  # the recipe's artifact (moeprep)
     prompt_ids: list[int]
     decode_ids: list[int]
     replay: Path | None  # safetensors with expert_ids / weights [T, L, K]; None: the model's own routing
     routing: str  # one line saying whose routing it is
     facts: dict = field(default_factory=dict)
+    lossless: Path | None = None  # the experts as they are (naive); None: the artifact itself
+
+    @property
+    def naive_artifact(self) -> Path:
+        return self.lossless or self.artifact
 
     @property
     def manifest(self) -> dict:
@@ -89,10 +100,8 @@ def _store_facts(artifact: Path) -> dict:
             "moe_layers": len(moe["layers"]), "num_experts": moe["num_experts"], "top_k": moe["top_k"]}
 
 
-def reference_subject(root: Path, prompt_tokens: int, decode_tokens: int, name: str = "reference") -> Subject:
-    """The artifact of ``recipes/<name>.yaml`` (prepared through the package stage) and its model."""
-    from transformers import AutoTokenizer
-
+def _prepared(root: Path, name: str) -> tuple[Path, Path]:
+    """(model dir, artifact) of ``recipes/<name>.yaml``, prepared through the package stage (reused when current)."""
     from prep.pipeline import prepare
     from prep.recipe import load_recipe
 
@@ -103,8 +112,16 @@ def reference_subject(root: Path, prompt_tokens: int, decode_tokens: int, name: 
     model_dir = Path(recipe.model_path(root))
     if not (model_dir / "config.json").is_file():
         raise MoeprepError(f"reference model {model_dir} missing; run `make reference-model` first")
-    artifact = root / "artifacts" / recipe.name / "artifact"
-    prepare(recipe, root=root, until="package")  # reused when current; the accuracy check is not needed here
+    prepare(recipe, root=root, until="package")  # the accuracy check is not needed here
+    return model_dir, root / "artifacts" / recipe.name / "artifact"
+
+
+def reference_subject(root: Path, prompt_tokens: int, decode_tokens: int, name: str = "reference") -> Subject:
+    """The artifact of ``recipes/<name>.yaml`` and its model; ``reference`` runs naive on the lossless one."""
+    from transformers import AutoTokenizer
+
+    model_dir, artifact = _prepared(root, name)
+    lossless = _prepared(root, "reference-lossless")[1] if name == "reference" else None
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     need = prompt_tokens + decode_tokens
     text = REFERENCE_TEXT
@@ -112,9 +129,10 @@ def reference_subject(root: Path, prompt_tokens: int, decode_tokens: int, name: 
     while len(ids) < need:
         text += REFERENCE_TEXT
         ids = tokenizer(text)["input_ids"]
+    facts = _store_facts(artifact) | ({"lossless": _store_facts(lossless)} if lossless else {})
     return Subject(name, model_dir, artifact, ids[:prompt_tokens], ids[prompt_tokens:need], None,
                    "the model's own routers (the loader's quantized experts may route a few tokens differently)",
-                   _store_facts(artifact))
+                   facts, lossless)
 
 
 def char_tokenizer(vocab_size: int):
@@ -180,17 +198,19 @@ def mixtral_shape_subject(output: Path, traces: Path | None, quick: bool, prompt
     name = "mixtral-shape"
     home = output / ("mixtral-shape-quick" if quick else name)
     home.mkdir(parents=True, exist_ok=True)
-    model_dir, artifact = home / "model", home / "artifact"
+    model_dir, lossless, artifact = home / "model", home / "artifact", home / "artifact-int4"
     marker = model_dir / "bench-shape.json"
     if not marker.is_file() or json.loads(marker.read_text()) != shape | {"seed": SEED}:
         _build_mixtral_shape(model_dir, shape)
-    if not _artifact_is_current(artifact, model_dir):
-        # Experts stored as they are; a one-sequence calibration is enough for a trace nobody reads.
-        recipe = recipe_from_dict({"name": name, "model": {"path": "model"},
+    for out, precision in ((lossless, "passthrough"), (artifact, "int4")):
+        if _artifact_is_current(out, model_dir):
+            continue
+        # a one-sequence calibration is enough for a trace nobody reads (the routing is replayed)
+        recipe = recipe_from_dict({"name": f"{name}-{precision}", "model": {"path": "model"},
                                    "calibration": {"num_sequences": 1, "sequence_length": 8},
-                                   "quantize": {"precision": "passthrough"},
+                                   "quantize": {"precision": precision},
                                    "package": {"cache_fraction": 0.25}})
-        prepare(recipe, root=home, output=artifact, until="package")
+        prepare(recipe, root=home, output=out, until="package")
         gc.collect()
     need = prompt_tokens + decode_tokens
     gen = torch.Generator().manual_seed(SEED)
@@ -199,5 +219,6 @@ def mixtral_shape_subject(output: Path, traces: Path | None, quick: bool, prompt
         replay, routing = _replay_file(home, traces, shape["num_hidden_layers"], need)
     else:
         replay, routing = None, "the model's own routers (random weights): the real traces are absent"
-    facts = _store_facts(artifact) | {"shape": shape}
-    return Subject(name, model_dir, artifact, ids[:prompt_tokens], ids[prompt_tokens:], replay, routing, facts)
+    facts = _store_facts(artifact) | {"shape": shape, "lossless": _store_facts(lossless)}
+    return Subject(name, model_dir, artifact, ids[:prompt_tokens], ids[prompt_tokens:], replay, routing, facts,
+                   lossless)
