@@ -333,7 +333,8 @@ def reference_metrics_command(ref_dir: str) -> None:
 
 
 @main.command("bench")
-@click.option("--subject", type=click.Choice(["reference", "reference-lossless", "reference-neuron", "mixtral-shape", "all"]),
+@click.option("--subject", type=click.Choice(["reference", "reference-lossless", "reference-neuron", "mixtral-shape",
+                                              "mixtral-shape-own", "all"]),
               default="all", show_default=True, help="What to measure.")
 @click.option("--budgets", default=None,
               help="Comma-separated shares of the source model's expert bytes, and 4bit-25% (dense + 25% of the "

@@ -13,7 +13,7 @@ from loader.files import write_bytes_atomic
 
 SYSTEM_ORDER = ("resident", "accelerate", "naive", "naive+neuron", "naive+next_gates", "naive+path_stats", "naive+first_gate",
                 "naive+neuron_gates",
-                "moeprep")
+                "moeprep", "llama.cpp")
 
 
 def _num(value, fmt: str) -> str:
@@ -44,15 +44,15 @@ def goal_check(report: dict) -> list[str]:
         verdict = "MET" if ours >= factor * theirs else "NOT MET"
         lines.append(f"{text}: {verdict}, {ours:.3g} against {theirs:.3g} tok/s = {ours / theirs:.2f}x")
 
-    shape, low = "mixtral-shape", "4bit-25%"
-    goal(f"offloading regime ({low}, mixtral-shape): moeprep >= 3x llama.cpp Q4", _speed(report, shape, "moeprep", low),
-         _speed(report, shape, "llama.cpp", low), 3, "needs the 4bit-25% budget and the llama.cpp extra")
+    shape, own, low = "mixtral-shape", "mixtral-shape-own", "4bit-25%"
+    goal(f"offloading regime ({low}, mixtral-shape-own): moeprep >= 3x llama.cpp Q4", _speed(report, own, "moeprep", low),
+         _speed(report, own, "llama.cpp", low), 3, "needs mixtral-shape-own, the 4bit-25% budget and the llama.cpp extra")
     goal("25% (mixtral-shape): moeprep >= resident float32", _speed(report, shape, "moeprep", "25%"),
          _speed(report, shape, "resident", "25%"), 1, "needs mixtral-shape at 25%")
     goal("25% (mixtral-shape): moeprep >= 10x accelerate", _speed(report, shape, "moeprep", "25%"),
          _speed(report, shape, "accelerate", "25%"), 10, "needs mixtral-shape at 25%")
-    goal("all in RAM (100%, mixtral-shape): moeprep >= 0.5x llama.cpp Q4", _speed(report, shape, "moeprep", "100%"),
-         _speed(report, shape, "llama.cpp", "100%"), 0.5, "needs the 100% budget and the llama.cpp extra")
+    goal("all in RAM (100%, mixtral-shape-own): moeprep >= 0.5x llama.cpp Q4", _speed(report, own, "moeprep", "100%"),
+         _speed(report, own, "llama.cpp", "100%"), 0.5, "needs mixtral-shape-own, the 100% budget and the llama.cpp extra")
     for budget in report["budgets"]:
         goal(f"lossless mode ({budget}, reference-lossless): moeprep >= 1.25x naive",
              _speed(report, "reference-lossless", "moeprep", budget),
@@ -92,6 +92,7 @@ def write_markdown(report: dict) -> str:
             "decode steps of one token (the same tokens for every system).",
             "",
             f"Accuracy of the artifact against its original (its report): {_accuracy(facts.get('accuracy_delta'))}.",
+            *([_llama_line(facts["llama_cpp"]), ""] if facts.get("llama_cpp") else []),
             "",
             "| budget | system | decode tok/s (median) | min - max (runs) | vs resident | vs accelerate | of bound "
             "| prefill s | MB read/token | hit rate | stall fraction | peak RSS MB |",
@@ -157,6 +158,14 @@ def write_markdown(report: dict) -> str:
     ]
     lines += [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def _llama_line(llama: dict) -> str:
+    return (f"llama.cpp: the model converted to GGUF and quantized to {llama['quant']} "
+            f"({llama['file_bytes'] / 1e6:.0f} MB); its float32 conversion's logits are within "
+            f"{llama['f32_logit_max_abs_diff']:.2g} of transformers' on the prompt. It runs in a memory cgroup "
+            "(v1, page cache counted) of the budget + 64 MiB, weights memory-mapped, an f32 KV cache, weight "
+            "repacking off, the model's own routing.")
 
 
 def _accuracy(delta: dict | None) -> str:

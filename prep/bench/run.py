@@ -37,13 +37,16 @@ import torch
 from tqdm import tqdm
 
 from loader.files import write_bytes_atomic
+from prep.bench.llama import missing as llama_missing
 from prep.bench.subjects import Subject, mixtral_shape_subject, reference_subject
 from prep.errors import MoeprepError
 from prep.trace import MIXTRAL_TRACE_FILE
 
 SYSTEMS = ("resident", "accelerate", "naive", "moeprep")
 PREDICTOR_SYSTEMS = tuple(f"naive+{name}" for name in ("next_gates", "path_stats", "first_gate", "neuron_gates"))
-SUBJECTS = ("reference", "reference-lossless", "reference-neuron", "mixtral-shape")
+SUBJECTS = ("reference", "reference-lossless", "reference-neuron", "mixtral-shape", "mixtral-shape-own")
+LLAMA = "llama.cpp"
+LLAMA_MAX_LOGIT_ERROR = 1e-3  # llama.cpp's float32 logits against transformers', checked before timing
 BELOW_4BIT = "4bit-25%"  # the dense weights + 25% of the model's expert bytes at 4 bits: below a 4-bit model's size
 DEFAULT_BUDGETS = f"100%,50%,25%,12.5%,{BELOW_4BIT}"
 QUICK_BUDGETS = "25%"
@@ -271,6 +274,22 @@ def physical_bounds(subject: Subject, budgets: list[str], results: list[dict], b
     return out
 
 
+def _prepare_llama(subject: Subject, output: Path, echo) -> str | None:
+    """Convert and quantize the subject's model for llama.cpp and check its float32 logits against
+    transformers' on the prompt; records the facts on the subject. Returns why it cannot run, or None."""
+    from prep.bench.llama import QUANT, logit_check, prepare_gguf
+
+    echo("llama.cpp: converting mixtral-shape to GGUF (float32, then Q4_0), reused while the model is unchanged")
+    files = prepare_gguf(subject.model_dir, output / "llama-gguf" / subject.model_dir.parent.name)
+    error = logit_check(files["f32"], subject.model_dir, subject.prompt_ids)
+    if error > LLAMA_MAX_LOGIT_ERROR:
+        return (f"llama.cpp skipped: its float32 logits differ from transformers' by {error:.3g} on the prompt "
+                f"(more than {LLAMA_MAX_LOGIT_ERROR}); the conversion is wrong")
+    subject.facts["llama_cpp"] = {"quant": QUANT, "file": str(files[QUANT]), "file_bytes": files[QUANT].stat().st_size,
+                                  "f32_logit_max_abs_diff": error}
+    return None
+
+
 def _write_atomic(path: Path, data: str | bytes) -> None:
     write_bytes_atomic(path, data if isinstance(data, bytes) else data.encode())
 
@@ -309,6 +328,17 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
             echo(f"preparing subject {name} (the stage cache makes this free when nothing changed)")
             subjects.append(reference_subject(root, sizes.reference_prompt, sizes.reference_decode, name))
             continue
+        if name == "mixtral-shape-own":
+            echo("preparing subject mixtral-shape-own (the mixtral-shape model with its own routers)")
+            subj = mixtral_shape_subject(output, None, quick, sizes.shape_prompt, sizes.shape_decode, own=True)
+            reason = llama_missing()
+            if reason is None:
+                reason = _prepare_llama(subj, output, echo)
+            if reason is not None:
+                echo(reason)
+                notes.append(reason)
+            subjects.append(subj)
+            continue
         if not have_traces and not quick:
             message = (f"mixtral-shape skipped: the real Mixtral traces are not in {traces_dir} "
                        "(pass --traces DIR holding mixtral-8x7b/gsm8k_routing.jsonl)")
@@ -334,6 +364,8 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
     bandwidth = read_bandwidth(Path(largest.facts["store_file"]), sizes.bandwidth_bytes)
 
     def systems(subj: Subject) -> list[str]:
+        if subj.name == "mixtral-shape-own":  # against llama.cpp, which cannot replay routing
+            return ["naive", "moeprep"] + ([LLAMA] if "llama_cpp" in subj.facts else [])
         if subj.lossless is not None:  # naive on the lossless artifact, moeprep on the recipe's
             return [*SYSTEMS[1:3], SYSTEMS[3]]
         plan = json.loads((Path(subj.artifact) / "plan.json").read_text())
@@ -360,9 +392,16 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
                     "prompt_ids": subj.prompt_ids, "decode_ids": subj.decode_ids,
                     "replay": str(subj.replay) if subj.replay else None, "offload_dir": str(offload),
                     "record_routing": system == "resident" and repeat == 0 and subj.replay is None}
+            if system == LLAMA:
+                from prep.bench.llama import CGROUP_HEADROOM, make_cgroup, remove_cgroup
+
+                spec["gguf"] = subj.facts["llama_cpp"]["file"]
+                spec["cgroup"] = str(make_cgroup(f"moeprep-bench-{os.getpid()}", limit + CGROUP_HEADROOM))
             shutil.rmtree(offload, ignore_errors=True)
             result = _run_worker(spec, work)
             shutil.rmtree(offload, ignore_errors=True)
+            if system == LLAMA:
+                remove_cgroup(Path(spec["cgroup"]))
             bar.update()
             routing_seen = result.pop("routing", None)
             if routing_seen is not None:

@@ -189,8 +189,9 @@ def _replay_file(work: Path, traces: Path, layers: int, tokens: int) -> tuple[Pa
 
 
 def mixtral_shape_subject(output: Path, traces: Path | None, quick: bool, prompt_tokens: int,
-                          decode_tokens: int) -> Subject:
-    """Build (or reuse) the mixtral-shape model and its passthrough artifact under ``output``."""
+                          decode_tokens: int, own: bool = False) -> Subject:
+    """Build (or reuse) the mixtral-shape model and its passthrough and int4 artifacts under ``output``;
+    ``own``: the subject ``mixtral-shape-own``, routed by the model's own routers (what llama.cpp can run)."""
     from prep.pipeline import prepare
     from prep.recipe import recipe_from_dict
 
@@ -215,7 +216,10 @@ def mixtral_shape_subject(output: Path, traces: Path | None, quick: bool, prompt
     need = prompt_tokens + decode_tokens
     gen = torch.Generator().manual_seed(SEED)
     ids = torch.randint(4, shape["vocab_size"], (need,), generator=gen).tolist()
-    if traces is not None:
+    if own:
+        replay, routing = None, "the model's own routers (random weights), as llama.cpp runs it"
+        name = "mixtral-shape-own"
+    elif traces is not None:
         replay, routing = _replay_file(home, traces, shape["num_hidden_layers"], need)
     else:
         replay, routing = None, "the model's own routers (random weights): the real traces are absent"

@@ -165,7 +165,45 @@ def _load(spec: dict, routing):
     return model, None, probe, files
 
 
+def measure_llama(spec: dict) -> dict:
+    """llama.cpp (``prep/bench/llama.py``) in the spec's memory cgroup: the same prefill and teacher-forced
+    decode steps, the model's own routing."""
+    from prep.bench.llama import cgroup_peak, join_cgroup, open_model
+
+    cgroup = Path(spec["cgroup"])
+    join_cgroup(cgroup)  # before the model is mapped: its pages count against the budget from the start
+    gguf = Path(spec["gguf"])
+    drop_page_cache([gguf])
+    started = time.perf_counter()
+    llm = open_model(gguf)
+    load_seconds = time.perf_counter() - started
+    io_start = disk_read_bytes()
+    start = time.perf_counter()
+    llm.eval(spec["prompt_ids"])
+    prefill = time.perf_counter() - start
+    io_before = disk_read_bytes()
+    decode_seconds = 0.0
+    for token in tqdm(spec["decode_ids"], desc=f"{spec['subject']} llama.cpp {spec['budget']}", unit="tok",
+                      leave=False, file=sys.stderr):
+        start = time.perf_counter()
+        llm.eval([token])
+        decode_seconds += time.perf_counter() - start
+    io_after = disk_read_bytes()
+    llm.close()
+    n = len(spec["decode_ids"])
+    io_bytes = (io_after - io_before) / n if io_after is not None and io_before is not None else None
+    return {"prefill_s": prefill, "decode_s": decode_seconds, "decode_tokens": n,
+            "decode_tokens_per_s": n / decode_seconds, "load_s": load_seconds,
+            "disk_read_bytes_per_token": io_bytes, "bytes_read_per_token": io_bytes,
+            "prefill_disk_read_bytes": (io_before - io_start) if io_start is not None else None,
+            "hit_rate": None, "stall_fraction": None, "budget_bytes": spec["budget_bytes"],
+            "cgroup_limit_bytes": int((cgroup / "memory.limit_in_bytes").read_text()),
+            "cgroup_peak_bytes": cgroup_peak(cgroup), "peak_rss_mb": peak_rss_mb()}
+
+
 def measure(spec: dict) -> dict:
+    if spec["system"] == "llama.cpp":
+        return measure_llama(spec)
     routing = _replay(spec)
     started = time.perf_counter()
     model, loaded, probe, cached_files = _load(spec, routing)
