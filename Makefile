@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 MODEL ?= reference
+DEVICE ?= cpu
 BIN := $(VENV)/bin
 
 .PHONY: setup test prepare eval bench reference-model reference-metrics lint
@@ -28,7 +29,7 @@ eval: setup
 	$(BIN)/moeprep eval --artifact artifacts/$(MODEL)/artifact
 
 bench: setup
-	$(BIN)/moeprep bench
+	$(BIN)/moeprep bench --device $(DEVICE)
 
 reference-model: setup
 	$(BIN)/moeprep reference-model --out recipes/reference

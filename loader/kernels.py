@@ -239,6 +239,49 @@ class Int4PackLayout:
         return Int4Weights(matrices, vectors)
 
 
+# ------------------------------------------------------------------------------------------ CPU misses
+
+
+CPU_MISSES = ("auto", "always", "never")
+
+
+@dataclass(frozen=True)
+class MissCosts:
+    """Measured at load on a GPU with the store in host RAM: per precision, seconds for one decode step's
+    expert on the CPU (decode + products) against copying its record to the GPU and making its held form
+    there. The switch Fiddler, ktransformers and llama.cpp make: a miss is computed where it is cheaper."""
+
+    cpu_seconds: dict
+    gpu_seconds: dict
+
+    def prefer_cpu(self, precision: str) -> bool:
+        return self.cpu_seconds[precision] < self.gpu_seconds[precision]
+
+
+def measure_miss_costs(module, records: dict, layouts: dict, held: dict, device: torch.device,
+                       hidden: int) -> MissCosts:
+    """``records``: one host record per precision. Times both ways of serving a one-token miss."""
+    cpu, gpu = {}, {}
+    x = torch.randn(1, hidden)
+    for precision, record in records.items():
+        layout = layouts[precision]
+        cpu[precision] = _time(lambda r=record, lay=layout: expert_forward(module, lay.decode(r), x), repeats=5)
+        form = held.get(precision)
+        staging = record.pin_memory() if device.type == "cuda" else record
+        xd = x.to(device)
+
+        def on_gpu(form=form, staging=staging, lay=layout, xd=xd):
+            rec = staging.to(device, non_blocking=True)
+            weights = form.fill(rec, torch.empty(form.nbytes, dtype=torch.uint8, device=device)) if form is not None \
+                else lay.decode(rec)
+            expert_forward(module, weights, xd)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        gpu[precision] = _time(on_gpu, repeats=5)
+    return MissCosts(cpu, gpu)
+
+
 # ------------------------------------------------------------------------------------------ choosing
 
 

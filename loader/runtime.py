@@ -34,7 +34,16 @@ import torch
 from loader.cache import ExpertCache, MemoryMeter, PoolConfig, ordered_experts, policy_factory
 from loader.codec import NeuronLayout, RecordLayout
 from loader.format import ArtifactError, check_model, check_record, expert_key, open_artifact, read_manifest
-from loader.kernels import KernelError, check_expert_dtype, expert_forward, held_layout, needs_decoding
+from loader.kernels import (
+    CPU_MISSES,
+    KernelError,
+    MissCosts,
+    check_expert_dtype,
+    expert_forward,
+    held_layout,
+    measure_miss_costs,
+    needs_decoding,
+)
 from loader.neuron import NeuronConfig, NeuronError, TrustedPrediction, active_set, neuron_forward
 from loader.plan import (
     Capacities,
@@ -116,6 +125,10 @@ class ExpertRuntime:
         self.slot_bytes = {p: held_bytes(s, self.decoded.get(p)) for p, s in stores.items()}
         self.quantized = {p for p, lay in layouts.items() if needs_decoding(lay)}
         self.decodes, self.decode_seconds = 0, 0.0  # decodes of a quantized record, and their time
+        # on a GPU with the store in host RAM: decode-step misses computed on the CPU (``load(cpu_misses=...)``)
+        self.cpu_misses = "never"
+        self.miss_costs: MissCosts | None = None
+        self.cpu_computed = 0
         self.meter = MemoryMeter()
         self.cache = ExpertCache(
             [PoolConfig(pool.name, pool.precision, pool.group, caps.pools[pool.name], self.slot_bytes[pool.precision])
@@ -289,6 +302,11 @@ class ExpertRuntime:
                 reads.append((expert, None, slot, job))
                 cache.count_read(layer, store.record_bytes)
 
+        if queue and hidden.shape[0] == 1 and self.cpu_misses != "never":
+            on_cpu = [(e, p) for e, p in queue if self.cpu_misses == "always" or self.miss_costs.prefer_cpu(p)]
+            queue = [item for item in queue if item not in on_cpu]
+            for expert, precision in on_cpu:
+                self._compute_on_cpu(layer, module, expert, precision, hidden, top_k_index, top_k_weights, out)
         submit_next()
         for expert, entry in ready:
             self._fill(layer, entry)
@@ -320,6 +338,15 @@ class ExpertRuntime:
         self._end_layer(layer)
         self._advance_neuron_prefetches()
         return out
+
+    def _compute_on_cpu(self, layer, module, expert, precision, hidden, top_k_index, top_k_weights, out) -> None:
+        """A miss served on the CPU from the host store: no copy to the GPU, nothing cached."""
+        tokens, slot = torch.where((top_k_index == expert) & (top_k_weights != 0))
+        record = self.stores[precision].host_record(self.key(layer, expert))
+        y = expert_forward(module, self.layouts[precision].decode(record), hidden[tokens].cpu())
+        y = y.to(out.device, out.dtype) * top_k_weights[tokens, slot, None]
+        out.index_add_(0, tokens, y)
+        self.cpu_computed += 1
 
     def _end_layer(self, layer: int) -> None:
         self.cache.end_layer(layer)
@@ -747,7 +774,9 @@ class LoadedModel:
             # the compute path (loader/kernels.py): decodes of a quantized record (once per miss when decoded
             # copies are held, on every use when packed) and the seconds they took
             "compute": {"expert_dtype": self.budget["expert_dtype"], "decodes": rt.decodes,
-                        "decode_seconds": rt.decode_seconds},
+                        "decode_seconds": rt.decode_seconds, "cpu_misses": rt.cpu_misses,
+                        "cpu_computed": rt.cpu_computed,
+                        "miss_costs": dataclasses.asdict(rt.miss_costs) if rt.miss_costs else None},
         }
 
     def close(self) -> None:
@@ -937,7 +966,7 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
          policy: str | None = None, workers: int = 2, routing: RoutingPolicy | None = None,
          predictors: list[Predictor] | None = None, miss_policy: MissPolicy | None = None,
          plan: Plan | None = None, neuron: NeuronConfig | bool | None = None,
-         expert_dtype: str = "auto") -> LoadedModel:
+         expert_dtype: str = "auto", cpu_misses: str = "auto") -> LoadedModel:
     """Open ``artifact`` and return a runnable model with its experts offloaded.
 
     memory_budget: None (the plan's default budget), bytes, a size string ("1.5GiB"), a percentage
@@ -950,13 +979,16 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     or as the plan says (None); it needs an artifact whose stores are in the neuron layout. expert_dtype:
     how a cached quantized expert is held (``loader/kernels.py``): "auto" (decoded, in the dtype measured
     fastest here), "float32", "bfloat16", "float16" (decoded in that dtype) or "packed" (decoded per use).
+    cpu_misses: on a CUDA device with ``store="host"``, a decode step's missed expert is computed on the CPU
+    from the host record instead of copied: "auto" (where the costs measured at load say the CPU is
+    faster), "always" or "never"; elsewhere it has no effect ("always" is refused).
 
     ``prepare`` publishes a new artifact by swapping a symlink and then deletes the old version; a load
     that was reading the old version when it went is retried once on the new one.
     """
     args = dict(device=device, memory_budget=memory_budget, store=store, policy=policy, workers=workers,
                 routing=routing, predictors=predictors, miss_policy=miss_policy, plan=plan, neuron=neuron,
-                expert_dtype=expert_dtype)
+                expert_dtype=expert_dtype, cpu_misses=cpu_misses)
     resolved = Path(artifact).resolve()
     try:
         return _load(artifact, **args)
@@ -987,13 +1019,18 @@ def _neuron_config(plan: Plan, neuron, pairings: dict) -> NeuronConfig | None:
 
 
 def _load(artifact, device, memory_budget, store, policy, workers, routing, predictors, miss_policy,
-          plan, neuron, expert_dtype) -> LoadedModel:
+          plan, neuron, expert_dtype, cpu_misses) -> LoadedModel:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     manifest = open_artifact(artifact)
     artifact = manifest.root
     dev = parse_device(device)
+    if cpu_misses not in CPU_MISSES:
+        raise LoaderError(f"cpu_misses {cpu_misses!r} unknown; use one of {', '.join(CPU_MISSES)}")
+    if cpu_misses == "always" and (dev.type != "cuda" or store != "host"):
+        raise LoaderError("cpu_misses='always' computes GPU misses on the CPU from a store held in host RAM; it needs "
+                          "device='cuda' and store='host' (or leave it at 'auto')")
     plan = plan or manifest.plan
     if policy is not None:
         plan = dataclasses.replace(plan, eviction=PolicySpec(policy))
@@ -1059,6 +1096,14 @@ def _load(artifact, device, memory_budget, store, policy, workers, routing, pred
             del module._parameters[name]  # never materialised: experts live in the store and the cache
         module._moeprep = OffloadedExperts(position, runtime)
         runtime.modules.append(module)
+    if dev.type == "cuda" and store == "host" and cpu_misses != "never":
+        runtime.cpu_misses = cpu_misses
+        if cpu_misses == "auto":
+            records = {p: s.host_record(runtime.key(0, 0)) for p, s in stores.items() if p not in pairings}
+            runtime.miss_costs = measure_miss_costs(runtime.modules[0], records, layouts, runtime.decoded, dev,
+                                                    config.get_text_config().hidden_size)
+            if not any(runtime.miss_costs.prefer_cpu(p) for p in records):
+                runtime.cpu_misses = "never"  # copying wins everywhere: keep the GPU path without the check
     _register_implementation()
     model.config._experts_implementation = IMPLEMENTATION
     leftover = [n for n, p in model.named_parameters() if p.is_meta]

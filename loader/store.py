@@ -132,6 +132,16 @@ class ExpertStore:
             self.check(key, dest[:length])
         return length
 
+    def host_record(self, key: str) -> torch.Tensor | None:
+        """Record ``key`` as a view of the host copy (host mode; None on disk), checked against its crc32."""
+        if self._host is None:
+            return None
+        offset = self.offset(key)
+        record = self._host[offset:offset + self.record_bytes]
+        if self.check is not None:
+            self.check(key, record)
+        return record
+
     def close(self) -> None:
         for fd in {self._fd, self._plain_fd}:
             if fd >= 0:

@@ -248,3 +248,57 @@ def test_the_cli_offers_every_form():
 
     option = next(p for p in generate_command.params if p.name == "expert_dtype")
     assert tuple(option.type.choices) == EXPERT_DTYPES
+
+
+def _decode_logits(loaded, ids: torch.Tensor, prompt: int = 4) -> torch.Tensor:
+    """Prefill ``prompt`` tokens, then one-token decode steps; the last position's logits of each call."""
+    device = next(p.device for p in loaded.model.parameters() if p.device.type != "meta")
+    ids = ids.to(device)
+    with torch.no_grad():
+        out = loaded.model(input_ids=ids[:, :prompt], use_cache=True)
+        logits = [out.logits[:, -1]]
+        for t in range(prompt, ids.shape[1]):
+            out = loaded.model(input_ids=ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits, 1).cpu()
+
+
+def test_cpu_misses_always_needs_a_gpu_and_the_host_store(tmp_path_factory):
+    _, artifact = tiny_artifact(tmp_path_factory, "mixtral", "int4")
+    with pytest.raises(LoaderError, match="needs device='cuda' and store='host'"):
+        load(artifact, cpu_misses="always")
+    with pytest.raises(LoaderError, match="cpu_misses 'sometimes' unknown"):
+        load(artifact, cpu_misses="sometimes")
+    loaded = load(artifact, store="host")  # auto on a CPU: nothing to switch
+    assert loaded.stats()["compute"]["cpu_misses"] == "never"
+    loaded.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_held_forms_and_cpu_misses_give_the_decoded_models_logits(tmp_path_factory):
+    model, artifact = tiny_artifact(tmp_path_factory, "mixtral", "int4")
+    reference = decoded_reference(model, artifact, "int4")
+    ids = _ids(7)[:1]
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits[:, 3:]
+    small = minimum_budget(artifact, store="host", device="cuda", expert_dtype="float32")
+    for budget, store, cpu in (("unlimited", "disk", "never"), (small, "host", "never"), (small, "host", "always")):
+        loaded = load(artifact, device="cuda", memory_budget=budget, store=store, expert_dtype="float32",
+                      cpu_misses=cpu)
+        got = _decode_logits(loaded, ids)
+        stats = loaded.stats()
+        loaded.close()
+        assert stats["compute"]["expert_dtype"] == {"int4": "float32"}
+        assert torch.allclose(got, expected, atol=1e-4), (budget, store, cpu)
+        if cpu == "always":  # decode-step misses ran on the CPU: nothing copied for them
+            assert stats["compute"]["cpu_computed"] > 0
+        else:
+            assert stats["compute"]["cpu_computed"] == 0
+    loaded = load(artifact, device="cuda", store="host")  # auto: measured, and int4pack is CPU-only
+    compute = loaded.stats()["compute"]
+    loaded.close()
+    assert compute["expert_dtype"]["int4"] in ("bfloat16", "float32")
+    costs = compute["miss_costs"]
+    assert costs["cpu_seconds"]["int4"] > 0 and costs["gpu_seconds"]["int4"] > 0
+    assert (compute["cpu_misses"] == "auto") == (costs["cpu_seconds"]["int4"] < costs["gpu_seconds"]["int4"])
