@@ -175,25 +175,31 @@ def _accuracy(delta: dict | None) -> str:
 
 
 def bounds_table(bounds: dict, budgets: list[str]) -> list[str]:
-    """The physical bounds at each budget: resident compute, Belady's I/O floor, the bound they make."""
+    """The physical bounds at each budget: resident compute, Belady's I/O floor, the bound they make; in
+    naive's cache and, where it differs, in moeprep's."""
     if not bounds:
         return []
-    lines = ["Physical bounds (`of bound` above is each system's speed over the bound): compute = the resident "
-             "speed; I/O floor = Belady's demand bytes per decode token in naive's cache at that budget over the "
-             "measured disk bandwidth; bound = 1 / max(compute, I/O) per token (reads hidden perfectly).", "",
-             "| budget | resident tok/s | Belady MB/token | I/O floor ms/token | bound tok/s |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+    lines = ["Physical bounds (`of bound` above is each system's speed over the bound of its artifact; llama.cpp "
+             "against moeprep's, the same 4-bit class): compute = the resident speed; I/O floor = Belady's demand "
+             "bytes per decode token in that artifact's cache at that budget over the measured disk bandwidth; "
+             "bound = 1 / max(compute, I/O) per token (reads hidden perfectly).", "",
+             "| budget | resident tok/s | cache of | Belady MB/token | I/O floor ms/token | bound tok/s |",
+             "| --- | ---: | --- | ---: | ---: | ---: |"]
     for budget in budgets:
         b = bounds.get(budget) or {}
-        if b.get("error"):
-            lines.append(f"| {budget} | {_num(b.get('resident_tokens_per_s'), '.3g')} | {b['error'][:120]} |  |  |")
-            continue
-        mb = b.get("belady_bytes_per_token")
-        floor = b.get("io_floor_s_per_token")
-        lines.append(f"| {budget} | {_num(b.get('resident_tokens_per_s'), '.3g')} | "
-                     f"{_num(mb / 1e6 if mb is not None else None, '.2f')} | "
-                     f"{_num(floor * 1e3 if floor is not None else None, '.2f')} | "
-                     f"{_num(b.get('bound_tokens_per_s'), '.3g')} |")
+        for who, e in (("naive", b), ("moeprep", b.get("moeprep"))):
+            if e is None:
+                continue
+            if e.get("error"):
+                lines.append(f"| {budget} | {_num(b.get('resident_tokens_per_s'), '.3g')} | {who} | "
+                             f"does not fit: {e['error'][:100]} |  |  |")
+                continue
+            mb = e.get("belady_bytes_per_token")
+            floor = e.get("io_floor_s_per_token")
+            lines.append(f"| {budget} | {_num(b.get('resident_tokens_per_s'), '.3g')} | {who} | "
+                         f"{_num(mb / 1e6 if mb is not None else None, '.2f')} | "
+                         f"{_num(floor * 1e3 if floor is not None else None, '.2f')} | "
+                         f"{_num(e.get('bound_tokens_per_s'), '.3g')} |")
     return lines + [""]
 
 

@@ -233,12 +233,31 @@ def _belady_demand_bytes(ids: list, moe: dict, spec) -> int:
     return sum(layer.demand_bytes for layer in simulate(replay, spec, "belady").layers)
 
 
+def _io_floor(ids: list, moe: dict, prompt: int, artifact: Path, limit: int, plan, bandwidth_mb_s: float,
+              compute_seconds: float) -> dict:
+    """Belady's demand bytes per decode token in the cache ``load(artifact, limit, plan=plan)`` builds, that over
+    the disk bandwidth, and the bound it makes with the compute floor."""
+    from prep.sim.simulate import artifact_spec
+
+    try:
+        spec = artifact_spec(artifact, limit, plan=plan)
+    except MoeprepError as e:
+        return {"error": str(e)}
+    # Belady over prompt + decode, less the prompt alone: what the decode steps must read
+    decode_bytes = _belady_demand_bytes(ids, moe, spec) - _belady_demand_bytes(ids[:prompt], moe, spec)
+    per_token = decode_bytes / max(1, len(ids) - prompt)
+    io_seconds = per_token / (bandwidth_mb_s * 1e6)
+    slowest = max(compute_seconds, io_seconds)
+    return {"belady_bytes_per_token": per_token, "io_floor_s_per_token": io_seconds,
+            "bound_tokens_per_s": 1 / slowest if slowest else None}
+
+
 def physical_bounds(subject: Subject, budgets: list[str], results: list[dict], bandwidth_mb_s: float | None) -> dict:
     """Per budget: the resident compute speed, the I/O floor (Belady's demand bytes per decode token at that
-    budget, in ``naive``'s cache, over the measured disk bandwidth) and the speed bound they make together
-    (reads hidden perfectly behind compute: 1 / max(compute, I/O) per token)."""
+    budget over the measured disk bandwidth) and the speed bound they make together (reads hidden perfectly
+    behind compute: 1 / max(compute, I/O) per token), in ``naive``'s cache (the lossless artifact; the
+    entry's top level) and, under ``moeprep``, in the recipe's artifact's cache with its plan."""
     from loader.plan import Plan, read_plan
-    from prep.sim.simulate import artifact_spec
 
     resident = next((r.get("decode_tokens_per_s") for r in results
                      if r["subject"] == subject.name and r["system"] == "resident"), None)
@@ -259,18 +278,10 @@ def physical_bounds(subject: Subject, budgets: list[str], results: list[dict], b
         if decisions is None or not bandwidth_mb_s:
             continue
         ids = decisions.tolist()
-        try:
-            spec = artifact_spec(naive, limit, plan=plan)
-        except MoeprepError as e:
-            entry["error"] = str(e)
-            continue
-        # Belady over prompt + decode, less the prompt alone: what the decode steps must read
-        decode_bytes = _belady_demand_bytes(ids, moe, spec) - _belady_demand_bytes(ids[:prompt], moe, spec)
-        per_token = decode_bytes / max(1, len(ids) - prompt)
-        io_seconds = per_token / (bandwidth_mb_s * 1e6)
-        slowest = max(compute_seconds, io_seconds)
-        entry |= {"belady_bytes_per_token": per_token, "io_floor_s_per_token": io_seconds,
-                  "bound_tokens_per_s": 1 / slowest if slowest else None}
+        entry |= _io_floor(ids, moe, prompt, naive, limit, plan, bandwidth_mb_s, compute_seconds)
+        if subject.lossless is not None:
+            entry["moeprep"] = _io_floor(ids, moe, prompt, subject.artifact, limit, None, bandwidth_mb_s,
+                                         compute_seconds)
     return out
 
 
@@ -421,7 +432,10 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
                            | ({"measured_once": True} if system == "resident" else {}))
     bounds = {s.name: physical_bounds(s, budget_list, results, bandwidth["mb_s"]) for s in subjects}
     for row in results:
-        bound = bounds[row["subject"]].get(row["budget"], {}).get("bound_tokens_per_s")
+        entry = bounds[row["subject"]].get(row["budget"], {})
+        if row["system"] in ("moeprep", LLAMA) and "moeprep" in entry:  # the recipe's artifact (4-bit class)
+            entry = entry["moeprep"]
+        bound = entry.get("bound_tokens_per_s")
         if bound and row.get("decode_tokens_per_s"):
             row["share_of_bound"] = row["decode_tokens_per_s"] / bound
 
