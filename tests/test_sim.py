@@ -187,6 +187,16 @@ def test_cost_model_adds_reads_and_compute():
     assert sum(layer["seconds"] for layer in out["layers"]) == pytest.approx(expected)
 
 
+def test_a_miss_also_pays_for_making_its_held_form():
+    replay = random_replay(1)
+    profile = DeviceProfile(1e9, 1e-4, {"int4": 2e-3}, make_seconds={"int4": 5e-3})
+    result = simulate(replay, capacity_spec(3, 8, 3, record_bytes=5_000_000), "lru", profile=profile)
+    expected = result.misses * (1e-4 + 5_000_000 / 1e9 + 5e-3) + result.requests * 2e-3
+    assert result.seconds == pytest.approx(expected)
+    assert DeviceProfile.from_json(profile.to_json()) == profile
+    assert DeviceProfile(1e9, 0, {"int4": 1.0}).make("int4") == 0.0  # a profile from before held forms
+
+
 def test_cold_start_per_sequence_or_warm():
     seq = random_replay(2, sequences=1).sequences[0]
     replay = Replay((seq, seq), 3, 8, 2)
@@ -285,11 +295,13 @@ def test_profile_round_trip_and_measurements(tmp_path):
 
     reads = measure_reads(tmp_path, file_bytes=8 << 20, block_bytes=1 << 20, small_reads=8)
     assert reads["read_bandwidth_bytes_per_s"] > 0 and reads["read_latency_s"] > 0
-    compute = measure_compute((256, 512), scale=2, repeats=1)
+    compute, make = measure_compute((256, 512), scale=2, repeats=1)
     assert set(compute) >= {"passthrough", "bfloat16", "float32", "int8", "int4", "int2"}
     assert all(s > 0 for s in compute.values())
+    # the quantized precisions are held decoded (the suite pins float32 copies): made once per miss
+    assert set(make) == {"int8", "int4", "int3", "int2"} and all(s > 0 for s in make.values())
     profile = DeviceProfile(reads["read_bandwidth_bytes_per_s"], reads["read_latency_s"], compute, "test",
-                            {"direct_io": reads["direct_io"]})
+                            {"direct_io": reads["direct_io"]}, make)
     path = write_profile(profile, tmp_path / "device.json")
     assert load_profile(path) == profile
     (tmp_path / "bad.json").write_text(json.dumps({"format": "moeprep-device-profile", "version": 1}))

@@ -108,7 +108,7 @@ def write_markdown(report: dict) -> str:
                 if r is None:
                     continue
                 if r.get("error"):
-                    lines.append(f"| {budget} | {system} | failed: {r['error'][:160]} |  |  |  |  |  |  |  |  |  |  |")
+                    lines.append(f"| {budget} | {system} | failed: {_error_message(r['error'])} |  |  |  |  |  |  |  |  |  |  |")
                     continue
                 speed = r["decode_tokens_per_s"]
                 mb = r["bytes_read_per_token"] / 1e6 if r["bytes_read_per_token"] is not None else None
@@ -158,6 +158,12 @@ def write_markdown(report: dict) -> str:
     ]
     lines += [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def _error_message(error: str) -> str:
+    """The message of a failed measurement (the last line its worker wrote, without the exception's module)."""
+    last = error.split(" | ")[-1].split(" (log: ")[0]
+    return last.split("Error: ", 1)[-1][:200]
 
 
 def _llama_line(llama: dict) -> str:

@@ -22,6 +22,7 @@ process (``prep/bench/worker.py``) so peak RSS is per system and memory is hande
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import mmap
 import os
@@ -237,14 +238,15 @@ def _io_floor(ids: list, moe: dict, prompt: int, artifact: Path, limit: int, pla
               compute_seconds: float) -> dict:
     """Belady's demand bytes per decode token in the cache ``load(artifact, limit, plan=plan)`` builds, that over
     the disk bandwidth, and the bound it makes with the compute floor."""
+    from loader.errors import MoeError
     from prep.sim.simulate import artifact_spec
 
     try:
         spec = artifact_spec(artifact, limit, plan=plan)
-    except MoeprepError as e:
+        # Belady over prompt + decode, less the prompt alone: what the decode steps must read
+        decode_bytes = _belady_demand_bytes(ids, moe, spec) - _belady_demand_bytes(ids[:prompt], moe, spec)
+    except (MoeprepError, MoeError) as e:
         return {"error": str(e)}
-    # Belady over prompt + decode, less the prompt alone: what the decode steps must read
-    decode_bytes = _belady_demand_bytes(ids, moe, spec) - _belady_demand_bytes(ids[:prompt], moe, spec)
     per_token = decode_bytes / max(1, len(ids) - prompt)
     io_seconds = per_token / (bandwidth_mb_s * 1e6)
     slowest = max(compute_seconds, io_seconds)
@@ -257,7 +259,7 @@ def physical_bounds(subject: Subject, budgets: list[str], results: list[dict], b
     budget over the measured disk bandwidth) and the speed bound they make together (reads hidden perfectly
     behind compute: 1 / max(compute, I/O) per token), in ``naive``'s cache (the lossless artifact; the
     entry's top level) and, under ``moeprep``, in the recipe's artifact's cache with its plan."""
-    from loader.plan import Plan, read_plan
+    from loader.plan import Plan, PolicySpec, read_plan
 
     resident = next((r.get("decode_tokens_per_s") for r in results
                      if r["subject"] == subject.name and r["system"] == "resident"), None)
@@ -279,8 +281,9 @@ def physical_bounds(subject: Subject, budgets: list[str], results: list[dict], b
             continue
         ids = decisions.tolist()
         entry |= _io_floor(ids, moe, prompt, naive, limit, plan, bandwidth_mb_s, compute_seconds)
-        if subject.lossless is not None:
-            entry["moeprep"] = _io_floor(ids, moe, prompt, subject.artifact, limit, None, bandwidth_mb_s,
+        if subject.lossless is not None:  # the recipe's pools and precisions; the model's own routing
+            exact = dataclasses.replace(read_plan(subject.artifact), routing=PolicySpec("topk"), miss=PolicySpec("plan"))
+            entry["moeprep"] = _io_floor(ids, moe, prompt, subject.artifact, limit, exact, bandwidth_mb_s,
                                          compute_seconds)
     return out
 
@@ -418,6 +421,7 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
             if routing_seen is not None:
                 subj.facts["recorded_routing"] = routing_seen
             raw.append({"subject": subj.name, "system": system, "budget": budget, "repeat": repeat} | result)
+            _write_atomic(work / "raw.json", json.dumps(raw, indent=1) + "\n")  # nothing measured is lost
             if "error" in result:
                 echo(f"{subj.name} {system} {budget}: FAILED {result['error']}")
             measured.setdefault((subj.name, system, budget), []).append(result)

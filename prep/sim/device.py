@@ -54,6 +54,9 @@ class DeviceProfile:
     compute_seconds: dict = field(default_factory=dict)  # precision -> seconds per expert per token
     device: str = ""
     extra: dict = field(default_factory=dict)  # everything else the file records (shapes, sizes, direct_io)
+    # precision -> seconds to make a missed expert's held form once (loader/kernels.py: decode or repack);
+    # compute_seconds is then one use of the held form. Empty in profiles measured before held forms.
+    make_seconds: dict = field(default_factory=dict)
 
     def read_seconds(self, nbytes: int) -> float:
         return self.read_latency + nbytes / self.read_bandwidth
@@ -66,6 +69,10 @@ class DeviceProfile:
                                f"{sorted(self.compute_seconds)}); measure again with `moeprep profile-device` "
                                "or add the precision to compute_seconds_per_expert") from None
 
+    def make(self, precision: str) -> float:
+        """Seconds to make a missed expert's held form (0 where the profile has none: plain records)."""
+        return self.make_seconds.get(precision, 0.0)
+
     def scaled_to(self, weights_per_expert: float) -> DeviceProfile:
         """This profile for experts of ``weights_per_expert`` weights: compute scales with the weights read,
         as decode's matrix-vector products do (the profile's own expert shape is recorded in it)."""
@@ -73,12 +80,14 @@ class DeviceProfile:
         factor = weights_per_expert / (3 * shape["hidden"] * shape["intermediate"])
         return DeviceProfile(self.read_bandwidth, self.read_latency,
                              {p: s * factor for p, s in self.compute_seconds.items()}, self.device,
-                             self.extra | {"scaled_to_weights_per_expert": weights_per_expert})
+                             self.extra | {"scaled_to_weights_per_expert": weights_per_expert},
+                             {p: s * factor for p, s in self.make_seconds.items()})
 
     def to_json(self) -> dict:
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "device": self.device,
                 "read_bandwidth_bytes_per_s": self.read_bandwidth, "read_latency_s": self.read_latency,
-                "compute_seconds_per_expert": dict(self.compute_seconds)} | self.extra
+                "compute_seconds_per_expert": dict(self.compute_seconds)} | self.extra \
+            | ({"make_seconds_per_expert": dict(self.make_seconds)} if self.make_seconds else {})
 
     @classmethod
     def from_json(cls, raw: dict, where: str = "device profile") -> DeviceProfile:
@@ -91,10 +100,13 @@ class DeviceProfile:
                 and all(isinstance(k, str) and _number(v) and v >= 0 for k, v in compute.items())):
             raise MoeprepError(f"{where}: read_bandwidth_bytes_per_s (> 0), read_latency_s (>= 0) and "
                                f"compute_seconds_per_expert ({{precision: seconds}}) are required; {fix}")
+        make = raw.get("make_seconds_per_expert", {})
+        if not (isinstance(make, dict) and all(isinstance(k, str) and _number(v) and v >= 0 for k, v in make.items())):
+            raise MoeprepError(f"{where}: make_seconds_per_expert must be {{precision: seconds >= 0}}; {fix}")
         known = {"format", "version", "device", "read_bandwidth_bytes_per_s", "read_latency_s",
-                 "compute_seconds_per_expert"}
+                 "compute_seconds_per_expert", "make_seconds_per_expert"}
         return cls(float(bw), float(latency), {k: float(v) for k, v in compute.items()}, str(raw.get("device", "")),
-                   {k: v for k, v in raw.items() if k not in known})
+                   {k: v for k, v in raw.items() if k not in known}, {k: float(v) for k, v in make.items()})
 
 
 def _number(x) -> bool:
@@ -201,17 +213,33 @@ def measure_reads(directory: str | Path | None = None, file_bytes: int = 256 << 
 # ---------------------------------------------------------------------------------------- compute
 
 
-def measure_compute(expert_shape: tuple[int, int] = MIXTRAL_SHAPE, scale: int = 4, repeats: int = 5,
-                    device: str = "cpu", group_size: int = 64) -> dict:
-    """Seconds for one token through one expert of ``expert_shape`` (H, I), per precision.
+class _GatedExperts:
+    """What ``loader.kernels.expert_forward`` needs of an experts module: a SiLU-gated MLP, [out, in] weights."""
 
-    Timed on (H/scale, I/scale) and scaled up by the weight count (scale**2). Returns
-    {precision: seconds} for float32, bfloat16 (also float16 and passthrough: the source dtype of the
-    models we target) and int8/int4/int3/int2 (dequantize with the loader's codec, then bfloat16).
+    is_transposed = False
+
+    @staticmethod
+    def _apply_gate(gate_up):
+        import torch
+
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+
+def measure_compute(expert_shape: tuple[int, int] = MIXTRAL_SHAPE, scale: int = 4, repeats: int = 5,
+                    device: str = "cpu", group_size: int = 64) -> tuple[dict, dict]:
+    """(compute, make): seconds for one token through one expert of ``expert_shape`` (H, I), per precision,
+    and for a quantized precision the seconds to make its held form once after a miss.
+
+    Timed on (H/scale, I/scale) and scaled up by the weight count (scale**2). float32 and bfloat16 (also
+    float16 and passthrough: the source dtype of the models we target) are plain products; int8/int4/
+    int3/int2 are what the loader does (``loader/kernels.py``): the held form ``auto`` picks on this
+    device, made once (make) and then used (compute), or, where it would hold none, decoded every use.
     """
     import torch
 
     from loader.codec import MatrixSpec, RecordLayout
+    from loader.kernels import expert_forward, held_layout
 
     hidden, inter = expert_shape[0] // scale, expert_shape[1] // scale
     if hidden < group_size or inter % group_size or hidden % group_size:
@@ -235,17 +263,15 @@ def measure_compute(expert_shape: tuple[int, int] = MIXTRAL_SHAPE, scale: int = 
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    def expert(weights, x):
-        gate, up, down = weights
-        return (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ down.T
-
-    shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    module = _GatedExperts()
+    shapes = {"gate_up_proj": (2 * inter, hidden), "down_proj": (hidden, inter)}
     out: dict[str, float] = {}
+    make: dict[str, float] = {}
     with torch.no_grad():
         for dtype in (torch.float32, torch.bfloat16):
-            weights = [torch.randn(s, generator=gen).to(dev, dtype) for s in shapes.values()]
+            weights = {n: torch.randn(s, generator=gen).to(dev, dtype) for n, s in shapes.items()}
             x = torch.randn(1, hidden, generator=gen).to(dev, dtype)
-            out[str(dtype).removeprefix("torch.")] = timed(lambda w=weights, x=x: expert(w, x))
+            out[str(dtype).removeprefix("torch.")] = timed(lambda w=weights, x=x: expert_forward(module, w, x))
         for precision in ("int8", "int4", "int3", "int2"):
             specs = [MatrixSpec(name, shape, precision, "bfloat16", group_size) for name, shape in shapes.items()]
             layout = RecordLayout(tuple(specs))
@@ -255,15 +281,18 @@ def measure_compute(expert_shape: tuple[int, int] = MIXTRAL_SHAPE, scale: int = 
                 if dtype == "float16":
                     record[offset:offset + size] = torch.rand(size // 2, generator=gen).half().view(torch.uint8).to(dev)
             x = torch.randn(1, hidden, generator=gen).to(dev, torch.bfloat16)
-
-            def run(layout=layout, record=record, x=x):
-                return expert([w.to(torch.bfloat16) for w in layout.decode(record).values()], x)
-
-            out[precision] = timed(run)
+            held = held_layout("auto", layout, dev)
+            if held is None:
+                out[precision] = timed(lambda r=record, lay=layout, x=x: expert_forward(module, lay.decode(r), x))
+                continue
+            region = torch.empty(held.nbytes, dtype=torch.uint8, device=dev)
+            make[precision] = timed(lambda h=held, r=record, g=region: h.fill(r, g))
+            weights = held.fill(record, region)
+            out[precision] = timed(lambda w=weights, x=x: expert_forward(module, w, x))
     factor = scale * scale
     seconds = {p: s * factor for p, s in out.items()}
     seconds["float16"] = seconds["passthrough"] = seconds["bfloat16"]
-    return dict(sorted(seconds.items()))
+    return dict(sorted(seconds.items())), {p: s * factor for p, s in sorted(make.items())}
 
 
 def measure_device(directory: str | Path | None = None, file_bytes: int = 256 << 20,
@@ -274,14 +303,14 @@ def measure_device(directory: str | Path | None = None, file_bytes: int = 256 <<
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise MoeprepError("--device cuda was asked for but CUDA is not available; use --device cpu")
     reads = measure_reads(directory, file_bytes)
-    compute = measure_compute(expert_shape, device=device)
+    compute, make = measure_compute(expert_shape, device=device)
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else (platform.processor() or platform.machine())
     extra = {k: v for k, v in reads.items() if not k.startswith("read_bandwidth") and k != "read_latency_s"}
     extra |= {"expert_shape": {"hidden": expert_shape[0], "intermediate": expert_shape[1]},
               "compute_device": device, "torch_threads": torch.get_num_threads(),
               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     return DeviceProfile(reads["read_bandwidth_bytes_per_s"], reads["read_latency_s"], compute,
-                         f"{device}: {name}", extra)
+                         f"{device}: {name}", extra, make)
 
 
 def write_profile(profile: DeviceProfile, path: str | Path) -> Path:

@@ -337,6 +337,7 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
             cache.complete(entry)
             if profile is not None:
                 layers[entry.layer].prefetch_read_seconds += profile.read_seconds(record_bytes[entry.precision])
+                layers[entry.layer].compute_seconds += profile.make(entry.precision)  # made at its first use
 
     for s, sequence in enumerate(replay.sequences):
         cache.clear() if cold_start else cache.reset()
@@ -384,6 +385,7 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
                         cache.complete(entry)
                     if profile is not None:
                         counts.read_seconds += profile.read_seconds(nbytes)
+                        counts.compute_seconds += profile.make(p)  # the held form, made once per miss
                 cache.end_layer(layer)
             if predictors and feed.head_inputs is not None:
                 for p in predictors:
