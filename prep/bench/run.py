@@ -339,8 +339,10 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
         p.is_file() for p in (traces_dir, traces_dir / MIXTRAL_TRACE_FILE, traces_dir / "mixtral-8x7b" / MIXTRAL_TRACE_FILE))
     for name in wanted:
         if name.startswith("reference"):
-            echo(f"preparing subject {name} (the stage cache makes this free when nothing changed)")
-            subjects.append(reference_subject(root, sizes.reference_prompt, sizes.reference_decode, name))
+            echo(f"preparing subject {name} with its accuracy check (the stage cache makes this free when nothing "
+                 "changed)")
+            subjects.append(reference_subject(root, sizes.reference_prompt, sizes.reference_decode, name,
+                                              evaluate=not quick))
             continue
         if name == "mixtral-shape-own":
             echo("preparing subject mixtral-shape-own (the mixtral-shape model with its own routers)")

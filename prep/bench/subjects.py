@@ -100,8 +100,10 @@ def _store_facts(artifact: Path) -> dict:
             "moe_layers": len(moe["layers"]), "num_experts": moe["num_experts"], "top_k": moe["top_k"]}
 
 
-def _prepared(root: Path, name: str) -> tuple[Path, Path]:
-    """(model dir, artifact) of ``recipes/<name>.yaml``, prepared through the package stage (reused when current)."""
+def _prepared(root: Path, name: str, evaluate: bool = True) -> tuple[Path, Path]:
+    """(model dir, artifact) of ``recipes/<name>.yaml``, prepared (reused when current) to the end, so that its
+    report carries the accuracy check bench.md quotes, or only through the package stage (``evaluate`` off:
+    the quick bench)."""
     from prep.pipeline import prepare
     from prep.recipe import load_recipe
 
@@ -112,16 +114,17 @@ def _prepared(root: Path, name: str) -> tuple[Path, Path]:
     model_dir = Path(recipe.model_path(root))
     if not (model_dir / "config.json").is_file():
         raise MoeprepError(f"reference model {model_dir} missing; run `make reference-model` first")
-    prepare(recipe, root=root, until="package")  # the accuracy check is not needed here
+    prepare(recipe, root=root, until=None if evaluate else "package")
     return model_dir, root / "artifacts" / recipe.name / "artifact"
 
 
-def reference_subject(root: Path, prompt_tokens: int, decode_tokens: int, name: str = "reference") -> Subject:
+def reference_subject(root: Path, prompt_tokens: int, decode_tokens: int, name: str = "reference",
+                      evaluate: bool = True) -> Subject:
     """The artifact of ``recipes/<name>.yaml`` and its model; ``reference`` runs naive on the lossless one."""
     from transformers import AutoTokenizer
 
-    model_dir, artifact = _prepared(root, name)
-    lossless = _prepared(root, "reference-lossless")[1] if name == "reference" else None
+    model_dir, artifact = _prepared(root, name, evaluate)
+    lossless = _prepared(root, "reference-lossless", evaluate)[1] if name == "reference" else None
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     need = prompt_tokens + decode_tokens
     text = REFERENCE_TEXT
