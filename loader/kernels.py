@@ -43,6 +43,10 @@ ENV = "MOEPREP_EXPERT_DTYPE"
 TIE = 1.15  # forms within this factor of the fastest count as equally fast: the smallest slot wins
 ALIGN = 64
 INT4PACK_GROUPS = (32, 64, 128, 256)
+# Above this many tokens for one expert (a prefill) the int4 kernel loses to decoding the record for that use:
+# at 256 tokens it took about 3x a bfloat16 product here, while at 1-16 tokens it is the fastest form
+# (``moeprep kernel-study``); decoding costs ~4 ms once, which a bfloat16 product saves back by ~64 tokens.
+INT4PACK_MAX_TOKENS = 64
 
 
 class KernelError(MoeError):

@@ -36,6 +36,8 @@ from loader.codec import NeuronLayout, RecordLayout
 from loader.format import ArtifactError, check_model, check_record, expert_key, open_artifact, read_manifest
 from loader.kernels import (
     CPU_MISSES,
+    INT4PACK_MAX_TOKENS,
+    Int4PackLayout,
     KernelError,
     MissCosts,
     check_expert_dtype,
@@ -377,6 +379,14 @@ class ExpertRuntime:
         self.decode_seconds += time.perf_counter() - start
         return weights
 
+    def _decode_once(self, record: torch.Tensor, precision: str) -> dict[str, torch.Tensor]:
+        """The record decoded for one use (counted with the decodes)."""
+        start = time.perf_counter()
+        weights = self.layouts[precision].decode(record)
+        self.decodes += 1
+        self.decode_seconds += time.perf_counter() - start
+        return weights
+
     def _compute(self, module, expert, record, precision, hidden, top_k_index, top_k_weights, out,
                  rows: torch.Tensor | None = None, header: dict | None = None, entry=None) -> None:
         """Add expert ``expert``'s weighted output for its tokens to ``out``; a neuron-layout record computes over
@@ -392,7 +402,11 @@ class ExpertRuntime:
                                header, per_token)
             out.index_add_(0, tokens, (y * top_k_weights[tokens, slot, None]).to(out.dtype))
             return
-        y = expert_forward(module, self._weights(record, precision, entry), x)  # in the held form's dtype
+        if isinstance(self.decoded.get(precision), Int4PackLayout) and tokens.numel() > INT4PACK_MAX_TOKENS:
+            weights = self._decode_once(record, precision)  # a long prefill: the int4 kernel is slow at many rows
+        else:
+            weights = self._weights(record, precision, entry)
+        y = expert_forward(module, weights, x)  # in the weights' dtype
         y = y.to(out.dtype) * top_k_weights[tokens, slot, None]
         out.index_add_(0, tokens, y)
 

@@ -302,3 +302,28 @@ def test_cuda_held_forms_and_cpu_misses_give_the_decoded_models_logits(tmp_path_
     costs = compute["miss_costs"]
     assert costs["cpu_seconds"]["int4"] > 0 and costs["gpu_seconds"]["int4"] > 0
     assert (compute["cpu_misses"] == "auto") == (costs["cpu_seconds"]["int4"] < costs["gpu_seconds"]["int4"])
+
+
+@needs_int4pack
+def test_a_long_prefill_decodes_the_record_instead_of_the_int4_kernel(tmp_path, monkeypatch):
+    import loader.runtime as runtime
+
+    model, artifact = _int4pack_artifact(tmp_path, "mixtral")
+    reference = decoded_reference(model, artifact, "int4")
+    torch.manual_seed(8)
+    ids = torch.randint(4, 60, (2, 40))
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+    spread = float(expected.abs().max())
+    for limit in (0, 10**6):  # every call above the limit (float32 decode per use), or none (the int4 kernel)
+        monkeypatch.setattr(runtime, "INT4PACK_MAX_TOKENS", limit)
+        loaded = load(artifact, memory_budget="unlimited", expert_dtype="int4pack")
+        with torch.no_grad():
+            got = loaded.model(input_ids=ids).logits
+        stats = loaded.stats()
+        loaded.close()
+        assert stats["compute"]["decodes"] == stats["misses"]  # one decode per use here: each expert used once
+        if limit == 0:  # the record decoded in float32: the float32 model, no held form made
+            assert torch.allclose(got, expected, atol=1e-5)
+        else:
+            assert 0 < float((got - expected).abs().max()) <= 0.03 * spread
