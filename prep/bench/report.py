@@ -176,7 +176,7 @@ def _llama_line(llama: dict) -> str:
 
 def _accuracy(delta: dict | None) -> str:
     if not delta:
-        return "none measured (no eval in the report; random weights have no accuracy)"
+        return "none measured (the report has no accuracy check: random weights, or a recipe that turns it off)"
     return ", ".join(f"{name} {d['delta_points']:+.1f} pt (n={d['n']})" for name, d in delta.items())
 
 
