@@ -269,7 +269,7 @@ def measure_miss_costs(module, records: dict, layouts: dict, held: dict, device:
     x = torch.randn(1, hidden)
     for precision, record in records.items():
         layout = layouts[precision]
-        cpu[precision] = _time(lambda r=record, lay=layout: expert_forward(module, lay.decode(r), x), repeats=5)
+        cpu[precision] = median_seconds(lambda r=record, lay=layout: expert_forward(module, lay.decode(r), x), repeats=5)
         form = held.get(precision)
         staging = record.pin_memory() if device.type == "cuda" else record
         xd = x.to(device)
@@ -282,14 +282,15 @@ def measure_miss_costs(module, records: dict, layouts: dict, held: dict, device:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
-        gpu[precision] = _time(on_gpu, repeats=5)
+        gpu[precision] = median_seconds(on_gpu, repeats=5)
     return MissCosts(cpu, gpu)
 
 
 # ------------------------------------------------------------------------------------------ choosing
 
 
-def _time(fn, repeats: int = 20) -> float:
+def median_seconds(fn, repeats: int = 20) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` runs, after 3 warm-up runs."""
     for _ in range(3):
         fn()
     times = []
@@ -308,7 +309,7 @@ def time_linear(rows: int, cols: int, form: str, device: torch.device, group: in
             torch.randint(0, 16, (rows, cols), dtype=torch.int32), 2)
         scales = torch.rand(cols // group, rows, 2).to(torch.bfloat16)
         x = torch.randn(1, cols).to(torch.bfloat16)
-        return _time(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales))
+        return median_seconds(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales))
     w = torch.randn(rows, cols, device=device).to(dtype_of(form))
     x = torch.randn(1, cols, device=device).to(dtype_of(form))
 
@@ -316,7 +317,7 @@ def time_linear(rows: int, cols: int, form: str, device: torch.device, group: in
         F.linear(x, w)
         sync()
 
-    return _time(run)
+    return median_seconds(run)
 
 
 @functools.cache

@@ -17,7 +17,6 @@ The table it writes is the one ``loader/README.md`` quotes.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -25,20 +24,9 @@ import torch.nn.functional as F
 
 from loader.codec import DEFAULT_FORMATS
 from loader.files import write_bytes_atomic
-from loader.kernels import DecodedLayout, Int4PackLayout, int4pack_fits
+from loader.kernels import DecodedLayout, Int4PackLayout, int4pack_fits, median_seconds
 
 PRECISIONS = ("int8", "int4", "int3", "int2")
-
-
-def _median_seconds(fn, repeats: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def _forward(x, gate_up, down):
@@ -110,7 +98,7 @@ def run_kernel_study(hidden: int, intermediate: int, prefill_tokens: int = 16, r
         row = {}
         for tokens in (1, prefill_tokens):
             x = torch.randn(tokens, hidden).to(dtype)
-            row[str(tokens)] = _median_seconds(lambda fn=fn, x=x: fn(x), repeats) * 1e3
+            row[str(tokens)] = median_seconds(lambda fn=fn, x=x: fn(x), repeats) * 1e3
         study["forward_ms"][name] = row
         echo(f"forward {name}: " + ", ".join(f"{t} token(s) {ms:.3f} ms" for t, ms in row.items()))
     for precision in PRECISIONS:
@@ -120,12 +108,12 @@ def run_kernel_study(hidden: int, intermediate: int, prefill_tokens: int = 16, r
         for dtype in (torch.float32, torch.bfloat16):
             decoded = DecodedLayout(layout, dtype)
             region = torch.empty(decoded.nbytes, dtype=torch.uint8)
-            row[decoded.name] = _median_seconds(lambda d=decoded, r=region, rec=record: d.fill(rec, r), repeats) * 1e3
+            row[decoded.name] = median_seconds(lambda d=decoded, r=region, rec=record: d.fill(rec, r), repeats) * 1e3
             row[f"{decoded.name}_mb"] = decoded.nbytes / 1e6
         if int4pack_fits(layout) and "int4 weight-only (torch _weight_int4pack_mm_for_cpu)" in study["forward_ms"]:
             held = Int4PackLayout(layout)
             region = torch.empty(held.nbytes, dtype=torch.uint8)
-            row["int4pack"] = _median_seconds(lambda d=held, r=region, rec=record: d.fill(rec, r), repeats) * 1e3
+            row["int4pack"] = median_seconds(lambda d=held, r=region, rec=record: d.fill(rec, r), repeats) * 1e3
             row["int4pack_mb"] = held.nbytes / 1e6
         study["decode_ms"][precision] = row
         one = study["forward_ms"]["float32"]["1"]
