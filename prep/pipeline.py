@@ -135,8 +135,10 @@ def lineage(stage: Stage, stages: tuple[Stage, ...] = STAGES, recipe: Recipe | N
 class _Sources:
     """What stages may need, each loaded or computed on first use and then shared by every stage."""
 
-    def __init__(self, recipe: Recipe, root: Path, model_dir: Path) -> None:
+    def __init__(self, recipe: Recipe, root: Path, model_dir: Path, device: str = "cpu",
+                 expert_memory: int | None = None) -> None:
         self.recipe, self.root, self.model_dir = recipe, root, model_dir
+        self.device, self.expert_memory = device, expert_memory
         self.sections = recipe.to_dict()
 
     @cached_property
@@ -163,9 +165,10 @@ class _Sources:
 
     @cached_property
     def model(self):
-        from prep.adapters import load_model
+        # dense weights loaded, routed experts read from the shards a layer at a time (prep/streaming.py)
+        from prep.streaming import load_streamed
 
-        return load_model(self.model_dir, dtype="auto")
+        return load_streamed(self.model_dir, device=self.device, resident_bytes=self.expert_memory)
 
     @cached_property
     def adapter(self):
@@ -278,8 +281,13 @@ def _check_stage(name: str | None, what: str) -> None:
 
 
 def prepare(recipe: Recipe, root: str | Path = ".", output: str | Path | None = None,
-            until: str | None = None, force: str | None = None, overwrite: bool = False) -> dict:
+            until: str | None = None, force: str | None = None, overwrite: bool = False,
+            device: str = "cpu", expert_memory: int | None = None) -> dict:
     """Run the pipeline for ``recipe``; returns {stage: {key, seconds, cached[, skipped]}} and the artifact path.
+
+    ``device``: where the stages run the model (``cuda`` needs a GPU). ``expert_memory``: bytes of routed
+    experts kept in memory between uses (None: all of them once read; 0: one MoE layer at a time). Neither
+    changes a result, so neither is part of a stage key.
 
     ``output`` (default ``artifacts/<name>/artifact`` under ``root``) is replaced only when it is absent,
     empty or a moeprep artifact, unless ``overwrite``; the model directory, the working directory, the
@@ -297,19 +305,24 @@ def prepare(recipe: Recipe, root: str | Path = ".", output: str | Path | None = 
     artifact = ArtifactOutput(
         work_root / "artifact" if default_output else Path(output),
         protected=[model_dir, Path.cwd(), root, PROJECT_ROOT, work_root / "stages"], overwrite=overwrite)
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise MoeprepError("--device cuda was asked for, but torch sees no CUDA GPU here; use --device cpu")
+    sources = _Sources(recipe, root, model_dir, device, expert_memory)
     with exclusive_lock(work_root / ".lock", f"artifact name {recipe.name!r}"):
         if default_output:
-            return _run_stages(recipe, root, model_dir, work_root, artifact, until, force)
+            return _run_stages(recipe, root, model_dir, work_root, artifact, until, force, sources)
         with artifact.lock():
-            return _run_stages(recipe, root, model_dir, work_root, artifact, until, force)
+            return _run_stages(recipe, root, model_dir, work_root, artifact, until, force, sources)
 
 
 def _run_stages(recipe: Recipe, root: Path, model_dir: Path, work_root: Path, artifact: ArtifactOutput,
-                until: str | None, force: str | None) -> dict:
+                until: str | None, force: str | None, sources: _Sources) -> dict:
     artifact.tidy()
     artifact.check_replaceable()
     store = StageStore(work_root / "stages")
-    sources = _Sources(recipe, root, model_dir)
     keys: dict[str, str] = {}
     summary: dict = {}
     wrote_artifact = False

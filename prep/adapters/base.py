@@ -310,9 +310,19 @@ class MoeAdapter:
             down_b[expert] if down_b is not None else None,
         )
 
+    @staticmethod
+    def _stream(experts: nn.Module):
+        # a streamed model's experts (prep/streaming.py) are on meta until their layer is resident
+        return getattr(experts, "expert_stream", None)
+
     @torch.no_grad()
     def get_expert(self, model: nn.Module, layer: int, expert: int) -> ExpertWeights:
         """A copy of routed expert `expert` of MoE layer `layer` as 2-D matrices (see ExpertWeights)."""
+        self._check_moe_layer(layer)
+        self._check_expert(expert)
+        stream = self._stream(self.experts(model, layer))
+        if stream is not None:
+            return stream.expert(layer, expert)
         views = self._expert_views(model, layer, expert)
         return ExpertWeights(
             **{
@@ -324,7 +334,10 @@ class MoeAdapter:
     @torch.no_grad()
     def set_expert(self, model: nn.Module, layer: int, expert: int, weights: ExpertWeights) -> None:
         """Write `weights` into routed expert `expert` of MoE layer `layer`, in place, in the model's dtype."""
-        views = self._expert_views(model, layer, expert)
+        self._check_moe_layer(layer)
+        self._check_expert(expert)
+        stream = self._stream(self.experts(model, layer))
+        views = self._expert_views(model, layer, expert)  # on meta for a streamed layer: shapes only
         new = weights.tensors()
         if set(new) != set(views.tensors()):
             raise MoeprepError(
@@ -335,7 +348,10 @@ class MoeAdapter:
                 raise MoeprepError(
                     f"expert tensor {name}: expected shape {tuple(view.shape)}, got {tuple(new[name].shape)}"
                 )
-            view.copy_(new[name])
+            if stream is None:
+                view.copy_(new[name])
+        if stream is not None:
+            stream.set_expert(layer, expert, weights)
 
     # --- computation -------------------------------------------------------------------
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -381,15 +397,17 @@ class MoeAdapter:
         return out if shared is None else out + shared
 
     # --- checkpoints on disk -------------------------------------------------------------
-    def read_expert(self, checkpoint_dir: str | Path, layer: int, expert: int) -> ExpertWeights:
+    def read_expert(self, checkpoint_dir: str | Path, layer: int, expert: int,
+                    tensors: CheckpointTensors | None = None) -> ExpertWeights:
         """Read one routed expert from a directory of safetensors shards, without building the model.
 
         Reads only that expert's slices. Understands the transformers 5 fused names and the
         per-expert names of hub checkpoints (`hub_names`). A missing tensor -> MoeprepError.
+        ``tensors``: the directory's already opened index (saves re-reading it per expert).
         """
         self._check_moe_layer(layer)
         self._check_expert(expert)
-        tensors = CheckpointTensors(checkpoint_dir)
+        tensors = tensors or CheckpointTensors(checkpoint_dir)
         fused = self.fused_prefix.format(layer=layer)
         if tensors.has(f"{fused}.gate_up_proj"):
             return self._read_fused(tensors, fused, expert)

@@ -20,6 +20,7 @@ from loader.codec import RecordLayout
 from loader.format import expert_key
 from prep.errors import MoeprepError
 from prep.sensitivity import kl_sum, next_token_logprobs_of
+from prep.streaming import stream_of
 
 
 class DecodedExperts:
@@ -44,7 +45,13 @@ class DecodedExperts:
         return adapter.expert_from_params(self.tensors(precision, layer, expert))
 
     def apply(self, model, adapter, precision_of: Callable[[int, int], str]) -> None:
-        """Write every expert's decoded weights into ``model``: (MoE position, expert) -> precision."""
+        """Write every expert's decoded weights into ``model``: (MoE position, expert) -> precision. A streamed
+        model (``prep/streaming.py``) reads them from here as each layer runs instead."""
+        stream = stream_of(model, adapter)
+        if stream is not None:
+            position = {layer: pos for pos, layer in enumerate(adapter.moe_layers)}
+            stream.use_source(lambda layer, e: self.weights(adapter, precision_of(position[layer], e), layer, e))
+            return
         with torch.no_grad():
             for pos, layer in enumerate(adapter.moe_layers):
                 module = adapter.experts(model, layer)
@@ -56,6 +63,11 @@ class DecodedExperts:
 @contextmanager
 def original_experts(model, adapter) -> Iterator[None]:
     """Run the block, then put every expert parameter back exactly as it was (also on errors)."""
+    stream = stream_of(model, adapter)
+    if stream is not None:
+        with stream.preserved():
+            yield
+        return
     saved = {(layer, name): p.detach().clone() for layer in adapter.moe_layers
              for name, p in adapter.experts(model, layer).named_parameters(recurse=False)}
     try:

@@ -24,6 +24,7 @@ from loader.format import expert_key
 from prep.quant.hqq_codec import encode_expert, matrix_spec
 from prep.recipe import QuantizeSection
 from prep.stages import Stage, StageResult
+from prep.streaming import resident_layer
 
 VERSION = 2
 
@@ -100,14 +101,16 @@ def quantize_experts(model, adapter, cfg: QuantizeSection, work: Path) -> Packed
                 bar.update(adapter.num_experts)
                 continue
             records = {}
-            for expert in range(adapter.num_experts):
-                tensors, transposed = expert_tensors(adapter, model, layer, expert)
-                _, records[expert_key(layer, expert)] = encode_expert(tensors, precision, group, transposed,
-                                                                      meta_group=meta)
-                bar.update(1)
+            with resident_layer(model, adapter, layer):  # a streamed model reads this layer from the shards
+                for expert in range(adapter.num_experts):
+                    tensors, transposed = expert_tensors(adapter, model, layer, expert)
+                    _, records[expert_key(layer, expert)] = encode_expert(tensors, precision, group, transposed,
+                                                                          meta_group=meta)
+                    bar.update(1)
             write_bytes_atomic(path, save(records))
         bar.close()
-        tensors, transposed = expert_tensors(adapter, model, adapter.moe_layers[0], 0)
+        with resident_layer(model, adapter, adapter.moe_layers[0]):
+            tensors, transposed = expert_tensors(adapter, model, adapter.moe_layers[0], 0)
         layout = RecordLayout(tuple(matrix_spec(name, t, precision, group, transposed, meta_group=meta)
                                     for name, t in tensors.items()))
         stores[precision] = {"group_size": group, "meta_group": meta, "layout": layout.to_json(),
