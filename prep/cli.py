@@ -65,20 +65,43 @@ def inspect_model_command(model: str, as_json: bool) -> None:
 @click.option("--force", default=None, help="Rerun this stage and every stage after it.")
 @click.option("--overwrite", is_flag=True,
               help="Replace --output even when it is not a moeprep artifact (deleting what it holds).")
+@click.option("--device", default="cpu", show_default=True,
+              help="Where the stages run the model: cpu or cuda (the forwards, HQQ and the gate's training).")
+@click.option("--expert-memory", default="all", show_default=True,
+              help="Routed-expert bytes kept in memory between uses (e.g. 8GiB); 0: one MoE layer at a time. "
+              "The dense weights always load whole. Changes no result, only memory and re-reads.")
 def prepare_command(recipe_path: str, overrides: tuple[str, ...], output: str | None, until: str | None,
-                    force: str | None, overwrite: bool) -> None:
+                    force: str | None, overwrite: bool, device: str, expert_memory: str) -> None:
     """Run the preparation pipeline of a recipe and write its artifact."""
     from prep.pipeline import prepare
     from prep.recipe import load_recipe
 
     summary = prepare(load_recipe(recipe_path, overrides), root=".", output=output, until=until, force=force,
-                      overwrite=overwrite)
+                      overwrite=overwrite, device=device, expert_memory=_expert_memory(expert_memory))
     for stage, info in summary.items():
         if stage != "artifact":
             state = "skipped" if info.get("skipped") else "cached" if info["cached"] else f"{info['seconds']:.1f} s"
             click.echo(f"{stage:10s} {info['key']}  {state}")
     if summary["artifact"]:
         click.echo(f"artifact: {summary['artifact']}")
+
+
+def _expert_memory(text: str) -> int | None:
+    """--expert-memory: "all" -> None, "0" -> 0, a size like 8GiB -> bytes."""
+    from loader.plan import PlanError, parse_budget
+
+    if text.strip().lower() == "all":
+        return None
+    if text.strip() == "0":
+        return 0
+    try:
+        kind, value = parse_budget(text)
+    except PlanError:
+        kind = None
+    if kind != "bytes":
+        raise click.BadParameter(f"{text!r}: give bytes or a size like 8GiB, 0 for one layer at a time, or all",
+                                 param_hint="--expert-memory")
+    return int(value)
 
 
 @main.command("eval")

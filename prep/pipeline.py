@@ -263,11 +263,12 @@ class StageInputs:
 
     @property
     def source(self) -> dict:
-        """The source model as recorded: {path, revision, fingerprint}."""
+        """The source model as recorded: {path, hub_id, revision, fingerprint}."""
         self._need("recipe")
         self._need("model")
         model = self._sources.recipe.model
-        return {"path": model.path, "revision": model.revision, "fingerprint": self._sources.model_fingerprint}
+        return {"path": model.path if model.path is not None else str(self.model_dir), "hub_id": model.hub_id,
+                "revision": model.revision, "fingerprint": self._sources.model_fingerprint}
 
     @property
     def artifact(self) -> ArtifactOutput:
@@ -298,8 +299,9 @@ def prepare(recipe: Recipe, root: str | Path = ".", output: str | Path | None = 
     root = Path(root)
     model_dir = Path(recipe.model_path(root))
     if not model_dir.is_dir():
-        raise MoeprepError(f"model {recipe.model.path!r} is not a local directory (looked in {root}); "
-                           "download it first and set model.path to its directory")
+        named = recipe.model.path if recipe.model.path is not None else recipe.model.hub_id
+        raise MoeprepError(f"model {named!r} is not here (not a local directory under {root}, not in the Hugging "
+                           f"Face hub cache); {recipe.missing_model_hint()}")
     work_root = root / "artifacts" / recipe.name
     default_output = output is None
     artifact = ArtifactOutput(

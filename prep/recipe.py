@@ -75,10 +75,14 @@ def _load_yaml(text: str, what: str):
 
 @dataclass(frozen=True)
 class ModelSection:
-    """Where the source model comes from: a local directory (relative to the repo root) or a hub id."""
+    """Where the source model comes from: ``path``, a local directory (relative to the repo root), else the
+    Hugging Face hub cache's snapshot of ``hub_id`` at ``revision``. ``config``: the model's config.json as
+    shipped beside a real-model recipe (public facts; ``moeprep inspect-model`` reads it without weights)."""
 
-    path: str
+    path: str | None = None
+    hub_id: str | None = None
     revision: str | None = None
+    config: str | None = None
 
 
 @dataclass(frozen=True)
@@ -99,8 +103,13 @@ class CalibrationSection:
 
 @dataclass(frozen=True)
 class TraceSection:
+    """``batch``: calibration sequences per forward. With the model streamed a layer at a time (a model
+    bigger than ``--expert-memory``), one batch of all sequences reads every layer once; 1 reads it once
+    per sequence. Batching changes float rounding, so it is part of the key."""
+
     hidden_dtype: str = "float16"
     shard_tokens: int = 4096
+    batch: int = 1
 
 
 @dataclass(frozen=True)
@@ -379,9 +388,34 @@ class Recipe:
         return _to_plain(dataclasses.asdict(self))
 
     def model_path(self, root: Path) -> str:
-        """The model as a path when it is a local directory relative to ``root``, else the id as given."""
-        candidate = (root / self.model.path)
-        return str(candidate) if candidate.exists() else self.model.path
+        """The model as a path when it is a local directory relative to ``root`` or a hub-cache snapshot of
+        ``model.hub_id``, else what the recipe names (the path, or the hub id)."""
+        if self.model.path is not None:
+            candidate = (root / self.model.path)
+            return str(candidate) if candidate.exists() else self.model.path
+        return hub_snapshot(self.model.hub_id, self.model.revision) or self.model.hub_id
+
+    def missing_model_hint(self) -> str:
+        """What to do when the model is not here: how to download it and where to point ``model.path``."""
+        if self.model.hub_id is None:
+            return "set model.path to the directory holding the model's config.json and *.safetensors"
+        where = f"models/{self.name}"
+        revision = f" --revision {self.model.revision}" if self.model.revision else ""
+        return (f"download it with `hf download {self.model.hub_id}{revision} --local-dir {where}` (huggingface_hub's "
+                f"CLI; or `huggingface-cli download`), then run `make prepare MODEL={self.name} MODEL_PATH={where}` "
+                f"or pass `--set model.path={where}` (a copy in the hub cache is found without it)")
+
+
+def hub_snapshot(hub_id: str, revision: str | None = None) -> str | None:
+    """The local directory of ``hub_id``'s snapshot in the Hugging Face hub cache, None when it is not there.
+    Never touches the network."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(hub_id, revision=revision, local_files_only=True))
+    except Exception:  # not cached, or no huggingface_hub: both mean "not here"
+        return None
+    return str(path) if (path / "config.json").is_file() and any(path.glob("*.safetensors")) else None
 
 
 def _to_plain(value):
@@ -469,6 +503,10 @@ def _validate(recipe: Recipe) -> None:
         raise MoeprepError(f"recipe name {recipe.name!r} is not allowed: it names the directory artifacts/<name>, "
                            "so use letters, digits, '.', '_' and '-', starting with a letter or digit "
                            "(no '/', no '..'); set name: in the recipe")
+    if recipe.model.path is None and recipe.model.hub_id is None:
+        raise MoeprepError("the recipe names no model: set model.path (a local directory) or model.hub_id")
+    if recipe.trace.batch < 1:
+        raise MoeprepError(f"trace.batch must be at least 1 (sequences per forward), got {recipe.trace.batch}")
     q, b = recipe.quantize, recipe.bitwidth
     for where, precision in [("quantize.precision", q.precision), *(("quantize.also", p) for p in q.also),
                              ("sensitivity.precision", recipe.sensitivity.precision), ("bitwidth.low", b.low)]:

@@ -207,6 +207,21 @@ def _write_json_atomic(path: Path, obj: dict) -> None:
     write_json_atomic(path, obj)
 
 
+def _batches(sequences: Iterable[torch.Tensor], batch: int):
+    """Lists of up to ``batch`` consecutive sequences of equal length (1-D int64 tensors)."""
+    if batch < 1:
+        raise MoeprepError(f"trace.batch must be at least 1, got {batch}")
+    group: list[torch.Tensor] = []
+    for seq in sequences:
+        seq = torch.as_tensor(seq, dtype=torch.long).reshape(-1)
+        if group and (len(group) == batch or seq.numel() != group[0].numel()):
+            yield group
+            group = []
+        group.append(seq)
+    if group:
+        yield group
+
+
 def record_traces(
     model: nn.Module,
     sequences: Iterable[torch.Tensor],
@@ -219,11 +234,14 @@ def record_traces(
     fingerprint: str | None = None,
     overwrite: bool = False,
     progress: bool = False,
+    batch: int = 1,
 ) -> Path:
     """Run `model` over token sequences and write their routing traces to `out_dir`.
 
     model: a loaded MoE `*ForCausalLM` (eval mode is enforced). sequences: 1-D LongTensors of token
-    ids, each run alone (batch 1, no KV cache). shard_tokens: token rows per shard, which bounds
+    ids, run ``batch`` at a time (no KV cache); consecutive sequences of one length share a forward. A
+    streamed model (``prep/streaming.py``) reads each MoE layer once per forward, so a batch of every
+    sequence runs the model layer by layer with the activations held between layers. shard_tokens: token rows per shard, which bounds
     memory. record_hidden: also store router inputs and last-layer hidden states (in hidden_dtype).
     fingerprint: an identifier of the model, copied into the index. Returns the trace directory.
     """
@@ -245,15 +263,15 @@ def record_traces(
         lengths = []
         recorder = RoutingRecorder(model, adapter, record_hidden=record_hidden, hidden_dtype=hidden_dtype)
         with recorder, torch.no_grad():
-            for seq in tqdm(sequences, desc="trace", unit="seq", disable=not progress):
-                seq = torch.as_tensor(seq, dtype=torch.long).reshape(-1)
-                if seq.numel() == 0:
-                    raise MoeprepError(f"sequence {len(lengths)} is empty")
-                model(input_ids=seq.view(1, -1).to(device), use_cache=False)
-                rows = recorder.pop()
-                rows["token_ids"] = seq.cpu()
+            for group in tqdm(_batches(sequences, batch), desc="trace", unit="batch", disable=not progress):
+                for seq in group:
+                    if seq.numel() == 0:
+                        raise MoeprepError(f"sequence {len(lengths)} is empty")
+                    lengths.append(seq.numel())
+                model(input_ids=torch.stack(group).to(device), use_cache=False)
+                rows = recorder.pop()  # (batch, position) order: the sequences one after another
+                rows["token_ids"] = torch.cat(group).cpu()
                 writer.add(rows)
-                lengths.append(seq.numel())
         if not lengths:
             raise MoeprepError("no sequences to trace")
         tensors = {

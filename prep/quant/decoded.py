@@ -81,7 +81,9 @@ def original_experts(model, adapter) -> Iterator[None]:
 @torch.no_grad()
 def next_token_logprobs(model, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
     """Log-probabilities [T-1, V] (float32) of every next token of every sequence."""
-    return [next_token_logprobs_of(model(input_ids=seq.view(1, -1), use_cache=False).logits[0]) for seq in sequences]
+    device = next(model.parameters()).device
+    return [next_token_logprobs_of(model(input_ids=seq.view(1, -1).to(device), use_cache=False).logits[0].cpu())
+            for seq in sequences]
 
 
 @torch.no_grad()

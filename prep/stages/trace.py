@@ -36,7 +36,8 @@ def record_routing(model, adapter, sequences: list[torch.Tensor], cfg: TraceSect
     """Trace ``sequences`` into ``work/trace``; returns the token count and expert shares."""
     dtype = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.hidden_dtype]
     path = record_traces(model, sequences, RoutingTraces.path(work), adapter=adapter, shard_tokens=cfg.shard_tokens,
-                         hidden_dtype=dtype, fingerprint=fingerprint, overwrite=True, progress=True)
+                         hidden_dtype=dtype, fingerprint=fingerprint, overwrite=True, progress=True,
+                         batch=cfg.batch)
     routing = open_trace(path).routing()
     ids = torch.cat([r.expert_ids for r in routing])  # [T, L, K]
     shares = [
