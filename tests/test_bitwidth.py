@@ -14,13 +14,14 @@ from click.testing import CliRunner
 
 from loader.cli import main as moeload
 from loader.codec import RecordLayout
-from loader.format import expert_key, read_record_offsets, verify
+from loader.format import expert_key, verify
 from loader.runtime import load, minimum_budget
 from prep.errors import MoeprepError
 from prep.pipeline import prepare
 from prep.stages.bitwidth import edgemoe_search, flat_order
 from tests.tiny_models import (
     ARCHITECTURES,
+    planned_reference,
     prepare_tiny_artifact,
     random_sequences,
     save_tiny_model,
@@ -28,30 +29,6 @@ from tests.tiny_models import (
 )
 
 MIXED = {"quantize": {"also": ["int2"]}, "bitwidth": {"method": "random", "share": 0.5, "low": "int2"}}
-
-
-def _decoded_reference(model, artifact):
-    """``model`` with every expert replaced by its record decoded from the store of its planned precision."""
-    manifest = json.loads((artifact / "manifest.json").read_text())
-    plan = json.loads((artifact / "plan.json").read_text())
-    reference = type(model)(model.config).eval()
-    reference.load_state_dict(model.state_dict())
-    stores = {}
-    for precision, store in manifest["stores"].items():
-        offsets, record_bytes, _ = read_record_offsets(artifact / store["file"])
-        stores[precision] = (offsets, record_bytes, RecordLayout.from_json(store["layout"]),
-                             (artifact / store["file"]).read_bytes())
-    with torch.no_grad():
-        for pos, (layer, path) in enumerate(zip(manifest["moe"]["layers"], manifest["moe"]["experts_modules"],
-                                                strict=True)):
-            module = reference.get_submodule(path)
-            for e, precision in enumerate(plan["expert_precision"][pos]):
-                offsets, size, layout, raw = stores[precision]
-                off = offsets[expert_key(layer, e)]
-                record = torch.frombuffer(bytearray(raw[off:off + size]), dtype=torch.uint8)
-                for name, tensor in layout.decode(record).items():
-                    getattr(module, name)[e].copy_(tensor)
-    return reference
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -66,7 +43,7 @@ def test_mixed_artifact_matches_each_expert_at_its_own_precision(arch, tmp_path)
                                                               strict=True) for e, p in enumerate(row) if p == precision}
         assert set(store["crc32"]) == planned
     assert verify(art) == []
-    expected_model = _decoded_reference(model, art)
+    expected_model = planned_reference(model, art)
     ids = torch.stack([s[:10] for s in random_sequences(2, 10, seed=3)])
     with torch.no_grad():
         expected = expected_model(input_ids=ids).logits

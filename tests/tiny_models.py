@@ -307,6 +307,35 @@ def decoded_reference(model, artifact: Path, precision: str):
     return reference
 
 
+def planned_reference(model, artifact: Path):
+    """``model`` with every expert replaced by its record decoded from the store of its planned precision."""
+    import json
+
+    from loader.codec import RecordLayout
+    from loader.format import expert_key, read_record_offsets
+
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    plan = json.loads((artifact / "plan.json").read_text())
+    reference = type(model)(model.config).eval()
+    reference.load_state_dict(model.state_dict())
+    stores = {}
+    for precision, store in manifest["stores"].items():
+        offsets, record_bytes, _ = read_record_offsets(artifact / store["file"])
+        stores[precision] = (offsets, record_bytes, RecordLayout.from_json(store["layout"]),
+                             (artifact / store["file"]).read_bytes())
+    with torch.no_grad():
+        for pos, (layer, path) in enumerate(zip(manifest["moe"]["layers"], manifest["moe"]["experts_modules"],
+                                                strict=True)):
+            module = reference.get_submodule(path)
+            for e, precision in enumerate(plan["expert_precision"][pos]):
+                offsets, size, layout, raw = stores[precision]
+                off = offsets[expert_key(layer, e)]
+                record = torch.frombuffer(bytearray(raw[off:off + size]), dtype=torch.uint8)
+                for name, tensor in layout.decode(record).items():
+                    getattr(module, name)[e].copy_(tensor)
+    return reference
+
+
 def file_hashes(directory: Path) -> dict[str, str]:
     """{file name: sha256} of every file in ``directory``."""
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}

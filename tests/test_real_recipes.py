@@ -1,0 +1,93 @@
+"""The seven real-model recipes (issue 22): each one prepares a tiny checkpoint of its architecture saved in the
+hub's naming, and the artifact's loader logits equal transformers' for that checkpoint.
+
+The tiny checkpoints are written by ``save_pretrained`` with a small shard size: sharded safetensors with an
+index, per-expert tensor names wherever the hub uses them (transformers converts its fused experts back to
+the hub names on save), fused names for gpt-oss (as its hub checkpoint has them). The reference is
+``from_pretrained`` of that directory with each expert replaced by the record the plan ships, decoded.
+Only the calibration data and the sizes that cannot fit a tiny model are overridden.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from loader.routing import RoutingPolicy
+from loader.runtime import load
+from prep.adapters import get_adapter, load_model
+from prep.cli import main
+from prep.recipe import load_recipe
+from tests.tiny_models import build_tiny_model, planned_reference, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = {  # recipe -> the architecture of its model
+    "mixtral-8x7b": "mixtral",
+    "phi-3.5-moe": "phimoe",
+    "qwen1.5-moe-a2.7b": "qwen2_moe",
+    "qwen3-30b-a3b": "qwen3_moe",
+    "deepseek-v2-lite": "deepseek_v2",
+    "olmoe-1b-7b": "olmoe",
+    "gpt-oss-20b": "gpt_oss",
+}
+TINY = [  # calibration from a local file, and sizes a tiny model can take; everything else is the recipe's
+    "calibration.source=files", "calibration.num_sequences=8", "calibration.sequence_length=16",
+    "trace.batch=4", "quantize.group_size=16", "bitwidth.num_sequences=2", "gating.num_sequences=2",
+]
+
+
+def save_hub_checkpoint(arch: str, directory: Path):
+    """A tiny ``arch`` model saved as the hub would ship it: sharded, with an index and hub tensor names."""
+    model = build_tiny_model(arch)
+    model.save_pretrained(directory, max_shard_size="40KB")
+    tiny_tokenizer(model.config.vocab_size).save_pretrained(directory)
+    return model
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_names_its_model_and_config(name):
+    recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml")
+    assert recipe.name == name and recipe.model.path is None and "/" in recipe.model.hub_id
+    config = json.loads((ROOT / recipe.model.config).read_text())
+    assert recipe.model.config == f"recipes/{name}/config.json"
+    assert config["model_type"] == RECIPES[name]
+    text = (ROOT / "recipes" / f"{name}.yaml").read_text()
+    assert f"https://huggingface.co/{recipe.model.hub_id}/blob/main/config.json" in text  # the config's source
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_prepares_a_hub_checkpoint_to_transformers_logits(name, tmp_path, monkeypatch):
+    arch = RECIPES[name]
+    checkpoint = tmp_path / "checkpoint"
+    save_hub_checkpoint(arch, checkpoint)
+    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 1  # sharded
+    per_expert = any(".experts.0." in n for n in index)
+    assert per_expert == (arch != "gpt_oss"), sorted(index)[:8]  # the hub's naming: per expert but for gpt-oss
+    (tmp_path / "calibration.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    monkeypatch.chdir(tmp_path)  # the CLI writes artifacts/<name>/ under the working directory
+    sets = [f"model.path={checkpoint}", f"calibration.files=[{tmp_path / 'calibration.txt'}]", *TINY]
+    result = CliRunner().invoke(main, ["prepare", "--recipe", str(ROOT / "recipes" / f"{name}.yaml"),
+                                       "--expert-memory", "0", "--output", str(tmp_path / "artifact"),
+                                       *[a for s in sets for a in ("--set", s)]])
+    assert result.exit_code == 0, result.output
+    artifact = tmp_path / "artifact"
+
+    source = load_model(checkpoint, dtype="auto")  # transformers' own reading of the hub names
+    reference = planned_reference(source, artifact)
+    ids = torch.randint(4, source.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    loaded = load(artifact, memory_budget="unlimited", routing=RoutingPolicy(), predictors=[])
+    try:
+        with torch.no_grad():
+            got, expected = loaded.model(input_ids=ids).logits, reference(input_ids=ids).logits
+    finally:
+        loaded.close()
+    assert torch.allclose(got, expected, atol=1e-4), (name, float((got - expected).abs().max()))
+    # the recipe's quantization really happened: the artifact is not the source model
+    adapter = get_adapter(source)
+    layer = adapter.moe_layers[0]
+    assert not torch.equal(adapter.get_expert(source, layer, 0).gate, adapter.get_expert(reference, layer, 0).gate)
