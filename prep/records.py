@@ -89,3 +89,34 @@ def write_aligned_records(path: Path, records: dict[str, bytes | memoryview], re
         f.flush()
         os.fsync(f.fileno())
     return crcs
+
+
+def write_record_file(path: Path, keys: list[str], record_bytes: int, records) -> None:
+    """A plain safetensors file of uint8 records ``[record_bytes]`` named ``keys``, written as ``records``
+    (an iterable of uint8 tensors, in ``keys`` order) comes, so one record at a time is in memory; atomic.
+    (The quantize stage's per-layer files: ``safe_open(...).get_tensor(key)`` reads one back.)"""
+    header = {key: {"dtype": "U8", "shape": [record_bytes], "data_offsets": [i * record_bytes, (i + 1) * record_bytes]}
+              for i, key in enumerate(keys)}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * ((-len(text)) % 8)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    written = 0
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(text)))
+            f.write(text)
+            for record in records:
+                data = record.contiguous().view(torch.uint8).numpy().tobytes()
+                if len(data) != record_bytes:
+                    raise MoeprepError(f"record {keys[written]} has {len(data)} bytes, the layout says {record_bytes}")
+                f.write(data)
+                written += 1
+            if written != len(keys):
+                raise MoeprepError(f"{written} records written for {len(keys)} names")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()

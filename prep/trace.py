@@ -145,6 +145,16 @@ class RoutingRecorder:
     def _head_hook(self, module, args):
         self._keep("head_input", args[0].reshape(-1, args[0].shape[-1]), self.hidden_dtype)
 
+    def _norm_hook(self, module, args, output):
+        self._keep("head_input", output.reshape(-1, output.shape[-1]), self.hidden_dtype)
+
+    @property
+    def final_norm(self) -> nn.Module | None:
+        """The base model's final norm, whose output is the LM head's input at every position (None where the
+        model has no ``norm``): hooking it lets a forward skip the logits (``logits_to_keep=1``)."""
+        norm = getattr(self.model.base_model, "norm", None)
+        return norm if isinstance(norm, nn.Module) else None
+
     def __enter__(self) -> RoutingRecorder:
         for layer in self.adapter.moe_layers:
             router = self.adapter.router(self.model, layer)
@@ -152,7 +162,10 @@ class RoutingRecorder:
         if self.record_hidden:
             last = self.adapter.decoder_layers(self.model)[-1]
             self._handles.append(last.register_forward_hook(self._last_layer_hook))
-            self._handles.append(self.model.get_output_embeddings().register_forward_pre_hook(self._head_hook))
+            if self.final_norm is not None:
+                self._handles.append(self.final_norm.register_forward_hook(self._norm_hook))
+            else:
+                self._handles.append(self.model.get_output_embeddings().register_forward_pre_hook(self._head_hook))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -268,7 +281,9 @@ def record_traces(
                     if seq.numel() == 0:
                         raise MoeprepError(f"sequence {len(lengths)} is empty")
                     lengths.append(seq.numel())
-                model(input_ids=torch.stack(group).to(device), use_cache=False)
+                # logits over the vocabulary ([batch, T, V] float32, GBs for a big batch) are not traced
+                skip_logits = {"logits_to_keep": 1} if recorder.final_norm is not None else {}
+                model(input_ids=torch.stack(group).to(device), use_cache=False, **skip_logits)
                 rows = recorder.pop()  # (batch, position) order: the sequences one after another
                 rows["token_ids"] = torch.cat(group).cpu()
                 writer.add(rows)

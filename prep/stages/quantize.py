@@ -15,14 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors import safe_open
-from safetensors.torch import save
 from tqdm import tqdm
 
 from loader.codec import RecordLayout
-from loader.files import write_bytes_atomic
 from loader.format import expert_key
 from prep.quant.hqq_codec import encode_expert, matrix_spec
 from prep.recipe import QuantizeSection
+from prep.records import write_record_file
 from prep.stages import Stage, StageResult
 from prep.streaming import resident_layer
 
@@ -85,6 +84,14 @@ def expert_tensors(adapter, model, layer: int, expert: int) -> tuple[dict, bool]
     return tensors, bool(getattr(module, "is_transposed", False))
 
 
+def _encoded(model, adapter, layer: int, precision: str, group: int, meta: int, bar):
+    """The records of every expert of ``layer``, one at a time (what the layer file is written from)."""
+    for expert in range(adapter.num_experts):
+        tensors, transposed = expert_tensors(adapter, model, layer, expert)
+        yield encode_expert(tensors, precision, group, transposed, meta_group=meta)[1]
+        bar.update(1)
+
+
 def quantize_experts(model, adapter, cfg: QuantizeSection, work: Path) -> PackedExperts:
     """Write ``work/<precision>/layer-<l>.safetensors`` for every precision and MoE layer."""
     stores = {}
@@ -92,6 +99,9 @@ def quantize_experts(model, adapter, cfg: QuantizeSection, work: Path) -> Packed
         group, meta = cfg.format_of(precision)
         directory = work / precision
         directory.mkdir(exist_ok=True)
+        tensors, transposed = expert_tensors(adapter, model, adapter.moe_layers[0], 0)  # shapes only (meta if streamed)
+        layout = RecordLayout(tuple(matrix_spec(name, t, precision, group, transposed, meta_group=meta)
+                                    for name, t in tensors.items()))
         files = []
         bar = tqdm(total=len(adapter.moe_layers) * adapter.num_experts, desc=f"quantize {precision}", unit="expert")
         for layer in adapter.moe_layers:
@@ -100,19 +110,10 @@ def quantize_experts(model, adapter, cfg: QuantizeSection, work: Path) -> Packed
             if path.is_file():  # finished before an interruption
                 bar.update(adapter.num_experts)
                 continue
-            records = {}
             with resident_layer(model, adapter, layer):  # a streamed model reads this layer from the shards
-                for expert in range(adapter.num_experts):
-                    tensors, transposed = expert_tensors(adapter, model, layer, expert)
-                    _, records[expert_key(layer, expert)] = encode_expert(tensors, precision, group, transposed,
-                                                                          meta_group=meta)
-                    bar.update(1)
-            write_bytes_atomic(path, save(records))
+                write_record_file(path, [expert_key(layer, e) for e in range(adapter.num_experts)], layout.nbytes,
+                                  _encoded(model, adapter, layer, precision, group, meta, bar))
         bar.close()
-        with resident_layer(model, adapter, adapter.moe_layers[0]):
-            tensors, transposed = expert_tensors(adapter, model, adapter.moe_layers[0], 0)
-        layout = RecordLayout(tuple(matrix_spec(name, t, precision, group, transposed, meta_group=meta)
-                                    for name, t in tensors.items()))
         stores[precision] = {"group_size": group, "meta_group": meta, "layout": layout.to_json(),
                              "record_bytes": layout.nbytes, "files": files}
     return PackedExperts(precision=cfg.precision, stores=stores, layers=list(adapter.moe_layers),

@@ -1,0 +1,234 @@
+"""Streaming preparation (issue 22): the source model with its experts read from the shards a layer at a time.
+
+The reference everywhere is transformers' ``from_pretrained`` of the same directory, loaded whole.
+The slow test prepares a generated model with 1.5 GB of experts and checks the peak RSS of ``moeprep prepare``
+against dense weights + one MoE layer + the process's own footprint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from prep.adapters import get_adapter, load_model
+from prep.errors import MoeprepError
+from prep.streaming import load_streamed, stream_of
+from prep.trace import RoutingRecorder, open_trace, record_traces
+from tests.tiny_models import ARCHITECTURES, build_tiny_model, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Every tiny architecture saved sharded in hub naming; {arch: directory}."""
+    root = tmp_path_factory.mktemp("streamed")
+    out = {}
+    for arch in ARCHITECTURES:
+        build_tiny_model(arch).save_pretrained(root / arch, max_shard_size="40KB")
+        out[arch] = root / arch
+    return out
+
+
+def _ids(vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(4, vocab, (3, 12), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("resident", [None, 0])
+def test_streamed_model_equals_from_pretrained(arch, resident, checkpoints):
+    whole = load_model(checkpoints[arch], dtype="auto")
+    streamed = load_streamed(checkpoints[arch], resident_bytes=resident)
+    adapter = get_adapter(streamed)
+    stream = stream_of(streamed, adapter)
+    ids = _ids(whole.config.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(streamed(input_ids=ids).logits, whole(input_ids=ids).logits)
+    # one batched forward reads each MoE layer once; with 0 resident bytes none stays
+    assert stream.reads == len(adapter.moe_layers)
+    assert len(stream.resident) == (len(adapter.moe_layers) if resident is None else 0)
+    dense = {n: t for n, t in whole.state_dict().items() if ".experts." not in n}
+    got = streamed.state_dict()
+    assert all(torch.equal(got[n], t) for n, t in dense.items())
+    layer = adapter.moe_layers[-1]
+    for e in range(adapter.num_experts):  # get_expert of a layer that is not resident reads the shards
+        a, b = adapter.get_expert(whole, layer, e), adapter.get_expert(streamed, layer, e)
+        assert all(torch.equal(x, y) for x, y in zip(a.tensors().values(), b.tensors().values(), strict=True))
+
+
+def test_set_expert_on_a_streamed_model_acts_like_the_whole_model(checkpoints):
+    whole = load_model(checkpoints["mixtral"], dtype="auto")
+    streamed = load_streamed(checkpoints["mixtral"], resident_bytes=0)
+    adapter = get_adapter(whole)
+    stream = stream_of(streamed, adapter)
+    original = adapter.get_expert(whole, 1, 2)
+    changed = type(original)(original.gate * -2, original.up, original.down)
+    adapter.set_expert(whole, 1, 2, changed)
+    adapter.set_expert(streamed, 1, 2, changed)
+    assert set(stream.overrides) == {(1, 2)}
+    ids = _ids(whole.config.vocab_size, seed=1)
+    with torch.no_grad():
+        assert torch.equal(streamed(input_ids=ids).logits, whole(input_ids=ids).logits)
+    adapter.set_expert(streamed, 1, 2, original)  # back to the shards' bytes: nothing held any more
+    assert stream.overrides == {}
+    assert torch.equal(adapter.get_expert(streamed, 1, 2).gate, original.gate)
+
+
+def test_use_source_and_preserved(checkpoints):
+    streamed = load_streamed(checkpoints["olmoe"])
+    adapter = get_adapter(streamed)
+    stream = stream_of(streamed, adapter)
+    ids = _ids(streamed.config.vocab_size, seed=2)
+    with torch.no_grad():
+        before = streamed(input_ids=ids).logits
+        with stream.preserved():
+            stream.use_source(lambda layer, e: _halved(stream.checkpoint_expert(layer, e)))
+            assert not stream.resident  # the resident layers held the old source's weights
+            halved = streamed(input_ids=ids).logits
+            assert torch.equal(adapter.get_expert(streamed, adapter.moe_layers[0], 1).up,
+                               stream.checkpoint_expert(adapter.moe_layers[0], 1).up * 0.5)
+        after = streamed(input_ids=ids).logits
+    assert not torch.allclose(halved, before)
+    assert torch.equal(after, before)
+
+
+def _halved(weights):
+    return type(weights)(weights.gate, weights.up * 0.5, weights.down)
+
+
+def test_a_checkpoint_missing_a_dense_tensor_is_named(tmp_path):
+    model = build_tiny_model("mixtral")
+    model.config.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "model.norm.weight"}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(MoeprepError, match=r"lacks 1 tensor.*model\.norm\.weight"):
+        load_streamed(tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without a GPU")
+def test_cuda_without_a_gpu_is_one_clear_error(checkpoints):
+    with pytest.raises(MoeprepError, match="no CUDA GPU"):
+        load_streamed(checkpoints["mixtral"], device="cuda")
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_batched_trace_equals_one_sequence_at_a_time(arch, checkpoints, tmp_path):
+    model = load_streamed(checkpoints[arch], resident_bytes=0)
+    sequences = list(_ids(model.config.vocab_size, seed=3))
+    one = open_trace(record_traces(model, sequences, tmp_path / "one", batch=1))
+    many = open_trace(record_traces(model, sequences, tmp_path / "many", batch=3))
+    assert one.sequence_tokens == many.sequence_tokens == [12, 12, 12]
+    for a, b in zip(one.routing(), many.routing(), strict=True):
+        assert torch.equal(a.expert_ids, b.expert_ids)
+        assert torch.allclose(a.expert_weights, b.expert_weights, atol=1e-5)
+    # head_input, hooked on the final norm (the forward skips the vocabulary logits), is the LM head's input
+    captured = []
+    head = model.get_output_embeddings().register_forward_pre_hook(lambda m, args: captured.append(args[0]))
+    with torch.no_grad():
+        model(input_ids=sequences[0].view(1, -1))
+    head.remove()
+    assert torch.allclose(many.tensor("head_input")[:12].float(), captured[0][0].float(), atol=2e-3)
+    assert RoutingRecorder(model).final_norm is not None
+
+
+# --- peak memory of prepare on a model whose experts are far larger than the rest -------------------------
+
+BIG = dict(hidden_size=1024, intermediate_size=3072, num_local_experts=8, num_hidden_layers=5,
+           num_attention_heads=8, num_key_value_heads=4, vocab_size=512, num_experts_per_tok=2,
+           max_position_embeddings=256)
+
+
+def write_big_checkpoint(directory: Path) -> dict:
+    """A Mixtral-shaped float32 checkpoint with 1.5 GB of experts and 67 MB of everything else, written one
+    layer per shard in the hub's per-expert naming without ever holding more than one layer. Returns sizes."""
+    from transformers import MixtralConfig
+
+    config = MixtralConfig(**BIG, dtype="float32", tie_word_embeddings=False)
+    directory.mkdir()
+    config.save_pretrained(directory)
+    tiny_tokenizer(config.vocab_size).save_pretrained(directory)
+    gen = torch.Generator().manual_seed(0)
+    h, i = config.hidden_size, config.intermediate_size
+    kv = config.num_key_value_heads * (h // config.num_attention_heads)  # k/v projection rows
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen) * 0.02
+
+    weight_map, dense_bytes, expert_bytes = {}, 0, 0
+    shards = {"model-dense.safetensors": {"model.embed_tokens.weight": rnd(config.vocab_size, h),
+                                          "lm_head.weight": rnd(config.vocab_size, h),
+                                          "model.norm.weight": torch.ones(h)}}
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}"
+        shards["model-dense.safetensors"] |= {
+            f"{p}.self_attn.q_proj.weight": rnd(h, h), f"{p}.self_attn.k_proj.weight": rnd(kv, h),
+            f"{p}.self_attn.v_proj.weight": rnd(kv, h), f"{p}.self_attn.o_proj.weight": rnd(h, h),
+            f"{p}.input_layernorm.weight": torch.ones(h), f"{p}.post_attention_layernorm.weight": torch.ones(h),
+            f"{p}.block_sparse_moe.gate.weight": rnd(config.num_local_experts, h)}
+    for name, tensors in shards.items():
+        save_file(tensors, str(directory / name))
+        weight_map |= dict.fromkeys(tensors, name)
+        dense_bytes += sum(t.numel() * 4 for t in tensors.values())
+    shards.clear()
+    for layer in range(config.num_hidden_layers):
+        tensors = {}
+        for e in range(config.num_local_experts):
+            p = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
+            tensors |= {f"{p}.w1.weight": rnd(i, h), f"{p}.w3.weight": rnd(i, h), f"{p}.w2.weight": rnd(h, i)}
+        name = f"model-layer-{layer}.safetensors"
+        save_file(tensors, str(directory / name))
+        weight_map |= dict.fromkeys(tensors, name)
+        expert_bytes += sum(t.numel() * 4 for t in tensors.values())
+        del tensors
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return {"dense_bytes": dense_bytes, "expert_bytes": expert_bytes,
+            "layer_bytes": expert_bytes // config.num_hidden_layers}
+
+
+# VmHWM, not ru_maxrss: the latter survives exec, so a child forked from a big pytest process would report the
+# parent's size; VmHWM belongs to the new address space
+PEAK_RSS = """
+{imports}
+from pathlib import Path
+status = Path("/proc/self/status").read_text()
+print("PEAK_RSS_KB", next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))
+"""
+
+
+def _peak_rss(code: str, cwd: Path) -> int:
+    """Run ``code`` in a fresh interpreter; returns its peak resident set in bytes (stdout's last report)."""
+    out = subprocess.run([sys.executable, "-c", PEAK_RSS.format(imports=code)], cwd=cwd, capture_output=True,
+                         text=True, env=os.environ | {"TQDM_DISABLE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return int(out.stdout.split("PEAK_RSS_KB")[-1].split()[0]) * 1024
+
+
+@pytest.mark.slow
+def test_prepare_peak_rss_is_dense_plus_one_layer(tmp_path):
+    sizes = write_big_checkpoint(tmp_path / "big")
+    assert sizes["expert_bytes"] > 1.5e9 and sizes["expert_bytes"] > 20 * sizes["dense_bytes"]
+    (tmp_path / "calibration.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    recipe = {"name": "big", "model": {"path": str(tmp_path / "big")},
+              "calibration": {"source": "files", "files": [str(tmp_path / "calibration.txt")],
+                              "num_sequences": 8, "sequence_length": 64},
+              "trace": {"batch": 8}, "quantize": {"precision": "passthrough"}}
+    (tmp_path / "big.yaml").write_text(json.dumps(recipe))
+    # the process's own footprint: the same interpreter with everything prepare imports, and no model
+    baseline = _peak_rss("import torch, transformers, hqq\nimport prep.pipeline, prep.streaming, prep.trace\n"
+                         "import transformers.models.mixtral.modeling_mixtral", tmp_path)
+    peak = _peak_rss("from prep.cli import main\n"
+                     "main(['prepare', '--recipe', 'big.yaml', '--expert-memory', '0'], standalone_mode=False)",
+                     tmp_path)
+    bound = baseline + sizes["dense_bytes"] + 2 * sizes["layer_bytes"] + 256 * 2**20
+    report = {"peak_rss": peak, "baseline_rss": baseline, "bound": bound, **sizes}
+    print("STREAMING", json.dumps(report))
+    assert (tmp_path / "artifacts" / "big" / "artifact" / "manifest.json").is_file()
+    assert peak <= bound, report
+    assert peak - baseline < 0.5 * sizes["expert_bytes"], report  # far from holding the model
