@@ -44,13 +44,36 @@ def _format_table(info: dict) -> str:
 
 
 @main.command("inspect-model")
-@click.argument("model")
+@click.argument("models", nargs=-1, required=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-def inspect_model_command(model: str, as_json: bool) -> None:
-    """Show how moeprep sees MODEL (a local directory or hub id): MoE layers, experts, sizes."""
+@click.option("--table", "recipes_table", is_flag=True,
+              help="MODELS are real-model recipes: print the supported-models table (markdown) from their configs.")
+@click.option("--data", default=None, type=click.Path(file_okay=False, exists=True),
+              help="With --table: also the wall-time floor of `moeprep eval` per suite on these benchmark files.")
+@click.option("--readme", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="With --table: rewrite the table blocks of this file (README.md) instead of printing them.")
+def inspect_model_command(models: tuple[str, ...], as_json: bool, recipes_table: bool, data: str | None,
+                          readme: str | None) -> None:
+    """Show how moeprep sees MODEL (a local directory, its config.json, or a hub id): MoE layers, experts,
+    sizes. With --table, MODELS are recipes and the output is the README's table of supported models."""
     from prep.adapters import inspect_model
 
-    info = inspect_model(model)
+    if recipes_table:
+        from prep.models_table import EVAL_MARKERS, MARKERS, eval_time_table, models_table, update_readme
+
+        tables = [("models table", models_table(list(models)), MARKERS)]
+        if data is not None:
+            tables.append(("eval wall times", eval_time_table(list(models), data), EVAL_MARKERS))
+        for what, table, markers in tables:
+            if readme is None:
+                click.echo(table)
+            else:
+                changed = update_readme(readme, table, markers)
+                click.echo(f"{readme}: {what} {'updated' if changed else 'already current'}")
+        return
+    if len(models) != 1 or readme is not None or data is not None:
+        raise click.UsageError("give one MODEL (several, --data and --readme only with --table)")
+    info = inspect_model(models[0])
     click.echo(json.dumps(info, indent=2) if as_json else _format_table(info))
 
 
@@ -67,9 +90,10 @@ def inspect_model_command(model: str, as_json: bool) -> None:
               help="Replace --output even when it is not a moeprep artifact (deleting what it holds).")
 @click.option("--device", default="cpu", show_default=True,
               help="Where the stages run the model: cpu or cuda (the forwards, HQQ and the gate's training).")
-@click.option("--expert-memory", default="all", show_default=True,
-              help="Routed-expert bytes kept in memory between uses (e.g. 8GiB); 0: one MoE layer at a time. "
-              "The dense weights always load whole. Changes no result, only memory and re-reads.")
+@click.option("--expert-memory", default="auto", show_default=True,
+              help="Routed-expert bytes kept in memory between uses (e.g. 8GiB); 0: one MoE layer at a time; "
+              "all: every layer once read; auto: what fits in half the memory available. The dense weights "
+              "always load whole. Changes no result, only memory and re-reads of the checkpoint.")
 def prepare_command(recipe_path: str, overrides: tuple[str, ...], output: str | None, until: str | None,
                     force: str | None, overwrite: bool, device: str, expert_memory: str) -> None:
     """Run the preparation pipeline of a recipe and write its artifact."""
@@ -86,12 +110,12 @@ def prepare_command(recipe_path: str, overrides: tuple[str, ...], output: str | 
         click.echo(f"artifact: {summary['artifact']}")
 
 
-def _expert_memory(text: str) -> int | None:
-    """--expert-memory: "all" -> None, "0" -> 0, a size like 8GiB -> bytes."""
+def _expert_memory(text: str) -> int | str | None:
+    """--expert-memory: "auto" -> "auto", "all" -> None, "0" -> 0, a size like 8GiB -> bytes."""
     from loader.plan import PlanError, parse_budget
 
-    if text.strip().lower() == "all":
-        return None
+    if text.strip().lower() in ("all", "auto"):
+        return None if text.strip().lower() == "all" else "auto"
     if text.strip() == "0":
         return 0
     try:
@@ -99,7 +123,7 @@ def _expert_memory(text: str) -> int | None:
     except PlanError:
         kind = None
     if kind != "bytes":
-        raise click.BadParameter(f"{text!r}: give bytes or a size like 8GiB, 0 for one layer at a time, or all",
+        raise click.BadParameter(f"{text!r}: give bytes or a size like 8GiB, 0 for one layer at a time, all or auto",
                                  param_hint="--expert-memory")
     return int(value)
 
@@ -120,8 +144,11 @@ def _expert_memory(text: str) -> int | None:
 @click.option("--reuse-original", default=None, type=click.Path(file_okay=False),
               help="Directory keeping the original model's per-item results (keyed by its content, the items and "
               "the settings): comparing several artifacts of one model then runs the original once.")
+@click.option("--expert-memory", default="auto", show_default=True,
+              help="The original's routed-expert bytes kept in memory between forwards (as for prepare; 0 rereads "
+              "the checkpoint every forward).")
 def eval_command(artifact, original, suites, data, limit, num_fewshot, gsm8k_format, memory_budget, output,
-                 reuse_original):
+                 reuse_original, expert_memory):
     """Compare the prepared model (through the loader) with the original, item by item."""
     from pathlib import Path
 
@@ -130,7 +157,7 @@ def eval_command(artifact, original, suites, data, limit, num_fewshot, gsm8k_for
     output = output or str(Path(artifact).parent / "eval.json")
     report = evaluate_artifact(artifact, original, _names(suites), data,
                                limit, num_fewshot, memory_budget, gsm8k_format, output=output,
-                               reuse_original=reuse_original)
+                               reuse_original=reuse_original, expert_memory=_expert_memory(expert_memory))
     click.echo(summary_markdown(report))
     click.echo(f"wrote {output}")
 

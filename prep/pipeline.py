@@ -136,7 +136,7 @@ class _Sources:
     """What stages may need, each loaded or computed on first use and then shared by every stage."""
 
     def __init__(self, recipe: Recipe, root: Path, model_dir: Path, device: str = "cpu",
-                 expert_memory: int | None = None) -> None:
+                 expert_memory: int | str | None = "auto") -> None:
         self.recipe, self.root, self.model_dir = recipe, root, model_dir
         self.device, self.expert_memory = device, expert_memory
         self.sections = recipe.to_dict()
@@ -283,12 +283,13 @@ def _check_stage(name: str | None, what: str) -> None:
 
 def prepare(recipe: Recipe, root: str | Path = ".", output: str | Path | None = None,
             until: str | None = None, force: str | None = None, overwrite: bool = False,
-            device: str = "cpu", expert_memory: int | None = None) -> dict:
+            device: str = "cpu", expert_memory: int | str | None = "auto") -> dict:
     """Run the pipeline for ``recipe``; returns {stage: {key, seconds, cached[, skipped]}} and the artifact path.
 
     ``device``: where the stages run the model (``cuda`` needs a GPU). ``expert_memory``: bytes of routed
-    experts kept in memory between uses (None: all of them once read; 0: one MoE layer at a time). Neither
-    changes a result, so neither is part of a stage key.
+    experts kept in memory between uses (None: all of them once read; 0: one MoE layer at a time; "auto":
+    what fits in half the memory available, ``prep.streaming.load_streamed``). Neither changes a result, so
+    neither is part of a stage key.
 
     ``output`` (default ``artifacts/<name>/artifact`` under ``root``) is replaced only when it is absent,
     empty or a moeprep artifact, unless ``overwrite``; the model directory, the working directory, the

@@ -205,11 +205,27 @@ def _model_dtype(config, tensors: CheckpointTensors, names: list[str]) -> torch.
     return torch.float32
 
 
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+AUTO_SHARE = 0.5  # --expert-memory auto: resident experts may take this share of the memory available at load
+
+
 def load_streamed(model_dir: str | Path, *, device: str | torch.device = "cpu",
-                  resident_bytes: int | None = None) -> nn.Module:
+                  resident_bytes: int | str | None = "auto") -> nn.Module:
     """The ``*ForCausalLM`` of a checkpoint directory with its routed experts streamed (see module docstring).
 
-    resident_bytes: expert bytes kept in memory between uses (None: every layer, as a whole load would).
+    resident_bytes: expert bytes kept in memory between uses: None keeps every layer once read (as a whole
+    load would), 0 only the layer running, "auto" what fits in ``AUTO_SHARE`` of the memory available now
+    after the dense weights (every layer, for a model that fits).
     Raises MoeprepError for a missing directory, an unsupported architecture or a checkpoint that lacks a
     non-expert tensor of the model.
     """
@@ -262,6 +278,10 @@ def load_streamed(model_dir: str | Path, *, device: str | torch.device = "cpu",
     experts_bytes = sum(m.numel() for layer in adapter.moe_layers
                         for m in adapter.experts(model, layer).parameters(recurse=False)) * \
         torch.empty((), dtype=dtype).element_size()
+    if resident_bytes == "auto":
+        dense_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values() if not t.is_meta)
+        free = available_memory() if device.type == "cpu" else torch.cuda.mem_get_info(device)[0]
+        resident_bytes = experts_bytes if free is None else int(max(0, AUTO_SHARE * free - dense_bytes))
     ExpertStream(model, adapter, model_dir, dtype, device,
                  experts_bytes if resident_bytes is None else resident_bytes)
     return model

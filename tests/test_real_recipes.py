@@ -59,8 +59,8 @@ def test_recipe_names_its_model_and_config(name):
     assert f"https://huggingface.co/{recipe.model.hub_id}/blob/main/config.json" in text  # the config's source
 
 
-@pytest.mark.parametrize("name", RECIPES)
-def test_recipe_prepares_a_hub_checkpoint_to_transformers_logits(name, tmp_path, monkeypatch):
+def prepare_recipe(name: str, tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
+    """(tiny hub checkpoint, artifact): ``recipes/<name>.yaml`` prepared by the CLI, one layer at a time."""
     arch = RECIPES[name]
     checkpoint = tmp_path / "checkpoint"
     save_hub_checkpoint(arch, checkpoint)
@@ -75,7 +75,12 @@ def test_recipe_prepares_a_hub_checkpoint_to_transformers_logits(name, tmp_path,
                                        "--expert-memory", "0", "--output", str(tmp_path / "artifact"),
                                        *[a for s in sets for a in ("--set", s)]])
     assert result.exit_code == 0, result.output
-    artifact = tmp_path / "artifact"
+    return checkpoint, tmp_path / "artifact"
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_prepares_a_hub_checkpoint_to_transformers_logits(name, tmp_path, monkeypatch):
+    checkpoint, artifact = prepare_recipe(name, tmp_path, monkeypatch)
 
     source = load_model(checkpoint, dtype="auto")  # transformers' own reading of the hub names
     reference = planned_reference(source, artifact)
@@ -91,3 +96,37 @@ def test_recipe_prepares_a_hub_checkpoint_to_transformers_logits(name, tmp_path,
     adapter = get_adapter(source)
     layer = adapter.moe_layers[0]
     assert not torch.equal(adapter.get_expert(source, layer, 0).gate, adapter.get_expert(reference, layer, 0).gate)
+
+
+SHARED = ROOT.parent / "shared" / "data" / "benchmarks"
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data/benchmarks (the real benchmark files) is absent")
+def test_eval_on_the_real_benchmarks(tmp_path, monkeypatch):
+    # the accuracy check of a real recipe's artifact on the real GSM8K, MMLU and TruthfulQA files, the original
+    # model streamed one layer at a time
+    _, artifact = prepare_recipe("qwen3-30b-a3b", tmp_path, monkeypatch)
+    result = CliRunner().invoke(main, ["eval", "--artifact", str(artifact), "--data", str(SHARED), "--limit", "2",
+                                       "--num-fewshot", "0", "--expert-memory", "0",
+                                       "--output", str(tmp_path / "eval.json")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["data_layout"] == "original" and Path(report["data"]) == SHARED
+    assert set(report["suites"]) == {"gsm8k", "mmlu", "truthfulqa_mc1", "truthfulqa_mc2"}
+    assert all(s["n"] == 2 for s in report["suites"].values())
+    merged = json.loads((artifact / "report.json").read_text())
+    assert set(merged["eval"]["suites"]) == set(report["suites"])
+
+
+def test_readme_tables_are_generated_and_current(tmp_path):
+    from prep.models_table import EVAL_MARKERS, MARKERS, eval_time_table, models_table, update_readme
+
+    recipes = sorted(str(p) for p in (ROOT / "recipes").glob("*.yaml"))
+    copy = tmp_path / "README.md"
+    copy.write_text((ROOT / "README.md").read_text())
+    table = models_table(recipes, root=ROOT)
+    assert table.count("\n") == 2 + len(RECIPES)  # the reference recipes ship no config and are left out
+    assert not update_readme(copy, table, MARKERS), "README.md's models table is stale: run the command in its marker"
+    if SHARED.is_dir():
+        assert not update_readme(copy, eval_time_table(recipes, SHARED, root=ROOT), EVAL_MARKERS), \
+            "README.md's eval wall times are stale: run the command in its marker"

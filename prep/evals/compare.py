@@ -152,8 +152,12 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
                       data: str | Path | None = None, limit: int | None = None, num_fewshot: int | None = None,
                       memory_budget=None, gsm8k_format: str = "cot", batch_rows: int = 16,
                       max_new_tokens: int = 256, output: str | Path | None = None,
-                      reuse_original: str | Path | None = None, plan=None) -> dict:
+                      reuse_original: str | Path | None = None, plan=None,
+                      expert_memory: int | str | None = "auto") -> dict:
     """Compare ``artifact`` (through the loader) with its original model; returns and writes the report.
+
+    ``expert_memory``: the original's routed-expert bytes kept in memory between forwards (``load_streamed``:
+    "auto", None for all, 0 for one layer at a time, which rereads the checkpoint every forward).
 
     ``reuse_original``: a directory keeping the original model's per-item results (keyed by the model's
     content, the items and every scoring setting), so comparing many artifacts of one model runs it once.
@@ -162,10 +166,10 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
     ``loader.plan.Plan`` the loader runs instead of the artifact's) made it a variant's figures.
     """
     import transformers
-    from transformers import AutoModelForCausalLM
 
     from loader.format import read_manifest
     from loader.runtime import load
+    from prep.streaming import load_streamed
 
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise MoeprepError(f"limit must be a whole number >= 1 (the first N items of each suite), got {limit!r}; "
@@ -187,7 +191,12 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
     for name in bench.items:
         bench.items[name] = bench.items[name][:limit]
     prepared = load(artifact, memory_budget=memory_budget, plan=plan)
-    reference = AutoModelForCausalLM.from_pretrained(original, dtype=getattr(torch, manifest.moe["dtype"])).eval()
+    # the original with its experts read from the shards as its layers run (prep/streaming.py): a real model
+    # is scored without holding it whole when expert_memory says so
+    reference = load_streamed(original, resident_bytes=expert_memory)
+    if reference.dtype != getattr(torch, manifest.moe["dtype"]):
+        raise MoeprepError(f"original model {original} is {reference.dtype}, the artifact was prepared from a "
+                           f"{manifest.moe['dtype']} model; pass --model with the directory it was prepared from")
     models = _Models(reference, prepared.model, original, reuse_original)
     tokenizer = prepared.tokenizer
     shots = dict(DEFAULT_SHOTS) if num_fewshot is None else dict.fromkeys(DEFAULT_SHOTS, num_fewshot)

@@ -1,0 +1,162 @@
+"""The README's table of supported models, computed from the shipped configs (``moeprep inspect-model --table``).
+
+For every real-model recipe: its model (built on the meta device from ``recipes/<name>/config.json``, no
+weights), total and active parameters, the bytes of all routed experts at each precision (the record sizes
+the codec writes, metadata included), the memory ``prepare`` needs when it streams the checkpoint one MoE
+layer at a time (``--expert-memory 0``), and the artifact's size. The README holds the output between two
+markers; ``--readme README.md`` rewrites that block, and a test checks it is current.
+
+Memory to prepare is an estimate from sizes, in the terms the streaming test measures (tests/test_streaming.py):
+the process itself (``RUNTIME_BYTES``, measured), the dense weights, two MoE layers of experts (the layer
+read and the records written from it), and the trace stage's activations for one batch of calibration
+sequences: ``ACTIVATION_COPIES`` float32 hidden states per token, one layer's eager attention scores, and the
+captures the trace keeps per token until the batch is written (router inputs in float16, router logits,
+experts and weights for every MoE layer).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from loader.codec import RecordLayout
+from prep.errors import MoeprepError
+
+PRECISIONS = ("bfloat16", "int8", "int4", "int3", "int2")
+RUNTIME_BYTES = 400 * 2**20  # python + torch + transformers + moeprep, no model (the streaming test measures ~380 MiB)
+ACTIVATION_COPIES = 8  # float32 [tokens, H] tensors alive at once in a decoder layer (residual, norm, attention, MLP)
+MARKERS = ("<!-- models-table:start (moeprep inspect-model --table recipes/*.yaml --readme README.md) -->",
+           "<!-- models-table:end -->")
+EVAL_MARKERS = ("<!-- eval-time:start (moeprep inspect-model --table recipes/*.yaml --data ../shared/data/benchmarks "
+                "--readme README.md) -->", "<!-- eval-time:end -->")
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f}B"
+
+
+def expert_record_bytes(adapter, skeleton, precision: str) -> int:
+    """Bytes of one routed expert's record at ``precision`` (bfloat16: the plain weights in bfloat16)."""
+    from prep.quant.hqq_codec import matrix_spec
+    from prep.recipe import QuantizeSection
+
+    experts = adapter.experts(skeleton, adapter.moe_layers[0])
+    params = {name: p[0].to(torch.bfloat16) for name, p in experts.named_parameters(recurse=False)}
+    transposed = bool(getattr(experts, "is_transposed", False))
+    if precision == "bfloat16":
+        return sum(t.numel() * 2 for t in params.values())
+    group, meta = QuantizeSection(precision=precision).format_of(precision)
+    return RecordLayout(tuple(matrix_spec(n, t, precision, group, transposed, meta_group=meta)
+                              for n, t in params.items())).nbytes
+
+
+def model_row(recipe_path: str | Path, root: str | Path = ".") -> dict:
+    """The sizes of one real-model recipe's model, from its shipped config (see the module docstring)."""
+    from prep.adapters import build_skeleton, get_adapter, inspect_model, load_config
+    from prep.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path)
+    if recipe.model.config is None:
+        raise MoeprepError(f"{recipe_path} ships no config (model.config); the table covers real-model recipes")
+    config_dir = (Path(root) / recipe.model.config).parent
+    info = inspect_model(config_dir)
+    config = load_config(config_dir)
+    skeleton = build_skeleton(config)
+    adapter = get_adapter(config)
+    n_layers, n_experts = len(adapter.moe_layers), adapter.num_experts
+    experts = {p: expert_record_bytes(adapter, skeleton, p) * n_layers * n_experts for p in PRECISIONS}
+    dense = (info["total_params"] - info["expert_params_total"]) * 2  # bfloat16
+    layer = experts["bfloat16"] // n_layers
+    tokens = recipe.trace.batch * recipe.calibration.sequence_length
+    heads = getattr(adapter.config, "num_attention_heads", 1)
+    capture = n_layers * (2 * adapter.hidden_size + 4 * n_experts + 12 * adapter.top_k) + 4 * adapter.hidden_size
+    activations = (tokens * ACTIVATION_COPIES * 4 * adapter.hidden_size
+                   + recipe.trace.batch * heads * recipe.calibration.sequence_length ** 2 * 4 + tokens * capture)
+    shipped = recipe.quantize.precision
+    return {
+        "recipe": recipe.name, "hub_id": recipe.model.hub_id, "architecture": info["architecture"],
+        "total_params": info["total_params"], "active_params": info["active_params"],
+        "expert_bytes": experts, "dense_bytes": dense,
+        "prepare_bytes": RUNTIME_BYTES + dense + 2 * layer + activations,
+        "artifact_bytes": dense + experts["bfloat16" if shipped == "passthrough" else shipped],
+        "artifact_mixed": recipe.bitwidth.method != "uniform",
+        "shipped": shipped,
+    }
+
+
+def real_model_recipes(recipe_paths: list[str | Path]) -> list[str | Path]:
+    """The recipes of ``recipe_paths`` that ship their model's config (the real-model ones), in order."""
+    from prep.recipe import load_recipe
+
+    real = [p for p in recipe_paths if load_recipe(p).model.config is not None]
+    if not real:
+        raise MoeprepError("none of these recipes ships a model config (model.config); pass recipes/*.yaml")
+    return real
+
+
+def models_table(recipe_paths: list[str | Path], root: str | Path = ".") -> str:
+    """The markdown table of the real-model recipes among ``recipe_paths``, one row each, in the order given."""
+    rows = [model_row(p, root) for p in real_model_recipes(recipe_paths)]
+    head = ("| recipe | model | total params | active params | experts bf16 | int8 | int4 | int3 | int2 "
+            "| memory to prepare | artifact |")
+    lines = [head, "|" + " --- |" * 2 + " ---: |" * 9]
+    for r in rows:
+        artifact = _gb(r["artifact_bytes"])
+        artifact = f"≤ {artifact} (mixed, from {r['shipped']})" if r["artifact_mixed"] else f"{artifact} ({r['shipped']})"
+        lines.append(" | ".join([
+            f"| `recipes/{r['recipe']}.yaml`", f"[{r['hub_id']}](https://huggingface.co/{r['hub_id']})",
+            _params(r["total_params"]), _params(r["active_params"]),
+            *(_gb(r["expert_bytes"][p]) for p in PRECISIONS), _gb(r["prepare_bytes"]), artifact]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h" if seconds < 48 * 3600 else f"{seconds / 86400:.1f} days"
+
+
+def eval_time_table(recipe_paths: list[str | Path], data: str | Path, root: str | Path = ".") -> str:
+    """The markdown table of ``moeprep eval``'s wall-time floor per suite, model and device
+    (``prep/evals/workload.py``), on every item of the benchmark files in ``data``."""
+    from prep.evals.data import load_benchmarks
+    from prep.evals.workload import DEVICES, suite_seconds, suite_workloads
+
+    work = suite_workloads(load_benchmarks(data))
+    suites = list(work)
+    lines = ["| recipe | device | " + " | ".join(f"{s} ({work[s]['items']} items)" for s in suites) + " |",
+             "| --- | --- |" + " ---: |" * len(suites)]
+    for path in real_model_recipes(recipe_paths):
+        row = model_row(path, root)
+        for device in DEVICES:
+            cells = [_duration(suite_seconds(work[s], row["active_params"], device)) for s in suites]
+            lines.append(f"| `{row['recipe']}` | {device.name} | " + " | ".join(cells) + " |")
+    tokens = ", ".join(f"{s} {work[s]['row_tokens'] / 1e6:.1f}M tokens"
+                       + (f" + {work[s]['decode_steps'] / 1e3:.0f}k decode steps" if work[s]["decode_steps"] else "")
+                       for s in suites)
+    sources = "; ".join(f"{d.name}: {d.source}" for d in DEVICES)
+    return "\n".join(lines) + f"\n\nPer model: {tokens}. Devices: {sources}.\n"
+
+
+def update_readme(readme: str | Path, table: str, markers: tuple[str, str] = MARKERS) -> bool:
+    """Replace the block between ``markers`` in ``readme`` with ``table``; returns whether it changed."""
+    from loader.files import write_text_atomic
+
+    path = Path(readme)
+    text = path.read_text()
+    start, end = markers
+    if start not in text or end not in text:
+        raise MoeprepError(f"{path} has no models table block; add the lines {start!r} and {end!r} where it goes")
+    before, rest = text.split(start, 1)
+    _, after = rest.split(end, 1)
+    new = f"{before}{start}\n{table}{end}{after}"
+    if new != text:
+        write_text_atomic(path, new)
+    return new != text
