@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 MODEL ?= reference
+MODEL_PATH ?=
 DEVICE ?= cpu
 BIN := $(VENV)/bin
 
@@ -23,7 +24,7 @@ test: setup
 	$(BIN)/pytest -q -m "not gpu"
 
 prepare: setup
-	$(BIN)/moeprep prepare --recipe recipes/$(MODEL).yaml
+	$(BIN)/moeprep prepare --recipe recipes/$(MODEL).yaml --device $(DEVICE) $(if $(MODEL_PATH),--set model.path=$(MODEL_PATH))
 
 eval: setup
 	$(BIN)/moeprep eval --artifact artifacts/$(MODEL)/artifact

@@ -162,9 +162,9 @@ def first_gate_data(model, adapter, sequences: list[torch.Tensor]) -> tuple[list
     try:
         for seq in sequences:
             captured.clear()
-            model(input_ids=seq.view(1, -1), use_cache=False)
-            inputs.append(captured["hidden"].reshape(-1, captured["hidden"].shape[-1]).float())
-            teachers.append(captured["logits"].reshape(-1, adapter.num_experts).float())
+            model(input_ids=seq.view(1, -1).to(head.weight.device), use_cache=False)
+            inputs.append(captured["hidden"].reshape(-1, captured["hidden"].shape[-1]).float().cpu())
+            teachers.append(captured["logits"].reshape(-1, adapter.num_experts).float().cpu())
     finally:
         for hook in hooks:
             hook.remove()

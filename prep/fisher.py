@@ -72,7 +72,7 @@ def fisher_sensitivity(model, adapter, sequences: list[torch.Tensor], loss_scale
                     raise MoeprepError(f"MoE layer position {layer} got no gradient; the adapter's moe_block does "
                                        "not produce the layer's output")
                 grad = out.grad.reshape(-1, out.shape[-1])[: ids.shape[1] - 1]
-                acc[layer] += grad.double().square().sum()
+                acc[layer] += grad.double().square().sum().item()
             positions += ids.shape[1] - 1
             outputs[:] = [None] * len(blocks)
             if progress is not None:

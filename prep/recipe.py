@@ -12,6 +12,7 @@ refused. A recipe ``name`` names a directory (``artifacts/<name>/``), so it is o
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -412,7 +413,8 @@ def hub_snapshot(hub_id: str, revision: str | None = None) -> str | None:
     try:
         from huggingface_hub import snapshot_download
 
-        path = Path(snapshot_download(hub_id, revision=revision, local_files_only=True))
+        cache = os.environ.get("HF_HUB_CACHE")  # read now, not at huggingface_hub's import
+        path = Path(snapshot_download(hub_id, revision=revision, local_files_only=True, cache_dir=cache))
     except Exception:  # not cached, or no huggingface_hub: both mean "not here"
         return None
     return str(path) if (path / "config.json").is_file() and any(path.glob("*.safetensors")) else None

@@ -130,3 +130,26 @@ def test_readme_tables_are_generated_and_current(tmp_path):
     if SHARED.is_dir():
         assert not update_readme(copy, eval_time_table(recipes, SHARED, root=ROOT), EVAL_MARKERS), \
             "README.md's eval wall times are stale: run the command in its marker"
+
+
+def test_a_model_that_is_not_here_gets_the_download_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["prepare", "--recipe", str(ROOT / "recipes" / "olmoe-1b-7b.yaml")])
+    assert result.exit_code != 0
+    message = " ".join(result.output.split())
+    assert "hf download allenai/OLMoE-1B-7B-0924 --local-dir models/olmoe-1b-7b" in message
+    assert "MODEL_PATH=models/olmoe-1b-7b" in message and "model.path" in message
+    assert not (tmp_path / "artifacts").exists() or not any((tmp_path / "artifacts").rglob("manifest.json"))
+
+
+def test_the_hub_cache_copy_is_found_without_a_path(tmp_path, monkeypatch):
+    # the hub cache's layout: models--org--name/{refs/main, snapshots/<commit>/...}
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "cache" / "models--allenai--OLMoE-1B-7B-0924"
+    save_hub_checkpoint("olmoe", repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    recipe = load_recipe(ROOT / "recipes" / "olmoe-1b-7b.yaml")
+    assert Path(recipe.model_path(tmp_path)) == repo / "snapshots" / commit

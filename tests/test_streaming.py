@@ -232,3 +232,36 @@ def test_prepare_peak_rss_is_dense_plus_one_layer(tmp_path):
     assert (tmp_path / "artifacts" / "big" / "artifact" / "manifest.json").is_file()
     assert peak <= bound, report
     assert peak - baseline < 0.5 * sizes["expert_bytes"], report  # far from holding the model
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v2"])
+def test_prepare_on_cuda_gives_the_cpu_artifact(arch, tmp_path):
+    # --device cuda: the forwards (trace, the KL sweeps and checks, Fisher) run on the GPU; HQQ stays on the
+    # CPU, so the records are the same bytes and the routing the same decisions
+    from prep.pipeline import prepare
+    from prep.trace import open_trace
+    from tests.tiny_models import save_tiny_model, tiny_recipe
+
+    save_tiny_model(arch, tmp_path / "model")
+    sections = {"quantize": {"also": ["int2"]}, "sensitivity": {"method": "sweep", "num_sequences": 2},
+                "bitwidth": {"method": "edgemoe", "tolerance": 0.05, "low": "int2", "num_sequences": 2},
+                "gating": {"enabled": True, "num_sequences": 2},
+                "predict": {"predictors": ["next_gates", "path_stats", "first_gate"]}}
+    results = {}
+    for device in ("cpu", "cuda"):
+        recipe = tiny_recipe("int4", **sections)
+        root = tmp_path / device
+        root.mkdir()
+        (root / "model").symlink_to(tmp_path / "model")
+        results[device] = prepare(recipe, root=root, output=root / "artifact", device=device, expert_memory=0)
+    traces = {d: open_trace(next((tmp_path / d / "artifacts" / "tiny" / "stages").glob("trace-*/trace")))
+              for d in results}
+    for a, b in zip(traces["cpu"].routing(), traces["cuda"].routing(), strict=True):
+        assert (a.expert_ids == b.expert_ids).float().mean() > 0.99
+    quantized = {d: sorted((tmp_path / d / "artifacts" / "tiny" / "stages").glob("quantize-*/int4/*.safetensors"))
+                 for d in results}
+    assert [p.read_bytes() for p in quantized["cpu"]] == [p.read_bytes() for p in quantized["cuda"]]
+    for device in results:
+        assert (tmp_path / device / "artifact" / "manifest.json").is_file()

@@ -71,7 +71,7 @@ def fit_first_gate(model, adapter, sequences: list, n_fit: int, cfg) -> tuple[to
     init = "zeros"
     if cfg.init == "router":
         router = adapter.router(model, adapter.moe_layers[0])
-        init = router.weight.detach().float()
+        init = router.weight.detach().float().cpu()
     with tqdm(desc="first-layer gate", unit="epoch", total=cfg.max_epochs, leave=False) as bar:
         def progress(_epoch, kl):
             bar.update(1)
@@ -106,7 +106,8 @@ def fit_predictors(model, adapter, sequences: list, trace_dir, cfg: PredictSecti
     path = path_stats_recall(tensors, held_ids, held_weights, fit_ids, adapter.num_experts, cfg.path_stats.min_count)
     routers = [adapter.router(model, layer) for layer in adapter.moe_layers]
     gates = next_gate_recall([trace.router_inputs(layer)[rows] for layer in trace.layers],
-                             [(r.weight, getattr(r, "bias", None)) for r in routers],
+                             [(r.weight.cpu(), b.cpu() if (b := getattr(r, "bias", None)) is not None else None)
+                              for r in routers],  # the traces are on the CPU
                              torch.cat(held_ids), torch.cat(held_weights), fit_ids, cfg.distances)
     first = None
     if "first_gate" in cfg.predictors:
