@@ -89,16 +89,26 @@ def inspect_model_command(models: tuple[str, ...], as_json: bool, recipes_table:
 @click.option("--overwrite", is_flag=True,
               help="Replace --output even when it is not a moeprep artifact (deleting what it holds).")
 @click.option("--device", default="cpu", show_default=True,
-              help="Where the stages run the model: cpu or cuda (the forwards, HQQ and the gate's training).")
+              help="Where the stages run the model: cpu or cuda (every forward; HQQ stays on the CPU, so the "
+              "records are the same bytes either way).")
 @click.option("--expert-memory", default="auto", show_default=True,
               help="Routed-expert bytes kept in memory between uses (e.g. 8GiB); 0: one MoE layer at a time; "
               "all: every layer once read; auto: what fits in half the memory available. The dense weights "
               "always load whole. Changes no result, only memory and re-reads of the checkpoint.")
+@click.option("--dry-run", is_flag=True,
+              help="Read no weights: print the model (from the recipe's shipped config), the stages that would run, "
+              "the sizes and what the budgets cache, then stop.")
 def prepare_command(recipe_path: str, overrides: tuple[str, ...], output: str | None, until: str | None,
-                    force: str | None, overwrite: bool, device: str, expert_memory: str) -> None:
+                    force: str | None, overwrite: bool, device: str, expert_memory: str, dry_run: bool) -> None:
     """Run the preparation pipeline of a recipe and write its artifact."""
     from prep.pipeline import prepare
     from prep.recipe import load_recipe
+
+    if dry_run:
+        from prep.models_table import dry_run as describe
+
+        click.echo(describe(load_recipe(recipe_path, overrides)), nl=False)
+        return
 
     summary = prepare(load_recipe(recipe_path, overrides), root=".", output=output, until=until, force=force,
                       overwrite=overwrite, device=device, expert_memory=_expert_memory(expert_memory))

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from prep.errors import MoeprepError
+from prep.streaming import stream_of
 
 CONVENTION = ("empirical Fisher: next-token labels from the calibration text; loss summed over predicted "
               "positions; S_l = mean over predicted positions of ||d loss / d MoE output||^2")
@@ -31,6 +33,18 @@ class FisherSensitivity:
     sensitivity: list  # [L] S_l per MoE layer position
     positions: int  # predicted positions averaged over
     convention: str = CONVENTION
+
+
+class _Checkpointed(torch.nn.Module):
+    """A decoder layer run under non-reentrant activation checkpointing: the graph is kept (so the MoE output's
+    gradient still arrives), the tensors it saves are not, and backward recomputes the layer."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args, **kwargs):
+        return checkpoint(self.layer, *args, use_reentrant=False, **kwargs)
 
 
 def fisher_sensitivity(model, adapter, sequences: list[torch.Tensor], loss_scale: float = 1.0,
@@ -45,6 +59,8 @@ def fisher_sensitivity(model, adapter, sequences: list[torch.Tensor], loss_scale
 
     def keep(i):
         def hook(_module, _args, output):
+            if outputs[i] is not None:  # a checkpointed layer recomputed for backward: keep the first output
+                return
             out = adapter.block_output(output)
             out.retain_grad()
             outputs[i] = out
@@ -52,6 +68,13 @@ def fisher_sensitivity(model, adapter, sequences: list[torch.Tensor], loss_scale
 
     frozen = [(p, p.requires_grad) for p in model.parameters()]
     handles = [b.register_forward_hook(keep(i)) for i, b in enumerate(blocks)]
+    layers = adapter.decoder_layers(model)
+    originals = list(layers)
+    if stream_of(model, adapter) is not None:
+        # a streamed model: backward would keep every layer's experts alive (saved for the gradient), so each
+        # decoder layer is checkpointed and recomputed, its experts read again, when backward reaches it
+        for i, layer in enumerate(originals):
+            layers[i] = _Checkpointed(layer)
     acc = torch.zeros(len(blocks), dtype=torch.float64)
     positions = 0
     was_training = model.training
@@ -78,6 +101,8 @@ def fisher_sensitivity(model, adapter, sequences: list[torch.Tensor], loss_scale
             if progress is not None:
                 progress(i + 1, len(seqs))
     finally:
+        for i, layer in enumerate(originals):
+            layers[i] = layer
         for handle in handles:
             handle.remove()
         for p, flag in frozen:

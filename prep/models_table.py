@@ -37,7 +37,7 @@ def _gb(n: float) -> str:
 
 
 def _params(n: int) -> str:
-    return f"{n / 1e9:.2f}B"
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def expert_record_bytes(adapter, skeleton, precision: str) -> int:
@@ -57,13 +57,18 @@ def expert_record_bytes(adapter, skeleton, precision: str) -> int:
 
 def model_row(recipe_path: str | Path, root: str | Path = ".") -> dict:
     """The sizes of one real-model recipe's model, from its shipped config (see the module docstring)."""
-    from prep.adapters import build_skeleton, get_adapter, inspect_model, load_config
     from prep.recipe import load_recipe
 
     recipe = load_recipe(recipe_path)
     if recipe.model.config is None:
         raise MoeprepError(f"{recipe_path} ships no config (model.config); the table covers real-model recipes")
-    config_dir = (Path(root) / recipe.model.config).parent
+    return recipe_sizes(recipe, (Path(root) / recipe.model.config).parent)
+
+
+def recipe_sizes(recipe, config_dir: Path) -> dict:
+    """The sizes of ``recipe``'s model, from the config.json in ``config_dir`` (no weights read)."""
+    from prep.adapters import build_skeleton, get_adapter, inspect_model, load_config
+
     info = inspect_model(config_dir)
     config = load_config(config_dir)
     skeleton = build_skeleton(config)
@@ -86,7 +91,51 @@ def model_row(recipe_path: str | Path, root: str | Path = ".") -> dict:
         "artifact_bytes": dense + experts["bfloat16" if shipped == "passthrough" else shipped],
         "artifact_mixed": recipe.bitwidth.method != "uniform",
         "shipped": shipped,
+        "num_moe_layers": n_layers, "num_experts": n_experts,
+        "source_expert_bytes": info["expert_params_total"] * _itemsize(config),
     }
+
+
+def _itemsize(config) -> int:
+    """Bytes per weight of the checkpoint's dtype as its config states it (bfloat16 when it states none)."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.bfloat16
+    return torch.empty((), dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype).element_size()
+
+
+def dry_run(recipe, root: str | Path = ".") -> str:
+    """What ``prepare`` would do with ``recipe``, without the weights: the model (from ``model.config``, else
+    the config.json of ``model.path``), the stages it would run, the sizes, and how many experts per layer
+    the default budget and each operating point's budget would cache at the shipped precision."""
+    from prep.pipeline import STAGES
+
+    root = Path(root)
+    if recipe.model.config is not None:
+        config_dir = (root / recipe.model.config).parent
+    else:
+        config_dir = Path(recipe.model_path(root))
+        if not (config_dir / "config.json").is_file():
+            raise MoeprepError(f"no config for a dry run: model {recipe.model.path!r} is not here and the recipe ships "
+                               "no model.config")
+    row = recipe_sizes(recipe, config_dir)
+    source = row["source_expert_bytes"]  # what a budget's percentage is a share of (the loader's rule)
+    shipped = "bfloat16" if row["shipped"] == "passthrough" else row["shipped"]
+    per_expert = row["expert_bytes"][shipped] / (row["num_moe_layers"] * row["num_experts"])
+    lines = [f"recipe {recipe.name}: {row['architecture']} from {config_dir / 'config.json'}",
+             f"  parameters {_params(row['total_params'])} total, {_params(row['active_params'])} active; "
+             f"{row['num_moe_layers']} MoE layers x {row['num_experts']} experts",
+             "  stages: " + ", ".join(s.name if s.enabled is None or s.enabled(recipe) else f"({s.name} off)"
+                                      for s in STAGES),
+             f"  dense {_gb(row['dense_bytes'])} (bfloat16); experts {_gb(source)} as the checkpoint stores them, "
+             f"{_gb(row['expert_bytes'][shipped])} "
+             f"at {shipped}; memory to prepare (streamed, --expert-memory 0) {_gb(row['prepare_bytes'])}; artifact "
+             f"{'<= ' if row['artifact_mixed'] else ''}{_gb(row['artifact_bytes'])}"]
+    shares = sorted({recipe.package.cache_fraction, *recipe.plan.points})
+    for share in shares:
+        cached = int(share * source // (per_expert * row["num_moe_layers"]))
+        lines.append(f"  budget {share * 100:g}% = dense + {_gb(share * source)} of experts: about "
+                     f"{min(cached, row['num_experts'])} of {row['num_experts']} experts per layer cached at {shipped} "
+                     "(records; a held compute form takes more, loader/README.md)")
+    return "\n".join(lines) + "\n"
 
 
 def real_model_recipes(recipe_paths: list[str | Path]) -> list[str | Path]:

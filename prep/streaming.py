@@ -59,7 +59,7 @@ class ExpertStream:
             self._to_meta(layer)
             module.expert_stream = self
             module.register_forward_pre_hook(lambda m, args, layer=layer: self.acquire(layer))
-            module.register_forward_hook(lambda m, args, out, layer=layer: self.release(layer))
+            module.register_forward_hook(lambda m, args, out, layer=layer: self.release(layer), always_call=True)
 
     # --- where experts come from ---------------------------------------------------------------
     def checkpoint_expert(self, layer: int, expert: int) -> ExpertWeights:
@@ -70,27 +70,31 @@ class ExpertStream:
         """The expert as the model computes with it now (override, else source), in the model's dtype."""
         if layer in self.resident:
             return ExpertWeights(**{n: t.detach().clone(memory_format=torch.contiguous_format)
-                                    for n, t in self.adapter._expert_views(self.model, layer, expert).tensors().items()})
-        weights = self.overrides.get((layer, expert)) or self.source(layer, expert)
-        return weights.to(self.dtype).contiguous()
+                                    for n, t in self.adapter.module_views(self.modules[layer], expert).tensors().items()})
+        override = self.overrides.get((layer, expert))
+        if override is not None:  # a copy: the caller may change what it gets
+            return ExpertWeights(**{n: t.clone() for n, t in override.tensors().items()})
+        return self.source(layer, expert).to(self.dtype).contiguous()
 
     def set_expert(self, layer: int, expert: int, weights: ExpertWeights) -> None:
         """Make the model compute expert (layer, expert) with ``weights`` from now on."""
         source = self.source(layer, expert)
-        same = all(torch.equal(a.to(self.dtype), b.to(self.dtype))
+        same = all(torch.equal(a.to("cpu", self.dtype), b.to("cpu", self.dtype))
                    for a, b in zip(weights.tensors().values(), source.tensors().values(), strict=True))
         if same:
             self.overrides.pop((layer, expert), None)
         else:
-            self.overrides[(layer, expert)] = weights.to(self.dtype).contiguous()
+            self.overrides[(layer, expert)] = ExpertWeights(**{n: t.to("cpu", self.dtype).clone()
+                                                               for n, t in weights.tensors().items()})
         if layer in self.resident:
             self._write(layer, expert, weights)
 
     def use_source(self, source: ExpertSource | None) -> None:
         """Compute every expert from ``source`` (None: the checkpoint) and forget the overrides."""
+        self._check_idle()
+        self.drop_all()
         self.source = source or self.checkpoint_expert
         self.overrides.clear()
-        self.drop_all()
 
     @contextmanager
     def preserved(self) -> Iterator[None]:
@@ -98,9 +102,13 @@ class ExpertStream:
         source, overrides = self.source, dict(self.overrides)
         try:
             yield
-        finally:
+        except BaseException:
             self.source, self.overrides = source, overrides
-            self.drop_all()
+            self.drop_all()  # never raises: the block's own error is the one to see
+            raise
+        self.source, self.overrides = source, overrides
+        self._check_idle()
+        self.drop_all()
 
     # --- residency -------------------------------------------------------------------------------
     def acquire(self, layer: int) -> None:
@@ -127,10 +135,14 @@ class ExpertStream:
             self.release(layer)
 
     def drop_all(self) -> None:
-        for layer in [x for x in self.resident if not self.pins.get(x)]:
+        """Forget every resident layer (they are read again from the source when next needed)."""
+        for layer in list(self.resident):
+            self.pins.pop(layer, None)
             self._drop(layer)
-        if self.resident:
-            raise MoeprepError("cannot swap the expert source while a layer is running")
+
+    def _check_idle(self) -> None:
+        if any(self.pins.values()):
+            raise MoeprepError("cannot swap the expert source while a MoE layer is running; swap it between forwards")
 
     def _trim(self, extra: int = 0) -> None:
         for layer in list(self.resident):
@@ -160,7 +172,7 @@ class ExpertStream:
 
     @torch.no_grad()
     def _write(self, layer: int, expert: int, weights: ExpertWeights) -> None:
-        views = self.adapter._expert_views(self.model, layer, expert).tensors()
+        views = self.adapter.module_views(self.modules[layer], expert).tensors()
         for name, tensor in weights.tensors().items():
             views[name].copy_(tensor)
 
@@ -219,6 +231,16 @@ def available_memory() -> int | None:
 AUTO_SHARE = 0.5  # --expert-memory auto: resident experts may take this share of the memory available at load
 
 
+def _fp32_patterns(model: nn.Module, dtype: torch.dtype) -> list[re.Pattern]:
+    """The tensors ``from_pretrained`` keeps in float32 at ``dtype`` (e.g. DeepSeek-V2's router,
+    ``_keep_in_fp32_modules_strict``), as name patterns."""
+    names = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) if dtype in (torch.float16,
+                                                                                            torch.bfloat16) else set()
+    if dtype == torch.float16:
+        names |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    return [re.compile(rf"(^|\.){re.escape(n)}($|\.)") for n in sorted(names)]
+
+
 def load_streamed(model_dir: str | Path, *, device: str | torch.device = "cpu",
                   resident_bytes: int | str | None = "auto") -> nn.Module:
     """The ``*ForCausalLM`` of a checkpoint directory with its routed experts streamed (see module docstring).
@@ -236,12 +258,18 @@ def load_streamed(model_dir: str | Path, *, device: str | torch.device = "cpu",
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise MoeprepError("--device cuda was asked for, but torch sees no CUDA GPU here; use --device cpu")
+    free = available_memory() if device.type == "cpu" else None  # before the dense weights take their share
     config = load_config(model_dir)
     model = build_skeleton(config).eval()
     adapter = get_adapter(model)
     tensors = CheckpointTensors(model_dir)
     names = tensors.names()
+    if any(n.endswith(("_blocks", "_scales")) and ".experts." in n for n in names):
+        raise MoeprepError(f"checkpoint {model_dir} stores its experts MXFP4-quantized (*_blocks/*_scales); moeprep "
+                           "reads bfloat16 experts: load it with transformers' Mxfp4Config(dequantize=True), "
+                           "save_pretrained it, and point model.path at that copy")
     dtype = _model_dtype(config, tensors, names)
+    keep_fp32 = _fp32_patterns(model, dtype)
     expert_prefixes = tuple(f"{p}." for p in adapter.module_paths(model)["experts_modules"])
     wanted = {n: t for n, t in model.state_dict(keep_vars=True).items() if not n.startswith(expert_prefixes)}
     renamings = _renamings(adapter.model_type)
@@ -254,7 +282,7 @@ def load_streamed(model_dir: str | Path, *, device: str | torch.device = "cpu",
             continue
         value = tensors.get(name)
         if value.is_floating_point():
-            value = value.to(dtype)
+            value = value.to(torch.float32 if any(p.search(target) for p in keep_fp32) else dtype)
         module_name, _, attr = target.rpartition(".")
         module = model.get_submodule(module_name)
         if tuple(value.shape) != tuple(wanted[target].shape):
@@ -278,9 +306,10 @@ def load_streamed(model_dir: str | Path, *, device: str | torch.device = "cpu",
     experts_bytes = sum(m.numel() for layer in adapter.moe_layers
                         for m in adapter.experts(model, layer).parameters(recurse=False)) * \
         torch.empty((), dtype=dtype).element_size()
-    if resident_bytes == "auto":
+    if resident_bytes == "auto":  # the memory available before the dense weights, less them
         dense_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values() if not t.is_meta)
-        free = available_memory() if device.type == "cpu" else torch.cuda.mem_get_info(device)[0]
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0] + dense_bytes
         resident_bytes = experts_bytes if free is None else int(max(0, AUTO_SHARE * free - dense_bytes))
     ExpertStream(model, adapter, model_dir, dtype, device,
                  experts_bytes if resident_bytes is None else resident_bytes)

@@ -92,10 +92,18 @@ def test_recipe_prepares_a_hub_checkpoint_to_transformers_logits(name, tmp_path,
     finally:
         loaded.close()
     assert torch.allclose(got, expected, atol=1e-4), (name, float((got - expected).abs().max()))
-    # the recipe's quantization really happened: the artifact is not the source model
+    # the shipped records are the source's experts, quantized: each decoded expert is nearest to its own source
+    # expert (no index or gate/up mix-up in the streamed reads), and not equal to it
     adapter = get_adapter(source)
-    layer = adapter.moe_layers[0]
-    assert not torch.equal(adapter.get_expert(source, layer, 0).gate, adapter.get_expert(reference, layer, 0).gate)
+    for layer in adapter.moe_layers:
+        src = [adapter.get_expert(source, layer, e) for e in range(adapter.num_experts)]
+        for e in range(adapter.num_experts):
+            dec = adapter.get_expert(reference, layer, e)
+            distance = [sum(float((a - b).norm()) for a, b in zip(dec.tensors().values(), s.tensors().values(),
+                                                                    strict=True)) for s in src]
+            assert min(range(len(src)), key=distance.__getitem__) == e, (name, layer, e, distance)
+            assert (dec.gate - src[e].gate).norm() < (dec.gate - src[e].up).norm()
+            assert 0 < (dec.gate - src[e].gate).norm() < 0.5 * src[e].gate.norm()
 
 
 SHARED = ROOT.parent / "shared" / "data" / "benchmarks"
@@ -153,3 +161,17 @@ def test_the_hub_cache_copy_is_found_without_a_path(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
     recipe = load_recipe(ROOT / "recipes" / "olmoe-1b-7b.yaml")
     assert Path(recipe.model_path(tmp_path)) == repo / "snapshots" / commit
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_dry_run_needs_no_weights(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.chdir(ROOT)  # model.config is relative to the repository root
+    result = CliRunner().invoke(main, ["prepare", "--recipe", f"recipes/{name}.yaml", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    config = json.loads((ROOT / "recipes" / name / "config.json").read_text())
+    experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts")
+    assert f"x {experts} experts" in result.output and "stages: trace, quantize" in result.output
+    assert f"experts per layer cached at {load_recipe(ROOT / 'recipes' / f'{name}.yaml').quantize.precision}" \
+        in result.output
+    assert not (ROOT / "artifacts" / name).exists()  # nothing prepared, nothing written

@@ -103,6 +103,92 @@ def _halved(weights):
     return type(weights)(weights.gate, weights.up * 0.5, weights.down)
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v2"])
+def test_bfloat16_and_tied_embeddings_load_as_from_pretrained_does(arch, tmp_path):
+    # bfloat16 weights (DeepSeek-V2 keeps its router in float32: _keep_in_fp32_modules_strict), one embedding
+    # matrix shared with the LM head
+    from tests.tiny_models import CONFIGS
+
+    config = CONFIGS[arch]()
+    config.tie_word_embeddings = True
+    model = build_tiny_model(arch, config=config).to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    whole = load_model(tmp_path, dtype="auto")
+    streamed = load_streamed(tmp_path, resident_bytes=0)
+    assert streamed.get_output_embeddings().weight is streamed.get_input_embeddings().weight
+    want = {n: t.dtype for n, t in whole.state_dict().items()}
+    got = {n: t.dtype for n, t in streamed.state_dict().items()}
+    assert got == want
+    assert (torch.float32 in set(got.values())) == (arch == "deepseek_v2")
+    ids = _ids(whole.config.vocab_size, seed=5)
+    with torch.no_grad():
+        assert torch.equal(streamed(input_ids=ids).logits, whole(input_ids=ids).logits)
+
+
+def test_set_expert_on_a_resident_layer_and_get_expert_copies(checkpoints):
+    streamed = load_streamed(checkpoints["qwen3_moe"])  # every layer stays resident
+    adapter = get_adapter(streamed)
+    stream = stream_of(streamed, adapter)
+    ids = _ids(streamed.config.vocab_size, seed=6)
+    with torch.no_grad():
+        before = streamed(input_ids=ids).logits
+    assert len(stream.resident) == len(adapter.moe_layers)
+    layer = adapter.moe_layers[0]
+    original = adapter.get_expert(streamed, layer, 3)
+    adapter.set_expert(streamed, layer, 3, _halved(original))
+    got = adapter.get_expert(streamed, layer, 3)
+    got.up.zero_()  # what get_expert returns is a copy, not the model's weights
+    assert torch.equal(adapter.get_expert(streamed, layer, 3).up, original.up * 0.5)
+    stream.drop_all()  # read again from the shards: the override survives
+    assert torch.equal(adapter.get_expert(streamed, layer, 3).up, original.up * 0.5)
+    adapter.set_expert(streamed, layer, 3, original)
+    with torch.no_grad():
+        assert torch.equal(streamed(input_ids=ids).logits, before)
+
+
+def test_an_error_inside_a_forward_unpins_its_layer_and_is_the_error_seen(checkpoints):
+    streamed = load_streamed(checkpoints["mixtral"], resident_bytes=0)
+    adapter = get_adapter(streamed)
+    stream = stream_of(streamed, adapter)
+    experts = adapter.experts(streamed, adapter.moe_layers[1])
+
+    def fail(*args):
+        raise RuntimeError("out of memory, say")
+
+    handle = experts.register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="out of memory"), stream.preserved(), torch.no_grad():
+        stream.use_source(lambda layer, e: _halved(stream.checkpoint_expert(layer, e)))
+        streamed(input_ids=_ids(streamed.config.vocab_size))
+    handle.remove()
+    assert not any(stream.pins.values()) and stream.source == stream.checkpoint_expert
+
+
+def test_fisher_on_a_streamed_model_equals_the_whole_model(checkpoints):
+    # backward recomputes each checkpointed layer (its experts read again) instead of keeping them all
+    from prep.fisher import fisher_sensitivity
+
+    whole = load_model(checkpoints["deepseek_v2"], dtype="auto")
+    streamed = load_streamed(checkpoints["deepseek_v2"], resident_bytes=0)
+    sequences = list(_ids(whole.config.vocab_size, seed=7))
+    a = fisher_sensitivity(whole, get_adapter(whole), sequences)
+    b = fisher_sensitivity(streamed, get_adapter(streamed), sequences)
+    assert a.positions == b.positions
+    assert a.sensitivity == pytest.approx(b.sensitivity, rel=1e-6)
+    moe = len(get_adapter(streamed).moe_layers)
+    assert stream_of(streamed, get_adapter(streamed)).reads == 2 * moe * len(sequences)  # forward + recompute
+
+
+def test_an_mxfp4_checkpoint_gets_the_dequantize_hint(tmp_path):
+    model = build_tiny_model("gpt_oss")
+    model.config.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if ".experts." not in k}
+    state["model.layers.0.mlp.experts.gate_up_proj_blocks"] = torch.zeros(4, 2, dtype=torch.uint8)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(MoeprepError, match="MXFP4.*Mxfp4Config"):
+        load_streamed(tmp_path)
+
+
 def test_a_checkpoint_missing_a_dense_tensor_is_named(tmp_path):
     model = build_tiny_model("mixtral")
     model.config.save_pretrained(tmp_path)
@@ -218,7 +304,8 @@ def test_prepare_peak_rss_is_dense_plus_one_layer(tmp_path):
     recipe = {"name": "big", "model": {"path": str(tmp_path / "big")},
               "calibration": {"source": "files", "files": [str(tmp_path / "calibration.txt")],
                               "num_sequences": 8, "sequence_length": 64},
-              "trace": {"batch": 8}, "quantize": {"precision": "passthrough"}}
+              "trace": {"batch": 8}, "quantize": {"precision": "passthrough"},
+              "gating": {"enabled": True, "num_sequences": 2}}  # Fisher: a backward through every layer
     (tmp_path / "big.yaml").write_text(json.dumps(recipe))
     # the process's own footprint: the same interpreter with everything prepare imports, and no model
     baseline = _peak_rss("import torch, transformers, hqq\nimport prep.pipeline, prep.streaming, prep.trace\n"
@@ -229,7 +316,7 @@ def test_prepare_peak_rss_is_dense_plus_one_layer(tmp_path):
     bound = baseline + sizes["dense_bytes"] + 2 * sizes["layer_bytes"] + 256 * 2**20
     report = {"peak_rss": peak, "baseline_rss": baseline, "bound": bound, **sizes}
     print("STREAMING", json.dumps(report))
-    assert (tmp_path / "artifacts" / "big" / "artifact" / "manifest.json").is_file()
+    assert json.loads((tmp_path / "artifacts" / "big" / "artifact" / "report.json").read_text())["gating"]
     assert peak <= bound, report
     assert peak - baseline < 0.5 * sizes["expert_bytes"], report  # far from holding the model
 

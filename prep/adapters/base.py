@@ -301,8 +301,12 @@ class MoeAdapter:
 
     def _expert_views(self, model: nn.Module, layer: int, expert: int) -> ExpertWeights:
         # Views into the live parameters: reading them clones, writing them copies in place.
+        return self.module_views(self.experts(model, layer), expert)
+
+    def module_views(self, experts: nn.Module, expert: int) -> ExpertWeights:
+        """Views of expert ``expert`` into the fused parameters of the experts module ``experts``."""
         self._check_expert(expert)
-        gate_up, down, gate_up_b, down_b = self._fused_params(self.experts(model, layer))
+        gate_up, down, gate_up_b, down_b = self._fused_params(experts)
         return self.layout.split(
             gate_up[expert],
             down[expert],
