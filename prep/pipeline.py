@@ -308,11 +308,9 @@ def prepare(recipe: Recipe, root: str | Path = ".", output: str | Path | None = 
     artifact = ArtifactOutput(
         work_root / "artifact" if default_output else Path(output),
         protected=[model_dir, Path.cwd(), root, PROJECT_ROOT, work_root / "stages"], overwrite=overwrite)
-    if device.startswith("cuda"):
-        import torch
+    from prep.streaming import check_device
 
-        if not torch.cuda.is_available():
-            raise MoeprepError("--device cuda was asked for, but torch sees no CUDA GPU here; use --device cpu")
+    check_device(device)  # before any lock or work
     sources = _Sources(recipe, root, model_dir, device, expert_memory)
     with exclusive_lock(work_root / ".lock", f"artifact name {recipe.name!r}"):
         if default_output:

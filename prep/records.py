@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from loader.codec import CodecError, RecordLayout
+from loader.files import atomic_file
 from loader.format import ALIGN
 from prep.errors import MoeprepError
 
@@ -99,24 +100,15 @@ def write_record_file(path: Path, keys: list[str], record_bytes: int, records) -
               for i, key in enumerate(keys)}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * ((-len(text)) % 8)
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     written = 0
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(text)))
-            f.write(text)
-            for record in records:
-                data = record.contiguous().view(torch.uint8).numpy().tobytes()
-                if len(data) != record_bytes:
-                    raise MoeprepError(f"record {keys[written]} has {len(data)} bytes, the layout says {record_bytes}")
-                f.write(data)
-                written += 1
-            if written != len(keys):
-                raise MoeprepError(f"{written} records written for {len(keys)} names")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with atomic_file(path) as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for record in records:
+            data = record.contiguous().view(torch.uint8).numpy().tobytes()
+            if len(data) != record_bytes:
+                raise MoeprepError(f"record {keys[written]} has {len(data)} bytes, the layout says {record_bytes}")
+            f.write(data)
+            written += 1
+        if written != len(keys):
+            raise MoeprepError(f"{written} records written for {len(keys)} names")

@@ -66,11 +66,12 @@ class ExpertStream:
         """Expert ``expert`` of model layer ``layer`` as the checkpoint holds it."""
         return self.adapter.read_expert(self.checkpoint_dir, layer, expert, tensors=self.tensors)
 
+    def is_resident(self, layer: int) -> bool:
+        return layer in self.resident
+
     def expert(self, layer: int, expert: int) -> ExpertWeights:
-        """The expert as the model computes with it now (override, else source), in the model's dtype."""
-        if layer in self.resident:
-            return ExpertWeights(**{n: t.detach().clone(memory_format=torch.contiguous_format)
-                                    for n, t in self.adapter.module_views(self.modules[layer], expert).tensors().items()})
+        """A copy of the expert of a layer that is not resident as the model would compute with it (override,
+        else source), in the model's dtype."""
         override = self.overrides.get((layer, expert))
         if override is not None:  # a copy: the caller may change what it gets
             return ExpertWeights(**{n: t.clone() for n, t in override.tensors().items()})
@@ -241,6 +242,14 @@ def _fp32_patterns(model: nn.Module, dtype: torch.dtype) -> list[re.Pattern]:
     return [re.compile(rf"(^|\.){re.escape(n)}($|\.)") for n in sorted(names)]
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch device; one clear error when it asks for CUDA and there is none."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise MoeprepError("--device cuda was asked for, but torch sees no CUDA GPU here; use --device cpu")
+    return device
+
+
 def load_streamed(model_dir: str | Path, *, device: str | torch.device = "cpu",
                   resident_bytes: int | str | None = "auto") -> nn.Module:
     """The ``*ForCausalLM`` of a checkpoint directory with its routed experts streamed (see module docstring).
@@ -255,9 +264,7 @@ def load_streamed(model_dir: str | Path, *, device: str | torch.device = "cpu",
     from prep.adapters import build_skeleton, get_adapter, load_config
 
     model_dir = Path(model_dir)
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise MoeprepError("--device cuda was asked for, but torch sees no CUDA GPU here; use --device cpu")
+    device = check_device(device)
     free = available_memory() if device.type == "cpu" else None  # before the dense weights take their share
     config = load_config(model_dir)
     model = build_skeleton(config).eval()

@@ -325,7 +325,7 @@ class MoeAdapter:
         self._check_moe_layer(layer)
         self._check_expert(expert)
         stream = self._stream(self.experts(model, layer))
-        if stream is not None:
+        if stream is not None and not stream.is_resident(layer):
             return stream.expert(layer, expert)
         views = self._expert_views(model, layer, expert)
         return ExpertWeights(
