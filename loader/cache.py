@@ -1,13 +1,14 @@
 """The expert cache core: byte-sized pools, eviction groups, an in-flight table, protection, a clock.
 
-Torch-free and shared by the runtime (which stores record tensors as payloads) and the simulator in
+Torch-free and shared by the runtime (which keeps its slot state as an entry's payload) and the simulator in
 ``prep/sim`` (which stores sizes only), so a policy measured in simulation is the policy that runs.
 
 Entries are keyed (layer, expert, precision). A pool holds records of one precision and has one
 eviction group per MoE layer or one global group; each group has a byte capacity and its own policy
 instance. A request for a precision is satisfied by an entry of that precision or a higher one.
 
-The order of calls per MoE layer is the same in the runtime and the simulator:
+The order of calls per MoE layer is the same in the runtime and the simulator, because both make them
+through ``loader/schedule.py``:
 
 1. ``begin_layer(layer, wanted)``: the clock moves to the layer, the wanted experts are protected and
    each is classified as a hit (resident), a join (already being read: the demand waits on that read,
@@ -17,7 +18,7 @@ The order of calls per MoE layer is the same in the runtime and the simulator:
    low-precision use);
 3. per miss, in order, ``admit(layer, expert, precision, nbytes)``: room is made in the pool's group
    and an in-flight entry reserved (its bytes count from now), or None when nothing can be evicted
-   (the record is then read into a read buffer and used once); then ``complete(entry, payload)``.
+   (the record is then read into a read buffer and used once); then ``complete(entry)``.
 4. ``end_layer(layer)``: protection of that layer's experts ends (in use, or predicted for it).
 
 ``reset()`` starts a new sequence (the policies forget per-sequence records; contents stay);
@@ -29,28 +30,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-# Bits per weight, to rank precisions: a higher-ranked record satisfies a request for a lower one.
-PRECISION_BITS = {"passthrough": 32, "float32": 32, "bfloat16": 16, "float16": 16, "int8": 8, "int4": 4,
-                  "int3": 3, "int2": 2}
-
-
-def precision_rank(precision: str) -> int:
-    return PRECISION_BITS.get(precision, 0)
-
-
-@dataclass
-class Clock:
-    """Where the model is: the token's position in the sequence, the current MoE layer (0..L-1)."""
-
-    num_layers: int
-    token: int = 0
-    layer: int = 0
+from loader.policies import Clock, EvictionPolicy
+from loader.vocab import precision_rank
 
 
 @dataclass(eq=False)
 class Entry:
-    """One record held (or being read) in a pool. ``payload`` is None while in flight (and always in the
-    simulator); ``ticket`` is the runtime's handle on the read (a future)."""
+    """One record held (or being read) in a pool. ``payload`` is the runtime's state of the entry (its slot,
+    its read, its held form: ``loader.step.Held``); None in the simulator."""
 
     layer: int
     expert: int
@@ -58,18 +45,8 @@ class Entry:
     nbytes: int
     pool: str
     payload: object = None
-    ticket: object = None
     in_flight: bool = True
     prefetched: bool = False
-    slot: int = -1  # the runtime's slot in its pool's memory
-    read_seconds: float = 0.0  # how long the read took (a landed prefetch: what a demand would have waited)
-    # neuron-layout records (loader/neuron.py): which neuron rows are in the slot (None: the whole record),
-    # a neuron read in flight and the rows it brings, and the rows a predictor named for this expert
-    neurons: object = None
-    row_job: object = None
-    row_mask: object = None
-    predicted: object = None
-    weights: object = None  # the runtime's decoded copy of the record in this slot (loader/kernels.py), once made
 
 
 @dataclass
@@ -104,214 +81,6 @@ class MemoryMeter:
 
     def sub(self, nbytes: int) -> None:
         self.held -= nbytes
-
-
-def ordered_experts(indices: list[list[int]], num_experts: int) -> list[int]:
-    """The experts a layer call needs (``indices`` [T][K], token by token, best-weighted first), in
-    first-use order. The runtime and the simulator both visit a call's experts in this order, so they
-    classify and evict alike."""
-    seen: dict[int, None] = {}
-    for row in indices:
-        for e in row:
-            if 0 <= e < num_experts:
-                seen.setdefault(e, None)
-    return list(seen)
-
-
-# ------------------------------------------------------------------------------------------ policies
-
-
-class EvictionPolicy:
-    """Chooses the victim among a group's evictable entries: the lowest ``score`` loses, ties go to the
-    entry inserted first. Records are kept per (layer, expert), whatever the precision of its entry.
-
-    ``on_use`` is called for every expert a layer computes (hit or miss, before any eviction of that
-    layer), with ``high`` telling whether it ran at the group's high precision.
-    """
-
-    name = "base"
-
-    def __init__(self, clock: Clock, num_experts: int, **params) -> None:
-        if params:
-            raise ValueError(f"eviction policy {self.name!r} takes no parameters, got {sorted(params)}")
-        self.clock = clock
-        self.num_experts = num_experts
-        self.tick = 0
-        self.last: dict[tuple[int, int], int] = {}  # (layer, expert) -> tick of its last use
-
-    def on_use(self, layer: int, expert: int, high: bool) -> None:
-        self.tick += 1
-        self.last[(layer, expert)] = self.tick
-
-    def reset(self) -> None:
-        """A new sequence: forget per-sequence records (recency is kept)."""
-
-    def score(self, layer: int, expert: int) -> tuple:
-        return (self.last.get((layer, expert), 0),)
-
-    def victim(self, candidates: list[tuple[int, int]]) -> tuple[int, int]:
-        return min(candidates, key=lambda key: self.score(*key))
-
-    def distance(self, layer: int) -> int:
-        """Layers from the current one forward to ``layer``: 0 for the current layer, 1 for the next."""
-        return (layer - self.clock.layer) % self.clock.num_layers
-
-
-class LRUPolicy(EvictionPolicy):
-    """Least recently used."""
-
-    name = "lru"
-
-
-class LFUPolicy(EvictionPolicy):
-    """Least frequently used in the current sequence (ties: least recently used)."""
-
-    name = "lfu"
-    per_sequence = True
-
-    def __init__(self, clock: Clock, num_experts: int, **params) -> None:
-        super().__init__(clock, num_experts, **params)
-        self.count: dict[tuple[int, int], int] = {}
-
-    def on_use(self, layer, expert, high):
-        super().on_use(layer, expert, high)
-        self.count[(layer, expert)] = self.count.get((layer, expert), 0) + 1
-
-    def reset(self):
-        if self.per_sequence:
-            self.count.clear()
-
-    def score(self, layer, expert):
-        return (self.count.get((layer, expert), 0), self.last.get((layer, expert), 0))
-
-
-class GlobalLFUPolicy(LFUPolicy):
-    """Least frequently used since the loader started (model-level frequency)."""
-
-    name = "lfu-global"
-    per_sequence = False
-
-
-class LHUPolicy(EvictionPolicy):
-    """Least high-precision used (HOBBIT): uses at the high precision in the current sequence."""
-
-    name = "lhu"
-
-    def __init__(self, clock: Clock, num_experts: int, **params) -> None:
-        super().__init__(clock, num_experts, **params)
-        self.high: dict[tuple[int, int], int] = {}
-
-    def on_use(self, layer, expert, high):
-        super().on_use(layer, expert, high)
-        if high:
-            self.high[(layer, expert)] = self.high.get((layer, expert), 0) + 1
-
-    def reset(self):
-        self.high.clear()
-
-    def score(self, layer, expert):
-        return (self.high.get((layer, expert), 0), self.last.get((layer, expert), 0))
-
-
-class FLDPolicy(EvictionPolicy):
-    """Forward layer distance (HOBBIT's term alone): the expert whose layer runs furthest ahead leaves first,
-    so the layer that just ran goes before the next one. Within a layer: least recently used."""
-
-    name = "fld"
-
-    def score(self, layer, expert):
-        return (1 - self.distance(layer) / self.clock.num_layers, self.last.get((layer, expert), 0))
-
-
-class EdgeMoEPolicy(EvictionPolicy):
-    """EdgeMoE's buffer eviction: L = f * ((S - i + I) mod S), the smallest L leaves (digest §1.7).
-
-    f is the expert's use count since the loader started, seeded with ``n0 * share`` from the offline
-    per-layer shares when given (``shares`` [L][E]), so the first tokens are not decided by zeros. The
-    second factor is S - d for an expert d layers ahead and 0 for the current layer's experts (next
-    needed a whole token later).
-    """
-
-    name = "edgemoe"
-
-    def __init__(self, clock: Clock, num_experts: int, shares=None, n0: float = 10.0) -> None:
-        super().__init__(clock, num_experts)
-        self.freq: dict[tuple[int, int], float] = {}
-        if shares is not None:
-            for layer, row in enumerate(shares):
-                for expert, share in enumerate(row):
-                    self.freq[(layer, expert)] = n0 * float(share)
-
-    def on_use(self, layer, expert, high):
-        super().on_use(layer, expert, high)
-        self.freq[(layer, expert)] = self.freq.get((layer, expert), 0.0) + 1
-
-    def score(self, layer, expert):
-        s = self.clock.num_layers
-        closeness = (s - layer + self.clock.layer) % s
-        return (self.freq.get((layer, expert), 0.0) * closeness, self.last.get((layer, expert), 0))
-
-
-class HobbitPolicy(EvictionPolicy):
-    """HOBBIT's multidimensional priority (digest H3), the lowest leaves:
-
-    p = w_lru * R/T + w_lfu * F/T + w_lhu * H/T + w_fld * (1 - d/L)
-
-    R: 1 + the token position of the expert's last use in this sequence (0 if unused), F and H: its uses
-    and high-precision uses in this sequence, T: 1 + the current token position, d: forward layer
-    distance from the current layer. The records reset per sequence.
-    """
-
-    name = "hobbit"
-
-    def __init__(self, clock: Clock, num_experts: int, w_lru: float = 0.25, w_lfu: float = 0.25,
-                 w_lhu: float = 0.25, w_fld: float = 0.25) -> None:
-        super().__init__(clock, num_experts)
-        self.w = (float(w_lru), float(w_lfu), float(w_lhu), float(w_fld))
-        self.recent: dict[tuple[int, int], int] = {}
-        self.count: dict[tuple[int, int], int] = {}
-        self.high: dict[tuple[int, int], int] = {}
-
-    def on_use(self, layer, expert, high):
-        super().on_use(layer, expert, high)
-        key = (layer, expert)
-        self.recent[key] = self.clock.token + 1
-        self.count[key] = self.count.get(key, 0) + 1
-        if high:
-            self.high[key] = self.high.get(key, 0) + 1
-
-    def reset(self):
-        self.recent.clear()
-        self.count.clear()
-        self.high.clear()
-
-    def priority(self, layer: int, expert: int) -> float:
-        key = (layer, expert)
-        t = self.clock.token + 1
-        w_lru, w_lfu, w_lhu, w_fld = self.w
-        return (w_lru * self.recent.get(key, 0) / t + w_lfu * self.count.get(key, 0) / t
-                + w_lhu * self.high.get(key, 0) / t + w_fld * (1 - self.distance(layer) / self.clock.num_layers))
-
-    def score(self, layer, expert):
-        return (self.priority(layer, expert), self.last.get((layer, expert), 0))
-
-
-POLICIES: dict[str, type[EvictionPolicy]] = {
-    p.name: p for p in (LRUPolicy, LFUPolicy, GlobalLFUPolicy, LHUPolicy, FLDPolicy, EdgeMoEPolicy, HobbitPolicy)
-}
-
-
-def policy_factory(name: str, params: dict | None = None) -> Callable[[Clock, int], EvictionPolicy]:
-    """A constructor for the named policy with ``params``; a ValueError names the known policies."""
-    if name not in POLICIES:
-        raise ValueError(f"eviction policy {name!r} unknown; use one of {', '.join(POLICIES)}")
-    cls = POLICIES[name]
-    params = dict(params or {})
-    try:
-        cls(Clock(1), 1, **params)  # reject unknown parameters now, not at the first eviction
-    except TypeError as e:
-        raise ValueError(f"eviction policy {name!r}: {e}") from None
-    return lambda clock, num_experts: cls(clock, num_experts, **params)
 
 
 # --------------------------------------------------------------------------------------------- cache
@@ -530,11 +299,9 @@ class ExpertCache:
             self.counters[layer].prefetches += 1
         return entry
 
-    def complete(self, entry: Entry, payload=None) -> None:
+    def complete(self, entry: Entry) -> None:
         """The read of ``entry`` landed: it is resident now."""
-        entry.payload = payload
         entry.in_flight = False
-        entry.ticket = None
 
     def cancel(self, entry: Entry) -> None:
         """Drop an in-flight entry whose read was cancelled (a prefetch nobody needs any more)."""

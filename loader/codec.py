@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from loader.errors import MoeError
+from loader.vocab import BITS
 
-BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
 # (group_size, meta_group) per precision, as mixtral-offloading/CORM configure hqq: 2 bits needs small
 # groups to stay usable, and 8-bit metadata then keeps them from costing 2 bits per weight.
 DEFAULT_FORMATS = {"int8": (64, 256), "int4": (64, 256), "int3": (64, 256), "int2": (16, 128)}

@@ -8,3 +8,21 @@ what to do.
 
 class MoeError(Exception):
     """A user-facing error: bad input, a damaged artifact, an impossible request."""
+
+
+PREPARE_AGAIN = "run `moeload verify`, then copy the artifact again or re-run `moeprep prepare`"
+
+
+class ArtifactError(MoeError):
+    """An artifact that cannot be used as it is; the message names the file and what to do.
+
+    ``file`` is the artifact file at fault (a name inside the artifact), when there is one.
+    """
+
+    def __init__(self, message: str, file: str | None = None):
+        super().__init__(message)
+        self.file = file
+
+
+class LoaderError(ArtifactError):
+    """A request the loader cannot satisfy (budget too small, no GPU, ...); the message says what to do."""

@@ -35,15 +35,15 @@ import hashlib
 import json
 import math
 import re
-import struct
 import zlib
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path, PurePosixPath
 
 from loader.codec import BITS, PAIRINGS, CodecError, NeuronLayout, RecordLayout
-from loader.errors import MoeError
-from loader.files import write_json_atomic
+from loader.errors import PREPARE_AGAIN as _PREPARE_AGAIN
+from loader.errors import ArtifactError, MoeError
+from loader.io import read_record_offsets, read_safetensors_header, write_json_atomic
 from loader.plan import PLAN_FILE, Plan, read_plan
 
 FORMAT = "moeprep-artifact"
@@ -62,25 +62,10 @@ DTYPES = ("float32", "float16", "bfloat16")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 PRECISIONS = ("passthrough", *BITS)
 MAX_MANIFEST_BYTES = 64 << 20
-MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit
 # config.json names of E and K across architectures (a multimodal config nests them in text_config)
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "top_k", "moe_top_k", "experts_per_token", "num_selected_experts")
 # safetensors dtype names -> bytes per element
-ST_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-             "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-_PREPARE_AGAIN = "run `moeload verify`, then copy the artifact again or re-run `moeprep prepare`"
-
-
-class ArtifactError(MoeError):
-    """An artifact that cannot be used as it is; the message names the file and what to do.
-
-    ``file`` is the artifact file at fault (a name inside the artifact), when there is one.
-    """
-
-    def __init__(self, message: str, file: str | None = None):
-        super().__init__(message)
-        self.file = file
 
 
 def expert_key(layer: int, expert: int) -> str:
@@ -558,81 +543,6 @@ def _check_plan(manifest: Manifest, plan: Plan) -> None:
             if expert_key(layer, e) not in manifest.stores[precision].crc32:
                 raise ArtifactError(f"{manifest.root / PLAN_FILE} plans expert {e} of MoE layer {pos} at {precision}, "
                                     f"but the {precision} store has no record of it; {_PREPARE_AGAIN}", file=PLAN_FILE)
-
-
-# ------------------------------------------------------------------------------ safetensors headers
-
-
-def read_safetensors_header(path: Path, name: str | None = None) -> tuple[dict, dict, int]:
-    """(tensors {name: {dtype, shape, data_offsets}}, metadata, data start) of a safetensors file.
-
-    Checks what the safetensors format requires, bounded by the file's real size (a length field that
-    claims 2**60 bytes is an error, not an allocation): a JSON object of known dtypes, shapes and
-    offsets whose tensors tile the data section exactly.
-    """
-    name = name or path.name
-
-    def fail(what: str) -> ArtifactError:
-        return ArtifactError(f"{path}: {what}; the file is damaged: {_PREPARE_AGAIN}", file=name)
-
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise fail("truncated (no safetensors header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8 or n > MAX_HEADER_BYTES:
-                raise fail(f"its header length field says {n:,} bytes, the file has {size:,}")
-            raw = f.read(n)
-    except OSError as e:
-        raise ArtifactError(f"cannot read {path} ({e.strerror or e}); {_PREPARE_AGAIN}", file=name) from None
-    if len(raw) < n:
-        raise fail("truncated (header cut short)")
-    try:
-        header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise fail("its header is not valid JSON") from None
-    if not isinstance(header, dict):
-        raise fail("its header is not a JSON object")
-    meta = header.pop("__metadata__", {})
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise fail("its __metadata__ is not a map of strings")
-    spans = []
-    for key, entry in header.items():
-        if (not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}
-                or not isinstance(entry["dtype"], str) or entry["dtype"] not in ST_DTYPES
-                or not isinstance(entry["shape"], list)
-                or not all(_is_int(s) and s >= 0 for s in entry["shape"])
-                or not isinstance(entry["data_offsets"], list) or len(entry["data_offsets"]) != 2
-                or not all(_is_int(o) for o in entry["data_offsets"])):
-            raise fail(f"tensor {key!r} has a malformed entry {json.dumps(entry)[:100]}")
-        begin, end = entry["data_offsets"]
-        numel = 1
-        for s in entry["shape"]:
-            numel *= s
-        if not 0 <= begin <= end or end - begin != numel * ST_DTYPES[entry["dtype"]]:
-            raise fail(f"tensor {key!r}: offsets {entry['data_offsets']} do not hold its shape and dtype")
-        spans.append((begin, end, key))
-    position = 0
-    for begin, end, key in sorted(spans):
-        if begin != position:
-            raise fail(f"tensor {key!r} starts at {begin}, expected {position} (overlapping or missing data)")
-        position = end
-    if 8 + n + position != size:
-        raise fail(f"its tensors end at byte {8 + n + position:,}, the file has {size:,}")
-    return header, meta, 8 + n
-
-
-def read_record_offsets(path: Path) -> tuple[dict[str, int], int, int]:
-    """{record key: absolute file offset}, record bytes and stride of an aligned record store."""
-    header, meta, start = read_safetensors_header(path)
-    try:
-        record_bytes, stride = int(meta["record_bytes"]), int(meta["stride"])
-    except (KeyError, ValueError):
-        raise ArtifactError(f"{path}: its __metadata__ lacks integer record_bytes and stride; {_PREPARE_AGAIN}",
-                            file=path.name) from None
-    return {key: start + entry["data_offsets"][0] for key, entry in header.items()}, record_bytes, stride
 
 
 def store_offsets(manifest: Manifest, precision: str) -> dict[str, int]:

@@ -10,11 +10,13 @@ A neuron-layout record (``loader.codec.NeuronLayout``) holds W1 whole in its hea
 row per neuron (up row, down column). The runtime reads the header, finds the active set, and reads the
 rows it lacks, or the whole rest above ``crossover`` (CORM's 75% rule); each cached expert keeps a mask
 of its resident neurons, grown as the union of what it read (C3). The plan's ``neuron`` entry holds the
-knobs (``NeuronConfig``).
+knobs (``NeuronConfig``). ``NeuronStep`` is the layer step on this path; the whole-expert step
+(``loader/step.py``) delegates to it, and both take their decisions from ``loader/schedule.py``.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -147,3 +149,323 @@ class TrustedPrediction(RoutingPolicy):
     def stats(self) -> dict:
         """Layer decisions taken from the prediction, and the router's experts they replaced."""
         return {"policy": self.name, "decisions": self.decisions, "experts_replaced": self.replaced}
+
+
+@dataclass(frozen=True)
+class NeuronRecordForm:
+    """A neuron-layout record held as it is (its rows are read and decoded a few at a time); a whole-expert
+    compute runs ``neuron_forward`` over every row."""
+
+    layout: NeuronLayout
+    pairing: str
+    name = "record"
+    staged = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.layout.nbytes
+
+    def make(self, record: torch.Tensor, region=None) -> torch.Tensor:
+        return record
+
+    def forward(self, module, record, x: torch.Tensor) -> torch.Tensor:
+        return neuron_forward(module, self.layout, record, self.pairing, x)
+
+
+class NeuronStep:
+    """The layer step with neuron-level loading, on the engine's cache, schedule, reader and slots: a miss
+    reads the record's header (W1), W1 names the active neurons, and only the rows the slot lacks are read
+    (``to_read``); hits add their missing active rows the same way. Headers are read for every miss first,
+    then each expert's rows, so reads overlap."""
+
+    def __init__(self, engine, cfg: NeuronConfig, pairings: dict) -> None:
+        self.engine, self.cfg, self.pairings = engine, cfg, pairings
+        self.layouts = {p: engine.forms[p].layout for p in pairings}
+        self._pending: list = []  # (entry, router input): predicted experts whose header is on its way
+        self._inputs: dict = {}
+        self.counts = dict.fromkeys(
+            ("experts", "neurons", "active", "computed", "rows_read", "whole_reads", "partial_reads",
+             "predicted_experts", "predicted_rows", "predicted_active", "active_predicted"), 0)
+
+    def applies(self, tokens: int) -> bool:
+        """Whether a forward of ``tokens`` tokens takes the neuron path (decode only unless ``prefill``)."""
+        return bool(self.layouts) and (tokens == 1 or self.cfg.prefill)
+
+    # ---------------------------------------------------------------------------------------- reads
+    def _rows_job(self, layer: int, store, arena, slot: int, expert: int, rows: torch.Tensor, priority: int):
+        """Read the neuron rows of the bool mask ``rows`` into ``slot``: (the job, every row the read brings,
+        which with O_DIRECT's whole blocks may be more than asked). The bytes fetched count as read."""
+        from loader.store import ReadJob
+
+        engine, layout = self.engine, self.layouts[store.precision]
+        spans = store.spans(layout.ranges(rows))
+        job = engine.reader.submit(ReadJob(store, engine.key(layer, expert), arena, slot, priority, spans))
+        engine.cache.count_read(layer, sum(length for _s, length in spans))
+        brought = rows | layout.covered(spans)
+        self.counts["rows_read"] += int(brought.sum())
+        return job, brought
+
+    def _header_job(self, layer: int, store, arena, slot: int, expert: int, priority: int):
+        """Read a neuron record's header (W1 and the biases) into ``slot``: (the job, the rows its read brings
+        along, the rest of its last 4 KiB block with O_DIRECT)."""
+        from loader.store import ReadJob
+
+        engine, layout = self.engine, self.layouts[store.precision]
+        spans = store.spans([(0, layout.rows_offset)])
+        job = engine.reader.submit(ReadJob(store, engine.key(layer, expert), arena, slot, priority, spans))
+        engine.cache.count_read(layer, sum(length for _s, length in spans))
+        return job, layout.covered(spans)
+
+    def _land_rows(self, layer: int, held, wait: bool = True) -> None:
+        """Merge a finished neuron read into the entry's mask (waiting for it when ``wait``): the union rule."""
+        job = held.row_job
+        if job is None or (not wait and job.state not in ("done", "failed", "cancelled")):
+            return
+        if wait:
+            self.engine.await_job(layer, job)
+        if job.state == "done":
+            held.neurons = held.neurons | held.row_mask
+        held.row_job = held.row_mask = None
+
+    def fill(self, layer: int, entry) -> None:
+        """Make a partly read neuron record whole before a whole-expert compute (a prefill after decode)."""
+        held = entry.payload
+        if held is None or held.neurons is None:
+            return
+        engine = self.engine
+        self._land_rows(layer, held)
+        missing = ~held.neurons
+        if bool(missing.any()):
+            job, _ = self._rows_job(layer, engine.stores[entry.precision], engine.arenas[entry.pool], held.slot,
+                                    entry.expert, missing, 0)
+            engine.await_job(layer, job)
+        held.neurons = None
+        held.weights = engine.arenas[entry.pool].tensor(held.slot, engine.stores[entry.precision].record_bytes)
+
+    def to_read(self, resident: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """The rows to read for ``active`` given ``resident``: the active ones missing, or every missing row
+        once the expert would hold more than ``crossover`` of its neurons (a whole read costs less)."""
+        need = active & ~resident
+        if bool(need.any()) and float((resident | need).float().mean()) > self.cfg.crossover:
+            need = ~resident
+            self.counts["whole_reads"] += 1
+        elif bool(need.any()):
+            self.counts["partial_reads"] += 1
+        return need
+
+    # ------------------------------------------------------------------------------------ the layer step
+    def run_layer(self, layer: int, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
+        engine = self.engine
+        decisions, top_k_weights, rows, _ = engine.begin(layer, top_k_index, top_k_weights)
+        from loader.step import Mixer
+
+        out = torch.zeros_like(hidden)
+        mix = Mixer(hidden, rows, top_k_index, top_k_weights, out)
+        self._pending = [(e, x) for e, x in self._pending if e.layer != layer]
+        batch = []
+        for d in decisions:
+            item = {"decision": d, "entry": d.entry}
+            if d.entry is None:
+                item["entry"] = engine.schedule.admit(layer, d.expert, d.precision, engine.slot_bytes[d.precision], 0)
+                if item["entry"] is None and not engine.buffers.free:
+                    self._batch(layer, module, hidden, mix, batch)
+                    batch = []
+                self._start_miss(layer, item)
+            batch.append(item)
+        self._batch(layer, module, hidden, mix, batch)
+        engine.end_layer(layer)
+        self.advance()
+        return out
+
+    def _start_miss(self, layer: int, item: dict) -> None:
+        """A miss: take a slot (the admitted entry's, else a read buffer) and start reading the header (a
+        neuron record) or the whole record."""
+        from loader.step import Held
+        from loader.store import DEMAND, ReadJob
+
+        engine = self.engine
+        entry, d = item["entry"], item["decision"]
+        store = engine.stores[d.precision]
+        if entry is not None:
+            arena = engine.arenas[entry.pool]
+            held = entry.payload = Held(arena.take())
+            slot = held.slot
+        else:
+            arena, slot = engine.buffers, engine.take_buffer()
+            item["buffer"] = slot
+        if d.precision in self.layouts:
+            job, item["brought"] = self._header_job(layer, store, arena, slot, d.expert, DEMAND)
+            if entry is not None:
+                entry.payload.neurons = item["brought"]
+        else:
+            job = engine.reader.submit(ReadJob(store, engine.key(layer, d.expert), arena, slot, DEMAND,
+                                               form=engine.forms[d.precision]))
+            engine.cache.count_read(layer, store.record_bytes)
+        if entry is not None:
+            entry.payload.job = job
+        item["job"] = job
+
+    def _batch(self, layer: int, module, hidden, mix, items: list) -> None:
+        """Wait for each item's header, read the rows its active set lacks, then compute each over its rows."""
+        engine, cfg = self.engine, self.cfg
+        for item in items:
+            entry, d = item["entry"], item["decision"]
+            if entry is not None and entry.payload is not None and (entry.in_flight or entry.payload.job is not None):
+                engine.land(layer, entry)
+            elif entry is None and "job" in item:
+                engine.await_job(layer, item["job"])
+            if d.precision not in self.layouts:
+                continue
+            layout = self.layouts[d.precision]
+            if entry is not None:
+                held = entry.payload
+                self._land_rows(layer, held)
+                arena, slot = engine.arenas[entry.pool], held.slot
+                resident = held.neurons if held.neurons is not None else torch.ones(layout.intermediate, dtype=torch.bool)
+            else:
+                arena, slot = engine.buffers, item["buffer"]
+                resident = item.get("brought", torch.zeros(layout.intermediate, dtype=torch.bool))
+            record = arena.tensor(slot, engine.stores[d.precision].record_bytes)
+            tokens, x, _ = mix.inputs(d.expert)
+            header = layout.header(record)
+            wanted = active_set(module, header, x, self.pairings[d.precision], cfg.theta)
+            counts = self.counts
+            counts["experts"] += 1
+            counts["neurons"] += layout.intermediate
+            counts["active"] += int(wanted.sum())
+            predicted = entry.payload.predicted if entry is not None else None
+            if predicted is not None:
+                counts["predicted_experts"] += 1
+                counts["predicted_rows"] += int(predicted.sum())
+                counts["predicted_active"] += int((predicted & wanted).sum())
+                counts["active_predicted"] += int(wanted.sum())
+                entry.payload.predicted = None
+            trusted = cfg.trust_prediction and predicted is not None
+            need = torch.zeros_like(wanted) if trusted else self.to_read(resident, wanted)
+            item.update(header=header, wanted=wanted, resident=resident, record=record)
+            if bool(need.any()):
+                from loader.store import DEMAND
+
+                job, brought = self._rows_job(layer, engine.stores[d.precision], arena, slot, d.expert, need, DEMAND)
+                item["rows"] = (brought, job)
+        for item in items:
+            entry, d = item["entry"], item["decision"]
+            if d.precision not in self.layouts:
+                weights = entry.payload.weights if entry is not None else item["job"].weights
+                engine.compute(module, d, weights, mix)
+            else:
+                resident = item["resident"]
+                if "rows" in item:
+                    need, job = item["rows"]
+                    engine.await_job(layer, job)
+                    resident = resident | need
+                    if entry is not None:
+                        entry.payload.neurons = resident
+                rows = resident if cfg.compute == "resident" else item["wanted"] & resident
+                self.counts["computed"] += int(rows.sum())
+                self._compute(module, d, item["record"], rows, item["header"], mix)
+            if "buffer" in item:
+                engine.give_buffer(item["buffer"])
+
+    def _compute(self, module, d, record, rows: torch.Tensor, header: dict, mix) -> None:
+        """The expert over the neurons of the bool mask ``rows``, each token over its own active ones with
+        ``compute: active``."""
+        start = time.perf_counter()
+        index = None if bool(rows.all()) else rows.nonzero().flatten()
+        per_token = self.cfg.theta if self.cfg.compute == "active" else None
+        tokens, x, w = mix.inputs(d.expert)
+        y = neuron_forward(module, self.layouts[d.precision], record, self.pairings[d.precision], x, index, header,
+                           per_token)
+        mix.add(tokens, y, w)
+        self.engine._computed += time.perf_counter() - start
+
+    # -------------------------------------------------------------------------------------- prediction
+    def take_inputs(self, requests: list) -> list:
+        """Keep the router inputs of requests for neuron-layout experts (their rows are predicted from them)."""
+        self._inputs = {}
+        for r in requests:
+            if r.inputs is None or not self.applies(r.inputs.shape[0]):
+                continue
+            precision = r.precision or self.engine.plan.expert_precision[r.layer][r.expert] \
+                if 0 <= r.layer < self.engine.num_layers and 0 <= r.expert < self.engine.num_experts else None
+            if precision in self.layouts:
+                self._inputs[(r.layer, r.expert, precision)] = r.inputs
+        return requests
+
+    def prefetch_header(self, entry) -> bool:
+        """CORM: an admitted prefetch with router inputs reads its header (W1) first; its neurons once the
+        header has landed. False: not such a prefetch (the engine reads the whole record)."""
+        from loader.step import Held
+        from loader.store import PREFETCH
+
+        x = self._inputs.pop((entry.layer, entry.expert, entry.precision), None)
+        if x is None:
+            return False
+        engine = self.engine
+        arena = engine.arenas[entry.pool]
+        held = entry.payload = Held(arena.take())
+        held.job, held.neurons = self._header_job(entry.layer, engine.stores[entry.precision], arena, held.slot,
+                                                  entry.expert, PREFETCH)
+        self._pending.append((entry, x))
+        return True
+
+    def predict_held(self) -> None:
+        """Requested experts held already: predict their neurons now."""
+        for (layer, expert, precision), x in self._inputs.items():
+            entry = self.engine.cache.find(layer, expert, precision)
+            if entry is not None and not entry.in_flight:
+                self._predict_rows(entry, x)
+        self._inputs = {}
+
+    def _predict_rows(self, entry, x: torch.Tensor) -> None:
+        """CORM's neuron prediction: the held W1 of a predicted expert on the earlier layer's router input names
+        the active neurons; the rows the slot lacks are prefetched."""
+        from loader.store import PREFETCH
+
+        held = entry.payload
+        if held is None or entry.in_flight or held.neurons is None or held.row_job is not None:
+            return
+        engine = self.engine
+        layout = self.layouts[entry.precision]
+        record = engine.arenas[entry.pool].tensor(held.slot, engine.stores[entry.precision].record_bytes)
+        predicted = active_set(engine.modules[entry.layer], layout.header(record), x, self.pairings[entry.precision],
+                               self.cfg.theta)
+        held.predicted = predicted
+        need = self.to_read(held.neurons, predicted)
+        if bool(need.any()):
+            held.row_job, held.row_mask = self._rows_job(entry.layer, engine.stores[entry.precision],
+                                                         engine.arenas[entry.pool], held.slot, entry.expert, need,
+                                                         PREFETCH)
+
+    def advance(self) -> None:
+        """After a layer's compute: predicted experts whose header has landed get their neuron rows prefetched."""
+        if not self._pending:
+            return
+        self.engine._reap()  # headers that have landed become resident (they are prefetches like any other)
+        still = []
+        for entry, x in self._pending:
+            if entry.payload is None:
+                continue
+            if entry.in_flight:
+                still.append((entry, x))
+            else:
+                self._predict_rows(entry, x)
+        self._pending = still
+
+    def stats(self, predictors: list) -> dict:
+        """Experts computed on the neuron path, their active and computed share, rows read, whole and partial
+        reads, and the predictor's accuracy at expert and neuron level."""
+        c = self.counts
+        experts = next((p.stats() for p in predictors if p.name == "neuron_gates"), None)
+        return c | {
+            "theta": self.cfg.theta, "crossover": self.cfg.crossover, "compute": self.cfg.compute,
+            "trust_prediction": self.cfg.trust_prediction,
+            "active_share": c["active"] / c["neurons"] if c["neurons"] else None,
+            "computed_share": c["computed"] / c["neurons"] if c["neurons"] else None,
+            # of the neurons active at a predicted expert, the share the prediction named
+            "neuron_recall": c["predicted_active"] / c["active_predicted"] if c["active_predicted"] else None,
+            # of the neurons the prediction named, the share that were active
+            "neuron_precision": c["predicted_active"] / c["predicted_rows"] if c["predicted_rows"] else None,
+            "expert_prediction": experts,
+        }

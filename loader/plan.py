@@ -1,15 +1,10 @@
-"""The typed, versioned plan (``plan.json``) and the one function that turns a plan and a budget into bytes.
+"""The typed, versioned plan (``plan.json``): the schema only.
 
 A plan holds every decision a technique makes about how an artifact runs; each field's default means
 "off", so a plan written by a pipeline that runs no technique reproduces plain offloading (one pool at
 the store's precision, per-layer LRU, the model's own top-k, misses read at the expert's precision).
-
-``capacities()`` is the only place where a memory budget becomes byte capacities per pool and layer:
-the loader, the bench and the simulator all call it, so they can never disagree about what a budget
-buys. Budget semantics (``resolve_budget``): bytes, a size string ("1.5GiB"), a percentage ("25%":
-the dense weights plus that share of the *source* model's expert bytes in its original dtype, so one
-percentage is one number of bytes for a lossless and a 4-bit artifact of one model), ``"unlimited"``
-(every expert of every pool fits), or None (the plan's ``default_budget``).
+What a plan and a budget mean in bytes is ``loader/budget.py``'s; ``parse_budget`` lives here because the
+plan's ``default_budget`` field is a budget string.
 
 Shapes use the legend declared in ``loader/__init__.py``.
 """
@@ -24,11 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loader.errors import MoeError
+from loader.vocab import FORM_NAMES, GROUPS
 
 PLAN_VERSION = 1
 PLAN_FILE = "plan.json"
-GROUPS = ("layer", "global")
-SKIP = "skip"  # a miss policy's answer: do not compute this expert
 _UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 
@@ -116,6 +110,9 @@ class Plan:
     neuron: PolicySpec = field(default_factory=lambda: PolicySpec("off"))
     default_budget: str = "50%"
     operating_points: tuple[OperatingPoint, ...] = ()  # by rising budget (``for_budget``)
+    # precision -> the held form its cached experts take (``loader/forms.py``), chosen for the target device
+    # by the planner; absent: the loader's fixed rule for the device
+    forms: tuple[tuple[str, str], ...] = ()
     version: int = PLAN_VERSION
 
     def point_for(self, budget_bytes: float) -> OperatingPoint | None:
@@ -175,7 +172,8 @@ class Plan:
             "miss": self.miss.to_json(),
             "default_budget": self.default_budget,
         } | ({"neuron": self.neuron.to_json()} if self.neuron.name != "off" else {}) \
-          | ({"operating_points": [p.to_json() for p in self.operating_points]} if self.operating_points else {})
+          | ({"operating_points": [p.to_json() for p in self.operating_points]} if self.operating_points else {}) \
+          | ({"forms": dict(self.forms)} if self.forms else {})
 
     @classmethod
     def from_json(cls, raw) -> Plan:
@@ -188,7 +186,7 @@ class Plan:
         if not isinstance(raw, dict):
             raise bad(f"expected an object, got {type(raw).__name__}")
         known = {"version", "num_layers", "num_experts", "expert_precision", "pools", "layer_capacity",
-                 "eviction", "predictors", "routing", "miss", "default_budget", "operating_points", "neuron"}
+                 "eviction", "predictors", "routing", "miss", "default_budget", "operating_points", "neuron", "forms"}
         if unknown := sorted(set(raw) - known):
             raise bad(f"unknown keys {unknown}")
         if raw.get("version") != PLAN_VERSION or type(raw.get("version")) is not int:
@@ -233,13 +231,17 @@ class Plan:
                           "only shares and layer splits differ")
         if [p.budget_bytes for p in points] != sorted({p.budget_bytes for p in points}):
             raise bad("operating_points must be in rising budget_bytes, each once")
+        forms = raw.get("forms", {})
+        if not isinstance(forms, dict) or not all(isinstance(k, str) and v in FORM_NAMES for k, v in forms.items()):
+            raise bad(f"forms must map precisions to one of {list(FORM_NAMES)}")
         plan = cls(n_layers, n_experts, tuple(tuple(r) for r in rows), tuple(pools),
                    tuple(float(c) for c in capacity) if capacity is not None else None,
                    PolicySpec.from_json(raw.get("eviction"), "eviction"),
                    tuple(PolicySpec.from_json(p, f"predictors[{i}]") for i, p in enumerate(predictors)),
                    PolicySpec.from_json(raw.get("routing"), "routing"),
                    PolicySpec.from_json(raw.get("miss"), "miss"),
-                   PolicySpec.from_json(raw.get("neuron", {"name": "off"}), "neuron"), budget, tuple(points))
+                   PolicySpec.from_json(raw.get("neuron", {"name": "off"}), "neuron"), budget, tuple(points),
+                   forms=tuple(sorted(forms.items())))
         pooled = {p.precision for p in pools}
         if missing := sorted({p for row in plan.expert_precision for p in row} - pooled):
             raise bad(f"experts planned at precisions {missing} that no pool holds")
@@ -316,111 +318,3 @@ def parse_budget(budget) -> tuple[str, float] | None:
     if value <= 0:
         raise PlanError(f"memory budget {budget!r} must be above 0 bytes")
     return ("bytes", value)
-
-
-@dataclass(frozen=True)
-class ModelSizes:
-    """What the budget arithmetic needs to know about an artifact: the sizes of what is held."""
-
-    num_layers: int
-    num_experts: int
-    top_k: int
-    dense_bytes: int
-    source_expert_bytes: int  # every expert of the source model in its original dtype
-    record_bytes: dict  # precision -> bytes one cached expert of that precision takes (its slot)
-    read_bytes: dict | None = None  # precision -> bytes a read buffer takes (None: the slot, no decoded copy)
-
-
-@dataclass(frozen=True)
-class Capacities:
-    """Byte capacities: ``pools[name]`` maps each eviction group ("layer index" or "global") to bytes."""
-
-    limit_bytes: float  # the whole budget (math.inf when unlimited)
-    dense_bytes: int
-    buffer_bytes: int  # read buffers: records being read or used outside a cache
-    pools: dict  # pool name -> {group key: bytes}; group key is the layer position or "global"
-
-    def to_json(self) -> dict:
-        return {"limit_bytes": None if math.isinf(self.limit_bytes) else int(self.limit_bytes),
-                "dense_bytes": self.dense_bytes, "buffer_bytes": self.buffer_bytes,
-                "pools": {name: {str(g): b for g, b in groups.items()} for name, groups in self.pools.items()}}
-
-
-def resolve_budget(budget, plan: Plan, sizes: ModelSizes) -> float:
-    """The budget in bytes (math.inf for unlimited); None means the plan's default budget."""
-    parsed = parse_budget(budget if budget is not None else plan.default_budget)
-    kind, value = parsed
-    if kind == "fraction":
-        return sizes.dense_bytes + value * sizes.source_expert_bytes
-    return value
-
-
-def buffer_bytes(plan: Plan, sizes: ModelSizes) -> int:
-    """Read buffers: K records of the largest precision can be in flight or in use outside a cache."""
-    read = sizes.read_bytes or sizes.record_bytes
-    return sizes.top_k * max(read[p] for p in plan.precisions)
-
-
-def minimum_budget(plan: Plan, sizes: ModelSizes) -> int:
-    """The smallest budget in bytes that ``capacities`` accepts for this plan: every eviction group a pool
-    gives bytes to holds at least one record."""
-    best = 0
-    for pool in plan.pools:
-        if pool.share == 0:
-            continue
-        weights = layer_weights(plan, pool) if pool.group == "layer" else [1.0]
-        # the smallest group given bytes must hold one record: bytes * share * (w_min / sum w) >= record
-        smallest = min(w for w in weights if w > 0)
-        need = sizes.record_bytes[pool.precision] * sum(weights) / smallest / pool.share
-        best = max(best, need)
-    return int(math.ceil(sizes.dense_bytes + buffer_bytes(plan, sizes) + best))
-
-
-def layer_weights(plan: Plan, pool: Pool) -> list[float]:
-    """A per-layer pool's relative split across layers: its own, else the plan's, else equal."""
-    if pool.layers is not None:
-        return list(pool.layers)
-    return list(plan.layer_capacity) if plan.layer_capacity is not None else [1.0] * plan.num_layers
-
-
-def capacities(plan: Plan, budget, sizes: ModelSizes) -> Capacities:
-    """Byte capacities per pool and eviction group for ``budget`` (see ``resolve_budget``).
-
-    The plan's operating point for the budget is taken first (``Plan.for_budget``). The expert share
-    (budget - dense - read buffers) is split among pools by their ``share``; a per-layer pool splits its
-    part across layers by its own ``layers`` weights, else the plan's relative ``layer_capacity`` (equal
-    when both are absent), so an explicit budget scales the plan's allocation rather than discarding it.
-    No group holds more than all of its experts. A budget below ``minimum_budget`` is refused.
-    """
-    if plan.num_layers != sizes.num_layers or plan.num_experts != sizes.num_experts:
-        raise PlanError(f"{PLAN_FILE} is for {plan.num_layers} layers x {plan.num_experts} experts, the model has "
-                        f"{sizes.num_layers} x {sizes.num_experts}; prepare the artifact again")
-    for p in plan.precisions:
-        if p not in sizes.record_bytes:
-            raise PlanError(f"{PLAN_FILE} uses precision {p!r} but the artifact has no store for it "
-                            f"(stores: {sorted(sizes.record_bytes)}); prepare the artifact again")
-    limit = resolve_budget(budget, plan, sizes)
-    plan = plan.for_budget(limit)
-    buffers = buffer_bytes(plan, sizes)
-    minimum = minimum_budget(plan, sizes)
-    if limit < minimum:
-        raise PlanError(
-            f"memory budget {budget if budget is not None else plan.default_budget!r} ({int(limit):,} bytes) is "
-            f"below the minimum of {minimum:,} bytes (dense weights {sizes.dense_bytes:,} + read buffers "
-            f"{buffers:,} + one expert per eviction group); raise the budget")
-    share = limit - sizes.dense_bytes - buffers
-    pools: dict = {}
-    for pool in plan.pools:
-        record = sizes.record_bytes[pool.precision]
-        part = share * pool.share
-        unlimited = math.isinf(limit)  # every group holds all its experts, whatever the shares and splits say
-        if pool.group == "global":
-            full = sizes.num_layers * sizes.num_experts * record
-            pools[pool.name] = {"global": full if unlimited else int(min(full, part))}
-        else:
-            weights = layer_weights(plan, pool)
-            total = sum(weights)
-            full = sizes.num_experts * record
-            pools[pool.name] = {layer: full if unlimited else int(min(full, part * w / total))
-                                for layer, w in enumerate(weights)}
-    return Capacities(limit, sizes.dense_bytes, buffers, pools)

@@ -7,8 +7,12 @@ device reading from flash; ``host`` mode holds the whole store in RAM (pinned on
 copy; the runtime counts those bytes against the budget.
 
 Records land in memory allocated once (``SlotArena``: page-aligned, so O_DIRECT reads straight into
-it): the caches' slots and the read buffers. No read allocates. On CUDA a read goes through a pinned
-staging buffer allocated once per reader thread, then to the device slot on the reader's own stream.
+it): the caches' slots, the read buffers, and one staging buffer per reader thread. No read allocates. A
+job with a held form that is made (``loader/forms.py``) reads into its thread's staging buffer, and the
+same thread makes the form into the target slot: the compute thread never decodes. A job of the record
+form reads into the target slot directly. On CUDA a read goes through a pinned host buffer of the thread,
+then to the device (the slot, or the thread's device staging buffer where the form is made) on the
+reader's own stream.
 
 ``Reader`` runs the reads on worker threads from one priority queue: demand reads before queued
 prefetch reads; a queued prefetch can be cancelled, and a demand for a queued prefetch promotes it.
@@ -28,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from loader.format import ArtifactError, read_record_offsets
+from loader.errors import ArtifactError
+from loader.io import read_record_offsets
 
 DEMAND, PREFETCH = 0, 1
 
@@ -186,17 +191,23 @@ class SlotArena:
 
 
 class ReadJob:
-    """One queued or running read; ``wait()`` returns the seconds the read itself took."""
+    """One queued or running read; ``wait()`` returns the seconds the read (and the making of its form) took.
+
+    ``form``: the held form to make from the record (None: the bytes only, as a neuron read);
+    ``weights`` is what the form made, for the compute thread."""
 
     def __init__(self, store: ExpertStore, key: str, arena: SlotArena, slot: int, priority: int,
-                 ranges: list[tuple[int, int]] | None = None) -> None:
+                 ranges: list[tuple[int, int]] | None = None, form=None) -> None:
         """ranges: (start, length) byte ranges of the record, each landing at its own place in the slot
         (a neuron read); None reads the whole record."""
         self.store, self.key, self.arena, self.slot = store, key, arena, slot
         self.priority = priority
         self.ranges = ranges
+        self.form = form
+        self.weights = None
         self.state = "queued"  # queued -> running -> done | failed; or queued -> cancelled
         self.seconds = 0.0
+        self.make_seconds = 0.0  # of ``seconds``, the time spent making the form
         self.nbytes = 0
         self.error: BaseException | None = None
         self._done = threading.Event()
@@ -217,16 +228,17 @@ class ReadJob:
 class Reader:
     """Worker threads serving one priority queue of reads (demand before prefetch, then first come)."""
 
-    def __init__(self, workers: int = 2, device: torch.device | None = None) -> None:
+    def __init__(self, workers: int = 2, device: torch.device | None = None, staging: SlotArena | None = None) -> None:
+        """staging: one slot per worker (``workers`` of them), where reads of a made form land."""
         self.device = device or torch.device("cpu")
+        self.staging = staging
         self._heap: list = []
         self._order = itertools.count()
         self._cv = threading.Condition()
         self._closed = False
         self._local = threading.local()
-        self._staging_bytes = 0
         self.after_compute = None  # CUDA: an event the copy stream waits on before overwriting a slot
-        self._threads = [threading.Thread(target=self._work, name=f"moeprep-read-{i}", daemon=True)
+        self._threads = [threading.Thread(target=self._work, args=(i,), name=f"moeprep-read-{i}", daemon=True)
                          for i in range(max(1, workers))]
         for thread in self._threads:
             thread.start()
@@ -254,7 +266,8 @@ class Reader:
         job._done.set()
         return True
 
-    def _work(self) -> None:
+    def _work(self, index: int) -> None:
+        self._local.index = index
         while True:
             with self._cv:
                 while not self._heap and not self._closed:
@@ -276,27 +289,47 @@ class Reader:
             job._done.set()
 
     def _read(self, job: ReadJob) -> int:
-        if job.ranges is None:
-            return self._read_range(job, 0, None)
-        return sum(self._read_range(job, start, length) for start, length in job.ranges)
+        if job.ranges is not None:
+            return sum(self._read_range(job, job.arena, job.slot, start, length) for start, length in job.ranges)
+        form = job.form
+        if form is None or not form.staged:
+            n = self._read_range(job, job.arena, job.slot, 0, None)
+            if form is not None:
+                job.weights = form.make(job.arena.tensor(job.slot, job.store.record_bytes))
+            return n
+        index = self._local.index
+        n = self._read_range(job, self.staging, index, 0, None)
+        start = time.perf_counter()
+        record = self.staging.tensor(index, job.store.record_bytes)
+        region = job.arena.tensor(job.slot, job.arena.slot_bytes)
+        if self.staging.device.type == "cuda":
+            with torch.cuda.stream(self._local.stream):
+                job.weights = form.make(record, region)
+                done = torch.cuda.Event()
+                done.record(self._local.stream)
+            done.synchronize()
+        else:
+            job.weights = form.make(record, region)
+        job.make_seconds = time.perf_counter() - start
+        return n
 
-    def _read_range(self, job: ReadJob, start: int, length: int | None) -> int:
-        arena = job.arena
+    def _read_range(self, job: ReadJob, arena: SlotArena, slot: int, start: int, length: int | None) -> int:
         if arena.device.type != "cuda":
-            return job.store.read_into(job.key, arena.host_view(job.slot)[start:], start, length)
-        staging = getattr(self._local, "staging", None)
-        if staging is None or staging.numel() < arena.slot_bytes:
-            staging = self._local.staging = torch.empty(arena.slot_bytes, dtype=torch.uint8, pin_memory=True)
+            return job.store.read_into(job.key, arena.host_view(slot)[start:], start, length)
+        pinned = getattr(self._local, "pinned", None)
+        if pinned is None or pinned.numel() < arena.slot_bytes:
+            pinned = self._local.pinned = torch.empty(arena.slot_bytes, dtype=torch.uint8, pin_memory=True)
+        if getattr(self._local, "stream", None) is None:
             self._local.stream = torch.cuda.Stream(device=arena.device)
-        n = job.store.read_into(job.key, memoryview(staging.numpy()), start, length)
+        n = job.store.read_into(job.key, memoryview(pinned.numpy()), start, length)
         stream = self._local.stream
         with torch.cuda.stream(stream):
             if self.after_compute is not None:
-                stream.wait_event(self.after_compute)  # the slot's previous record may still be in use
-            arena.tensor(job.slot, arena.slot_bytes)[start:start + n].copy_(staging[:n], non_blocking=True)
+                stream.wait_event(self.after_compute)  # the slot's previous contents may still be in use
+            arena.tensor(slot, arena.slot_bytes)[start:start + n].copy_(pinned[:n], non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
-        done.synchronize()  # staging is reused by this thread's next read
+        done.synchronize()  # the pinned buffer is reused by this thread's next read
         return n
 
     def close(self) -> None:

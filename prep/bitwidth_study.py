@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from loader.files import write_bytes_atomic, write_json_atomic, write_text_atomic
+from loader.io import write_bytes_atomic, write_json_atomic, write_text_atomic
 from prep.errors import MoeprepError
 
 PRECISIONS = ("int8", "int4", "int3", "int2")

@@ -246,7 +246,7 @@ def prediction_study_command(recipe_path, artifact, budgets, seed, sequences, pr
     stall and prefetches used/wasted, per budget, each predictor alone and all together, against none."""
     from pathlib import Path
 
-    from loader.files import write_json_atomic
+    from loader.io import write_json_atomic
     from prep.errors import MoeprepError
     from prep.prediction_study import fresh_trace, merge_into, run_study
     from prep.recipe import load_recipe
@@ -281,7 +281,7 @@ def policy_study_command(trace, capacity, trials, seed, output):
     """HOBBIT's cache weights tuned on one sequence and tested on another, against LRU, LFU and EdgeMoE."""
     from pathlib import Path
 
-    from loader.files import write_json_atomic
+    from loader.io import write_json_atomic
     from prep.policy_study import run_study, study_markdown
     from prep.sim.simulate import parse_list
 
@@ -507,7 +507,7 @@ def profile_device_command(output, directory, file_mb, device):
 @click.option("--repeats", default=20, show_default=True, type=click.IntRange(3))
 @click.option("--output", default="artifacts/kernel-study", show_default=True, type=click.Path(file_okay=False))
 def kernel_study_command(hidden, intermediate, prefill_tokens, repeats, output):
-    """Time one expert in each compute form here: decoding, float and low-bit products (loader/kernels.py)."""
+    """Time one expert in each compute form here: decoding, float and low-bit products (loader/forms.py)."""
     from prep.kernel_study import run_kernel_study
 
     if hidden % 64 or intermediate % 64:

@@ -1,4 +1,4 @@
-"""``moeprep kernel-study``: what one expert costs in each compute form on this machine (loader/kernels.py).
+"""``moeprep kernel-study``: what one expert costs in each compute form on this machine (loader/forms.py).
 
 For an expert of the given shape (gate_up [2I, H], down [H, I], SiLU-gated), with random weights quantized
 by the project's own codec, it times (median of ``repeats``, after warm-up):
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from loader.codec import DEFAULT_FORMATS
-from loader.files import write_bytes_atomic
-from loader.kernels import DecodedLayout, Int4PackLayout, int4pack_fits, median_seconds
+from loader.forms import DecodedForm, Int4PackForm, int4pack_fits, median_seconds
+from loader.io import write_bytes_atomic
 
 PRECISIONS = ("int8", "int4", "int3", "int2")
 
@@ -106,14 +106,14 @@ def run_kernel_study(hidden: int, intermediate: int, prefill_tokens: int = 16, r
         layout, record = encode_expert({"gate_up_proj": gate_up, "down_proj": down}, precision, group, False, meta)
         row = {"record_mb": record.numel() / 1e6}
         for dtype in (torch.float32, torch.bfloat16):
-            decoded = DecodedLayout(layout, dtype)
+            decoded = DecodedForm(layout, dtype)
             region = torch.empty(decoded.nbytes, dtype=torch.uint8)
-            row[decoded.name] = median_seconds(lambda d=decoded, r=region, rec=record: d.fill(rec, r), repeats) * 1e3
+            row[decoded.name] = median_seconds(lambda d=decoded, r=region, rec=record: d.make(rec, r), repeats) * 1e3
             row[f"{decoded.name}_mb"] = decoded.nbytes / 1e6
         if int4pack_fits(layout) and "int4 weight-only (torch _weight_int4pack_mm_for_cpu)" in study["forward_ms"]:
-            held = Int4PackLayout(layout)
+            held = Int4PackForm(layout)
             region = torch.empty(held.nbytes, dtype=torch.uint8)
-            row["int4pack"] = median_seconds(lambda d=held, r=region, rec=record: d.fill(rec, r), repeats) * 1e3
+            row["int4pack"] = median_seconds(lambda d=held, r=region, rec=record: d.make(rec, r), repeats) * 1e3
             row["int4pack_mb"] = held.nbytes / 1e6
         study["decode_ms"][precision] = row
         one = study["forward_ms"]["float32"]["1"]

@@ -196,7 +196,7 @@ def eval_time_table(recipe_paths: list[str | Path], data: str | Path, root: str 
 
 def update_readme(readme: str | Path, table: str, markers: tuple[str, str] = MARKERS) -> bool:
     """Replace the block between ``markers`` in ``readme`` with ``table``; returns whether it changed."""
-    from loader.files import write_text_atomic
+    from loader.io import write_text_atomic
 
     path = Path(readme)
     text = path.read_text()

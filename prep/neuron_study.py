@@ -29,7 +29,7 @@ import json
 import time
 from pathlib import Path
 
-from loader.files import write_json_atomic, write_text_atomic
+from loader.io import write_json_atomic, write_text_atomic
 
 PREPARE_OVERRIDES = ("neuron.layout=neuron", "neuron.enabled=true", "neuron.predictor=true", "evaluate.enabled=false")
 DEFAULT_THETAS = (0.0, 0.05, 0.1, 0.2, 0.3)

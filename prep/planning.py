@@ -16,10 +16,9 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from loader.plan import Capacities, ModelSizes, Plan, PlanError, PolicySpec, Pool, buffer_bytes, capacities
+from loader.budget import Capacities, ModelSizes, buffer_bytes, capacities, record_slot_bytes
+from loader.plan import Plan, PlanError, PolicySpec, Pool
 from prep.errors import MoeprepError
-
-SLOT_ALIGN = 4096  # the loader's slot under O_DIRECT (``loader.runtime.slot_bytes``): the larger of its two
 
 
 def compose_plan(grid, record_bytes: dict, default_budget: str, dynamic=None, gating=None, cache_routing=None,
@@ -52,8 +51,8 @@ def compose_plan(grid, record_bytes: dict, default_budget: str, dynamic=None, ga
 
 
 def slot_bytes(record_bytes: int) -> int:
-    """Memory one cached record takes in the loader (its 4 KiB-aligned stride, the O_DIRECT case)."""
-    return -(-record_bytes // SLOT_ALIGN) * SLOT_ALIGN
+    """Memory one cached record takes in the loader's record form (``loader.budget``: the O_DIRECT stride)."""
+    return record_slot_bytes(record_bytes, direct_io=True)
 
 
 @dataclass

@@ -13,7 +13,8 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
-from loader.plan import ModelSizes, Plan, PolicySpec, Pool
+from loader.budget import ModelSizes
+from loader.plan import Plan, PolicySpec, Pool
 from prep.errors import MoeprepError
 from prep.planning import Draft
 from prep.recipe import PlanSection, TuneKnobs

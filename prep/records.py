@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from loader.codec import CodecError, RecordLayout
-from loader.files import atomic_file
 from loader.format import ALIGN
+from loader.io import atomic_file
 from prep.errors import MoeprepError
 
 

@@ -28,7 +28,7 @@ import json
 import time
 from pathlib import Path
 
-from loader.files import write_bytes_atomic, write_json_atomic, write_text_atomic
+from loader.io import write_bytes_atomic, write_json_atomic, write_text_atomic
 from prep.errors import MoeprepError
 
 DEFAULT_KNOBS = {"gating": (0.1, 0.25, 0.4), "dynamic_precision": ((0.85, 0.0), (0.67, 0.03), (0.5, 0.1)),

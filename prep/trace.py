@@ -45,7 +45,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from loader.files import write_json_atomic
+from loader.io import write_json_atomic
 from prep.adapters import MoeAdapter, get_adapter
 from prep.errors import MoeprepError
 

@@ -13,15 +13,8 @@ import random
 
 import pytest
 
-from loader.cache import (
-    POLICIES,
-    Clock,
-    EdgeMoEPolicy,
-    EvictionPolicy,
-    ExpertCache,
-    PoolConfig,
-    policy_factory,
-)
+from loader.cache import ExpertCache, PoolConfig
+from loader.policies import POLICIES, Clock, EdgeMoEPolicy, EvictionPolicy, policy_factory
 
 REC = 100  # bytes of one record in these tests
 

@@ -189,17 +189,17 @@ def _loads(artifact) -> bool:
 
 def test_merge_keeps_the_artifact_loadable_or_verified_at_every_step(artifact, monkeypatch):
     """After each of merge's writes, the artifact verifies or (at least) loads; at the end it verifies."""
-    import loader.files
+    import loader.io
 
     states = []
     for name in ("write_json_atomic", "write_bytes_atomic"):
-        real = getattr(loader.files, name)
+        real = getattr(loader.io, name)
 
         def wrapped(path, data, *args, _real=real, **kwargs):
             _real(path, data, *args, **kwargs)
             states.append((Path(path).name, verify(artifact), _loads(artifact)))
 
-        monkeypatch.setattr(loader.files, name, wrapped)
+        monkeypatch.setattr(loader.io, name, wrapped)
     merge_into_artifact(artifact, _REPORT)
     names = [s[0] for s in states]  # write_json_atomic goes through write_bytes_atomic: one write shows twice
     assert [n for i, n in enumerate(names) if i == 0 or n != names[i - 1]] == [PENDING, "report.json", MANIFEST]
@@ -211,17 +211,17 @@ def test_merge_keeps_the_artifact_loadable_or_verified_at_every_step(artifact, m
 
 @pytest.mark.parametrize("killed_at", ["report.json", "manifest.json"])
 def test_a_kill_inside_merge_leaves_it_loadable_and_the_next_eval_finishes(artifact, monkeypatch, killed_at):
-    import loader.files
+    import loader.io
 
     for name in ("write_json_atomic", "write_bytes_atomic"):
-        real = getattr(loader.files, name)
+        real = getattr(loader.io, name)
 
         def dying(path, data, *args, _real=real, **kwargs):
             if Path(path).name == killed_at:
                 raise KeyboardInterrupt  # as a SIGKILL right before this rename
             _real(path, data, *args, **kwargs)
 
-        monkeypatch.setattr(loader.files, name, dying)
+        monkeypatch.setattr(loader.io, name, dying)
     with pytest.raises(KeyboardInterrupt):
         merge_into_artifact(artifact, _REPORT)
     monkeypatch.undo()

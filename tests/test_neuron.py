@@ -137,7 +137,8 @@ def test_union_rule_on_a_hand_made_sequence(tmp_path):
     try:
         rt = lm.runtime
         precision = rt.plan.expert_precision[0][0]
-        layout = rt.neuron_layouts[precision]
+        step = rt.neuron  # the neuron layer step (loader.neuron.NeuronStep)
+        layout = step.layouts[precision]
         store = rt.stores[precision]
         buffer = SlotArena(1, store.stride, torch.device("cpu"))  # page-aligned, as an O_DIRECT read needs
         store.read_into("layers.0.experts.0", buffer.host_view(0))
@@ -148,26 +149,26 @@ def test_union_rule_on_a_hand_made_sequence(tmp_path):
         xs = [torch.randn(1, layout.hidden) for _ in range(3)]
         from loader.neuron import activity, gate_projection
 
-        acts = torch.cat([activity(module, gate_projection(header, x), rt.pairings[precision]) for x in xs])
+        acts = torch.cat([activity(module, gate_projection(header, x), step.pairings[precision]) for x in xs])
         theta = float(acts.median())
-        rt.neuron = NeuronConfig(theta=theta, crossover=1.0)
+        step.cfg = NeuronConfig(theta=theta, crossover=1.0)
         # what a read brings: exactly the rows asked for, or with O_DIRECT every row of the 4 KiB blocks read
         def brought(ranges):
             return layout.covered(store.spans(ranges))
 
         union = brought([(0, layout.rows_offset)])  # the header's read
         for x in xs:
-            wanted = active_set(module, header, x, rt.pairings[precision], theta)
+            wanted = active_set(module, header, x, step.pairings[precision], theta)
             assert 0 < int(wanted.sum()) < layout.intermediate  # a real subset
-            before = rt.neuron_counts["rows_read"]
+            before = step.counts["rows_read"]
             out = rt.run_layer(0, module, x, torch.tensor([[0]]), torch.tensor([[1.0]]))
             new = wanted & ~union
             read = (new | brought(layout.ranges(new))) if bool(new.any()) else new
             union |= read
             entry = rt.cache.find(0, 0, precision)
-            assert torch.equal(entry.neurons, union) and bool((union & wanted).eq(wanted).all())
-            assert rt.neuron_counts["rows_read"] - before == int(read.sum())
-            expected = neuron_forward(module, layout, record, rt.pairings[precision], x, union.nonzero().flatten())
+            assert torch.equal(entry.payload.neurons, union) and bool((union & wanted).eq(wanted).all())
+            assert step.counts["rows_read"] - before == int(read.sum())
+            expected = neuron_forward(module, layout, record, step.pairings[precision], x, union.nonzero().flatten())
             assert torch.allclose(out, expected, atol=1e-6)
         assert store.direct_io or not bool(union.all())  # some rows were never read
     finally:

@@ -10,16 +10,8 @@ import random
 
 import pytest
 
-from loader.plan import (
-    ModelSizes,
-    OperatingPoint,
-    Plan,
-    PlanError,
-    PolicySpec,
-    Pool,
-    capacities,
-    minimum_budget,
-)
+from loader.budget import ModelSizes, capacities, minimum_bytes
+from loader.plan import OperatingPoint, Plan, PlanError, PolicySpec, Pool
 from prep.allocation import allocate, closed_form_curve
 from prep.errors import MoeprepError
 from prep.planning import Draft
@@ -104,7 +96,7 @@ def test_a_pools_layer_split_can_leave_a_layer_empty():
     caps = capacities(plan, 1000 + 200 + 300, sizes)  # dense + 2 read buffers + 3 records
     assert caps.pools["main"] == {0: 300, 1: 0}
     assert capacities(plan, "unlimited", sizes).pools["main"] == {0: 400, 1: 400}  # every expert fits
-    assert minimum_budget(plan, sizes) == 1000 + 200 + 100  # one record in the only group given bytes
+    assert minimum_bytes(plan, sizes) == 1000 + 200 + 100  # one record in the only group given bytes
 
 
 def test_operating_points_round_trip_and_are_picked_by_budget():

@@ -23,7 +23,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from loader.cache import POLICIES, Clock
+from loader.policies import POLICIES, Clock
 from prep.cli import main
 from prep.errors import MoeprepError
 from prep.sim import (

@@ -70,7 +70,7 @@ class _Models(dict):
     def _original(self, settings: tuple, score) -> list:
         import transformers
 
-        from loader.files import write_json_atomic
+        from loader.io import write_json_atomic
         from prep.pipeline import model_fingerprint
 
         key = hashlib.sha256(json.dumps([model_fingerprint(self.original_dir), settings, torch.__version__,
@@ -251,7 +251,6 @@ def update_artifact_report(artifact: str | Path, sections: dict, files: dict[str
     artifact loads at every instant; ``verify`` passes before and after (and between the renames names
     report.json only). ``package_key``: the artifact evaluated; if it was re-prepared meanwhile, refuse.
     """
-    from loader.files import write_bytes_atomic, write_json_atomic
     from loader.format import (
         INFORMATIONAL_FILES,
         REPORT,
@@ -261,6 +260,7 @@ def update_artifact_report(artifact: str | Path, sections: dict, files: dict[str
         sha256_file,
         write_manifest,
     )
+    from loader.io import write_bytes_atomic, write_json_atomic
 
     manifest = read_manifest(artifact)
     root = manifest.root
@@ -317,7 +317,7 @@ def summary_markdown(report: dict) -> str:
 
 def write_report(report: dict, output: Path) -> None:
     """``output`` (JSON) and a markdown summary beside it (same name, ``.md``), both atomically."""
-    from loader.files import write_json_atomic, write_text_atomic
+    from loader.io import write_json_atomic, write_text_atomic
 
     output.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(output, report)

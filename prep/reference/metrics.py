@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from loader.files import write_json_atomic
+from loader.io import write_json_atomic
 from prep.adapters import get_adapter
 from prep.evals import suites as S
 from prep.quant.hqq_codec import fake_quantize

@@ -71,7 +71,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from loader.files import write_json_atomic
+from loader.io import write_json_atomic
 from prep.errors import MoeprepError
 from prep.reference import data as D
 

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loader.files import write_json_atomic
+from loader.io import write_json_atomic
 from prep.errors import MoeprepError
 
 PROFILE_FORMAT = "moeprep-device-profile"
@@ -54,7 +54,7 @@ class DeviceProfile:
     compute_seconds: dict = field(default_factory=dict)  # precision -> seconds per expert per token
     device: str = ""
     extra: dict = field(default_factory=dict)  # everything else the file records (shapes, sizes, direct_io)
-    # precision -> seconds to make a missed expert's held form once (loader/kernels.py: decode or repack);
+    # precision -> seconds to make a missed expert's held form once (loader/forms.py: decode or repack, on a reader thread);
     # compute_seconds is then one use of the held form. Empty in profiles measured before held forms.
     make_seconds: dict = field(default_factory=dict)
 
@@ -214,7 +214,7 @@ def measure_reads(directory: str | Path | None = None, file_bytes: int = 256 << 
 
 
 class _GatedExperts:
-    """What ``loader.kernels.expert_forward`` needs of an experts module: a SiLU-gated MLP, [out, in] weights."""
+    """What ``loader.forms`` forwards need of an experts module: a SiLU-gated MLP, [out, in] weights."""
 
     is_transposed = False
 
@@ -233,13 +233,13 @@ def measure_compute(expert_shape: tuple[int, int] = MIXTRAL_SHAPE, scale: int = 
 
     Timed on (H/scale, I/scale) and scaled up by the weight count (scale**2). float32 and bfloat16 (also
     float16 and passthrough: the source dtype of the models we target) are plain products; int8/int4/
-    int3/int2 are what the loader does (``loader/kernels.py``): the held form ``auto`` picks on this
-    device, made once (make) and then used (compute), or, where it would hold none, decoded every use.
+    int3/int2 are what the loader does (``loader/forms.py``): the held form ``auto`` takes on this
+    device (``choose_form``), made once (make) and then used (compute).
     """
     import torch
 
     from loader.codec import MatrixSpec, RecordLayout
-    from loader.kernels import expert_forward, held_layout
+    from loader.forms import choose_form, matrices_forward
 
     hidden, inter = expert_shape[0] // scale, expert_shape[1] // scale
     if hidden < group_size or inter % group_size or hidden % group_size:
@@ -271,7 +271,7 @@ def measure_compute(expert_shape: tuple[int, int] = MIXTRAL_SHAPE, scale: int = 
         for dtype in (torch.float32, torch.bfloat16):
             weights = {n: torch.randn(s, generator=gen).to(dev, dtype) for n, s in shapes.items()}
             x = torch.randn(1, hidden, generator=gen).to(dev, dtype)
-            out[str(dtype).removeprefix("torch.")] = timed(lambda w=weights, x=x: expert_forward(module, w, x))
+            out[str(dtype).removeprefix("torch.")] = timed(lambda w=weights, x=x: matrices_forward(module, w, x))
         for precision in ("int8", "int4", "int3", "int2"):
             specs = [MatrixSpec(name, shape, precision, "bfloat16", group_size) for name, shape in shapes.items()]
             layout = RecordLayout(tuple(specs))
@@ -281,14 +281,12 @@ def measure_compute(expert_shape: tuple[int, int] = MIXTRAL_SHAPE, scale: int = 
                 if dtype == "float16":
                     record[offset:offset + size] = torch.rand(size // 2, generator=gen).half().view(torch.uint8).to(dev)
             x = torch.randn(1, hidden, generator=gen).to(dev, torch.bfloat16)
-            held = held_layout("auto", layout, dev)
-            if held is None:
-                out[precision] = timed(lambda r=record, lay=layout, x=x: expert_forward(module, lay.decode(r), x))
-                continue
-            region = torch.empty(held.nbytes, dtype=torch.uint8, device=dev)
-            make[precision] = timed(lambda h=held, r=record, g=region: h.fill(r, g))
-            weights = held.fill(record, region)
-            out[precision] = timed(lambda w=weights, x=x: expert_forward(module, w, x))
+            form = choose_form("auto", layout, dev)
+            region = torch.empty(form.nbytes, dtype=torch.uint8, device=dev)
+            if form.staged:
+                make[precision] = timed(lambda f=form, r=record, g=region: f.make(r, g))
+            weights = form.make(record, region)
+            out[precision] = timed(lambda f=form, w=weights, x=x: f.forward(module, w, x))
     factor = scale * scale
     seconds = {p: s * factor for p, s in out.items()}
     seconds["float16"] = seconds["passthrough"] = seconds["bfloat16"]

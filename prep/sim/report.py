@@ -10,7 +10,7 @@ import io
 from collections.abc import Sequence
 from pathlib import Path
 
-from loader.files import write_bytes_atomic
+from loader.io import write_bytes_atomic
 from prep.sim.simulate import SimResult
 
 

@@ -1,26 +1,27 @@
-"""Replay recorded routing through the loader's own expert cache and count what the loader would do.
+"""Replay recorded routing through the loader's own expert cache and schedule, and count what the loader
+would do.
 
 The cache is ``loader.cache.ExpertCache`` with the loader's eviction policies (plus ``belady``, the
-clairvoyant floor, which exists only here); entries hold sizes, never tensors. The order of calls is
-the runtime's, one call per token per MoE layer as in decode:
+clairvoyant floor, which exists only here); entries hold sizes, never tensors. Every decision is the
+loader's own schedule (``loader.schedule.LayerSchedule``), called as the loader calls it, one call per
+token per MoE layer as in decode:
 
-    cache.clock.token = t                                  # the token's position in its sequence
+    cache.clock.token = t                                 # the token's position in its sequence
     for each MoE layer l in order:
-        requests = cache.begin_layer(l, [(e, precision[l][e]) for e in ordered_experts([token's experts at l])])
-        cache.use(l, e, precision) for each request, in that order (a routing-only replay computes them all)
-        for each miss, in that order (the router's slot order, best-weighted first):
-            entry = cache.admit(l, e, precision, slot_bytes[precision])
-            cache.count_read(l, record_bytes[precision])   # a miss reads its record either way
-            cache.complete(entry) if entry is not None     # else: read into a buffer and used once
-        cache.end_layer(l)
+        schedule.routed(l, experts); predictors' prefetches -> schedule.prefetch(...)   (with predictors)
+        decisions, skipped = schedule.begin(l, [token's experts at l], idx, w)
+        for each decision without an entry, in order:
+            entry = schedule.admit(l, e, precision, slot_bytes[precision], record_bytes[precision])
+            cache.complete(entry) if entry is not None        # else: read into a buffer and used once
+        schedule.end(l)
 
-``begin_layer`` protects all of a token's experts before any is admitted, so a token's experts are
-inserted together and neither can evict the other (the convention of SOURCES.md and of the loader).
-Each sequence starts cold (``cache.clear()``) unless ``cold_start=False``, in which case it only
-``reset()``s (per-sequence policy records forgotten, contents kept).
+``begin`` protects all of a token's experts before any is admitted, so a token's experts are inserted
+together and neither can evict the other (the convention of SOURCES.md and of the loader). Each sequence
+starts cold (``cache.clear()``) unless ``cold_start=False``, in which case it only ``reset()``s
+(per-sequence policy records forgotten, contents kept).
 
-Capacity comes from a ``loader.plan.Plan`` and a budget through ``loader.plan.capacities`` (the same
-arithmetic as the loader: ``plan_spec``; ``artifact_spec`` also takes the artifact's record and slot
+Capacity comes from a ``loader.plan.Plan`` and a budget through ``loader.budget.capacities`` (the same
+arithmetic as the loader: ``plan_spec``; ``artifact_spec`` also takes the artifact's held-form and read
 sizes exactly as ``loader.runtime.load`` does), or from a number of experts per layer
 (``capacity_spec``): N records per layer group, or one global group of N x L records.
 
@@ -32,10 +33,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from loader.cache import POLICIES, ExpertCache, PoolConfig, ordered_experts, policy_factory
+from loader.budget import Capacities, ModelSizes, capacities
+from loader.cache import ExpertCache, PoolConfig
 from loader.errors import MoeError
-from loader.plan import Capacities, ModelSizes, Plan, PlanError, capacities, read_plan_file
-from loader.routing import SKIP
+from loader.plan import Plan, PlanError, read_plan_file
+from loader.policies import POLICIES, policy_factory
+from loader.schedule import LayerSchedule
 from prep.errors import MoeprepError
 from prep.sim.belady import BeladyPolicy, FutureUses
 from prep.sim.device import DeviceProfile
@@ -144,8 +147,8 @@ def plan_spec(plan: Plan, budget, sizes) -> CacheSpec:
 
 def artifact_spec(artifact, budget=None, plan: Plan | None = None, store: str = "disk") -> CacheSpec:
     """The cache ``loader.runtime.load(artifact, memory_budget=budget, store=store, plan=plan)`` builds
-    (``loader.runtime.cache_layout``, the function ``load`` itself uses)."""
-    from loader.runtime import cache_layout
+    (``loader.budget.cache_layout``, the arithmetic ``load`` itself uses)."""
+    from loader.budget import cache_layout
 
     try:
         layout = cache_layout(artifact, budget, store=store, plan=plan)
@@ -315,7 +318,6 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
     layers = [LayerResult() for _ in range(spec.num_layers)]
     precision, record_bytes = spec.expert_precision, spec.record_bytes
     slot_bytes = spec.slot_bytes if spec.slot_bytes is not None else record_bytes
-    num_experts = spec.num_experts
     routing, miss = _policies(spec, replay, routing, miss)
     decide = routing is not None or miss is not None
     if miss is not None:
@@ -326,18 +328,15 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
 
         _bind_predictors(predictors, cache, spec, replay, feed)
 
+    schedule = LayerSchedule(cache, precision, miss, readable=record_bytes)
+
     def prefetch(requests) -> None:
-        wanted = []
-        for r in requests:
-            p = r.precision or precision[r.layer][r.expert]
-            if p in slot_bytes and p in cache.pool_of:
-                wanted.append((r.layer, r.expert, p, slot_bytes[p]))
-        for entry in cache.prefetch(wanted):
+        for entry in schedule.prefetch(requests, slot_bytes):
             cache.count_read(entry.layer, record_bytes[entry.precision])
             cache.complete(entry)
             if profile is not None:
                 layers[entry.layer].prefetch_read_seconds += profile.read_seconds(record_bytes[entry.precision])
-                layers[entry.layer].compute_seconds += profile.make(entry.precision)  # made at its first use
+                layers[entry.layer].prefetch_read_seconds += profile.make(entry.precision)  # on a reader thread
 
     for s, sequence in enumerate(replay.sequences):
         cache.clear() if cold_start else cache.reset()
@@ -349,44 +348,30 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
             cache.clock.token = t
             for layer, experts in enumerate(token):
                 counts = layers[layer]
+                idx = w = None
                 if decide:
                     logits = replay.logits[s][t, layer][None] if replay.logits is not None else None
                     experts, idx, w = _route(routing, replay.weights[s][t][layer], experts, layer, cache, logits)
                 if predictors:  # the router has decided: its experts are protected, then the predictors run
-                    for e in experts:
-                        cache.protect(layer, e)
+                    schedule.routed(layer, experts)
                     x, chosen = feed.router_inputs[s][t, layer][None].float(), torch.tensor([list(experts)])
                     for p in predictors:
                         prefetch(p.after_router(layer, x, chosen))
-                wanted = ordered_experts([experts], num_experts)  # the runtime's visiting order
-                requests = cache.begin_layer(layer, [(e, precision[layer][e]) for e in wanted])
-                reads = []  # (expert, precision) to read, in order
-                for request in requests:  # as the runtime: decide each miss, then use at the computed precision
-                    counts.requests += 1
-                    entry, p = request.entry, request.precision
-                    if request.kind == "miss" and miss is not None:
-                        p = miss.decide(layer, request.expert, request.precision, idx, w)
-                        if p == SKIP:
-                            cache.skip(layer, request.expert)
-                            continue
-                        if p != request.precision:  # a lower copy may be held already
-                            entry = cache.find(layer, request.expert, p)
-                    if entry is None:
-                        reads.append((request.expert, p))
-                    cache.use(layer, request.expert, entry.precision if entry is not None else p)
+                decisions, skipped = schedule.begin(layer, [experts], idx, w)
+                counts.requests += len(decisions) + len(skipped)
+                for d in decisions:
                     if profile is not None:
-                        counts.compute_seconds += profile.compute(entry.precision if entry is not None else p)
-                for expert, p in reads:
-                    nbytes = record_bytes[p]
-                    entry = cache.admit(layer, expert, p, slot_bytes[p])
-                    cache.count_read(layer, nbytes)
+                        counts.compute_seconds += profile.compute(d.precision)
+                    if d.entry is not None:
+                        continue
+                    nbytes = record_bytes[d.precision]
+                    entry = schedule.admit(layer, d.expert, d.precision, slot_bytes[d.precision], nbytes)
                     counts.demand_bytes += nbytes
                     if entry is not None:
                         cache.complete(entry)
-                    if profile is not None:
-                        counts.read_seconds += profile.read_seconds(nbytes)
-                        counts.compute_seconds += profile.make(p)  # the held form, made once per miss
-                cache.end_layer(layer)
+                    if profile is not None:  # the read, then the held form made on the reader thread
+                        counts.read_seconds += profile.read_seconds(nbytes) + profile.make(d.precision)
+                schedule.end(layer)
             if predictors and feed.head_inputs is not None:
                 for p in predictors:
                     prefetch(p.after_last_layer(feed.head_inputs[s][t][None].float()))

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loader.files import write_json_atomic
+from loader.io import write_json_atomic
 
 RESULT = "result.json"
 TENSORS = "tensors.safetensors"

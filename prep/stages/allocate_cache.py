@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from loader.plan import Capacities, ModelSizes, OperatingPoint, Plan, Pool, buffer_bytes, resolve_budget
+from loader.budget import Capacities, ModelSizes, buffer_bytes, resolve_budget
+from loader.plan import OperatingPoint, Plan, Pool
 from prep.allocation import allocate, closed_form_curve
 from prep.errors import MoeprepError
 from prep.recipe import PlanSection

@@ -23,8 +23,8 @@ from safetensors.torch import save
 from tqdm import tqdm
 
 from loader.codec import RecordLayout
-from loader.files import write_bytes_atomic
 from loader.format import expert_key
+from loader.io import write_bytes_atomic
 from prep.neuron import activity_profile, dropped_neurons, measure_crossover, pairing_of
 from prep.quant.hqq_codec import encode_neuron_expert
 from prep.recipe import NeuronSection

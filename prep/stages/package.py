@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import save_file
 
 from loader.codec import RecordLayout
-from loader.files import write_bytes_atomic, write_json_atomic
 from loader.format import FORMAT, SCHEMA_VERSION, sha256_file, write_manifest
+from loader.io import write_bytes_atomic, write_json_atomic
 from loader.plan import PLAN_FILE, PolicySpec
 from loader.predict import PREDICTORS_FILE
 from prep.errors import MoeprepError

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from loader.files import write_json_atomic
+from loader.io import write_json_atomic
 from prep.quant.decoded import DecodedExperts, next_token_logprobs, original_experts
 from prep.recipe import SensitivitySection
 from prep.sensitivity import kl_sweep, spearman, trace_prerank

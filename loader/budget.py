@@ -1,0 +1,309 @@
+"""Every size of the loader: slots, held forms, read and staging buffers, capacities, minimum and explicit
+budgets. ``capacities()`` is the only place where a memory budget becomes byte capacities per pool and
+layer: the loader, the bench, the planner (``prep/planning.py``) and the simulator all call it, so they can
+never disagree about what a budget buys.
+
+Budget semantics (``resolve_budget``): bytes, a size string ("1.5GiB"), a percentage ("25%": the dense
+weights plus that share of the *source* model's expert bytes in its original dtype, so one percentage is
+one number of bytes for a lossless and a 4-bit artifact of one model), ``"unlimited"`` (every expert of
+every pool fits), or None (the plan's ``default_budget``).
+
+What is held for an artifact (``artifact_sizes``): a cache slot holds one held form (``loader/forms.py``),
+sized by the form alone; a read buffer (a miss the cache cannot admit, used once) holds the same; each
+reader thread has one staging buffer a record lands in before its form is made (none when every store
+holds its records as they are). Every one of those bytes counts against the budget.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loader.errors import LoaderError
+from loader.forms import HeldForm, KernelError, choose_form
+from loader.plan import PLAN_FILE, Plan, PlanError, Pool, parse_budget, read_plan
+
+DIRECT_ALIGN = 4096  # O_DIRECT reads whole aligned blocks: a slot a record is read into is that long
+ALIGN = 64
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """What the budget arithmetic needs to know about an artifact: the sizes of what is held."""
+
+    num_layers: int
+    num_experts: int
+    top_k: int
+    dense_bytes: int
+    source_expert_bytes: int  # every expert of the source model in its original dtype
+    record_bytes: dict  # precision -> bytes one cached expert of that precision takes (its slot)
+    read_bytes: dict | None = None  # precision -> bytes a read buffer takes (None: a slot's)
+    staging_bytes: int = 0  # the reader threads' staging buffers (a read lands there when a form is made)
+
+
+@dataclass(frozen=True)
+class Capacities:
+    """Byte capacities: ``pools[name]`` maps each eviction group ("layer index" or "global") to bytes."""
+
+    limit_bytes: float  # the whole budget (math.inf when unlimited)
+    dense_bytes: int
+    buffer_bytes: int  # read buffers: records being read or used outside a cache
+    pools: dict  # pool name -> {group key: bytes}; group key is the layer position or "global"
+
+    def to_json(self) -> dict:
+        return {"limit_bytes": None if math.isinf(self.limit_bytes) else int(self.limit_bytes),
+                "dense_bytes": self.dense_bytes, "buffer_bytes": self.buffer_bytes,
+                "pools": {name: {str(g): b for g, b in groups.items()} for name, groups in self.pools.items()}}
+
+
+def resolve_budget(budget, plan: Plan, sizes: ModelSizes) -> float:
+    """The budget in bytes (math.inf for unlimited); None means the plan's default budget."""
+    parsed = parse_budget(budget if budget is not None else plan.default_budget)
+    kind, value = parsed
+    if kind == "fraction":
+        return sizes.dense_bytes + value * sizes.source_expert_bytes
+    return value
+
+
+def buffer_bytes(plan: Plan, sizes: ModelSizes) -> int:
+    """Read buffers (K experts of the largest precision can be in flight or in use outside a cache) plus the
+    reader threads' staging buffers."""
+    read = sizes.read_bytes or sizes.record_bytes
+    return sizes.top_k * max(read[p] for p in plan.precisions) + sizes.staging_bytes
+
+
+def minimum_bytes(plan: Plan, sizes: ModelSizes) -> int:
+    """The smallest budget in bytes that ``capacities`` accepts for this plan: every eviction group a pool
+    gives bytes to holds at least one record."""
+    best = 0
+    for pool in plan.pools:
+        if pool.share == 0:
+            continue
+        weights = layer_weights(plan, pool) if pool.group == "layer" else [1.0]
+        # the smallest group given bytes must hold one record: bytes * share * (w_min / sum w) >= record
+        smallest = min(w for w in weights if w > 0)
+        need = sizes.record_bytes[pool.precision] * sum(weights) / smallest / pool.share
+        best = max(best, need)
+    return int(math.ceil(sizes.dense_bytes + buffer_bytes(plan, sizes) + best))
+
+
+def layer_weights(plan: Plan, pool: Pool) -> list[float]:
+    """A per-layer pool's relative split across layers: its own, else the plan's, else equal."""
+    if pool.layers is not None:
+        return list(pool.layers)
+    return list(plan.layer_capacity) if plan.layer_capacity is not None else [1.0] * plan.num_layers
+
+
+def capacities(plan: Plan, budget, sizes: ModelSizes) -> Capacities:
+    """Byte capacities per pool and eviction group for ``budget`` (see ``resolve_budget``).
+
+    The plan's operating point for the budget is taken first (``Plan.for_budget``). The expert share
+    (budget - dense - read buffers) is split among pools by their ``share``; a per-layer pool splits its
+    part across layers by its own ``layers`` weights, else the plan's relative ``layer_capacity`` (equal
+    when both are absent), so an explicit budget scales the plan's allocation rather than discarding it.
+    No group holds more than all of its experts. A budget below ``minimum_budget`` is refused.
+    """
+    if plan.num_layers != sizes.num_layers or plan.num_experts != sizes.num_experts:
+        raise PlanError(f"{PLAN_FILE} is for {plan.num_layers} layers x {plan.num_experts} experts, the model has "
+                        f"{sizes.num_layers} x {sizes.num_experts}; prepare the artifact again")
+    for p in plan.precisions:
+        if p not in sizes.record_bytes:
+            raise PlanError(f"{PLAN_FILE} uses precision {p!r} but the artifact has no store for it "
+                            f"(stores: {sorted(sizes.record_bytes)}); prepare the artifact again")
+    limit = resolve_budget(budget, plan, sizes)
+    plan = plan.for_budget(limit)
+    buffers = buffer_bytes(plan, sizes)
+    minimum = minimum_bytes(plan, sizes)
+    if limit < minimum:
+        raise PlanError(
+            f"memory budget {budget if budget is not None else plan.default_budget!r} ({int(limit):,} bytes) is "
+            f"below the minimum of {minimum:,} bytes (dense weights {sizes.dense_bytes:,} + read buffers "
+            f"{buffers:,} + one expert per eviction group); raise the budget")
+    share = limit - sizes.dense_bytes - buffers
+    pools: dict = {}
+    for pool in plan.pools:
+        record = sizes.record_bytes[pool.precision]
+        part = share * pool.share
+        unlimited = math.isinf(limit)  # every group holds all its experts, whatever the shares and splits say
+        if pool.group == "global":
+            full = sizes.num_layers * sizes.num_experts * record
+            pools[pool.name] = {"global": full if unlimited else int(min(full, part))}
+        else:
+            weights = layer_weights(plan, pool)
+            total = sum(weights)
+            full = sizes.num_experts * record
+            pools[pool.name] = {layer: full if unlimited else int(min(full, part * w / total))
+                                for layer, w in enumerate(weights)}
+    return Capacities(limit, sizes.dense_bytes, buffers, pools)
+
+
+# ------------------------------------------------------------------------------------------ artifacts
+
+
+def record_slot_bytes(record_bytes: int, direct_io: bool = True) -> int:
+    """Memory one record read takes: its 4 KiB-aligned stride when reads are O_DIRECT (which reads whole
+    aligned blocks), else the record rounded up to 64 bytes."""
+    align = DIRECT_ALIGN if direct_io else ALIGN
+    return -(-record_bytes // align) * align
+
+
+def held_bytes(store, form: HeldForm) -> int:
+    """Memory one cached expert of ``store`` takes in ``form``: the record's read slot for the record form,
+    else the form alone (64-byte aligned)."""
+    if not form.staged:
+        return store.stride if store.direct_io else record_slot_bytes(store.record_bytes, False)
+    return -(-form.nbytes // ALIGN) * ALIGN
+
+
+def staging_bytes(stores: dict, forms: dict, workers: int) -> int:
+    """One staging buffer per reader thread, as long as the longest read of a store whose form is made."""
+    staged = [s for p, s in stores.items() if forms[p].staged]
+    return max(1, workers) * max((s.stride for s in staged), default=0)
+
+
+def _dense_bytes(path: Path) -> int:
+    """Bytes of the tensors in a safetensors file: the file minus its 8-byte length and JSON header."""
+    from loader.format import ArtifactError
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if len(head) < 8:
+        raise ArtifactError(f"{path.name} is truncated; copy the artifact again or rerun `moeprep prepare`")
+    return path.stat().st_size - 8 - int.from_bytes(head, "little")
+
+
+def store_forms(manifest, expert_dtype: str, device: torch.device, plan: Plan | None = None) -> dict:
+    """Per store precision, the held form (``loader.forms.choose_form``): fixed by the arguments, never timed."""
+    from loader.codec import RecordLayout
+
+    planned = dict(plan.forms) if plan is not None else {}
+    try:
+        return {p: choose_form(expert_dtype, RecordLayout.from_json(s["layout"]), device, planned.get(p),
+                               neuron=s.get("neuron") is not None)
+                for p, s in manifest.raw["stores"].items()}
+    except KernelError as e:
+        raise LoaderError(str(e)) from None
+
+
+def artifact_sizes(manifest, stores: dict, device: torch.device, forms: dict, workers: int = 2) -> ModelSizes:
+    """The sizes the budget arithmetic needs: a cached expert and a read buffer count their held form
+    (``held_bytes``), the reader threads their staging buffers, the dense weights their tensor bytes, plus a
+    host-mode store's whole file when the budget is RAM (CPU device)."""
+    moe = manifest.raw["moe"]
+    held = _dense_bytes(manifest.path("dense.safetensors"))
+    if device.type == "cpu":
+        held += sum(s.host_bytes for s in stores.values())
+    slots = {p: held_bytes(s, forms[p]) for p, s in stores.items()}
+    return ModelSizes(len(moe["layers"]), moe["num_experts"], moe["top_k"], held, int(moe["source_expert_bytes"]),
+                      slots, dict(slots), staging_bytes(stores, forms, workers))
+
+
+def _capacities(plan: Plan, sizes: ModelSizes, memory_budget, host_bytes: int, device: torch.device) -> Capacities:
+    """``capacities`` with the loader's error: a host-mode store on a CPU is named as what used the budget."""
+    try:
+        return capacities(plan, memory_budget, sizes)
+    except PlanError as e:
+        extra = (f" (store='host' holds the whole expert store, {host_bytes:,} bytes, in RAM inside the budget; "
+                 "use store='disk' for a small budget)") if host_bytes and device.type == "cpu" else ""
+        raise LoaderError(f"{e}{extra}") from None
+
+
+NO_BUDGET = object()  # held_layout without a budget: sizes only
+
+
+@dataclass(frozen=True)
+class HeldLayout:
+    """What ``load`` builds for a budget: per store precision the held form, the sizes, the byte capacities
+    (None without a budget) and the plan at the budget's operating point."""
+
+    forms: dict
+    sizes: ModelSizes
+    capacities: Capacities | None
+    plan: Plan
+
+    @property
+    def slot_bytes(self) -> dict:
+        return dict(self.sizes.record_bytes)
+
+
+def held_layout(manifest, stores: dict, plan: Plan, memory_budget, device: torch.device, expert_dtype: str,
+                workers: int = 2, smallest: bool = False) -> HeldLayout:
+    """The forms, sizes and capacities for ``memory_budget`` (``NO_BUDGET``: sizes only). With ``auto`` a
+    budget that cannot hold one held form per eviction group falls back to the record form (decoded per use),
+    so a small budget still loads; ``smallest``: that fallback's sizes (``auto``'s minimum budget)."""
+    host = sum(s.host_bytes for s in stores.values())
+    chosen = store_forms(manifest, expert_dtype, device, plan)
+    options = [chosen]
+    if expert_dtype == "auto" and any(f.staged for f in chosen.values()):
+        options.append(store_forms(manifest, "packed", device, plan))
+    if smallest:
+        options = options[-1:]
+    for i, forms in enumerate(options):
+        sizes = artifact_sizes(manifest, stores, device, forms, workers)
+        if memory_budget is NO_BUDGET:
+            return HeldLayout(forms, sizes, None, plan)
+        try:
+            caps = _capacities(plan, sizes, memory_budget, host, device)
+            return HeldLayout(forms, sizes, caps, plan.for_budget(caps.limit_bytes))
+        except LoaderError:
+            if i == len(options) - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _layout_of(artifact, store: str, plan: Plan | None, device: torch.device, expert_dtype: str, memory_budget,
+               workers: int, smallest: bool = False) -> tuple[HeldLayout, dict]:
+    """(the held layout ``load`` would build, record bytes per precision), without the model."""
+    from loader.format import read_manifest
+    from loader.store import ExpertStore
+
+    manifest = read_manifest(artifact)
+    plan = plan or read_plan(manifest.root)
+    stores = {p: ExpertStore(manifest.path(s.file), p, mode=store) for p, s in manifest.stores.items()}
+    try:
+        return (held_layout(manifest, stores, plan, memory_budget, device, expert_dtype, workers, smallest),
+                {p: s.record_bytes for p, s in stores.items()})
+    finally:
+        for s in stores.values():
+            s.close()
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What ``load`` builds for a budget: the plan, the sizes, the byte capacities, and per precision the
+    bytes a cached expert takes (its slot) and the bytes a read fetches. The simulator replays through it."""
+
+    plan: Plan
+    sizes: ModelSizes
+    capacities: Capacities
+    slot_bytes: dict
+    record_bytes: dict
+    forms: dict  # precision -> held form name
+
+
+def cache_layout(artifact, memory_budget=None, store: str = "disk", plan: Plan | None = None, device: str = "cpu",
+                 expert_dtype: str = "auto", workers: int = 2) -> CacheLayout:
+    """The cache ``load(artifact, memory_budget, ...)`` builds with the same arguments, without the model."""
+    layout, record_bytes = _layout_of(artifact, store, plan, torch.device(device), expert_dtype, memory_budget,
+                                      workers)
+    return CacheLayout(layout.plan, layout.sizes, layout.capacities, layout.slot_bytes, record_bytes,
+                       {p: f.name for p, f in layout.forms.items()})
+
+
+def minimum_budget(artifact, store: str = "disk", plan: Plan | None = None, device: str = "cpu",
+                   expert_dtype: str = "auto", workers: int = 2) -> int:
+    """The smallest memory budget in bytes that ``load(artifact, ...)`` accepts with the same arguments: the
+    dense weights, the read and staging buffers, and one expert per eviction group (with ``store='host'`` on
+    a CPU the store counts too). With ``auto`` it is the record form's, below which nothing loads."""
+    layout, _ = _layout_of(artifact, store, plan, torch.device(device), expert_dtype, NO_BUDGET, workers,
+                           smallest=True)
+    return minimum_bytes(layout.plan, layout.sizes)
+
+
+def budget_bytes(artifact, memory_budget, store: str = "disk", plan: Plan | None = None, device: str = "cpu") -> int:
+    """What ``memory_budget`` means in bytes for ``artifact`` (the bench gives accelerate the same number)."""
+    layout, _ = _layout_of(artifact, store, plan, torch.device(device), "packed", NO_BUDGET, 2)
+    return int(min(resolve_budget(memory_budget, layout.plan, layout.sizes), 2**62))

@@ -1,0 +1,499 @@
+"""The offloading engine and its whole-expert layer step: reads, waits, compute.
+
+``ExpertEngine`` is the state every MoE layer shares: the plan, the cache and its schedule
+(``loader/schedule.py``), the stores, the slot memory (one arena per pool, the read buffers, the reader
+threads' staging buffers), the reader, the held form of each store (``loader/forms.py``), the miss policy
+and the predictors. ``run_layer`` is the per-layer step:
+
+1. the schedule classifies the wanted experts (hits, joins of reads in flight, misses) and decides each
+   miss (read at a precision, or skip);
+2. each miss is admitted into its pool (read into its slot) or, where nothing can be evicted, read into one
+   of the K read buffers; the reader thread makes the held form as the read lands;
+3. hits compute while the reads fly; then each read is waited for (stall time) and computed;
+4. the schedule ends the layer. Every byte of expert data held (slots, buffers, staging) is counted by one
+   meter at every change, and the arenas are sized by the budget, so the budget cannot be passed.
+
+A decode step (one token) takes a lean path: one ``tolist()`` per layer, no per-expert ``torch.where``,
+one weighted add per expert. Switched-off techniques cost nothing here: no prefetch bookkeeping without
+predictors, no neuron checks without neuron loading. ``decode_timing`` counts, over decode steps, the
+wall time of the layer steps, of expert compute and of waiting for reads; what is in neither is the
+loader's own overhead. Shapes: see the legend in ``loader/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from loader.cache import ExpertCache, MemoryMeter, PoolConfig
+from loader.errors import LoaderError
+from loader.format import expert_key
+from loader.forms import RecordForm, median_seconds
+from loader.policies import policy_factory
+from loader.predict import PredictorContext, PredictorError, PrefetchRequest
+from loader.schedule import LayerSchedule
+from loader.store import DEMAND, PREFETCH, Reader, ReadJob, SlotArena
+
+
+@dataclass(eq=False)
+class Held:
+    """The runtime's state of one cache entry (its ``payload``): the slot, the read in flight, what the held
+    form made, and for neuron-layout records which rows are in the slot."""
+
+    slot: int
+    job: ReadJob | None = None
+    weights: object = None
+    read_seconds: float = 0.0  # how long the read took (a landed prefetch: what a demand would have waited)
+    neurons: object = None  # bool [I] rows in the slot (None: the whole record)
+    row_job: ReadJob | None = None  # a neuron read in flight, and the rows it brings
+    row_mask: object = None
+    predicted: object = None  # the rows a predictor named for this expert
+
+
+@dataclass
+class LayerTimes:
+    read_seconds: float = 0.0
+    stall_seconds: float = 0.0
+
+
+@dataclass
+class DecodeTiming:
+    """Over decode steps (forwards of one token): MoE layer calls, and the seconds spent in them, in expert
+    compute, and waiting for reads. On CUDA compute is launch time (kernels run asynchronously)."""
+
+    layer_steps: int = 0
+    step_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    stall_seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        overhead = self.step_seconds - self.compute_seconds - self.stall_seconds
+        return {"layer_steps": self.layer_steps, "step_seconds": self.step_seconds,
+                "compute_seconds": self.compute_seconds, "stall_seconds": self.stall_seconds,
+                "overhead_seconds": overhead,
+                "overhead_per_layer_step": overhead / self.layer_steps if self.layer_steps else None}
+
+
+@dataclass
+class Counters:
+    decodes: int = 0  # forms made (on reader threads) plus records decoded per use (the record form, packed)
+    make_seconds: float = 0.0
+    cpu_computed: int = 0
+    prefetch_saved_seconds: float = 0.0  # read time of used prefetches a demand did not wait for
+    peak_cache_bytes: int = 0
+    timing: DecodeTiming = field(default_factory=DecodeTiming)
+
+
+class ExpertEngine:
+    """The offloading state shared by every MoE layer, and the whole-expert layer step."""
+
+    def __init__(self, plan, layout, stores: dict, layouts: dict, top_k: int, device: torch.device, workers: int,
+                 miss_policy, predictors: list, layer_ids: list[int], neuron=None, pairings: dict | None = None,
+                 cleanup=None) -> None:
+        """layout: ``loader.budget.HeldLayout`` (forms, sizes, capacities). cleanup: an ``ExitStack`` the
+        engine registers its reader on (``load`` closes it on any error)."""
+        self.plan = plan
+        self.layer_ids = layer_ids  # position among the MoE layers -> the model's layer index (record keys)
+        self.caps = layout.capacities
+        self.stores = stores
+        self.layouts = layouts
+        self.forms = dict(layout.forms)
+        self.top_k = top_k
+        self.device = device
+        self.num_layers, self.num_experts = plan.num_layers, plan.num_experts
+        self.read_bytes = {p: s.record_bytes for p, s in stores.items()}
+        self.slot_bytes = dict(layout.sizes.record_bytes)
+        self.counters = Counters()
+        self.meter = MemoryMeter()
+        self.cache = ExpertCache(
+            [PoolConfig(pool.name, pool.precision, pool.group, self.caps.pools[pool.name],
+                        self.slot_bytes[pool.precision]) for pool in plan.pools],
+            plan.num_layers, plan.num_experts, policy_factory(plan.eviction.name, plan.eviction.params),
+            meter=self.meter)
+        self.cache.on_evict = self._free_slot
+        self.arenas = {pool.name: SlotArena(sum(b // self.slot_bytes[pool.precision]
+                                                for b in self.caps.pools[pool.name].values()),
+                                            self.slot_bytes[pool.precision], device) for pool in plan.pools}
+        self.buffers = SlotArena(top_k, max(self.slot_bytes.values()), device)
+        staged = [s.stride for p, s in stores.items() if self.forms[p].staged]
+        self.staging = SlotArena(max(1, workers), max(staged), device) if staged else None
+        if self.staging is not None:
+            self.meter.add(self.staging.count * self.staging.slot_bytes)  # held for the whole run
+        self.reader = Reader(workers, device, self.staging)
+        if cleanup is not None:
+            cleanup.callback(self.reader.close)
+        self.miss_policy = miss_policy
+        miss_policy.bind(plan.num_layers, plan.num_experts)
+        miss_policy.view = self.cache.view
+        self.schedule = LayerSchedule(self.cache, plan.expert_precision, miss_policy, readable=stores)
+        self.predictors = predictors
+        self.times = [LayerTimes() for _ in range(plan.num_layers)]
+        self._prefetching: list = []  # entries whose prefetch read may still be in flight
+        self.routing = None  # the installed routing policy (reset with the sequence)
+        self.modules: list = []  # the experts module of each MoE layer
+        # CUDA with the store in host RAM: decode-step misses computed on the CPU (``load(cpu_misses=...)``)
+        self.cpu_misses = "never"
+        self.miss_costs = None
+        self.neuron = None
+        if pairings:  # neuron-layout stores compute from their records, whether neuron loading is on or off
+            from loader.codec import NeuronLayout
+            from loader.neuron import NeuronRecordForm, NeuronStep
+
+            for p, pairing in pairings.items():
+                self.forms[p] = NeuronRecordForm(NeuronLayout(layouts[p]), pairing)
+            if neuron is not None:
+                self.neuron = NeuronStep(self, neuron, pairings)
+
+    def bind_predictors(self, routers: list, tensors: dict) -> None:
+        """Hand every predictor the routers' weights, the artifact's predictor tensors and a view of the cache."""
+        context = PredictorContext(
+            self.num_layers, self.num_experts, self.top_k, routers, tensors,
+            held=lambda layer, expert, precision: self.cache.find(layer, expert, precision) is not None,
+            precision_of=lambda layer, expert: self.plan.expert_precision[layer][expert])
+        for predictor in self.predictors:
+            try:
+                predictor.bind(context)
+            except PredictorError as e:
+                raise LoaderError(str(e)) from None
+
+    # ----------------------------------------------------------------------------------- slots and reads
+    def key(self, layer: int, expert: int) -> str:
+        return expert_key(self.layer_ids[layer], expert)
+
+    def _free_slot(self, entry) -> None:
+        """The cache dropped ``entry``: its slot returns to the pool's free list once no read targets it."""
+        held = entry.payload
+        if held is None:
+            return
+        for job in (held.job, held.row_job):
+            if job is not None and not self.reader.cancel(job):
+                job.wait_done()  # already being read: let it land before the slot is reused
+        self.arenas[entry.pool].give(held.slot)
+        entry.payload = None
+
+    def read_entry(self, entry, priority: int, form=True) -> ReadJob:
+        """Take a slot of the entry's pool and read its record there (making the held form)."""
+        arena = self.arenas[entry.pool]
+        held = entry.payload = Held(arena.take())
+        held.job = ReadJob(self.stores[entry.precision], self.key(entry.layer, entry.expert), arena, held.slot,
+                           priority, form=self.forms[entry.precision] if form else None)
+        return self.reader.submit(held.job)
+
+    def take_buffer(self) -> int:
+        slot = self.buffers.take()
+        self.meter.add(self.buffers.slot_bytes)
+        return slot
+
+    def give_buffer(self, slot: int) -> None:
+        self.buffers.give(slot)
+        self.meter.sub(self.buffers.slot_bytes)
+        self._mark_compute()
+
+    def await_job(self, layer: int, job: ReadJob) -> None:
+        self.reader.promote(job)
+        start = time.perf_counter()
+        seconds = job.wait()
+        stalled = time.perf_counter() - start
+        self.times[layer].stall_seconds += stalled
+        self.times[layer].read_seconds += seconds
+        self._stalled += stalled
+        if job.form is not None and job.form.staged:
+            self.counters.decodes += 1
+            self.counters.make_seconds += job.make_seconds
+
+    def land(self, layer: int, entry) -> None:
+        """Wait for the entry's read; then it is resident, with its form's weights."""
+        held = entry.payload
+        if held.job is not None:
+            self.await_job(layer, held.job)
+            held.weights, held.read_seconds, held.job = held.job.weights, held.job.seconds, None
+        if entry.in_flight:
+            self.cache.complete(entry)
+
+    def _reap(self) -> None:
+        """Prefetches whose reads have landed become resident (evictable again); failed ones are dropped (a
+        demand reads them again and reports the error)."""
+        if not self._prefetching:
+            return
+        still = []
+        for entry in self._prefetching:
+            held = entry.payload
+            if held is None or held.job is None:
+                continue
+            job = held.job
+            if job.state == "done":
+                if job.form is not None and job.form.staged:
+                    self.counters.decodes += 1
+                    self.counters.make_seconds += job.make_seconds
+                held.weights, held.read_seconds, held.job = job.weights, job.seconds, None
+                self.cache.complete(entry)
+            elif job.state in ("failed", "cancelled"):
+                self.cache.cancel(entry)
+            else:
+                still.append(entry)
+        self._prefetching = still
+
+    def _mark_compute(self) -> None:
+        """CUDA: the reader's copies wait for the compute issued so far before overwriting a slot or buffer."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self.reader.after_compute = event
+
+    # ------------------------------------------------------------------------------------ the layer step
+    def begin(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """The schedule's start of a layer step (both paths): (decisions, weights after skips, rows [T][K])."""
+        self._reap()
+        rows = top_k_index.tolist()
+        active = top_k_weights != 0  # a routing policy drops a selection by giving it weight 0: never read
+        if not bool(active.all()):
+            rows = top_k_index.masked_fill(~active, -1).tolist()
+        prefetched = self.schedule.prefetched(layer) if self.predictors else None
+        decisions, skipped = self.schedule.begin(layer, rows, top_k_index, top_k_weights)
+        if prefetched:
+            self._cancel_unwanted(prefetched, {d.expert for d in decisions} | set(skipped))
+            for d in decisions:
+                held = d.entry.payload if d.entry is not None else None
+                if prefetched.get(d.expert) is d.entry and held is not None and not d.entry.in_flight:
+                    self.counters.prefetch_saved_seconds += held.read_seconds
+        if skipped and self.miss_policy.renormalize:  # the token's remaining weights keep their former total
+            chosen = top_k_index.masked_fill(~active, -1)
+            top_k_weights = renormalized(top_k_weights, chosen, skipped)
+            rows = top_k_index.masked_fill(top_k_weights == 0, -1).tolist()
+        return decisions, top_k_weights, rows, prefetched
+
+    def run_layer(self, layer: int, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H]."""
+        start = time.perf_counter()
+        self._stalled = self._computed = 0.0
+        tokens = hidden.shape[0]
+        if self.neuron is not None and self.neuron.applies(tokens):
+            out = self.neuron.run_layer(layer, module, hidden, top_k_index, top_k_weights)
+        else:
+            out = self._whole_layer(layer, module, hidden, top_k_index, top_k_weights)
+        if tokens == 1:
+            t = self.counters.timing
+            t.layer_steps += 1
+            t.step_seconds += time.perf_counter() - start
+            t.compute_seconds += self._computed
+            t.stall_seconds += self._stalled
+        return out
+
+    def _whole_layer(self, layer: int, module, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+        decisions, top_k_weights, rows, prefetched = self.begin(layer, top_k_index, top_k_weights)
+        out = torch.zeros_like(hidden)
+        mix = Mixer(hidden, rows, top_k_index, top_k_weights, out)
+        ready, waiting, queue = [], [], []
+        for d in decisions:
+            if d.entry is None:
+                queue.append(d)
+            elif d.entry.in_flight:
+                waiting.append(d)
+            else:
+                ready.append(d)
+        if queue and hidden.shape[0] == 1 and self.cpu_misses != "never":
+            on_cpu = [d for d in queue if self.cpu_misses == "always" or self.miss_costs.prefer_cpu(d.precision)]
+            queue = [d for d in queue if d not in on_cpu]
+            for d in on_cpu:
+                self._compute_on_cpu(layer, module, d, mix)
+        reads = []  # (decision, entry or None, buffer slot or None, job)
+        unbuffered = []  # misses the cache could not admit, waiting for a read buffer
+
+        def submit() -> None:
+            while queue:
+                d = queue.pop(0)
+                entry = self.schedule.admit(layer, d.expert, d.precision, self.slot_bytes[d.precision],
+                                            self.read_bytes[d.precision])
+                if entry is not None:
+                    reads.append((d, entry, None, self.read_entry(entry, DEMAND)))
+                else:
+                    unbuffered.append(d)
+            while unbuffered and self.buffers.free:
+                d = unbuffered.pop(0)
+                slot = self.take_buffer()
+                job = self.reader.submit(ReadJob(self.stores[d.precision], self.key(layer, d.expert), self.buffers,
+                                                 slot, DEMAND, form=self.forms[d.precision]))
+                reads.append((d, None, slot, job))
+
+        submit()
+        for d in ready:
+            if self.neuron is not None:
+                self.neuron.fill(layer, d.entry)
+            self.compute(module, d, d.entry.payload.weights, mix)
+        for d in waiting:
+            held, stalled = d.entry.payload, self._stalled
+            job = held.job
+            self.land(layer, d.entry)
+            if self.neuron is not None:
+                self.neuron.fill(layer, d.entry)
+            if prefetched and prefetched.get(d.expert) is d.entry and job is not None:
+                # a prefetch still in flight: it saved what was read before the wait
+                self.counters.prefetch_saved_seconds += max(0.0, job.seconds - (self._stalled - stalled))
+            self.compute(module, d, held.weights, mix)
+        while reads:
+            d, entry, slot, job = reads.pop(0)
+            if entry is not None:
+                self.land(layer, entry)
+                weights = entry.payload.weights
+            else:
+                self.await_job(layer, job)
+                weights = job.weights
+            self.compute(module, d, weights, mix)
+            if slot is not None:
+                self.give_buffer(slot)
+            submit()
+        self.end_layer(layer)
+        if self.neuron is not None:
+            self.neuron.advance()
+        return out
+
+    def compute(self, module, d, weights, mix: Mixer) -> None:
+        """Add expert ``d.expert``'s weighted output for its tokens, from its form's ``weights``."""
+        start = time.perf_counter()
+        form = self.forms[d.precision]
+        if isinstance(form, RecordForm) and form.packed:
+            self.counters.decodes += 1  # the record form of a quantized store decodes on every use
+        tokens, x, w = mix.inputs(d.expert)
+        mix.add(tokens, form.forward(module, weights, x), w)
+        self._computed += time.perf_counter() - start
+
+    def _compute_on_cpu(self, layer: int, module, d, mix: Mixer) -> None:
+        """A miss served on the CPU from the host store: no copy to the GPU, nothing cached."""
+        start = time.perf_counter()
+        record = self.stores[d.precision].host_record(self.key(layer, d.expert))
+        tokens, x, w = mix.inputs(d.expert)
+        form = RecordForm(self.layouts[d.precision])
+        mix.add(tokens, form.forward(module, form.make(record), x.cpu()).to(mix.out.device), w)
+        self.counters.cpu_computed += 1
+        self._computed += time.perf_counter() - start
+
+    def end_layer(self, layer: int) -> None:
+        self.schedule.end(layer)
+        self.counters.peak_cache_bytes = max(self.counters.peak_cache_bytes, self.cache.nbytes)
+        self._mark_compute()
+
+    # ------------------------------------------------------------------------------------------ prefetch
+    def _cancel_unwanted(self, prefetched: dict, wanted: set) -> None:
+        """The router has decided: a prefetch for the layer that was not chosen and whose read has not started
+        is cancelled (its slot freed); one already read or reading is left to land (wasted)."""
+        for expert, entry in prefetched.items():
+            held = entry.payload
+            if expert in wanted or not entry.in_flight or held is None or held.job is None:
+                continue
+            if self.reader.cancel(held.job):
+                self.cache.cancel(entry)
+
+    def prefetch(self, requests: list[PrefetchRequest]) -> None:
+        """Read each requested expert into its pool unless held (then it is only protected); skipped when no
+        room can be made. Protection lasts until the expert's layer has run."""
+        if not requests:
+            return
+        self._reap()
+        if self.neuron is not None:
+            requests = self.neuron.take_inputs(requests)
+        for entry in self.schedule.prefetch(requests, self.slot_bytes):
+            if self.neuron is None or not self.neuron.prefetch_header(entry):
+                self.read_entry(entry, PREFETCH)
+                self.cache.count_read(entry.layer, self.read_bytes[entry.precision])
+            self._prefetching.append(entry)
+        if self.neuron is not None:
+            self.neuron.predict_held()
+
+    def after_router(self, layer: int, router_input, indices) -> None:
+        self.schedule.routed(layer, indices.flatten().tolist())  # chosen now: no prefetch may evict them
+        for predictor in self.predictors:
+            self.prefetch(predictor.after_router(layer, router_input, indices))
+
+    def after_last_layer(self, hidden) -> None:
+        for predictor in self.predictors:
+            self.prefetch(predictor.after_last_layer(hidden))
+
+    # ------------------------------------------------------------------------------------------ sequences
+    def start_forward(self, past_length: int, tokens: int) -> None:
+        """A model forward of ``tokens`` new tokens after ``past_length`` cached ones; 0 = a new sequence."""
+        if past_length == 0:
+            self.cache.reset()
+            for p in [self.miss_policy, *self.predictors, *([self.routing] if self.routing else [])]:
+                p.reset()
+        self.cache.clock.token = past_length + max(tokens, 1) - 1
+
+    def close(self) -> None:
+        self.reader.close()
+        for store in self.stores.values():
+            store.close()
+
+
+@dataclass(frozen=True)
+class MissCosts:
+    """Measured at load on a GPU with the store in host RAM: per precision, seconds for one decode step's
+    expert on the CPU (decode + products) against copying its record to the GPU and making its held form
+    there. The switch Fiddler, ktransformers and llama.cpp make: a miss is computed where it is cheaper."""
+
+    cpu_seconds: dict
+    gpu_seconds: dict
+
+    def prefer_cpu(self, precision: str) -> bool:
+        return self.cpu_seconds[precision] < self.gpu_seconds[precision]
+
+
+def measure_miss_costs(module, records: dict, layouts: dict, held: dict, device: torch.device,
+                       hidden: int) -> MissCosts:
+    """``records``: one host record per precision. Times both ways of serving a one-token miss."""
+    cpu, gpu = {}, {}
+    x = torch.randn(1, hidden)
+    for precision, record in records.items():
+        layout = layouts[precision]
+        plain = RecordForm(layout)
+        cpu[precision] = median_seconds(lambda r=record, f=plain: f.forward(module, f.make(r), x), repeats=5)
+        form = held[precision]
+        staging = record.pin_memory() if device.type == "cuda" else record
+        xd = x.to(device)
+
+        def on_gpu(form=form, staging=staging, lay=layout, xd=xd):
+            rec = staging.to(device, non_blocking=True)
+            weights = form.make(rec, torch.empty(form.nbytes, dtype=torch.uint8, device=device))
+            form.forward(module, weights, xd)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        gpu[precision] = median_seconds(on_gpu, repeats=5)
+    return MissCosts(cpu, gpu)
+
+
+class Mixer:
+    """The weighted sum of one layer call's expert outputs. A decode step (one token) indexes nothing: each
+    expert's weight is picked by its position in the rows read once per layer."""
+
+    def __init__(self, hidden: torch.Tensor, rows: list, index: torch.Tensor, weights: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        self.hidden, self.weights, self.out = hidden, weights, out
+        self.single = hidden.shape[0] == 1
+        if self.single:
+            self.position = {e: k for k, e in enumerate(rows[0]) if e >= 0}
+        else:
+            self.chosen = index.masked_fill(weights == 0, -1)
+
+    def inputs(self, expert: int):
+        """(token index [T_e], or None for the one token; x [T_e, H]; weights [T_e, 1], or 0-d)."""
+        if self.single:
+            return None, self.hidden, self.weights[0, self.position[expert]]
+        tokens, slot = torch.where(self.chosen == expert)
+        return tokens, self.hidden[tokens], self.weights[tokens, slot, None]
+
+    def add(self, tokens, y: torch.Tensor, w) -> None:
+        if tokens is None:
+            self.out.add_(y.to(self.out.dtype) * w)
+        else:
+            self.out.index_add_(0, tokens, y.to(self.out.dtype) * w)
+
+
+def renormalized(weights: torch.Tensor, chosen: torch.Tensor, skipped: list[int]) -> torch.Tensor:
+    """weights [T, K] with the selections of ``skipped`` experts zeroed and each token's rest rescaled to the
+    token's former total (a token whose every selection was skipped keeps zeros)."""
+    gone = torch.isin(chosen, torch.tensor(skipped, device=chosen.device))
+    kept = weights.masked_fill(gone, 0)
+    total, rest = weights.sum(-1, keepdim=True), kept.sum(-1, keepdim=True)
+    return torch.where(rest != 0, kept * (total / rest.where(rest != 0, torch.ones_like(rest))), kept)

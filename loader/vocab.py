@@ -1,0 +1,27 @@
+"""Every name list of the loader, once: precisions and their bits, dtypes, the miss policy's SKIP, pool
+groups, held-form names, predictor names. Modules import these instead of restating them, so adding a
+precision or a form is one edit here plus its implementation.
+"""
+
+from __future__ import annotations
+
+# Quantized store precisions -> bits per code (``loader/codec.py`` packs them).
+BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
+# Every store precision: the source matrices as they are, or one of the quantized ones.
+PRECISIONS = ("passthrough", *BITS)
+# Bits per weight, to rank precisions: a higher-ranked record satisfies a request for a lower one.
+PRECISION_BITS = {"passthrough": 32, "float32": 32, "bfloat16": 16, "float16": 16, **BITS}
+# Model dtypes an artifact may hold.
+DTYPES = ("float32", "float16", "bfloat16")
+SKIP = "skip"  # a miss policy's answer: do not compute this expert
+GROUPS = ("layer", "global")  # a pool's eviction groups: one per MoE layer, or one for all
+# Held forms (``loader/forms.py``): what a cached expert is computed from. ``record`` is the record itself.
+FORM_NAMES = ("record", "float32", "bfloat16", "float16", "int4pack")
+# What ``load(expert_dtype=...)`` accepts: a form, ``packed`` (the record form), or ``auto``.
+EXPERT_DTYPES = ("auto", "float32", "bfloat16", "float16", "int4pack", "packed")
+PREDICTOR_NAMES = ("next_gates", "path_stats", "first_gate", "neuron_gates")
+CPU_MISSES = ("auto", "always", "never")  # CUDA + host store: compute a decode miss on the CPU
+
+
+def precision_rank(precision: str) -> int:
+    return PRECISION_BITS.get(precision, 0)
