@@ -274,7 +274,7 @@ class NeuronStep:
                 self._start_miss(layer, item)
             batch.append(item)
         self._batch(layer, module, hidden, mix, batch)
-        engine.end_layer(layer)
+        engine.finish_layer(layer)
         self.advance()
         return out
 

@@ -345,7 +345,7 @@ class ExpertEngine:
             if slot is not None:
                 self.give_buffer(slot)
             submit()
-        self.end_layer(layer)
+        self.finish_layer(layer)
         if self.neuron is not None:
             self.neuron.advance()
         return out
@@ -370,7 +370,7 @@ class ExpertEngine:
         self.counters.cpu_computed += 1
         self._computed += time.perf_counter() - start
 
-    def end_layer(self, layer: int) -> None:
+    def finish_layer(self, layer: int) -> None:
         self.schedule.end(layer)
         self.counters.peak_cache_bytes = max(self.counters.peak_cache_bytes, self.cache.nbytes)
         self._mark_compute()

@@ -369,9 +369,9 @@ def test_simulator_matches_loader(tiny_artifact, one_thread):
                 finally:
                     loaded.close()
                 sim = simulate(replay, spec, policy, cold_start=False)
-                got = [{k: stats["layers"][str(layer)][k] for k in ("hits", "misses", "bytes_read")}
-                       for layer in range(layers)]
-                want = [{"hits": r.hits, "misses": r.misses, "bytes_read": r.bytes_read} for r in sim.layers]
+                keys = ("hits", "misses", "joins", "skipped", "prefetches", "bytes_read")
+                got = [{k: stats["layers"][str(layer)][k] for k in keys} for layer in range(layers)]
+                want = [{k: getattr(r, k) for k in keys} for r in sim.layers]
                 assert got == want, (group, budget, policy)
                 checked += 1
     assert checked == 2 * 2 * len(POLICIES)
@@ -396,3 +396,21 @@ def test_cli_plan_from_an_artifact(tiny_artifact):
     assert runs["lru"] == out["misses"] and min(runs.values()) == runs["belady"]
     low = runner.invoke(main, ["simulate", "--trace", str(trace), "--plan", str(tiny_artifact), "--budget", "1KB"])
     assert low.exit_code == 1 and "raise the budget" in low.stderr
+
+
+def test_the_schedule_has_one_implementation():
+    """The rules around the cache (classify, decide a miss, skip, lower, use, admit, prefetch admission, end)
+    live in loader/schedule.py: the loader's steps and the simulator call it and never the cache's rule
+    methods themselves."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    rules = re.compile(r"\.(begin_layer|use|skip|end_layer|decide)\(|cache\.(admit|prefetch)\(")
+    for path in ("loader/step.py", "loader/neuron.py", "loader/runtime.py", "prep/sim/simulate.py"):
+        found = [line.strip() for line in (root / path).read_text().splitlines()
+                 if rules.search(line) and "matplotlib" not in line]
+        assert not found, (path, found)
+    schedule = (root / "loader/schedule.py").read_text()
+    assert "import torch" not in schedule  # torch-free: the simulator runs it on sizes alone
+    for user in ("loader/step.py", "prep/sim/simulate.py"):
+        assert "LayerSchedule" in (root / user).read_text() or "schedule." in (root / user).read_text()
