@@ -17,6 +17,7 @@ from loader.codec import RecordLayout
 from loader.errors import MoeError
 from loader.format import REPORT, ArtifactError, read_json, read_manifest, verify
 from loader.plan import read_plan
+from loader.vocab import EXPERT_DTYPES
 
 
 class LoaderGroup(click.Group):
@@ -147,11 +148,11 @@ def neuron_switch(artifact: str, neuron: str, theta: float | None):
               help="Neuron-level loading (CORM; needs a neuron-layout artifact): as the plan says, on, or off.")
 @click.option("--theta", type=float, default=None,
               help="Neuron activity threshold, overriding the plan's (implies --neuron on).")
-@click.option("--expert-dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16", "int4pack", "packed"]),
-              default="auto", show_default=True,
-              help="How a cached quantized expert is held (loader/kernels.py): the form measured fastest here "
-                   "(auto), a decoded copy in that dtype, int4pack (torch's CPU int4 kernel), or packed "
-                   "(decoded on every use, the smallest).")
+@click.option("--expert-dtype", type=click.Choice(list(EXPERT_DTYPES)), default="auto", show_default=True,
+              help="The held form of a cached expert (loader/forms.py): auto (MOEPREP_EXPERT_DTYPE, else the "
+                   "plan's, else int4pack on a CPU where it fits and bfloat16 otherwise), a decoded copy in "
+                   "that dtype, int4pack (torch's CPU int4 kernel), or packed (the record, decoded on every "
+                   "use: the smallest).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {text, token_ids, stats}.")
 def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_budget: str | None, device: str,
                      store: str, predictors: str | None, exact_routing: bool, planned_precision: bool,
