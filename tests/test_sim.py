@@ -414,3 +414,24 @@ def test_the_schedule_has_one_implementation():
     assert "import torch" not in schedule  # torch-free: the simulator runs it on sizes alone
     for user in ("loader/step.py", "prep/sim/simulate.py"):
         assert "LayerSchedule" in (root / user).read_text() or "schedule." in (root / user).read_text()
+
+
+def test_a_calibrated_profile_models_the_loaders_step():
+    """Hits compute while the layer's reads run; the layer stalls for the rest; each layer call costs the
+    loader's overhead. Computed by hand on a two-layer, two-token replay."""
+    from prep.sim.device import calibrated
+
+    replay = Replay(((((0, 1), (2, 3)), ((0, 2), (2, 3))),), 2, 4, 2)  # token 2: layer 0 one hit, layer 1 two hits
+    spec = capacity_spec(2, 4, 4, record_bytes=1000)
+    plain = DeviceProfile(1e6, 0.0, {"int4": 4e-4}, make_seconds={"int4": 1e-4})  # a read: 1 ms + 0.1 ms made
+    profile = calibrated(plain, 5e-5)
+    got = simulate(replay, spec, "lru", profile=profile)
+    # token 1: 2 misses per layer, no hit: 2.2 ms stall + 0.8 ms compute + overhead, twice
+    # token 2, layer 0: one hit (0.4 ms) against one read (1.1 ms): 0.7 ms stall + 0.8 ms compute + overhead
+    # token 2, layer 1: two hits, no read: 0.8 ms compute + overhead
+    want = 2 * (2.2e-3 + 0.8e-3) + (0.7e-3 + 0.8e-3) + 0.8e-3 + 4 * 5e-5
+    assert got.seconds == pytest.approx(want)
+    assert simulate(replay, spec, "lru", profile=plain).seconds == pytest.approx(2 * 3.0e-3 + 1.9e-3 + 0.8e-3)
+    assert DeviceProfile.from_json(profile.to_json()) == profile
+    with pytest.raises(MoeprepError, match="calibration"):
+        DeviceProfile.from_json(profile.to_json() | {"calibration": {"overlap": "yes"}})

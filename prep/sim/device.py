@@ -7,10 +7,14 @@ A profile is a small JSON file (``moeprep profile-device`` writes one for this m
      "compute_seconds_per_expert": {precision: float, ...},    # one token through one expert
      "expert_shape": {"hidden": H, "intermediate": I}, ...}
 
-The cost model is deliberately plain: a demand miss stalls its layer for ``read_latency_s + bytes /
-read_bandwidth_bytes_per_s``; every computed expert costs ``compute_seconds_per_expert[precision]``;
-nothing overlaps (no prefetching is modelled yet). Modelled seconds are therefore an upper bound
-for a loader that overlaps reads with compute.
+The cost model: a demand miss reads for ``read_latency_s + bytes / read_bandwidth_bytes_per_s`` and then
+its held form is made (``make_seconds_per_expert``), both on a reader thread; every computed expert costs
+``compute_seconds_per_expert[precision]``. Without ``calibration`` nothing overlaps: a layer waits for all
+its reads (an upper bound). A profile calibrated against the loader on the device (``calibration``:
+``{"overlap": true, "layer_overhead_s": float}``, written by the bench from the loader's own
+``decode_timing``) models the loader's step: hits compute while the layer's reads run one after another,
+the layer stalls only for what is left of them (``max(0, reads - hits' compute)``), and each MoE layer
+call costs ``layer_overhead_s`` of the loader's own time.
 
 Measurement (``measure_device``): reads bypass the page cache (O_DIRECT where the filesystem allows
 it, else ``posix_fadvise(DONTNEED)`` before reading) from a temporary file of a few hundred MB; the
@@ -57,6 +61,16 @@ class DeviceProfile:
     # precision -> seconds to make a missed expert's held form once (loader/forms.py: decode or repack, on a reader thread);
     # compute_seconds is then one use of the held form. Empty in profiles measured before held forms.
     make_seconds: dict = field(default_factory=dict)
+    # fitted against the loader on this device: {"overlap": bool, "layer_overhead_s": float} (empty: plain)
+    calibration: dict = field(default_factory=dict)
+
+    @property
+    def overlap(self) -> bool:
+        return bool(self.calibration.get("overlap", False))
+
+    @property
+    def layer_overhead(self) -> float:
+        return float(self.calibration.get("layer_overhead_s", 0.0))
 
     def read_seconds(self, nbytes: int) -> float:
         return self.read_latency + nbytes / self.read_bandwidth
@@ -81,13 +95,14 @@ class DeviceProfile:
         return DeviceProfile(self.read_bandwidth, self.read_latency,
                              {p: s * factor for p, s in self.compute_seconds.items()}, self.device,
                              self.extra | {"scaled_to_weights_per_expert": weights_per_expert},
-                             {p: s * factor for p, s in self.make_seconds.items()})
+                             {p: s * factor for p, s in self.make_seconds.items()}, dict(self.calibration))
 
     def to_json(self) -> dict:
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "device": self.device,
                 "read_bandwidth_bytes_per_s": self.read_bandwidth, "read_latency_s": self.read_latency,
                 "compute_seconds_per_expert": dict(self.compute_seconds)} | self.extra \
-            | ({"make_seconds_per_expert": dict(self.make_seconds)} if self.make_seconds else {})
+            | ({"make_seconds_per_expert": dict(self.make_seconds)} if self.make_seconds else {}) \
+            | ({"calibration": dict(self.calibration)} if self.calibration else {})
 
     @classmethod
     def from_json(cls, raw: dict, where: str = "device profile") -> DeviceProfile:
@@ -103,10 +118,16 @@ class DeviceProfile:
         make = raw.get("make_seconds_per_expert", {})
         if not (isinstance(make, dict) and all(isinstance(k, str) and _number(v) and v >= 0 for k, v in make.items())):
             raise MoeprepError(f"{where}: make_seconds_per_expert must be {{precision: seconds >= 0}}; {fix}")
+        calibration = raw.get("calibration", {})
+        if not (isinstance(calibration, dict) and set(calibration) <= {"overlap", "layer_overhead_s"}
+                and isinstance(calibration.get("overlap", False), bool)
+                and _number(calibration.get("layer_overhead_s", 0.0)) and calibration.get("layer_overhead_s", 0.0) >= 0):
+            raise MoeprepError(f"{where}: calibration must be {{overlap: bool, layer_overhead_s: seconds >= 0}}; {fix}")
         known = {"format", "version", "device", "read_bandwidth_bytes_per_s", "read_latency_s",
-                 "compute_seconds_per_expert", "make_seconds_per_expert"}
+                 "compute_seconds_per_expert", "make_seconds_per_expert", "calibration"}
         return cls(float(bw), float(latency), {k: float(v) for k, v in compute.items()}, str(raw.get("device", "")),
-                   {k: v for k, v in raw.items() if k not in known}, {k: float(v) for k, v in make.items()})
+                   {k: v for k, v in raw.items() if k not in known}, {k: float(v) for k, v in make.items()},
+                   dict(calibration))
 
 
 def _number(x) -> bool:
@@ -309,6 +330,14 @@ def measure_device(directory: str | Path | None = None, file_bytes: int = 256 <<
               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     return DeviceProfile(reads["read_bandwidth_bytes_per_s"], reads["read_latency_s"], compute,
                          f"{device}: {name}", extra, make)
+
+
+def calibrated(profile: DeviceProfile, layer_overhead_s: float) -> DeviceProfile:
+    """``profile`` modelling the loader's step: reads overlap hits' compute, plus the loader's own time per MoE
+    layer call (``stats()["decode_timing"]["overhead_per_layer_step"]`` of a loader run on this device)."""
+    import dataclasses
+
+    return dataclasses.replace(profile, calibration={"overlap": True, "layer_overhead_s": max(0.0, float(layer_overhead_s))})
 
 
 def write_profile(profile: DeviceProfile, path: str | Path) -> Path:

@@ -359,10 +359,12 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
                         prefetch(p.after_router(layer, x, chosen))
                 decisions, skipped = schedule.begin(layer, [experts], idx, w)
                 counts.requests += len(decisions) + len(skipped)
+                held_compute = reads = 0.0
                 for d in decisions:
                     if profile is not None:
                         counts.compute_seconds += profile.compute(d.precision)
                     if d.entry is not None:
+                        held_compute += profile.compute(d.precision) if profile is not None else 0.0
                         continue
                     nbytes = record_bytes[d.precision]
                     entry = schedule.admit(layer, d.expert, d.precision, slot_bytes[d.precision], nbytes)
@@ -370,7 +372,11 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
                     if entry is not None:
                         cache.complete(entry)
                     if profile is not None:  # the read, then the held form made on the reader thread
-                        counts.read_seconds += profile.read_seconds(nbytes) + profile.make(d.precision)
+                        reads += profile.read_seconds(nbytes) + profile.make(d.precision)
+                if profile is not None:
+                    # calibrated: the hits compute while the reads run; the layer waits for what is left
+                    counts.read_seconds += max(0.0, reads - held_compute) if profile.overlap else reads
+                    counts.compute_seconds += profile.layer_overhead
                 schedule.end(layer)
             if predictors and feed.head_inputs is not None:
                 for p in predictors:
