@@ -435,3 +435,38 @@ def test_a_calibrated_profile_models_the_loaders_step():
     assert DeviceProfile.from_json(profile.to_json()) == profile
     with pytest.raises(MoeprepError, match="calibration"):
         DeviceProfile.from_json(profile.to_json() | {"calibration": {"overlap": "yes"}})
+
+
+def test_a_calibrated_profile_charges_wasted_prefetches_where_the_disk_is_the_bottleneck():
+    """One disk: a token takes at least the time of all its reads. A predictor that always prefetches an
+    expert nobody uses adds its reads to each token once reads exceed the layers' path."""
+    from loader.predict import Predictor, PrefetchRequest
+    from prep.sim.device import calibrated
+    from prep.sim.simulate import PredictionFeed
+
+    class Wrong(Predictor):
+        name = "wrong"
+
+        def after_router(self, layer, router_input, indices):
+            return [PrefetchRequest(1, 3)] if layer == 0 else []
+
+    replay = Replay(((((0, 1), (0, 1)), ((0, 1), (0, 1))),), 2, 4, 2)  # token 2: every expert a hit
+    spec = capacity_spec(2, 4, 4, record_bytes=1000)
+    profile = calibrated(DeviceProfile(1e6, 0.0, {"int4": 4e-4}), 0.0)  # a read: 1 ms; an expert: 0.4 ms
+    feed = PredictionFeed([torch.zeros(2, 2, 8)], None, [(torch.zeros(4, 8), None)] * 2, {})
+    off = simulate(replay, spec, "lru", profile=profile)
+    on = simulate(replay, spec, "lru", profile=profile, predictors=[Wrong()], feed=feed)
+    assert off.io_bound_seconds == 0.0 and off.seconds == pytest.approx(2 * 2e-3 + 4 * 0.8e-3)
+    # token 1: 4 demand reads + the wasted prefetch = 5 ms of reads against a 4 + 1.6 ms path: no excess;
+    # token 2: all hits (1.6 ms path) against one prefetch read: held already (expert 3 of layer 1 was read
+    # in token 1), so nothing more is read
+    assert on.layers[1].prefetches == 1 and on.layers[1].prefetch_wasted == 1
+    assert on.seconds == pytest.approx(off.seconds)
+    hungry = Replay(((((0, 1), (0, 1)),),), 2, 4, 2)
+    tight = capacity_spec(2, 4, 3, record_bytes=1000)
+    slow_disk = calibrated(DeviceProfile(1e5, 0.0, {"int4": 1e-6}), 0.0)  # a read: 10 ms; compute ~0
+    base = simulate(hungry, tight, "lru", profile=slow_disk)
+    wasted = simulate(hungry, tight, "lru", profile=slow_disk, predictors=[Wrong()], feed=feed)
+    # 5 reads (50 ms) against a path of 4 stalls (40 ms) and 4 products (4 us)
+    assert wasted.io_bound_seconds == pytest.approx(10e-3 - 4e-6)
+    assert wasted.seconds == pytest.approx(base.seconds + 10e-3 - 4e-6)

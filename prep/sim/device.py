@@ -13,8 +13,9 @@ its held form is made (``make_seconds_per_expert``), both on a reader thread; ev
 its reads (an upper bound). A profile calibrated against the loader on the device (``calibration``:
 ``{"overlap": true, "layer_overhead_s": float}``, written by the bench from the loader's own
 ``decode_timing``) models the loader's step: hits compute while the layer's reads run one after another,
-the layer stalls only for what is left of them (``max(0, reads - hits' compute)``), and each MoE layer
-call costs ``layer_overhead_s`` of the loader's own time.
+the layer stalls only for what is left of them (``max(0, reads - hits' compute)``), each MoE layer
+call costs ``layer_overhead_s`` of the loader's own time, and a token takes at least the time of all its
+reads, prefetches included (one disk): a wasted prefetch costs time where the disk is the bottleneck.
 
 Measurement (``measure_device``): reads bypass the page cache (O_DIRECT where the filesystem allows
 it, else ``posix_fadvise(DONTNEED)`` before reading) from a temporary file of a few hundred MB; the

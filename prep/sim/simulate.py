@@ -205,6 +205,9 @@ class SimResult:
     layers: list[LayerResult] = field(default_factory=list)
     profile: DeviceProfile | None = None
     predictors: list = field(default_factory=list)  # names of the predictors replayed
+    # a calibrated profile: what tokens waited beyond their layers' path because their reads (demand and
+    # prefetch, one disk) took longer than it
+    io_bound_seconds: float = 0.0
 
     @property
     def requests(self) -> int:
@@ -230,7 +233,7 @@ class SimResult:
     def seconds(self) -> float | None:
         if self.profile is None:
             return None
-        return sum(r.read_seconds + r.compute_seconds for r in self.layers)
+        return sum(r.read_seconds + r.compute_seconds for r in self.layers) + self.io_bound_seconds
 
     def to_json(self) -> dict:
         modelled = self.profile is not None
@@ -251,8 +254,10 @@ class SimResult:
         if modelled:
             read = sum(r.read_seconds for r in self.layers)
             compute = sum(r.compute_seconds for r in self.layers)
-            out["seconds"] = {"total": read + compute, "per_token": (read + compute) / self.tokens if self.tokens else None,
-                              "read": read, "compute": compute, "device": self.profile.device}
+            total = read + compute + self.io_bound_seconds
+            out["seconds"] = {"total": total, "per_token": total / self.tokens if self.tokens else None,
+                              "read": read, "compute": compute, "io_bound": self.io_bound_seconds,
+                              "device": self.profile.device}
         out["layers"] = [r.to_json(layer, modelled) for layer, r in enumerate(self.layers)]
         return out
 
@@ -330,13 +335,17 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
 
     schedule = LayerSchedule(cache, precision, miss, readable=record_bytes)
 
+    token_io = [0.0, 0.0]  # this token's reads (demand and prefetch) and its layers' path, in modelled seconds
+    io_bound = 0.0
+
     def prefetch(requests) -> None:
         for entry in schedule.prefetch(requests, slot_bytes):
             cache.count_read(entry.layer, record_bytes[entry.precision])
             cache.complete(entry)
-            if profile is not None:
-                layers[entry.layer].prefetch_read_seconds += profile.read_seconds(record_bytes[entry.precision])
-                layers[entry.layer].prefetch_read_seconds += profile.make(entry.precision)  # on a reader thread
+            if profile is not None:  # the read and the form made on a reader thread, behind compute
+                seconds = profile.read_seconds(record_bytes[entry.precision]) + profile.make(entry.precision)
+                layers[entry.layer].prefetch_read_seconds += seconds
+                token_io[0] += seconds
 
     for s, sequence in enumerate(replay.sequences):
         cache.clear() if cold_start else cache.reset()
@@ -346,6 +355,7 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
             future.start(sequence)
         for t, token in enumerate(sequence):
             cache.clock.token = t
+            token_io[0] = token_io[1] = 0.0
             for layer, experts in enumerate(token):
                 counts = layers[layer]
                 idx = w = None
@@ -375,19 +385,25 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
                         reads += profile.read_seconds(nbytes) + profile.make(d.precision)
                 if profile is not None:
                     # calibrated: the hits compute while the reads run; the layer waits for what is left
-                    counts.read_seconds += max(0.0, reads - held_compute) if profile.overlap else reads
+                    stall = max(0.0, reads - held_compute) if profile.overlap else reads
+                    counts.read_seconds += stall
                     counts.compute_seconds += profile.layer_overhead
+                    token_io[0] += reads
+                    token_io[1] += stall + profile.layer_overhead + sum(profile.compute(d.precision) for d in decisions)
                 schedule.end(layer)
             if predictors and feed.head_inputs is not None:
                 for p in predictors:
                     prefetch(p.after_last_layer(feed.head_inputs[s][t][None].float()))
+            if profile is not None and profile.overlap:  # one disk: a token takes at least its reads
+                io_bound += max(0.0, token_io[0] - token_io[1])
     for layer, counts in enumerate(layers):
         c = cache.counters[layer]
         counts.hits, counts.misses, counts.joins, counts.bytes_read = c.hits, c.misses, c.joins, c.bytes_read
         counts.prefetches, counts.prefetch_used, counts.prefetch_wasted = c.prefetches, c.prefetch_used, c.prefetch_wasted
         counts.skipped = c.skipped
     return SimResult(policy, dict(params or {}), spec.capacity, spec.group, replay.source, len(replay.sequences),
-                     replay.num_tokens, dict(record_bytes), cold_start, layers, profile, [p.name for p in predictors])
+                     replay.num_tokens, dict(record_bytes), cold_start, layers, profile, [p.name for p in predictors],
+                     io_bound)
 
 
 def _policies(spec: CacheSpec, replay: Replay, routing, miss):
