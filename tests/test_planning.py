@@ -302,3 +302,36 @@ def test_measuring_the_device_again_reruns_the_planning_stages(tmp_path):
     first, again, other = keys(1e9), keys(1e9), keys(2e9)
     assert first == again
     assert other["trace"] == first["trace"] and other["allocate_cache"] != first["allocate_cache"]
+
+
+def test_a_predictor_enters_the_plan_only_where_the_simulator_says_it_saves_time(tmp_path):
+    """With a device profile, every subset of the plan's predictors is scored with the tuned policy: the plan
+    keeps the cheapest, the smaller on a tie. The simulator is replaced by a table of seconds per predictor
+    set, so the choice is known: path_stats saves time, next_gates costs time, first_gate changes nothing."""
+    from types import SimpleNamespace
+
+    from prep.sim.device import DeviceProfile
+
+    draft = _draft(_replay(seed=2))
+    draft.plan = dataclasses.replace(draft.plan, predictors=(
+        PolicySpec("next_gates", {"depth": 1}), PolicySpec("path_stats"), PolicySpec("first_gate")))
+    draft.profile = DeviceProfile(1e9, 0.0, {"int4": 1e-3})
+    effect = {"next_gates": +0.2, "path_stats": -0.3, "first_gate": 0.0}
+
+    def simulate(plan, caps, sequences=None):
+        seconds = 1.0 + sum(effect[p.name] for p in plan.predictors)
+        return SimpleNamespace(seconds=seconds, tokens=1)
+
+    draft.simulate = simulate
+    tuned = tune(draft, _cfg(3), tmp_path, progress=False)
+    assert tuned.predictors == ["path_stats"]
+    assert [p.name for p in tuned.apply(draft.plan).predictors] == ["path_stats"]
+    assert tuned.objective["predictors: none"] == pytest.approx(1.0)
+    assert tuned.objective["predictors: path_stats+first_gate"] == pytest.approx(0.7)
+    assert tuned.objective["predictors: next_gates+path_stats+first_gate"] == pytest.approx(0.9)
+    # without a profile the objective is demand bytes, which says nothing of time: the recipe's set stays
+    draft.profile = None
+    draft.simulate = lambda plan, caps, sequences=None: SimpleNamespace(layers=[SimpleNamespace(demand_bytes=1)], tokens=1)
+    (tmp_path / "bytes").mkdir()
+    kept = tune(draft, _cfg(3), tmp_path / "bytes", progress=False)
+    assert kept.predictors is None and len(kept.apply(draft.plan).predictors) == 3

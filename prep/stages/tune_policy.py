@@ -10,6 +10,12 @@ normalised: uniform on the simplex), the pools' eviction group (per layer, or gl
 prefetch depth when next-layer gates are on, and the low pool's share when dynamic precision holds one
 and no allocation sets it. Trial 0 is HOBBIT's equal weights with the plan's own settings.
 
+Then, with a device profile, the predictor set: every subset of the plan's predictors is scored with the
+chosen policy, and the plan keeps the cheapest (on a tie, the fewer): a predictor enters the plan only where
+the simulator predicts it saves time on the device (a calibrated profile charges the reads of wasted
+prefetches where the disk is the bottleneck). Without a profile the objective is demand bytes, which a
+prefetch always lowers without saying whether it saves time, so the recipe's set is kept.
+
 The study lives in a journal file in the stage's work directory (``study.journal``), so a killed run
 resumes with its finished trials, and several processes could share it. The sampler is seeded. LRU,
 LFU and EdgeMoE's policy are scored at the same budget; the plan takes whichever of them and the trials
@@ -30,7 +36,7 @@ from prep.errors import MoeprepError
 from prep.recipe import PlanSection
 from prep.stages import Stage, StageResult
 
-VERSION = 2
+VERSION = 3  # 3: the predictor set is searched
 STUDY = "tune_policy"
 JOURNAL = "study.journal"
 WEIGHTS = ("w_lru", "w_lfu", "w_lhu", "w_fld")
@@ -54,6 +60,7 @@ class TunedPolicy(StageResult):
     objective: dict  # name -> value: each baseline, "default" (trial 0) and "best trial"
     trials: list  # [[number, params, value]] of finished trials
     points: list  # the allocation's operating points scored with the chosen policy (none without allocation)
+    predictors: list | None = None  # the predictor names kept (None: the plan's, not searched)
 
     def apply(self, plan: Plan) -> Plan:
         pools, points = plan.pools, plan.operating_points
@@ -64,7 +71,8 @@ class TunedPolicy(StageResult):
         if self.low_share is not None:
             pools = _with_low_share(pools, self.low_share)
         predictors = tuple(PolicySpec(p.name, p.params | {"depth": self.depth}) if p.name == "next_gates"
-                           and self.depth is not None else p for p in plan.predictors)
+                           and self.depth is not None else p for p in plan.predictors
+                           if self.predictors is None or p.name in self.predictors)
         return dataclasses.replace(plan, pools=pools, operating_points=points, predictors=predictors,
                                    eviction=PolicySpec(self.eviction["name"], dict(self.eviction["params"])))
 
@@ -172,8 +180,9 @@ def tune(draft, cfg: PlanSection, work: Path, allocation=None, progress: bool = 
     if not math.isfinite(value):
         raise MoeprepError(f"no policy fits the budget of {budget:,} bytes (plan.tune.share {knobs.share}): every "
                            "trial and baseline was refused; raise plan.tune.share or enable plan.allocate")
+    kept = _predictor_set(tuned, plan, score, objective_values) if draft.profile is not None else None
     tuned = dataclasses.replace(tuned, chosen=chosen, objective={k: _finite(v) for k, v in objective_values.items()},
-                                trials=[[t.number, t.params, _finite(t.value)] for t in finished])
+                                trials=[[t.number, t.params, _finite(t.value)] for t in finished], predictors=kept)
     if allocation is None:
         return tuned
     from prep.stages.allocate_cache import score_plan
@@ -182,6 +191,24 @@ def tune(draft, cfg: PlanSection, work: Path, allocation=None, progress: bool = 
     return dataclasses.replace(tuned, points=[
         {"budget_bytes": p["budget_bytes"], "share": p["share"], "tuned": score_plan(draft, final, p["budget_bytes"], sequences)}
         for p in allocation.points])
+
+
+def _predictor_set(tuned: TunedPolicy, plan: Plan, score, objective_values: dict) -> list | None:
+    """The subset of the plan's predictors (in plan order) whose plan, with the tuned policy, scores best; on a
+    tie the smaller set. Each subset's score is recorded as ``objective["predictors: a+b"]``."""
+    from itertools import combinations
+
+    names = [p.name for p in plan.predictors]
+    if not names:
+        return None
+    best, best_value = None, math.inf
+    for size in range(len(names) + 1):
+        for subset in combinations(names, size):
+            value = score(dataclasses.replace(tuned, predictors=list(subset)).apply(plan))
+            objective_values[f"predictors: {'+'.join(subset) or 'none'}"] = value
+            if value < best_value:
+                best, best_value = list(subset), value
+    return best if best is not None else names
 
 
 def _run(inputs) -> TunedPolicy:
