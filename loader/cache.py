@@ -176,6 +176,7 @@ class ExpertCache:
         self.protected: dict[int, set[int]] = {}  # layer -> experts not to evict until the layer has run
         self.counters = [LayerCounters() for _ in range(num_layers)]
         self.on_evict: Callable[[Entry], None] | None = None  # the runtime frees the entry's memory here
+        self.held_bytes = self.peak_bytes = 0  # every entry's bytes now, and the most ever
 
     # ---------------------------------------------------------------------------------- structure
     def _group(self, pool: str, layer: int) -> _Group:
@@ -214,7 +215,7 @@ class ExpertCache:
     @property
     def nbytes(self) -> int:
         """Bytes held by every entry, reserved or resident."""
-        return sum(g.used for groups in self.pools.values() for g in groups.values())
+        return self.held_bytes
 
     def capacity(self, pool: str) -> dict:
         """{group key: bytes} of ``pool``."""
@@ -293,6 +294,8 @@ class ExpertCache:
             self._evict(group, (layer, expert))
         group.entries[(layer, expert)] = entry
         group.used += nbytes
+        self.held_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         self.meter.add(nbytes)
         if prefetch:
             self.protect(layer, expert)
@@ -330,6 +333,7 @@ class ExpertCache:
             entry.prefetched = False
             self.counters[entry.layer].prefetch_wasted += 1
         group.used -= entry.nbytes
+        self.held_bytes -= entry.nbytes
         self.meter.sub(entry.nbytes)
         if self.on_evict is not None:
             self.on_evict(entry)

@@ -257,11 +257,11 @@ class NeuronStep:
     def run_layer(self, layer: int, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:
         engine = self.engine
-        decisions, top_k_weights, rows, _ = engine.begin(layer, top_k_index, top_k_weights)
+        decisions, top_k_weights, rows, weights, _ = engine.begin(layer, top_k_index, top_k_weights)
         from loader.step import Mixer
 
         out = torch.zeros_like(hidden)
-        mix = Mixer(hidden, rows, top_k_index, top_k_weights, out)
+        mix = Mixer(hidden, rows, weights, top_k_index, top_k_weights, out)
         self._pending = [(e, x) for e, x in self._pending if e.layer != layer]
         batch = []
         for d in decisions:

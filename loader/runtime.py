@@ -122,7 +122,7 @@ class LoadedModel:
             "tokens": self._tokens,
             "forward_seconds": self._seconds,
             "tokens_per_second": self._tokens / self._seconds if self._seconds else None,
-            "peak_cache_bytes": rt.counters.peak_cache_bytes,
+            "peak_cache_bytes": rt.cache.peak_bytes,
             # cache slots in use + read buffers in use + the staging buffers, at the worst moment (never above
             # the budget's expert share: the caches' capacities plus the read and staging buffers)
             "peak_expert_bytes": rt.meter.peak,

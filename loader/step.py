@@ -82,7 +82,6 @@ class Counters:
     make_seconds: float = 0.0
     cpu_computed: int = 0
     prefetch_saved_seconds: float = 0.0  # read time of used prefetches a demand did not wait for
-    peak_cache_bytes: int = 0
     timing: DecodeTiming = field(default_factory=DecodeTiming)
 
 
@@ -244,12 +243,12 @@ class ExpertEngine:
 
     # ------------------------------------------------------------------------------------ the layer step
     def begin(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        """The schedule's start of a layer step (both paths): (decisions, weights after skips, rows [T][K])."""
+        """The schedule's start of a layer step (both paths): (decisions, weights [T, K] after skips, and as
+        lists: rows [T][K] of expert ids, -1 where a selection has weight 0, and their weights)."""
         self._reap()
-        rows = top_k_index.tolist()
-        active = top_k_weights != 0  # a routing policy drops a selection by giving it weight 0: never read
-        if not bool(active.all()):
-            rows = top_k_index.masked_fill(~active, -1).tolist()
+        rows, weights = top_k_index.tolist(), top_k_weights.tolist()  # the one device sync of the step
+        if any(w == 0 for row in weights for w in row):  # a routing policy drops a selection by weight 0
+            rows = [[e if w != 0 else -1 for e, w in zip(r, ws, strict=True)] for r, ws in zip(rows, weights, strict=True)]
         prefetched = self.schedule.prefetched(layer) if self.predictors else None
         decisions, skipped = self.schedule.begin(layer, rows, top_k_index, top_k_weights)
         if prefetched:
@@ -259,10 +258,10 @@ class ExpertEngine:
                 if prefetched.get(d.expert) is d.entry and held is not None and not d.entry.in_flight:
                     self.counters.prefetch_saved_seconds += held.read_seconds
         if skipped and self.miss_policy.renormalize:  # the token's remaining weights keep their former total
-            chosen = top_k_index.masked_fill(~active, -1)
+            chosen = top_k_index.masked_fill(top_k_weights == 0, -1)
             top_k_weights = renormalized(top_k_weights, chosen, skipped)
-            rows = top_k_index.masked_fill(top_k_weights == 0, -1).tolist()
-        return decisions, top_k_weights, rows, prefetched
+            rows, weights = top_k_index.masked_fill(top_k_weights == 0, -1).tolist(), top_k_weights.tolist()
+        return decisions, top_k_weights, rows, weights, prefetched
 
     def run_layer(self, layer: int, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -283,9 +282,9 @@ class ExpertEngine:
         return out
 
     def _whole_layer(self, layer: int, module, hidden, top_k_index, top_k_weights) -> torch.Tensor:
-        decisions, top_k_weights, rows, prefetched = self.begin(layer, top_k_index, top_k_weights)
+        decisions, top_k_weights, rows, weights, prefetched = self.begin(layer, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden)
-        mix = Mixer(hidden, rows, top_k_index, top_k_weights, out)
+        mix = Mixer(hidden, rows, weights, top_k_index, top_k_weights, out)
         ready, waiting, queue = [], [], []
         for d in decisions:
             if d.entry is None:
@@ -372,7 +371,6 @@ class ExpertEngine:
 
     def finish_layer(self, layer: int) -> None:
         self.schedule.end(layer)
-        self.counters.peak_cache_bytes = max(self.counters.peak_cache_bytes, self.cache.nbytes)
         self._mark_compute()
 
     # ------------------------------------------------------------------------------------------ prefetch
@@ -465,29 +463,32 @@ def measure_miss_costs(module, records: dict, layouts: dict, held: dict, device:
 
 class Mixer:
     """The weighted sum of one layer call's expert outputs. A decode step (one token) indexes nothing: each
-    expert's weight is picked by its position in the rows read once per layer."""
+    expert's weight is a number from the lists read once per layer, and its output is added in one op."""
 
-    def __init__(self, hidden: torch.Tensor, rows: list, index: torch.Tensor, weights: torch.Tensor,
+    def __init__(self, hidden: torch.Tensor, rows: list, weights: list, index: torch.Tensor, top_k_weights: torch.Tensor,
                  out: torch.Tensor) -> None:
-        self.hidden, self.weights, self.out = hidden, weights, out
+        self.hidden, self.out = hidden, out
         self.single = hidden.shape[0] == 1
         if self.single:
-            self.position = {e: k for k, e in enumerate(rows[0]) if e >= 0}
+            self.weight_of = {e: w for e, w in zip(rows[0], weights[0], strict=True) if e >= 0}
         else:
-            self.chosen = index.masked_fill(weights == 0, -1)
+            self.weights = top_k_weights
+            self.chosen = index.masked_fill(top_k_weights == 0, -1)
 
     def inputs(self, expert: int):
-        """(token index [T_e], or None for the one token; x [T_e, H]; weights [T_e, 1], or 0-d)."""
+        """(token index [T_e], or None for the one token; x [T_e, H]; weights [T_e, 1], or a number)."""
         if self.single:
-            return None, self.hidden, self.weights[0, self.position[expert]]
+            return None, self.hidden, self.weight_of[expert]
         tokens, slot = torch.where(self.chosen == expert)
         return tokens, self.hidden[tokens], self.weights[tokens, slot, None]
 
     def add(self, tokens, y: torch.Tensor, w) -> None:
+        if y.dtype != self.out.dtype:
+            y = y.to(self.out.dtype)
         if tokens is None:
-            self.out.add_(y.to(self.out.dtype) * w)
+            self.out.add_(y, alpha=w)
         else:
-            self.out.index_add_(0, tokens, y.to(self.out.dtype) * w)
+            self.out.index_add_(0, tokens, y * w)
 
 
 def renormalized(weights: torch.Tensor, chosen: torch.Tensor, skipped: list[int]) -> torch.Tensor:
