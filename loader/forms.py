@@ -223,6 +223,32 @@ def int4pack_fits(layout: RecordLayout) -> bool:
     return True
 
 
+def repack_nibbles(codes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """4-bit codes packed two per byte along a row (``codes`` [N, K/2], N a multiple of 64) -> torch's CPU
+    int4pack layout in ``out`` [N, K/2], without unpacking: per block of 64 rows and per input column k, byte
+    j holds row j's code (low nibble) and row j+32's (high). Byte shuffles on the packed bytes replace the
+    unpack, the int32 copy and the convert op of the general path (the repack runs on every miss)."""
+    n, half = codes.shape
+    blocks = codes.view(n // 64, 2, 32, half)
+    low_rows, high_rows = blocks[:, 0], blocks[:, 1]  # [B, 32, K/2]: rows j and j + 32 of each block
+    target = out.view(n // 64, half, 2, 32)  # [B, K/2, (even k, odd k), j]
+    torch.bitwise_or(low_rows & 15, high_rows << 4, out=target[:, :, 0, :].transpose(1, 2))
+    torch.bitwise_or(low_rows >> 4, high_rows & 0xF0, out=target[:, :, 1, :].transpose(1, 2))
+    return out
+
+
+@functools.cache
+def _nibble_repack_matches() -> bool:
+    """Whether this torch build's int4pack layout is the one ``repack_nibbles`` writes (checked once against
+    the convert op on a random 128 x 64 matrix; a build with another layout takes the general path)."""
+    if not _int4pack_works():
+        return False
+    codes = torch.randint(0, 16, (128, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
+    return torch.equal(repack_nibbles(packed, torch.empty_like(packed)), want)
+
+
 @dataclass(frozen=True)
 class Int4PackForm:
     """Where each matrix's int4 form lives inside the slot."""
@@ -263,9 +289,12 @@ class Int4PackForm:
                 continue
             n, k = spec.shape
             groups = k // spec.group_size
-            codes = unpack_codes(parts[f"{name}.codes"], BITS[spec.precision], spec.numel).view(n, k)
             packed = region[offset:offset + packed_bytes].view(n, k // 2)
-            packed.copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2))
+            if BITS[spec.precision] == 4 and n % 64 == 0 and _nibble_repack_matches():
+                repack_nibbles(parts[f"{name}.codes"].view(n, k // 2), packed)
+            else:
+                codes = unpack_codes(parts[f"{name}.codes"], BITS[spec.precision], spec.numel).view(n, k)
+                packed.copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2))
             scale = group_params(spec, parts, "scale").view(n, groups)
             zero = (8 - group_params(spec, parts, "zero").view(n, groups)) * scale
             start = offset + _aligned(packed_bytes)

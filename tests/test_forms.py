@@ -386,3 +386,20 @@ def test_cuda_held_forms_and_cpu_misses_give_the_decoded_models_logits(tmp_path_
     assert (compute["cpu_misses"] == "auto") == (costs["cpu_seconds"]["int4"] < costs["gpu_seconds"]["int4"])
 
 
+
+
+@needs_int4pack
+def test_the_nibble_repack_writes_torchs_int4pack_layout():
+    """The repack from packed codes equals torch's convert op from the unpacked codes (on this build)."""
+    from loader.codec import unpack_codes
+    from loader.forms import _nibble_repack_matches, repack_nibbles
+    from prep.records import pack_codes
+
+    assert _nibble_repack_matches()
+    torch.manual_seed(5)
+    for n, k in ((64, 32), (192, 256), (448, 96)):
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        packed = pack_codes(codes.flatten(), 4).view(n, k // 2)
+        assert torch.equal(unpack_codes(packed, 4, n * k).view(n, k), codes)  # the record's own packing
+        want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
+        assert torch.equal(repack_nibbles(packed, torch.empty(n, k // 2, dtype=torch.uint8)), want), (n, k)
