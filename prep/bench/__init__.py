@@ -1,5 +1,6 @@
 """``moeprep bench``: resident vs accelerate vs the loader, on the reference model and a Mixtral-shaped one.
 
-``run.py`` orchestrates (subjects, budgets, one worker process per measurement, outputs), ``subjects.py``
-builds what is measured, ``worker.py`` measures one system, ``report.py`` writes bench.md and bench.png.
+``run.py`` orchestrates (subjects, budgets, the resident candidates, one worker process per measurement, the
+device profile and the simulator's model of each loader row, the bounds, outputs), ``subjects.py`` builds what
+is measured, ``worker.py`` measures one system, ``report.py`` writes bench.md and bench.png.
 """

@@ -1,7 +1,10 @@
 """The bench's human outputs: ``bench.md`` (tables with ratios) and ``bench.png`` (tokens/s against budget).
 
 Ratios are the point (absolute times only hold on the machine that made them): each row's decode speed
-divided by the resident ceiling's and by accelerate's at the same budget.
+divided by the resident ceiling's (the fastest resident candidate: its table lists them all) and by
+accelerate's at the same budget. Loader rows also give the loader's own overhead per MoE layer step, the
+simulator's modelled speed beside the measured one (and their ratio), and the fraction of the bound (the
+compute floor of the same artifact at budget ``unlimited`` against Belady's I/O floor).
 """
 
 from __future__ import annotations
@@ -9,11 +12,10 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from loader.files import write_bytes_atomic
+from loader.io import write_bytes_atomic
 
-SYSTEM_ORDER = ("resident", "accelerate", "naive", "naive+neuron", "naive+next_gates", "naive+path_stats", "naive+first_gate",
-                "naive+neuron_gates",
-                "moeprep", "llama.cpp")
+SYSTEM_ORDER = ("resident", "accelerate", "naive@unlimited", "moeprep@unlimited", "naive", "naive+neuron",
+                "naive+next_gates", "naive+path_stats", "naive+first_gate", "naive+neuron_gates", "moeprep", "llama.cpp")
 
 
 def _num(value, fmt: str) -> str:
@@ -47,7 +49,7 @@ def goal_check(report: dict) -> list[str]:
     shape, own, low = "mixtral-shape", "mixtral-shape-own", "4bit-25%"
     goal(f"offloading regime ({low}, mixtral-shape-own): moeprep >= 3x llama.cpp Q4", _speed(report, own, "moeprep", low),
          _speed(report, own, "llama.cpp", low), 3, "needs mixtral-shape-own, the 4bit-25% budget and the llama.cpp extra")
-    goal("25% (mixtral-shape): moeprep >= resident float32", _speed(report, shape, "moeprep", "25%"),
+    goal("25% (mixtral-shape): moeprep >= resident (its fastest candidate)", _speed(report, shape, "moeprep", "25%"),
          _speed(report, shape, "resident", "25%"), 1, "needs mixtral-shape at 25%")
     goal("25% (mixtral-shape): moeprep >= 10x accelerate", _speed(report, shape, "moeprep", "25%"),
          _speed(report, shape, "accelerate", "25%"), 10, "needs mixtral-shape at 25%")
@@ -63,6 +65,7 @@ def goal_check(report: dict) -> list[str]:
 def write_markdown(report: dict) -> str:
     m = report["machine"]
     bw = report["read_bandwidth"]
+    profile = report.get("device_profile") or {}
     lines = [
         "# moeprep bench",
         "",
@@ -74,6 +77,7 @@ def write_markdown(report: dict) -> str:
         f"({'O_DIRECT' if bw['direct'] else 'page cache dropped, no O_DIRECT'} reads of "
         f"{bw['bytes'] / 1e6:.0f} MB of `{bw['file']}`).",
         "",
+        *(_profile_lines(profile) if profile else []),
     ]
     lines += ["Goals (issue 21; medians):", ""] + [f"- {line}" for line in goal_check(report)] + [""]
     for subject, facts in report["subjects"].items():
@@ -94,12 +98,15 @@ def write_markdown(report: dict) -> str:
             f"Accuracy of the artifact against its original (its report): {_accuracy(facts.get('accuracy_delta'))}.",
             *([_llama_line(facts["llama_cpp"]), ""] if facts.get("llama_cpp") else []),
             "",
+            *resident_table(facts.get("resident")),
             "| budget | system | decode tok/s (median) | min - max (runs) | vs resident | vs accelerate | of bound "
-            "| prefill s | MB read/token | hit rate | stall fraction | peak RSS MB |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| modelled tok/s | modelled / measured | calibrated model / measured | overhead us/layer | prefill s "
+            "| MB read/token | hit rate | stall fraction | peak RSS MB |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         rows = _rows(report, subject)
         resident = next((r for r in rows if r["system"] == "resident"), {}).get("decode_tokens_per_s")
+        unmodelled = {}  # why a row has no modelled speed -> the rows
         for budget in report["budgets"]:
             at = {r["system"]: r for r in rows if r["budget"] == budget}
             acc = (at.get("accelerate") or {}).get("decode_tokens_per_s")
@@ -108,17 +115,24 @@ def write_markdown(report: dict) -> str:
                 if r is None:
                     continue
                 if r.get("error"):
-                    lines.append(f"| {budget} | {system} | failed: {_error_message(r['error'])} |  |  |  |  |  |  |  |  |  |  |")
+                    lines.append(f"| {budget} | {system} | failed: {_error_message(r['error'])} |" + "  |" * 13)
                     continue
                 speed = r["decode_tokens_per_s"]
                 mb = r["bytes_read_per_token"] / 1e6 if r["bytes_read_per_token"] is not None else None
+                if r.get("modelled_error"):
+                    unmodelled.setdefault(r["modelled_error"], []).append(f"{system} {budget}")
                 lines.append(
                     f"| {budget} | {system}{' (budget-free)' if r.get('measured_once') else ''} | {speed:.3g} | "
                     f"{r['decode_tokens_per_s_min']:.3g} - {r['decode_tokens_per_s_max']:.3g} ({r['repeats']}) | "
-                    f"{_ratio(speed, resident)} | {_ratio(speed, acc)} | {_num(r.get('share_of_bound'), '.2f')} | "
+                    f"{_ratio(speed, resident)} | {_ratio(speed, acc)} | {_num(r.get('fraction_of_bound'), '.2f')} | "
+                    f"{_num(r.get('modelled_tokens_per_s'), '.3g')} | {_num(r.get('modelled_over_measured'), '.2f')} | "
+                    f"{_num(r.get('modelled_calibrated_over_measured'), '.2f')} | "
+                    f"{_num(r.get('overhead_us_per_layer'), '.1f')} | "
                     f"{r['prefill_s']:.2f} | {_num(mb, '.1f')} | "
                     f"{_num(r['hit_rate'], '.3f')} | {_num(r['stall_fraction'], '.3f')} | {r['peak_rss_mb']:.0f} |")
         lines.append("")
+        lines += [f"Not modelled ({', '.join(where)}): {why}." for why, where in unmodelled.items()]
+        lines += [""] if unmodelled else []
         lines += bounds_table(report.get("bounds", {}).get(subject, {}), report["budgets"])
         lines += neuron_table(rows, report["budgets"])
         lines += prefetch_table(rows, report["budgets"])
@@ -132,10 +146,28 @@ def write_markdown(report: dict) -> str:
         "offloads the original weights).",
         "- Every configuration ran `repeats` times, interleaved (each round runs every configuration once); a "
         "row gives the median decode speed, and min - max over the runs; its other figures are the median run's.",
-        "- `resident`: transformers, every weight in memory (the ceiling); budget-free, measured once per round "
-        "and its row repeated at each budget. `accelerate`: `from_pretrained(device_map=\"auto\", max_memory={\"cpu\": "
-        "budget}, offload_folder=...)`, the overflow offloaded to disk. Both use transformers' default experts "
-        "implementation.",
+        "- `resident`: transformers, every weight in memory (the ceiling), in the fastest of its candidates on this "
+        "device (dtype x transformers' experts implementation, each timed on a short decode in its own process "
+        "before the subject's first round; the table above each subject lists them); budget-free, measured once "
+        "per round and its row repeated at each budget; every `vs resident` is against it. `accelerate`: "
+        "`from_pretrained(dtype=\"auto\", device_map=\"auto\", max_memory={\"cpu\": budget}, offload_folder=...)`, "
+        "the overflow offloaded to disk, with transformers' default experts implementation.",
+        "- `naive@unlimited` / `moeprep@unlimited`: that loader system on its artifact at the budget `unlimited` "
+        "(every expert cached in its held form, the sequence run once untimed first; budget-free): the compute "
+        "floor of the bound. `of bound`: a loader row's speed over 1 / max(that floor's seconds per token, Belady's "
+        "I/O floor per token) of its artifact and plan at that budget (the physical bounds table; `naive+<x>` rows "
+        "against naive's; `-` for neuron-level loading, which reads and computes parts of experts).",
+        "- `modelled tok/s`: the simulator (`prep.sim.simulate`) replaying the same artifact, plan, budget and "
+        "routing decisions (the replayed trace, or what the resident model's routers did) with the device profile "
+        "above scaled to the subject's experts: decode tokens over the modelled seconds of the decode steps. Its "
+        "cost model counts expert reads and expert compute only (no attention, no dense layers, no loader "
+        "overhead), so `modelled / measured` above 1 is what the rest of the model and the loader cost. "
+        "`calibrated model / measured`: the same replay with the profile calibrated against this run "
+        "(`device-calibrated.json`: reads overlap the hits' compute, plus the median measured loader overhead per "
+        "MoE layer call), the simulator's model of the loader's step. "
+        "`overhead us/layer`: the loader's own time per MoE layer step during decode (the step's wall time less "
+        "expert compute and waiting for reads, from `stats()[\"decode_timing\"]`); `-` where the loader does not "
+        "count it.",
         "- `naive`: the loader (`loader.runtime.load`) on the subject's lossless artifact (experts as they are) "
         "with per-layer LRU caches sized by the budget, no prediction, exact routing, experts read with "
         "O_DIRECT. `moeprep`: the loader on the recipe's artifact with its whole plan (`plan.json`: precisions, "
@@ -180,29 +212,60 @@ def _accuracy(delta: dict | None) -> str:
     return ", ".join(f"{name} {d['delta_points']:+.1f} pt (n={d['n']})" for name, d in delta.items())
 
 
+def _profile_lines(profile: dict) -> list[str]:
+    compute = profile.get("compute_seconds_per_expert") or {}
+    shape = profile.get("expert_shape") or {}
+    per = ", ".join(f"{p} {s * 1e3:.3g} ms" for p, s in compute.items() if p in ("float32", "bfloat16", "int8", "int4"))
+    return [f"Device profile for the simulator (`device.json`, {profile.get('device', '')}): reads "
+            f"{profile['read_bandwidth_bytes_per_s'] / 1e6:.0f} MB/s + {profile['read_latency_s'] * 1e6:.0f} us each "
+            f"({profile.get('reads', 'disk')}); one token through one expert of {shape.get('hidden')} x "
+            f"{shape.get('intermediate')}: {per} (scaled to each subject's experts by their weights).", ""]
+
+
+def resident_table(resident: dict | None) -> list[str]:
+    """The resident candidates (dtype x experts implementation) with their decode speed; the chosen one marked."""
+    if not resident:
+        return []
+    chosen = resident.get("chosen") or {}
+    lines = [f"Resident candidates (each: a prefill, then {resident.get('decode_tokens')} decode steps, in its own "
+             "process; the fastest runs as `resident`):", "",
+             "| dtype | experts implementation | decode tok/s | chosen |", "| --- | --- | ---: | --- |"]
+    for c in resident.get("candidates", []):
+        mark = "**resident**" if (c["dtype"], c["experts_implementation"]) == (
+            chosen.get("dtype"), chosen.get("experts_implementation")) else ""
+        speed = (f"failed: {_error_message(c['error'])}" if c.get("error") else
+                 c.get("note") or _num(c.get("decode_tokens_per_s"), ".3g"))
+        lines.append(f"| {c['dtype']} | {c['experts_implementation']} | {speed} | {mark} |")
+    if not chosen:
+        lines.append("")
+        lines.append("Every candidate failed: `resident` runs transformers' defaults.")
+    return lines + [""]
+
+
 def bounds_table(bounds: dict, budgets: list[str]) -> list[str]:
-    """The physical bounds at each budget: resident compute, Belady's I/O floor, the bound they make; in
-    naive's cache and, where it differs, in moeprep's."""
+    """The physical bounds at each budget: the compute floor (the loader at budget ``unlimited``), Belady's I/O
+    floor, the bound they make; in naive's cache and, where it differs, in moeprep's."""
     if not bounds:
         return []
-    lines = ["Physical bounds (`of bound` above is each system's speed over the bound of its artifact; llama.cpp "
-             "against moeprep's, the same 4-bit class): compute = the resident speed; I/O floor = Belady's demand "
-             "bytes per decode token in that artifact's cache at that budget over the measured disk bandwidth; "
-             "bound = 1 / max(compute, I/O) per token (reads hidden perfectly).", "",
-             "| budget | resident tok/s | cache of | Belady MB/token | I/O floor ms/token | bound tok/s |",
-             "| --- | ---: | --- | ---: | ---: | ---: |"]
+    lines = ["Physical bounds (`of bound` above is each loader row's speed over the bound of its artifact; llama.cpp "
+             "against moeprep's, the same 4-bit class): compute = the loader on that artifact at budget `unlimited` "
+             "(every expert cached in its held form); I/O floor = Belady's demand bytes per decode token in that "
+             "artifact's cache at that budget over the device profile's read bandwidth; bound = 1 / max(compute, "
+             "I/O) per token (reads hidden perfectly).", "",
+             "| budget | cache of | compute floor tok/s (from) | Belady MB/token | I/O floor ms/token | bound tok/s |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
     for budget in budgets:
         b = bounds.get(budget) or {}
         for who, e in (("naive", b), ("moeprep", b.get("moeprep"))):
             if e is None:
                 continue
+            compute = f"{_num(e.get('compute_tokens_per_s'), '.3g')} ({e.get('compute_system', '-')})"
             if e.get("error"):
-                lines.append(f"| {budget} | {_num(b.get('resident_tokens_per_s'), '.3g')} | {who} | "
-                             f"does not fit: {e['error'][:100]} |  |  |")
+                lines.append(f"| {budget} | {who} | {compute} | does not fit: {e['error'][:100]} |  |  |")
                 continue
             mb = e.get("belady_bytes_per_token")
             floor = e.get("io_floor_s_per_token")
-            lines.append(f"| {budget} | {_num(b.get('resident_tokens_per_s'), '.3g')} | {who} | "
+            lines.append(f"| {budget} | {who} | {compute} | "
                          f"{_num(mb / 1e6 if mb is not None else None, '.2f')} | "
                          f"{_num(floor * 1e3 if floor is not None else None, '.2f')} | "
                          f"{_num(e.get('bound_tokens_per_s'), '.3g')} |")
@@ -279,7 +342,7 @@ def write_plot(report: dict, path: Path) -> None:
             ys = [by_budget.get(b) for b in budgets]
             if any(y for y in ys):
                 ax.plot(x, [y if y else float("nan") for y in ys], marker="o", label=system,
-                        linestyle="--" if system == "resident" else "-")
+                        linestyle="--" if system == "resident" or "@" in system else "-")
         ax.set_title(subject)
         ax.set_xlabel("memory budget (% of the expert store)")
         ax.set_ylabel("decode tokens/s")

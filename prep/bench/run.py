@@ -1,8 +1,12 @@
 """``moeprep bench``: every system on every subject at every budget, in one run, in turn.
 
 Systems (DESIGN.md section 7, "Speed"):
-- ``resident``: transformers with every weight in memory, the ceiling. Budget-independent: measured once
-  per subject, its row repeated at each budget.
+- ``resident``: transformers with every weight in memory, the ceiling, in its fastest configuration on this
+  device: at the start of each subject's measurement every candidate (dtype float32 / bfloat16, and float16
+  on CUDA, x transformers' experts implementation eager / grouped_mm / batched_mm) decodes a few tokens in
+  its own worker process, and the fastest runs as ``resident`` (the candidates and the choice go into
+  bench.json and bench.md; a candidate that fails is listed with its reason). Budget-independent: measured
+  once per subject (in each round), its row repeated at each budget; every "vs resident" ratio is against it.
 - ``accelerate``: transformers with accelerate's offloading at the same budget, what users do today.
 - ``naive``: the loader with per-layer LRU caches, no prediction, one precision.
 - ``naive+<predictor>``: ``naive`` plus one prefetch predictor of the artifact's plan (with its knobs), for
@@ -13,6 +17,29 @@ Systems (DESIGN.md section 7, "Speed"):
   neurons buys at the same budget.
 - ``moeprep``: the loader with the artifact's plan (``plan.json``: its pools, eviction policy, predictors,
   routing and miss policies), scaled to the budget.
+- ``naive@unlimited`` and ``moeprep@unlimited``: that loader system at the budget ``unlimited``, every expert
+  cached in its held form; budget-free like ``resident``. Their speeds are the compute floors of the bounds
+  below (``naive``'s for the naive rows, ``moeprep``'s for moeprep and llama.cpp).
+
+Beside each loader row's measured speed (and its ``overhead_us_per_layer``, the loader's own time per MoE
+layer step: ``prep/bench/worker.py``), the simulator's model of it (``modelled_tokens_per_s``): the same
+artifact, plan, budget and routing decisions (the replayed trace, or what the resident model's routers did,
+recorded in round 1) replayed by ``prep.sim.simulate.simulate`` with the device profile measured once at the
+start of the run (``prep.sim.device.measure_device``, written to ``device.json``; on CUDA its reads are
+pinned host-to-device copies, as the loader's host store reads) scaled to the subject's experts; decode tokens
+over the modelled seconds of the decode steps (the replay of prompt + decode less that of the prompt alone).
+The cost model counts expert reads and expert compute only, not attention or the dense layers, so modelled
+speeds are above measured ones by what those take. A row the simulator cannot model (neuron-level loading,
+predictors without recorded router inputs) has None and ``modelled_error`` saying why. Where the loader counts
+its overhead, ``modelled_calibrated_tokens_per_s`` is the same replay with the profile calibrated against this
+run (``prep.sim.device.calibrated``: reads overlap the hits' compute, plus the median measured overhead per MoE
+layer call; written to ``device-calibrated.json``): the simulator's model of the loader's step.
+
+The bound of each budget (``physical_bounds``): 1 / max(the compute floor per token, Belady's I/O floor per
+token), where the compute floor is the ``@unlimited`` row of the same artifact and plan and Belady's I/O floor
+the demand bytes per decode token a clairvoyant cache reads at that budget over the profile's read bandwidth;
+``fraction_of_bound`` of each loader row is its speed over that bound (None for neuron-level loading, which
+reads and computes parts of experts, with ``fraction_of_bound_error`` saying so).
 
 A budget ``p%`` is what the loader makes of it (``loader.runtime.budget_bytes``: the dense weights + p% of
 the source model's expert bytes, read buffers included); accelerate gets the same number of bytes as
@@ -37,13 +64,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from loader.files import write_bytes_atomic
+from loader.io import write_bytes_atomic
 from prep.bench.llama import missing as llama_missing
 from prep.bench.subjects import Subject, mixtral_shape_subject, reference_subject
 from prep.errors import MoeprepError
 from prep.trace import MIXTRAL_TRACE_FILE
 
 SYSTEMS = ("resident", "accelerate", "naive", "moeprep")
+UNLIMITED = "unlimited"
+RESIDENT_DTYPES = ("float32", "bfloat16")  # the resident candidates' dtypes, and on CUDA also:
+CUDA_RESIDENT_DTYPES = ("float16",)
+EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")  # transformers' (integrations/moe.py)
 PREDICTOR_SYSTEMS = tuple(f"naive+{name}" for name in ("next_gates", "path_stats", "first_gate", "neuron_gates"))
 SUBJECTS = ("reference", "reference-lossless", "reference-neuron", "mixtral-shape", "mixtral-shape-own")
 LLAMA = "llama.cpp"
@@ -53,8 +84,8 @@ DEFAULT_BUDGETS = f"100%,50%,25%,12.5%,{BELOW_4BIT}"
 QUICK_BUDGETS = "25%"
 DEFAULT_REPEATS, QUICK_REPEATS = 3, 1
 RESULT_KEYS = ("subject", "system", "budget", "repeats", "decode_tokens_per_s", "decode_tokens_per_s_min",
-               "decode_tokens_per_s_max", "prefill_s", "bytes_read_per_token", "hit_rate", "stall_fraction",
-               "peak_rss_mb")
+               "decode_tokens_per_s_max", "modelled_tokens_per_s", "fraction_of_bound", "overhead_us_per_layer",
+               "prefill_s", "bytes_read_per_token", "hit_rate", "stall_fraction", "peak_rss_mb")
 
 
 @dataclass(frozen=True)
@@ -66,11 +97,14 @@ class Sizes:
     shape_prompt: int
     shape_decode: int
     bandwidth_bytes: int  # how much of the largest store file to read for the disk bandwidth
+    candidate_decode: int  # decode steps each resident candidate is timed on
+    profile_bytes: int  # the device profile's read-test file
 
 
 FULL = Sizes(reference_prompt=64, reference_decode=64, shape_prompt=16, shape_decode=24,
-             bandwidth_bytes=1 << 30)
-QUICK = Sizes(reference_prompt=8, reference_decode=4, shape_prompt=4, shape_decode=4, bandwidth_bytes=16 << 20)
+             bandwidth_bytes=1 << 30, candidate_decode=8, profile_bytes=256 << 20)
+QUICK = Sizes(reference_prompt=8, reference_decode=4, shape_prompt=4, shape_decode=4, bandwidth_bytes=16 << 20,
+              candidate_decode=2, profile_bytes=16 << 20)
 
 
 def parse_budgets(text: str) -> list[str]:
@@ -173,7 +207,7 @@ def _budget_bytes(subject: Subject, budget: str) -> int:
 
 def _run_worker(spec: dict, work: Path) -> dict:
     """Run one measurement in a fresh process; its stderr goes to a log file beside the spec."""
-    tag = f"{spec['subject']}-{spec['system']}-{spec['budget'].replace('%', 'pct')}"
+    tag = spec.get("tag") or f"{spec['subject']}-{spec['system']}-{spec['budget'].replace('%', 'pct')}"
     spec_path, log_path = work / f"{tag}.json", work / f"{tag}.log"
     spec_path.write_text(json.dumps(spec, indent=2))
     # Flush what the previous system wrote (accelerate's offload folder: GBs) before timing the next
@@ -214,78 +248,414 @@ def accuracy_delta(artifact: Path) -> dict | None:
             if s.get("delta") is not None} or None
 
 
-def _decisions(subject: Subject) -> torch.Tensor | None:
-    """The subject's routing decisions [T, L, K]: the replay, or what the resident run recorded."""
-    if subject.replay is not None:
-        from safetensors.torch import load_file
-
-        return load_file(str(subject.replay))["expert_ids"]
-    recorded = subject.facts.get("recorded_routing")
-    return torch.tensor(recorded) if recorded else None
+# ------------------------------------------------------------------------------- resident candidates
 
 
-def _belady_demand_bytes(ids: list, moe: dict, spec) -> int:
-    """Demand bytes Belady's policy reads replaying ``ids`` [T][L][K] (one sequence) through ``spec``."""
-    from prep.sim.replay import Replay
+def resident_candidates(device: str) -> list[tuple[str, str]]:
+    """(dtype, transformers experts implementation) pairs the resident baseline is chosen from on ``device``."""
+    dtypes = RESIDENT_DTYPES + (CUDA_RESIDENT_DTYPES if device == "cuda" else ())
+    return [(dtype, impl) for dtype in dtypes for impl in EXPERTS_IMPLEMENTATIONS]
+
+
+def _experts_implementations() -> set | None:
+    """The experts implementations this transformers knows ("eager" and its ``ALL_EXPERTS_FUNCTIONS``); None
+    where it has no such registry (then each candidate is tried and fails in its worker if unknown)."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return None
+    return {"eager", *ALL_EXPERTS_FUNCTIONS.keys()}
+
+
+def choose_resident(candidates: list[dict]) -> dict | None:
+    """The fastest candidate that ran (by decode tokens/s), the only one that did not fail when it was not timed,
+    or None when every one failed."""
+    ok = [c for c in candidates if not c.get("error")]
+    timed = [c for c in ok if c.get("decode_tokens_per_s")]
+    if timed:
+        return max(timed, key=lambda c: c["decode_tokens_per_s"])
+    return ok[0] if len(ok) == 1 else None
+
+
+def measure_resident_candidates(base: dict, candidates: list[tuple[str, str]], decode: int, work: Path,
+                                on_run=None) -> dict:
+    """Time a prefill of the prompt and ``decode`` decode steps of each (dtype, experts implementation) candidate,
+    each in its own worker process (none when only one can run); a candidate that fails is listed with its reason
+    (one this transformers does not know without a process). Returns {"candidates":
+    [...], "decode_tokens": decode, "chosen": {dtype, experts_implementation, decode_tokens_per_s} or None}."""
+    known = _experts_implementations()
+    runnable = [c for c in candidates if known is None or c[1] in known]
+    out = []
+    for dtype, impl in candidates:
+        entry = {"dtype": dtype, "experts_implementation": impl}
+        if known is not None and impl not in known:
+            entry["error"] = f"this transformers has no experts implementation {impl!r} (it has {', '.join(sorted(known))})"
+        elif len(runnable) == 1:  # nothing to choose between: not timed
+            entry["note"] = "the only candidate, not timed"
+        else:
+            spec = base | {"system": "resident", "dtype": dtype, "experts_implementation": impl,
+                           "decode_ids": base["decode_ids"][:decode], "record_routing": None,
+                           "tag": f"{base['subject']}-resident-{dtype}-{impl}"}
+            result = _run_worker(spec, work)
+            if "error" in result:
+                entry["error"] = result["error"]
+            else:
+                entry |= {k: result.get(k) for k in ("decode_tokens_per_s", "decode_tokens", "prefill_s", "load_s",
+                                                     "peak_rss_mb")}
+        if on_run is not None:
+            on_run(entry)
+        out.append(entry)
+    chosen = choose_resident(out)
+    return {"candidates": out, "decode_tokens": decode,
+            "chosen": {k: chosen.get(k) for k in ("dtype", "experts_implementation", "decode_tokens_per_s")} if chosen else None}
+
+
+# -------------------------------------------------------------------------------- the device profile
+
+FALLBACK_EXPERT_SHAPE = (4096, 14336)  # Mixtral-8x7B's (hidden, intermediate), when no subject says its own
+PROFILE_MULTIPLE = 256  # measure_compute times (H/4, I/4), each a multiple of its quantization group (64)
+
+
+def expert_shape(subject: Subject) -> tuple[int, int] | None:
+    """(hidden, expert intermediate) of the subject's model (its config.json); None where it names neither."""
+    try:
+        config = json.loads((Path(subject.model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    hidden, inter = config.get("hidden_size"), config.get("moe_intermediate_size") or config.get("intermediate_size")
+    return (int(hidden), int(inter)) if hidden and inter else None
+
+
+def weights_per_expert(subject: Subject) -> float:
+    moe = subject.manifest["moe"]
+    per_weight = {"float32": 4, "bfloat16": 2, "float16": 2}[moe["dtype"]]
+    return int(moe["source_expert_bytes"]) / per_weight / (len(moe["layers"]) * moe["num_experts"])
+
+
+def profile_shape(subjects: list[Subject]) -> tuple[int, int]:
+    """The expert shape the profile's compute is timed on: the largest subject expert's, rounded up to what
+    ``measure_compute`` takes (each subject then scales the profile to its own experts)."""
+    shapes = [shape for shape in (expert_shape(s) for s in subjects) if shape]
+    if not shapes:
+        return FALLBACK_EXPERT_SHAPE
+    hidden, inter = max(shapes, key=lambda shape: shape[0] * shape[1])
+    return tuple(-(-n // PROFILE_MULTIPLE) * PROFILE_MULTIPLE for n in (hidden, inter))
+
+
+def _host_copies(nbytes: int, block: int = 8 << 20, small: int = 32) -> dict:
+    """Pinned host-to-GPU copies (what the loader's host store does on a CUDA miss): the bandwidth of
+    ``block``-sized copies over ``nbytes`` and the latency of 4 KiB copies (the median)."""
+    import statistics
+
+    block = min(block, nbytes)
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(block, dtype=torch.uint8, device="cuda")
+    dst.copy_(src[:block])
+    torch.cuda.synchronize()
+    start, done = time.perf_counter(), 0
+    for offset in range(0, nbytes - block + 1, block):
+        dst.copy_(src[offset:offset + block], non_blocking=True)
+        done += block
+    torch.cuda.synchronize()
+    bandwidth = done / (time.perf_counter() - start)
+    latencies = []
+    for i in range(small):
+        start = time.perf_counter()
+        dst[:4096].copy_(src[i * 4096:(i + 1) * 4096])
+        torch.cuda.synchronize()
+        latencies.append(time.perf_counter() - start)
+    return {"read_bandwidth_bytes_per_s": bandwidth, "read_latency_s": statistics.median(latencies)}
+
+
+def device_profile(subjects: list[Subject], sizes: Sizes, device: str, output: Path):
+    """This machine's ``prep.sim.device`` profile, measured once for the run (reads from a file on the output's
+    disk, one expert's compute on ``device``; on CUDA the reads are pinned host-to-GPU copies, as the loader's
+    host store reads there), written to ``output/device.json``."""
+    from prep.sim.device import measure_device
+
+    profile = measure_device(output, file_bytes=sizes.profile_bytes, expert_shape=profile_shape(subjects),
+                             device=device)
+    if device == "cuda":
+        copies = _host_copies(sizes.profile_bytes)
+        profile = dataclasses.replace(
+            profile, read_bandwidth=copies["read_bandwidth_bytes_per_s"], read_latency=copies["read_latency_s"],
+            extra=profile.extra | {"reads": "pinned host-to-GPU copies (the loader's host store on CUDA)",
+                                   "disk_read_bandwidth_bytes_per_s": profile.read_bandwidth,
+                                   "disk_read_latency_s": profile.read_latency})
+    else:
+        profile = dataclasses.replace(profile, extra=profile.extra | {"reads": "disk reads bypassing the page cache"})
+    _write_atomic(output / "device.json", json.dumps(profile.to_json(), indent=2) + "\n")
+    return profile
+
+
+def calibrated_profile(profile, results: list[dict]):
+    """``profile`` calibrated against the loader as measured in this run (``prep.sim.device.calibrated``: reads
+    overlapping hits' compute, and the loader's own time per MoE layer call, the median ``overhead_us_per_layer``
+    of the run's loader rows); None where no loader row counted its overhead."""
+    import statistics
+
+    try:
+        from prep.sim.device import calibrated
+    except ImportError:
+        return None
+    overheads = [r["overhead_us_per_layer"] for r in results
+                 if is_loader(r["system"]) and not r.get("error") and r.get("overhead_us_per_layer") is not None]
+    if profile is None or not overheads:
+        return None
+    return calibrated(profile, statistics.median(overheads) * 1e-6)
+
+
+def subject_profile(profile, subject: Subject):
+    """``profile`` scaled to the subject's experts; a passthrough record computes in the model's own dtype."""
+    scaled = profile.scaled_to(weights_per_expert(subject))
+    source = subject.manifest["moe"]["dtype"]
+    if source in scaled.compute_seconds:
+        scaled = dataclasses.replace(scaled, compute_seconds=scaled.compute_seconds
+                                     | {"passthrough": scaled.compute_seconds[source]})
+    return scaled
+
+
+# --------------------------------------------------------------------- routing replayed by the simulator
+
+
+def subject_routing(subject: Subject) -> dict | None:
+    """The routing decisions every loader row of the subject ran, as tensors: the replay file's (``expert_ids``,
+    ``weights`` [T, L, K]), or what the resident model's routers did in round 1 (also ``logits``,
+    ``router_inputs`` and, when recorded, ``head_inputs``: ``prep/bench/worker.py``); None when neither exists."""
+    path = subject.replay or subject.facts.get("routing_file")
+    if not path or not Path(path).is_file():
+        return None
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _replay(routing: dict, num_experts: int, tokens: int, source: str, warm: int = 0):
+    """A ``prep.sim.replay.Replay`` of the first ``tokens`` tokens of ``routing``; with ``warm``, preceded by a
+    sequence of its first ``warm`` tokens (replayed with ``cold_start=False``: the untimed pass of an
+    ``@unlimited`` row)."""
+    from types import SimpleNamespace
+
+    from prep.sim.replay import replay_from_routing
+
+    lengths = ([warm] if warm else []) + [tokens]
+    traces = [SimpleNamespace(num_layers=routing["expert_ids"].shape[1], top_k=routing["expert_ids"].shape[2],
+                              expert_ids=routing["expert_ids"][:n], expert_weights=routing["weights"][:n])
+              for n in lengths]
+    replay = replay_from_routing(traces, num_experts, source)
+    if "logits" in routing:
+        replay = dataclasses.replace(replay, logits=tuple(routing["logits"][:n].float() for n in lengths))
+    return replay
+
+
+def cache_spec(artifact: Path, budget, plan, device: str):
+    """The simulator's cache for ``load(artifact, memory_budget=budget, plan=plan, store=..., device=device)`` as
+    the bench's workers call it (``store="host"`` on CUDA)."""
+    import inspect
+
+    from prep.sim.simulate import artifact_spec
+
+    store = "host" if device == "cuda" else "disk"
+    if device != "cpu" and "device" in inspect.signature(artifact_spec).parameters:
+        return artifact_spec(artifact, budget, plan=plan, store=store, device=device)
+    if device != "cpu":  # the held forms (and so the slots) depend on the device: size them for it
+        try:
+            from loader.runtime import cache_layout
+            from prep.sim.simulate import capacities_spec
+
+            layout = cache_layout(artifact, budget, store=store, plan=plan, device=device)
+            return capacities_spec(layout.plan, layout.capacities, layout.record_bytes, layout.slot_bytes)
+        except (ImportError, AttributeError, TypeError):
+            pass  # an API that moved: the CPU's sizes below
+    return artifact_spec(artifact, budget, plan=plan, store=store)
+
+
+class NotModelled(Exception):
+    """Why the simulator cannot model a row (its message goes into the row's ``modelled_error``)."""
+
+
+def _prediction_feed(artifact: Path, routing: dict, plan, tokens: int):
+    """(the simulator's ``PredictionFeed`` for the first ``tokens`` tokens, a factory of fresh predictors): the
+    artifact's routers and predictor tensors, the recorded router and LM-head inputs."""
+    names = [s.name for s in plan.predictors]
+    if "router_inputs" not in routing:
+        raise NotModelled(f"the predictors ({', '.join(names)}) need the router inputs, which a routing replayed "
+                          "from a trace does not have")
+    if "first_gate" in names and "head_inputs" not in routing:
+        raise NotModelled("first_gate needs the LM head's inputs, which the resident run did not record")
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from loader.predict import PREDICTORS_FILE, make_predictor
+    from prep.sim.simulate import PredictionFeed
+
+    manifest = json.loads((Path(artifact) / "manifest.json").read_text())
+    routers = []
+    with safe_open(str(Path(artifact) / "dense.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        for path in manifest["moe"]["router_modules"]:
+            bias = f"{path}.bias"
+            routers.append((f.get_tensor(f"{path}.weight").float(), f.get_tensor(bias).float() if bias in keys else None))
+    tensors = load_file(str(Path(artifact) / PREDICTORS_FILE)) if PREDICTORS_FILE in manifest.get("files", {}) else {}
+    head = routing.get("head_inputs")
+    feed = PredictionFeed([routing["router_inputs"][:tokens].float()],
+                          [head[:tokens].float()] if head is not None else None, routers, tensors)
+    return feed, lambda: [make_predictor(s.name, dict(s.params)) for s in plan.predictors]
+
+
+def _sim_plan(subject: Subject, system: str):
+    """(artifact, plan) the loader row ``system`` ran, as the simulator replays it."""
+    from loader.plan import PolicySpec, read_plan
+    from prep.bench.worker import loader_plan
+
+    artifact = subject.naive_artifact if system.startswith("naive") else subject.artifact
+    plan = loader_plan(artifact, system) or read_plan(artifact)
+    if subject.replay is not None:  # the worker's ReplayRouting replaced the plan's routing policy
+        plan = dataclasses.replace(plan, routing=PolicySpec("topk"))
+    return artifact, plan
+
+
+def modelled(subject: Subject, system: str, memory_budget, routing: dict | None, profile, device: str) -> dict:
+    """The simulator's decode tokens/s for one loader row (``modelled_tokens_per_s``, with what it is made of
+    under ``modelled``), or None with ``modelled_error`` saying why it cannot be modelled."""
+    if routing is None:
+        return {"modelled_tokens_per_s": None,
+                "modelled_error": "no routing decisions to replay (the resident run that records them failed)"}
+    if profile is None:
+        return {"modelled_tokens_per_s": None, "modelled_error": "no device profile"}
+    try:
+        return _modelled(subject, system, memory_budget, routing, profile, device)
+    except NotModelled as e:
+        return {"modelled_tokens_per_s": None, "modelled_error": str(e)}
+    except Exception as e:  # noqa: BLE001 - the column is a model beside the measurement: say why, never fail the run
+        return {"modelled_tokens_per_s": None, "modelled_error": f"{type(e).__name__}: {e}"}
+
+
+def _modelled(subject: Subject, system: str, memory_budget, routing: dict, profile, device: str) -> dict:
     from prep.sim.simulate import simulate
 
-    replay = Replay((tuple(tuple(tuple(e) for e in t) for t in ids),), len(ids[0]), moe["num_experts"],
-                    moe["top_k"], "bench")
+    artifact, plan = _sim_plan(subject, system)
+    if plan.neuron.name != "off":
+        raise NotModelled("the simulator models whole-expert reads; neuron-level loading is not modelled")
+    prompt = len(subject.prompt_ids)
+    tokens = prompt + len(subject.decode_ids)
+    if routing["expert_ids"].shape[0] < tokens:
+        raise NotModelled(f"the routing holds {routing['expert_ids'].shape[0]} tokens, the row ran {tokens}")
+    feed, make = (_prediction_feed(artifact, routing, plan, tokens) if plan.predictors else (None, lambda: []))
+    spec = cache_spec(artifact, memory_budget, plan, device)
+    num_experts = subject.manifest["moe"]["num_experts"]
+
+    warm = tokens if system.endswith("@" + UNLIMITED) else 0  # the worker's untimed pass, then the timed one
+    lengths = ([warm] if warm else [])
+
+    def run(n: int):
+        fed = None if feed is None else dataclasses.replace(
+            feed, router_inputs=[feed.router_inputs[0][:m] for m in [*lengths, n]],
+            head_inputs=[feed.head_inputs[0][:m] for m in [*lengths, n]] if feed.head_inputs is not None else None)
+        return simulate(_replay(routing, num_experts, n, f"{subject.name} {system}", warm), spec, profile=profile,
+                        predictors=make() or None, feed=fed, cold_start=not warm)
+
+    full, head = run(tokens), run(prompt)  # the decode steps: prompt + decode, less the prompt alone
+    n = tokens - prompt
+    seconds = full.seconds - head.seconds
+    read = sum(x.read_seconds for x in full.layers) - sum(x.read_seconds for x in head.layers)
+    return {"modelled_tokens_per_s": n / seconds if seconds > 0 else None,
+            "modelled": {"seconds_per_token": seconds / n, "read_seconds_per_token": read / n,
+                         "compute_seconds_per_token": (seconds - read) / n,
+                         "bytes_read_per_token": (full.bytes_read - head.bytes_read) / n,
+                         "misses_per_token": (full.misses - head.misses) / n, "policy": full.policy,
+                         "predictors": [s.name for s in plan.predictors], "device": profile.device}}
+
+
+# ------------------------------------------------------------------------------------------ the bound
+
+
+def _belady_demand_bytes(routing: dict, num_experts: int, tokens: int, spec) -> int:
+    """Demand bytes Belady's policy reads replaying the first ``tokens`` tokens of ``routing`` through ``spec``."""
+    from prep.sim.simulate import simulate
+
+    replay = _replay(routing, num_experts, tokens, "bench")
     return sum(layer.demand_bytes for layer in simulate(replay, spec, "belady").layers)
 
 
-def _io_floor(ids: list, moe: dict, prompt: int, artifact: Path, limit: int, plan, bandwidth_mb_s: float,
-              compute_seconds: float) -> dict:
+def _io_floor(subject: Subject, routing: dict, artifact: Path, limit: int, plan, read_bandwidth: float,
+              compute: float | None, device: str) -> dict:
     """Belady's demand bytes per decode token in the cache ``load(artifact, limit, plan=plan)`` builds, that over
-    the disk bandwidth, and the bound it makes with the compute floor."""
+    the read bandwidth (bytes/s), and the bound it makes with the compute floor (tokens/s; None: not measured)."""
     from loader.errors import MoeError
-    from prep.sim.simulate import artifact_spec
 
+    prompt = len(subject.prompt_ids)
+    tokens = prompt + len(subject.decode_ids)
+    num_experts = subject.manifest["moe"]["num_experts"]
     try:
-        spec = artifact_spec(artifact, limit, plan=plan)
+        spec = cache_spec(artifact, limit, plan, device)
         # Belady over prompt + decode, less the prompt alone: what the decode steps must read
-        decode_bytes = _belady_demand_bytes(ids, moe, spec) - _belady_demand_bytes(ids[:prompt], moe, spec)
+        decode_bytes = (_belady_demand_bytes(routing, num_experts, tokens, spec)
+                        - _belady_demand_bytes(routing, num_experts, prompt, spec))
     except (MoeprepError, MoeError) as e:
         return {"error": str(e)}
-    per_token = decode_bytes / max(1, len(ids) - prompt)
-    io_seconds = per_token / (bandwidth_mb_s * 1e6)
-    slowest = max(compute_seconds, io_seconds)
-    return {"belady_bytes_per_token": per_token, "io_floor_s_per_token": io_seconds,
-            "bound_tokens_per_s": 1 / slowest if slowest else None}
+    per_token = decode_bytes / max(1, tokens - prompt)
+    io_seconds = per_token / read_bandwidth
+    out = {"belady_bytes_per_token": per_token, "io_floor_s_per_token": io_seconds}
+    if not compute:
+        return out | {"bound_tokens_per_s": None, "bound_error": "the compute floor (@unlimited) was not measured"}
+    slowest = max(1 / compute, io_seconds)
+    return out | {"bound_tokens_per_s": 1 / slowest}
 
 
-def physical_bounds(subject: Subject, budgets: list[str], results: list[dict], bandwidth_mb_s: float | None) -> dict:
-    """Per budget: the resident compute speed, the I/O floor (Belady's demand bytes per decode token at that
-    budget over the measured disk bandwidth) and the speed bound they make together (reads hidden perfectly
-    behind compute: 1 / max(compute, I/O) per token), in ``naive``'s cache (the lossless artifact; the
-    entry's top level) and, under ``moeprep``, in the recipe's artifact's cache with its plan."""
-    from loader.plan import Plan, PolicySpec, read_plan
+def unlimited_systems(subject: Subject) -> list[str]:
+    """The budget-free loader rows measuring the compute floors: naive's plan on its artifact and moeprep's plan on
+    the recipe's (they differ in compute even on one artifact: held forms, routing policies, neuron loading)."""
+    return ["naive@unlimited", "moeprep@unlimited"]
 
-    resident = next((r.get("decode_tokens_per_s") for r in results
-                     if r["subject"] == subject.name and r["system"] == "resident"), None)
-    compute_seconds = 1 / resident if resident else 0.0
-    decisions = _decisions(subject)
-    moe, prompt = subject.manifest["moe"], len(subject.prompt_ids)
+
+def physical_bounds(subject: Subject, budgets: list[str], results: list[dict], routing: dict | None, profile,
+                    device: str = "cpu") -> dict:
+    """Per budget: the compute floor (the loader system at budget ``unlimited``, every expert cached in its held
+    form), the I/O floor (Belady's demand bytes per decode token at that budget over the profile's read
+    bandwidth) and the speed bound they make together (reads hidden perfectly behind compute: 1 / max(compute,
+    I/O) per token), for ``naive`` (its artifact, plan and ``naive@unlimited``; the entry's top level) and, under
+    ``moeprep``, for the recipe's artifact with its plan's pools and precisions (exact routing) and
+    ``moeprep@unlimited``."""
+    from loader.plan import PolicySpec, read_plan
+    from prep.bench.worker import loader_plan
+
+    speeds = {r["system"]: r.get("decode_tokens_per_s") for r in results if r["subject"] == subject.name}
+    moe = subject.manifest["moe"]
     naive = subject.naive_artifact
-    own = read_plan(naive)
-    stores = json.loads((naive / "manifest.json").read_text())["stores"]
-    plan = Plan.mixed(own.expert_precision, {p: s["record_bytes"] for p, s in stores.items()})
+    plan = loader_plan(naive, "naive")
+    exact = dataclasses.replace(read_plan(subject.artifact), routing=PolicySpec("topk"), miss=PolicySpec("plan"))
     out = {}
     for budget in budgets:
         limit = _budget_bytes(subject, budget)
         dense = _budget_bytes(subject, "100%") - int(moe["source_expert_bytes"])
-        entry = {"resident_tokens_per_s": resident, "budget_bytes": limit,
+        entry = {"resident_tokens_per_s": speeds.get("resident"), "compute_system": "naive@unlimited",
+                 "compute_tokens_per_s": speeds.get("naive@unlimited"), "budget_bytes": limit,
                  "budget_share": 100 * (limit - dense) / int(moe["source_expert_bytes"])}
         out[budget] = entry
-        if decisions is None or not bandwidth_mb_s:
+        entry["moeprep"] = {"compute_system": "moeprep@unlimited", "compute_tokens_per_s": speeds.get("moeprep@unlimited")}
+        if routing is None or profile is None:
             continue
-        ids = decisions.tolist()
-        entry |= _io_floor(ids, moe, prompt, naive, limit, plan, bandwidth_mb_s, compute_seconds)
-        if subject.lossless is not None:  # the recipe's pools and precisions; the model's own routing
-            exact = dataclasses.replace(read_plan(subject.artifact), routing=PolicySpec("topk"), miss=PolicySpec("plan"))
-            entry["moeprep"] = _io_floor(ids, moe, prompt, subject.artifact, limit, exact, bandwidth_mb_s,
-                                         compute_seconds)
+        entry |= _io_floor(subject, routing, naive, limit, plan, profile.read_bandwidth,
+                           speeds.get("naive@unlimited"), device)
+        entry["moeprep"] |= _io_floor(subject, routing, subject.artifact, limit, exact, profile.read_bandwidth,
+                                      speeds.get("moeprep@unlimited"), device)
     return out
+
+
+def _neuron_loading(subject: Subject, system: str) -> bool:
+    """Whether the loader row ``system`` reads and computes parts of experts (neuron-level loading)."""
+    from loader.plan import read_plan
+    from prep.bench.worker import loader_plan
+
+    artifact = subject.naive_artifact if system.startswith("naive") else subject.artifact
+    plan = loader_plan(artifact, system) or read_plan(artifact)
+    return plan.neuron.name != "off"
+
+
+def is_loader(system: str) -> bool:
+    base = system.split("@", 1)[0]
+    return base == "moeprep" or base.startswith("naive")
 
 
 def _prepare_llama(subject: Subject, output: Path, echo) -> str | None:
@@ -311,7 +681,8 @@ def _write_atomic(path: Path, data: str | bytes) -> None:
 def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = False, device: str = "cpu",
               output: str | Path = "artifacts/bench", traces: str | Path | None = "../shared/data/traces",
               root: str | Path = ".", echo=print, repeats: int | None = None) -> dict:
-    """Measure, write bench.json / bench.md / bench.png under ``output``, and return the report."""
+    """Measure, write bench.json / bench.md / bench.png (and the device profile, device.json) under ``output``,
+    and return the report."""
     from prep.bench.report import write_markdown, write_plot
 
     if device not in ("cpu", "cuda"):
@@ -389,73 +760,148 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
         neuron = ["naive+neuron"] if plan.get("neuron", {}).get("name", "off") != "off" else []
         return [*SYSTEMS[1:3], *neuron, *(s for s in PREDICTOR_SYSTEMS if s.split("+", 1)[1] in planned), SYSTEMS[3]]
 
-    runs = [(s, sys_, b) for s in subjects for sys_, b in
-            [("resident", "100%")] + [(x, b) for b in budget_list for x in systems(s)]]
+    echo("measuring the device profile (reads and one expert's compute) for the simulator")
+    profile = device_profile(subjects, sizes, device, output)
+    candidates = resident_candidates(device)
+
+    def spec_for(subj: Subject, system: str, budget: str, repeat: int) -> dict:
+        limit = _budget_bytes(subj, budget)
+        spec = {"subject": subj.name, "system": system, "budget": budget, "device": device,
+                "memory_budget": limit if budget == BELOW_4BIT else budget,
+                "budget_bytes": limit, "host_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2,
+                "model_dir": str(subj.model_dir),
+                "artifact": str(subj.naive_artifact if system.startswith("naive") else subj.artifact),
+                "experts_modules": subj.manifest["moe"]["experts_modules"],
+                "prompt_ids": subj.prompt_ids, "decode_ids": subj.decode_ids,
+                "replay": str(subj.replay) if subj.replay else None, "offload_dir": str(work / "offload"),
+                "record_routing": (str(work / f"{subj.name}-routing.safetensors")
+                                   if system == "resident" and repeat == 0 and subj.replay is None else None)}
+        chosen = (subj.facts.get("resident") or {}).get("chosen")
+        if system == "resident" and chosen:
+            spec |= {"dtype": chosen["dtype"], "experts_implementation": chosen["experts_implementation"]}
+        return spec
+
+    runs = {s.name: [("resident", "100%")] + [(x, UNLIMITED) for x in unlimited_systems(s)]
+            + [(x, b) for b in budget_list for x in systems(s)] for s in subjects}
     measured: dict = {}  # (subject, system, budget) -> [result of each repeat]
     raw = []
-    bar = tqdm(total=len(runs) * repeats, desc="bench", unit="run")
+    bar = tqdm(total=sum(len(r) for r in runs.values()) * repeats + len(candidates) * len(subjects), desc="bench",
+               unit="run")
     for repeat in range(repeats):  # interleaved: every configuration once per round, so drift hits them all
-        for subj, system, budget in runs:
-            bar.set_postfix_str(f"round {repeat + 1}/{repeats} {subj.name} {system} {budget}")
-            offload = work / "offload"
-            limit = _budget_bytes(subj, budget)
-            spec = {"subject": subj.name, "system": system, "budget": budget, "device": device,
-                    "memory_budget": limit if budget == BELOW_4BIT else budget,
-                    "budget_bytes": limit, "host_bytes": os.sysconf("SC_PAGE_SIZE") *
-                    os.sysconf("SC_PHYS_PAGES") // 2, "model_dir": str(subj.model_dir),
-                    "artifact": str(subj.naive_artifact if system.startswith("naive") else subj.artifact),
-                    "experts_modules": subj.manifest["moe"]["experts_modules"],
-                    "prompt_ids": subj.prompt_ids, "decode_ids": subj.decode_ids,
-                    "replay": str(subj.replay) if subj.replay else None, "offload_dir": str(offload),
-                    "record_routing": system == "resident" and repeat == 0 and subj.replay is None}
-            if system == LLAMA:
-                from prep.bench.llama import CGROUP_HEADROOM, make_cgroup, remove_cgroup
+        for subj in subjects:
+            if repeat == 0:  # the resident baseline: the fastest candidate on this device, chosen first
+                bar.set_postfix_str(f"{subj.name} resident candidates")
+                subj.facts["resident"] = measure_resident_candidates(
+                    spec_for(subj, "resident", "100%", 0), candidates, sizes.candidate_decode, work,
+                    on_run=lambda _entry: bar.update())
+                for c in subj.facts["resident"]["candidates"]:
+                    if c.get("error"):
+                        echo(f"{subj.name} resident candidate {c['dtype']} {c['experts_implementation']}: FAILED "
+                             f"{c['error']}")
+                chosen = subj.facts["resident"]["chosen"]
+                if chosen is None:
+                    note = (f"{subj.name}: every resident candidate failed; resident runs transformers' defaults "
+                            "(the checkpoint's dtype, the default experts implementation)")
+                    echo(note)
+                    notes.append(note)
+                else:
+                    speed = chosen["decode_tokens_per_s"]
+                    echo(f"{subj.name}: resident = {chosen['dtype']} with experts implementation "
+                         f"{chosen['experts_implementation']} ("
+                         + (f"{speed:.3g} tok/s, the fastest of {len(candidates)} candidates)" if speed else
+                            "the only candidate that can run)"))
+            for system, budget in runs[subj.name]:
+                bar.set_postfix_str(f"round {repeat + 1}/{repeats} {subj.name} {system} {budget}")
+                spec = spec_for(subj, system, budget, repeat)
+                offload = Path(spec["offload_dir"])
+                if system == LLAMA:
+                    from prep.bench.llama import CGROUP_HEADROOM, make_cgroup, remove_cgroup
 
-                spec["gguf"] = subj.facts["llama_cpp"]["file"]
-                spec["cgroup"] = str(make_cgroup(f"moeprep-bench-{os.getpid()}", limit + CGROUP_HEADROOM))
-            shutil.rmtree(offload, ignore_errors=True)
-            result = _run_worker(spec, work)
-            shutil.rmtree(offload, ignore_errors=True)
-            if system == LLAMA:
-                remove_cgroup(Path(spec["cgroup"]))
-            bar.update()
-            routing_seen = result.pop("routing", None)
-            if routing_seen is not None:
-                subj.facts["recorded_routing"] = routing_seen
-            raw.append({"subject": subj.name, "system": system, "budget": budget, "repeat": repeat} | result)
-            _write_atomic(work / "raw.json", json.dumps(raw, indent=1) + "\n")  # nothing measured is lost
-            if "error" in result:
-                echo(f"{subj.name} {system} {budget}: FAILED {result['error']}")
-            measured.setdefault((subj.name, system, budget), []).append(result)
+                    spec["gguf"] = subj.facts["llama_cpp"]["file"]
+                    spec["cgroup"] = str(make_cgroup(f"moeprep-bench-{os.getpid()}",
+                                                     spec["budget_bytes"] + CGROUP_HEADROOM))
+                shutil.rmtree(offload, ignore_errors=True)
+                result = _run_worker(spec, work)
+                shutil.rmtree(offload, ignore_errors=True)
+                if system == LLAMA:
+                    remove_cgroup(Path(spec["cgroup"]))
+                bar.update()
+                routing_file = result.pop("routing_file", None)
+                if routing_file is not None:
+                    subj.facts["routing_file"] = routing_file
+                raw.append({"subject": subj.name, "system": system, "budget": budget, "repeat": repeat} | result)
+                _write_atomic(work / "raw.json", json.dumps(raw, indent=1) + "\n")  # nothing measured is lost
+                if "error" in result:
+                    echo(f"{subj.name} {system} {budget}: FAILED {result['error']}")
+                measured.setdefault((subj.name, system, budget), []).append(result)
     bar.close()
 
     results = []
     for (name, system, budget), runs_of in measured.items():
         row = summarize(runs_of)
-        targets = budget_list if system == "resident" else [budget]
-        for b in targets:
-            results.append({"subject": name, "system": system, "budget": b} | row
-                           | ({"measured_once": True} if system == "resident" else {}))
-    bounds = {s.name: physical_bounds(s, budget_list, results, bandwidth["mb_s"]) for s in subjects}
+        once = system == "resident" or budget == UNLIMITED  # budget-free: the row repeated at each budget
+        for b in (budget_list if once else [budget]):
+            results.append({"subject": name, "system": system, "budget": b} | row | ({"measured_once": True} if once else {}))
+    by_name = {s.name: s for s in subjects}
+    routings = {s.name: subject_routing(s) for s in subjects}
+    profiles = {s.name: subject_profile(profile, s) for s in subjects}
+    models: dict = {}  # (subject, system, budget) -> the simulator's figures, once per configuration
     for row in results:
+        if not is_loader(row["system"]) or row.get("error"):
+            continue
+        subj = by_name[row["subject"]]
+        memory = UNLIMITED if row["system"].endswith("@" + UNLIMITED) else (
+            _budget_bytes(subj, row["budget"]) if row["budget"] == BELOW_4BIT else row["budget"])
+        key = (row["subject"], row["system"], str(memory))
+        if key not in models:
+            models[key] = modelled(subj, row["system"], memory, routings[subj.name], profiles[subj.name], device)
+        row |= models[key]
+        model, speed = row.get("modelled_tokens_per_s"), row.get("decode_tokens_per_s")
+        row["modelled_over_measured"] = model / speed if model and speed else None
+    calibrated = calibrated_profile(profile, results)
+    if calibrated is not None:  # the simulator's model of the loader's step, its one parameter from this run
+        _write_atomic(output / "device-calibrated.json", json.dumps(calibrated.to_json(), indent=2) + "\n")
+        for row in results:
+            if not is_loader(row["system"]) or row.get("error") or not row.get("modelled_tokens_per_s"):
+                continue
+            subj = by_name[row["subject"]]
+            memory = UNLIMITED if row["system"].endswith("@" + UNLIMITED) else (
+                _budget_bytes(subj, row["budget"]) if row["budget"] == BELOW_4BIT else row["budget"])
+            key = ("calibrated", row["subject"], row["system"], str(memory))
+            if key not in models:
+                models[key] = modelled(subj, row["system"], memory, routings[subj.name],
+                                       subject_profile(calibrated, subj), device)
+            model, speed = models[key].get("modelled_tokens_per_s"), row.get("decode_tokens_per_s")
+            row["modelled_calibrated_tokens_per_s"] = model
+            row["modelled_calibrated_over_measured"] = model / speed if model and speed else None
+    bounds = {s.name: physical_bounds(s, budget_list, results, routings[s.name], profile, device) for s in subjects}
+    for row in results:
+        if row.get("measured_once") or not (is_loader(row["system"]) or row["system"] == LLAMA):
+            continue
+        if row["system"] != LLAMA and _neuron_loading(by_name[row["subject"]], row["system"]):
+            row["fraction_of_bound"] = None
+            row["fraction_of_bound_error"] = ("neuron-level loading reads and computes parts of experts: the "
+                                              "whole-expert bound does not bind it")
+            continue
         entry = bounds[row["subject"]].get(row["budget"], {})
-        if row["system"] in ("moeprep", LLAMA) and "moeprep" in entry:  # the recipe's artifact (4-bit class)
-            entry = entry["moeprep"]
-        bound = entry.get("bound_tokens_per_s")
-        if bound and row.get("decode_tokens_per_s"):
-            row["share_of_bound"] = row["decode_tokens_per_s"] / bound
+        if row["system"] in ("moeprep", LLAMA):  # the recipe's artifact and plan (llama.cpp: the same 4-bit class)
+            entry = entry.get("moeprep", {})
+        bound, speed = entry.get("bound_tokens_per_s"), row.get("decode_tokens_per_s")
+        row["fraction_of_bound"] = speed / bound if bound and speed else None
 
     report = {
         "machine": machine_info(device),
         "read_bandwidth_mb_s": bandwidth["mb_s"],
         "read_bandwidth": bandwidth,
+        "device_profile": profile.to_json(),
+        "device_profile_calibrated": calibrated.to_json() if calibrated is not None else None,
         "results": [{k: r.get(k) for k in RESULT_KEYS} | {k: v for k, v in r.items() if k not in RESULT_KEYS}
                     for r in results],
         "subjects": {s.name: {"model": str(s.model_dir), "artifact": str(s.artifact),
                               "naive_artifact": str(s.naive_artifact), "routing": s.routing,
                               "prompt_tokens": len(s.prompt_ids), "decode_tokens": len(s.decode_ids),
                               "accuracy_delta": accuracy_delta(s.artifact)}
-                     | {k: v for k, v in s.facts.items() if k != "recorded_routing"} for s in subjects},
+                     | s.facts for s in subjects},
         "bounds": bounds,
         "budgets": budget_list,
         "repeats": repeats,

@@ -8,9 +8,21 @@ processes exactly the same tokens), and prints one JSON object as the last line 
 A process per measurement because peak RSS is per process and only ever grows: a fresh process gives
 each system its own peak and hands all its memory back when it ends.
 
-Systems: ``resident`` (transformers, every weight in memory), ``accelerate`` (transformers with
-``device_map="auto"`` and ``max_memory`` at the budget, the overflow offloaded to disk), ``naive`` and
-``moeprep`` (``loader.runtime.load`` at the budget; see ``prep/bench/run.py`` for how they differ).
+Systems: ``resident`` (transformers, every weight in memory, in the spec's ``dtype`` and transformers'
+``experts_implementation``: the bench times each candidate pair this way and runs the fastest),
+``accelerate`` (transformers with ``device_map="auto"`` and ``max_memory`` at the budget, the overflow
+offloaded to disk), ``naive``, ``naive+<technique>`` and ``moeprep`` (``loader.runtime.load`` at the budget;
+see ``prep/bench/run.py`` for how they differ), and ``<system>@unlimited`` (that loader system at the budget
+``unlimited``: every expert cached in its held form, the compute floor of the bench's bound; the prompt and
+the continuation run once untimed first, so that every expert they use is cached when the timed run starts).
+
+A loader system also reports ``overhead_us_per_layer``: from the loader's cumulative ``decode_timing``
+counters (``LoadedModel.stats()``), differenced over the decode steps, the wall time of a MoE layer step
+that is neither expert compute nor waiting for reads, per layer step, in microseconds (None where the
+loader does not count it). A ``resident`` run with ``record_routing`` (a path) writes what the model's own
+routers did, token by token, to that safetensors file: ``expert_ids`` and ``weights`` [T, L, K], ``logits``
+[T, L, E], ``router_inputs`` [T, L, H] and, when the LM head saw every token, ``head_inputs`` [T, H]
+(what the simulator needs to replay the same decisions and the plan's predictors).
 """
 
 from __future__ import annotations
@@ -28,24 +40,55 @@ from loader.routing import ReplayRouting, RoutingPolicy, install_routing
 
 
 class RecordingRouting(RoutingPolicy):
-    """The model's own routing, writing down each MoE layer's chosen experts (the bench's Belady bound)."""
+    """The model's own routing, writing down each MoE layer's chosen experts, their weights, the router logits
+    and the router inputs (the bench's simulator replays them: the modelled column and Belady's bound)."""
 
     def __init__(self) -> None:
         self.calls: list[list] = []  # per layer, the indices [T, K] of each call
+        self.weights: list[list] = []  # per layer, the weights [T, K]
+        self.logits: list[list] = []  # per layer, the router logits [T, E]
+        self.inputs: list[list] = []  # per layer, the router inputs [T, H]
+        self.head: list = []  # the LM head's inputs [T, H] of each forward
 
     def bind(self, num_layers: int) -> None:
         self.calls = [[] for _ in range(num_layers)]
+        self.weights = [[] for _ in range(num_layers)]
+        self.logits = [[] for _ in range(num_layers)]
+        self.inputs = [[] for _ in range(num_layers)]
 
     def route(self, layer, logits, weights, indices, view=None):
-        self.calls[layer].append(indices.detach().cpu())
+        self.calls[layer].append(indices.detach().reshape(-1, indices.shape[-1]).cpu())
+        self.weights[layer].append(weights.detach().reshape(-1, weights.shape[-1]).float().cpu())
+        if logits is not None:
+            self.logits[layer].append(logits.detach().reshape(-1, logits.shape[-1]).float().cpu())
         return weights, indices
 
-    def decisions(self) -> list:
-        """[T][L][K] over every call so far."""
-        import torch as _torch
+    def after_router(self, layer, x, indices) -> None:
+        if x is not None:
+            self.inputs[layer].append(x.detach().reshape(-1, x.shape[-1]).float().cpu())
 
-        per_layer = [_torch.cat(calls) for calls in self.calls]
-        return _torch.stack(per_layer, 1).tolist()
+    def head_hook(self, _module, args) -> None:
+        if args:
+            self.head.append(args[0].detach().reshape(-1, args[0].shape[-1]).float().cpu())
+
+    def save(self, path: str | Path) -> None:
+        """Write what was recorded (see the module docstring) to ``path``, a safetensors file."""
+        from safetensors.torch import save_file
+
+        def stacked(per_layer):
+            return torch.stack([torch.cat(calls) for calls in per_layer], 1).contiguous()
+
+        tokens = sum(len(c) for c in self.calls[0])
+        out = {"expert_ids": stacked(self.calls), "weights": stacked(self.weights)}
+        if all(self.logits) and all(sum(len(c) for c in calls) == tokens for calls in self.logits):
+            out["logits"] = stacked(self.logits)
+        if all(self.inputs) and all(sum(len(c) for c in calls) == tokens for calls in self.inputs):
+            out["router_inputs"] = stacked(self.inputs)
+        if self.head and sum(len(h) for h in self.head) == tokens:  # the head saw every token (no logits_to_keep)
+            out["head_inputs"] = torch.cat(self.head).contiguous()
+        tmp = Path(path).with_name(f".{Path(path).name}.tmp-{os.getpid()}")
+        save_file(out, str(tmp))
+        os.replace(tmp, path)
 
 
 def peak_rss_mb() -> float:
@@ -115,37 +158,59 @@ def _accelerate_probe(model) -> dict:
     return probe
 
 
+def loader_plan(artifact: str | Path, system: str):
+    """The plan a loader system runs on ``artifact``: None for ``moeprep`` (the artifact's own plan, scaled to the
+    budget); for ``naive``, per-layer LRU at each expert's shipped precision (no other records); ``naive+neuron``
+    adds the plan's neuron-level loading, ``naive+<predictor>`` that one predictor with the artifact's knobs.
+    ``<system>@unlimited`` is ``<system>``'s plan (the budget differs). The bench's simulator takes the same."""
+    import dataclasses
+
+    from loader.plan import Plan, read_plan
+
+    system = system.split("@", 1)[0]
+    if not system.startswith("naive"):
+        return None
+    own = read_plan(artifact)
+    stores = json.loads((Path(artifact) / "manifest.json").read_text())["stores"]
+    plan = Plan.mixed(own.expert_precision, {p: s["record_bytes"] for p, s in stores.items()})
+    if system == "naive+neuron":  # the plan's neuron-level loading, nothing else
+        plan = dataclasses.replace(plan, neuron=own.neuron)
+    elif "+" in system:  # naive+<predictor>: that one predictor with the artifact's knobs, nothing else
+        name = system.split("+", 1)[1]
+        plan = dataclasses.replace(plan, predictors=tuple(s for s in own.predictors if s.name == name))
+    return plan
+
+
 def _load(spec: dict, routing):
     """(model, loaded-or-None, accelerate probe-or-None, files whose page cache to drop before each step)."""
-    system, device = spec["system"], spec["device"]
+    system, device = spec["system"].split("@", 1)[0], spec["device"]  # naive@unlimited: naive's plan, unlimited
     model_dir = Path(spec["model_dir"])
     if system == "moeprep" or system.startswith("naive"):
-        import dataclasses
-
-        from loader.plan import Plan, read_plan
         from loader.runtime import load
 
-        plan = None  # moeprep: the artifact's own plan, scaled to the budget
-        if system.startswith("naive"):  # per-layer LRU at each expert's shipped precision (no other records)
-            own = read_plan(spec["artifact"])
-            stores = json.loads((Path(spec["artifact"]) / "manifest.json").read_text())["stores"]
-            plan = Plan.mixed(own.expert_precision, {p: s["record_bytes"] for p, s in stores.items()})
-            if system == "naive+neuron":  # the plan's neuron-level loading, nothing else
-                plan = dataclasses.replace(plan, neuron=own.neuron)
-            elif "+" in system:  # naive+<predictor>: that one predictor with the artifact's knobs, nothing else
-                name = system.split("+", 1)[1]
-                plan = dataclasses.replace(plan, predictors=tuple(s for s in own.predictors if s.name == name))
         loaded = load(spec["artifact"], device=device, memory_budget=spec.get("memory_budget", spec["budget"]),
-                      store="host" if device == "cuda" else "disk", plan=plan, routing=routing)
+                      store="host" if device == "cuda" else "disk", plan=loader_plan(spec["artifact"], system),
+                      routing=routing)
         return loaded.model, loaded, None, []
 
     from transformers import AutoModelForCausalLM
 
     if system == "resident":
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(device).eval()
+        kwargs = {"experts_implementation": spec["experts_implementation"]} if spec.get("experts_implementation") else {}
+        dtype = getattr(torch, spec["dtype"]) if spec.get("dtype") else "auto"
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs).to(device).eval()
+        wanted = spec.get("experts_implementation")
+        if wanted and getattr(model.config, "_experts_implementation", None) != wanted:
+            raise RuntimeError(f"transformers runs experts implementation {model.config._experts_implementation!r}, "
+                               f"not the {wanted!r} asked for")
+        after_router = None
         if routing is None and spec.get("record_routing"):
             routing = RecordingRouting()
-        install_routing(model, spec["experts_modules"], routing)
+            after_router = routing.after_router
+            head = model.get_output_embeddings()
+            if head is not None:
+                head.register_forward_pre_hook(routing.head_hook)
+        install_routing(model, spec["experts_modules"], routing, after_router=after_router)
         model._bench_routing = routing
         return model, None, None, []
 
@@ -217,6 +282,14 @@ def measure(spec: dict) -> dict:
             torch.cuda.synchronize(device)
 
     with torch.inference_mode():
+        if spec["system"].endswith("@unlimited"):  # the compute floor: every expert the run uses cached first
+            warm = model(input_ids=prompt, use_cache=True)
+            for token in decode:
+                warm = model(input_ids=torch.tensor([[token]], device=device), past_key_values=warm.past_key_values,
+                             use_cache=True)
+            del warm
+            if routing is not None:
+                routing.reset()  # the replay starts over with the timed prefill
         drop_page_cache(cached_files)
         io_start = disk_read_bytes()
         start = time.perf_counter()
@@ -255,6 +328,7 @@ def measure(spec: dict) -> dict:
                    "budget_bytes": loaded.budget["limit_bytes"], "misses_per_token": misses / n,
                    "prefetch": {k: after["prefetch"][k] - before["prefetch"][k]  # decode steps only
                                 for k in ("issued", "used", "wasted", "cancelled", "saved_seconds")}}
+        result |= overhead(before, after)
         if after["neuron"] is not None:  # neuron-level loading (decode only): the whole run's shares
             result["neuron"] = {k: after["neuron"][k] for k in ("theta", "crossover", "active_share", "computed_share",
                                                                 "partial_reads", "whole_reads", "neuron_recall")}
@@ -272,11 +346,31 @@ def measure(spec: dict) -> dict:
         result |= {"bytes_read_per_token": 0.0, "hit_rate": 1.0, "stall_fraction": 0.0}
     recorder = getattr(model, "_bench_routing", None)
     if isinstance(recorder, RecordingRouting):
-        result["routing"] = recorder.decisions()
+        recorder.save(spec["record_routing"])
+        result["routing_file"] = spec["record_routing"]
     experts_impl = getattr(model.config, "_experts_implementation", None)
     result["experts_implementation"] = experts_impl
+    if loaded is None:  # the dtype transformers computes in (the loader's held forms are in "compute")
+        result["dtype"] = str(next(p.dtype for p in model.parameters())).removeprefix("torch.")
     result["peak_rss_mb"] = peak_rss_mb()
     return result
+
+
+TIMING_KEYS = ("layer_steps", "step_seconds", "compute_seconds", "stall_seconds")
+
+
+def overhead(before: dict, after: dict) -> dict:
+    """The loader's own time per MoE layer step over the decode steps: ``decode_timing``'s counters (cumulative:
+    MoE layer steps of one-token forwards, the wall seconds inside them, the expert compute and the waits for
+    reads) differenced between ``before`` and ``after``; step - compute - stall per layer step, in us. None
+    (and no ``decode_timing``) where the loader does not count them."""
+    b, a = before.get("decode_timing"), after.get("decode_timing")
+    if not isinstance(b, dict) or not isinstance(a, dict) or not all(k in a and k in b for k in TIMING_KEYS):
+        return {"overhead_us_per_layer": None}
+    d = {k: a[k] - b[k] for k in TIMING_KEYS}
+    steps = d["layer_steps"]
+    per_step = (d["step_seconds"] - d["compute_seconds"] - d["stall_seconds"]) / steps if steps else None
+    return {"decode_timing": d, "overhead_us_per_layer": per_step * 1e6 if per_step is not None else None}
 
 
 def main(argv: list[str]) -> None:
