@@ -433,6 +433,8 @@ def test_a_calibrated_profile_models_the_loaders_step():
     assert got.seconds == pytest.approx(want)
     assert simulate(replay, spec, "lru", profile=plain).seconds == pytest.approx(2 * 3.0e-3 + 1.9e-3 + 0.8e-3)
     assert DeviceProfile.from_json(profile.to_json()) == profile
+    outside = simulate(replay, spec, "lru", profile=calibrated(plain, 5e-5, 2e-3))  # + 2 ms a token outside
+    assert outside.seconds == pytest.approx(want + 2 * 2e-3)
     with pytest.raises(MoeprepError, match="calibration"):
         DeviceProfile.from_json(profile.to_json() | {"calibration": {"overlap": "yes"}})
 

@@ -405,6 +405,20 @@ def calibrated_profile(profile, results: list[dict]):
     return calibrated(profile, statistics.median(overheads) * 1e-6)
 
 
+def calibrated_for(calibrated, subject: Subject, results: list[dict]):
+    """The run's calibrated profile scaled to the subject, with the subject's model's time per decode token
+    outside the MoE layers' steps (the median ``outside_us_per_token`` of its loader rows; one model's, as
+    the layer overhead is one device's)."""
+    import statistics
+
+    outside = [r["outside_us_per_token"] for r in results if r["subject"] == subject.name and is_loader(r["system"])
+               and not r.get("error") and r.get("outside_us_per_token") is not None]
+    scaled = subject_profile(calibrated, subject)
+    if not outside:
+        return scaled
+    return dataclasses.replace(scaled, calibration=scaled.calibration | {"token_overhead_s": statistics.median(outside) * 1e-6})
+
+
 def subject_profile(profile, subject: Subject):
     """``profile`` scaled to the subject's experts; a passthrough record computes in the model's own dtype."""
     scaled = profile.scaled_to(weights_per_expert(subject))
@@ -870,7 +884,7 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
             key = ("calibrated", row["subject"], row["system"], str(memory))
             if key not in models:
                 models[key] = modelled(subj, row["system"], memory, routings[subj.name],
-                                       subject_profile(calibrated, subj), device)
+                                       calibrated_for(calibrated, subj, results), device)
             model, speed = models[key].get("modelled_tokens_per_s"), row.get("decode_tokens_per_s")
             row["modelled_calibrated_tokens_per_s"] = model
             row["modelled_calibrated_over_measured"] = model / speed if model and speed else None

@@ -328,7 +328,7 @@ def measure(spec: dict) -> dict:
                    "budget_bytes": loaded.budget["limit_bytes"], "misses_per_token": misses / n,
                    "prefetch": {k: after["prefetch"][k] - before["prefetch"][k]  # decode steps only
                                 for k in ("issued", "used", "wasted", "cancelled", "saved_seconds")}}
-        result |= overhead(before, after)
+        result |= overhead(before, after, decode_seconds, n)
         if after["neuron"] is not None:  # neuron-level loading (decode only): the whole run's shares
             result["neuron"] = {k: after["neuron"][k] for k in ("theta", "crossover", "active_share", "computed_share",
                                                                 "partial_reads", "whole_reads", "neuron_recall")}
@@ -359,7 +359,7 @@ def measure(spec: dict) -> dict:
 TIMING_KEYS = ("layer_steps", "step_seconds", "compute_seconds", "stall_seconds")
 
 
-def overhead(before: dict, after: dict) -> dict:
+def overhead(before: dict, after: dict, decode_seconds: float | None = None, tokens: int = 0) -> dict:
     """The loader's own time per MoE layer step over the decode steps: ``decode_timing``'s counters (cumulative:
     MoE layer steps of one-token forwards, the wall seconds inside them, the expert compute and the waits for
     reads) differenced between ``before`` and ``after``; step - compute - stall per layer step, in us. None
@@ -370,7 +370,10 @@ def overhead(before: dict, after: dict) -> dict:
     d = {k: a[k] - b[k] for k in TIMING_KEYS}
     steps = d["layer_steps"]
     per_step = (d["step_seconds"] - d["compute_seconds"] - d["stall_seconds"]) / steps if steps else None
-    return {"decode_timing": d, "overhead_us_per_layer": per_step * 1e6 if per_step is not None else None}
+    # the rest of each decode step: attention, dense layers, routers, LM head, predictors (the model's, not the cache's)
+    outside = (decode_seconds - d["step_seconds"]) / tokens if decode_seconds is not None and tokens else None
+    return {"decode_timing": d, "overhead_us_per_layer": per_step * 1e6 if per_step is not None else None,
+            "outside_us_per_token": outside * 1e6 if outside is not None else None}
 
 
 def main(argv: list[str]) -> None:

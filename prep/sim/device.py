@@ -14,8 +14,10 @@ its reads (an upper bound). A profile calibrated against the loader on the devic
 ``{"overlap": true, "layer_overhead_s": float}``, written by the bench from the loader's own
 ``decode_timing``) models the loader's step: hits compute while the layer's reads run one after another,
 the layer stalls only for what is left of them (``max(0, reads - hits' compute)``), each MoE layer
-call costs ``layer_overhead_s`` of the loader's own time, and a token takes at least the time of all its
-reads, prefetches included (one disk): a wasted prefetch costs time where the disk is the bottleneck.
+call costs ``layer_overhead_s`` of the loader's own time, each token ``token_overhead_s`` outside the MoE
+layers' steps (attention, dense layers, routers: one model's, so a profile calibrated on one model holds
+for that model), and a token takes at least the time of all its reads, prefetches included (one disk): a
+wasted prefetch costs time where the disk is the bottleneck.
 
 Measurement (``measure_device``): reads bypass the page cache (O_DIRECT where the filesystem allows
 it, else ``posix_fadvise(DONTNEED)`` before reading) from a temporary file of a few hundred MB; the
@@ -73,6 +75,12 @@ class DeviceProfile:
     def layer_overhead(self) -> float:
         return float(self.calibration.get("layer_overhead_s", 0.0))
 
+    @property
+    def token_overhead(self) -> float:
+        """Seconds per token outside the MoE layers' expert steps (attention, dense layers, routers, the LM
+        head, predictors), of the model the profile was calibrated on."""
+        return float(self.calibration.get("token_overhead_s", 0.0))
+
     def read_seconds(self, nbytes: int) -> float:
         return self.read_latency + nbytes / self.read_bandwidth
 
@@ -120,10 +128,12 @@ class DeviceProfile:
         if not (isinstance(make, dict) and all(isinstance(k, str) and _number(v) and v >= 0 for k, v in make.items())):
             raise MoeprepError(f"{where}: make_seconds_per_expert must be {{precision: seconds >= 0}}; {fix}")
         calibration = raw.get("calibration", {})
-        if not (isinstance(calibration, dict) and set(calibration) <= {"overlap", "layer_overhead_s"}
+        seconds = ("layer_overhead_s", "token_overhead_s")
+        if not (isinstance(calibration, dict) and set(calibration) <= {"overlap", *seconds}
                 and isinstance(calibration.get("overlap", False), bool)
-                and _number(calibration.get("layer_overhead_s", 0.0)) and calibration.get("layer_overhead_s", 0.0) >= 0):
-            raise MoeprepError(f"{where}: calibration must be {{overlap: bool, layer_overhead_s: seconds >= 0}}; {fix}")
+                and all(_number(calibration.get(k, 0.0)) and calibration.get(k, 0.0) >= 0 for k in seconds)):
+            raise MoeprepError(f"{where}: calibration must be {{overlap: bool, layer_overhead_s: seconds >= 0, "
+                               f"token_overhead_s: seconds >= 0}}; {fix}")
         known = {"format", "version", "device", "read_bandwidth_bytes_per_s", "read_latency_s",
                  "compute_seconds_per_expert", "make_seconds_per_expert", "calibration"}
         return cls(float(bw), float(latency), {k: float(v) for k, v in compute.items()}, str(raw.get("device", "")),
@@ -333,12 +343,14 @@ def measure_device(directory: str | Path | None = None, file_bytes: int = 256 <<
                          f"{device}: {name}", extra, make)
 
 
-def calibrated(profile: DeviceProfile, layer_overhead_s: float) -> DeviceProfile:
+def calibrated(profile: DeviceProfile, layer_overhead_s: float, token_overhead_s: float = 0.0) -> DeviceProfile:
     """``profile`` modelling the loader's step: reads overlap hits' compute, plus the loader's own time per MoE
-    layer call (``stats()["decode_timing"]["overhead_per_layer_step"]`` of a loader run on this device)."""
+    layer call (``stats()["decode_timing"]["overhead_per_layer_step"]`` of a loader run on this device) and, for
+    one model, the time per token outside the MoE layers' steps (``outside_per_token``)."""
     import dataclasses
 
-    return dataclasses.replace(profile, calibration={"overlap": True, "layer_overhead_s": max(0.0, float(layer_overhead_s))})
+    return dataclasses.replace(profile, calibration={"overlap": True, "layer_overhead_s": max(0.0, float(layer_overhead_s)),
+                                                     "token_overhead_s": max(0.0, float(token_overhead_s))})
 
 
 def write_profile(profile: DeviceProfile, path: str | Path) -> Path:

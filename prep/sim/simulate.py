@@ -210,6 +210,11 @@ class SimResult:
     io_bound_seconds: float = 0.0
 
     @property
+    def outside_seconds(self) -> float:
+        """A calibrated profile's time outside the MoE layers' steps, for every token replayed."""
+        return self.profile.token_overhead * self.tokens if self.profile is not None else 0.0
+
+    @property
     def requests(self) -> int:
         return sum(r.requests for r in self.layers)
 
@@ -233,7 +238,7 @@ class SimResult:
     def seconds(self) -> float | None:
         if self.profile is None:
             return None
-        return sum(r.read_seconds + r.compute_seconds for r in self.layers) + self.io_bound_seconds
+        return sum(r.read_seconds + r.compute_seconds for r in self.layers) + self.io_bound_seconds + self.outside_seconds
 
     def to_json(self) -> dict:
         modelled = self.profile is not None
@@ -254,9 +259,10 @@ class SimResult:
         if modelled:
             read = sum(r.read_seconds for r in self.layers)
             compute = sum(r.compute_seconds for r in self.layers)
-            total = read + compute + self.io_bound_seconds
+            total = read + compute + self.io_bound_seconds + self.outside_seconds
             out["seconds"] = {"total": total, "per_token": total / self.tokens if self.tokens else None,
                               "read": read, "compute": compute, "io_bound": self.io_bound_seconds,
+                              "outside_layers": self.outside_seconds,
                               "device": self.profile.device}
         out["layers"] = [r.to_json(layer, modelled) for layer, r in enumerate(self.layers)]
         return out
@@ -395,7 +401,7 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
                 for p in predictors:
                     prefetch(p.after_last_layer(feed.head_inputs[s][t][None].float()))
             if profile is not None and profile.overlap:  # one disk: a token takes at least its reads
-                io_bound += max(0.0, token_io[0] - token_io[1])
+                io_bound += max(0.0, token_io[0] - token_io[1] - profile.token_overhead)
     for layer, counts in enumerate(layers):
         c = cache.counters[layer]
         counts.hits, counts.misses, counts.joins, counts.bytes_read = c.hits, c.misses, c.joins, c.bytes_read
