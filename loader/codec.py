@@ -183,7 +183,7 @@ def decode_matrix(spec: MatrixSpec, parts: dict[str, torch.Tensor], out: torch.T
 
     ``out``: a tensor of ``spec``'s shape (any float dtype) to write into instead of a new one in the source
     dtype; the values are computed in float32 and rounded once to ``out``'s dtype (the loader's decoded
-    copies, ``loader/kernels.py``)."""
+    forms, ``loader/forms.py``)."""
     if spec.rows:
         w = decode_rows(spec, parts[f"{spec.name}.rows"].view(spec.shape[0], spec.row_bytes))
         return w if out is None else out.copy_(w)

@@ -208,8 +208,10 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     off. plan: a whole ``Plan`` instead of the artifact's ``plan.json``. neuron: neuron-level loading
     (``loader/neuron.py``) on with the plan's knobs (True), off (False), these knobs (a ``NeuronConfig``),
     or as the plan says (None); it needs an artifact whose stores are in the neuron layout. expert_dtype:
-    how a cached quantized expert is held (``loader/kernels.py``): "auto" (decoded, in the dtype measured
-    fastest here), "float32", "bfloat16", "float16" (decoded in that dtype) or "packed" (decoded per use).
+    the held form of a cached expert (``loader/forms.py``): "auto" (fixed before the run: the environment's
+    pin, the plan's ``forms``, else int4pack on a CPU where it fits and bfloat16 otherwise; plain matrices
+    as stored), "float32", "bfloat16", "float16" (decoded in that dtype), "int4pack", or "packed" (the
+    record, decoded per use). workers: reader threads; each makes the held forms of the reads it serves.
     cpu_misses: on a CUDA device with ``store="host"``, a decode step's missed expert is computed on the CPU
     from the host record instead of copied: "auto" (where the costs measured at load say the CPU is
     faster), "always" or "never"; elsewhere it has no effect ("always" is refused).
