@@ -153,10 +153,13 @@ def neuron_switch(artifact: str, neuron: str, theta: float | None):
                    "plan's, else int4pack on a CPU where it fits and bfloat16 otherwise), a decoded copy in "
                    "that dtype, int4pack (torch's CPU int4 kernel), or packed (the record, decoded on every "
                    "use: the smallest).")
+@click.option("--threads", default="auto", show_default=True,
+              help="torch's intra-op threads while decoding: auto (on a CPU the cores the reader threads leave "
+                   "free), a number, or keep (torch's own setting).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {text, token_ids, stats}.")
 def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_budget: str | None, device: str,
                      store: str, predictors: str | None, exact_routing: bool, planned_precision: bool,
-                     neuron: str, theta: float | None, expert_dtype: str, as_json: bool) -> None:
+                     neuron: str, theta: float | None, expert_dtype: str, threads: str, as_json: bool) -> None:
     """Greedy generation through the offloading runtime; streams the text, then prints the stats."""
     import torch
     from transformers import TextStreamer
@@ -167,11 +170,14 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
     if max_new_tokens < 1:
         raise MoeError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     check_device(device)
+    if threads not in ("auto", "keep") and not threads.isdigit():
+        raise MoeError(f"--threads {threads!r}: use auto, keep or a positive number")
+    threads_arg = None if threads == "keep" else (threads if threads == "auto" else int(threads))
     chosen = None if predictors is None else [p for p in predictors.replace(" ", "").split(",") if p and p != "none"]
     loaded = load(artifact, device=device, memory_budget=memory_budget, store=store, predictors=chosen,
                   routing=RoutingPolicy() if exact_routing else None,
                   miss_policy=MissPolicy() if planned_precision else None,
-                  neuron=neuron_switch(artifact, neuron, theta), expert_dtype=expert_dtype)
+                  neuron=neuron_switch(artifact, neuron, theta), expert_dtype=expert_dtype, threads=threads_arg)
     tok = loaded.tokenizer
     ids = torch.tensor([tok(prompt)["input_ids"]], dtype=torch.long, device=device)
     if ids.numel() == 0:

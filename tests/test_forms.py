@@ -403,3 +403,22 @@ def test_the_nibble_repack_writes_torchs_int4pack_layout():
         assert torch.equal(unpack_codes(packed, 4, n * k).view(n, k), codes)  # the record's own packing
         want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
         assert torch.equal(repack_nibbles(packed, torch.empty(n, k // 2, dtype=torch.uint8)), want), (n, k)
+
+
+def test_threads_are_set_while_loaded_and_restored_on_close(tmp_path_factory):
+    from loader.runtime import compute_threads
+
+    _, artifact = tiny_artifact(tmp_path_factory, "mixtral", "int4")
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert compute_threads(CPU, 2) == max(1, cores - 2) and compute_threads(torch.device("meta"), 2) is None
+    loaded = load(artifact, memory_budget="unlimited", threads=1)
+    assert torch.get_num_threads() == 1 and loaded.stats()["compute"]["torch_threads"] == 1
+    loaded.close()
+    assert torch.get_num_threads() == before
+    loaded = load(artifact, memory_budget="unlimited")  # None: torch's own setting, untouched
+    assert torch.get_num_threads() == before
+    loaded.close()
+    with pytest.raises(LoaderError, match="threads 0 must be"):
+        load(artifact, threads=0)
+    assert torch.get_num_threads() == before
