@@ -164,7 +164,7 @@ def staging_bytes(stores: dict, forms: dict, workers: int) -> int:
     return max(1, workers) * max((s.stride for s in staged), default=0)
 
 
-def _dense_bytes(path: Path) -> int:
+def dense_bytes(path: Path) -> int:
     """Bytes of the tensors in a safetensors file: the file minus its 8-byte length and JSON header."""
     from loader.format import ArtifactError
 
@@ -193,7 +193,7 @@ def artifact_sizes(manifest, stores: dict, device: torch.device, forms: dict, wo
     (``held_bytes``), the reader threads their staging buffers, the dense weights their tensor bytes, plus a
     host-mode store's whole file when the budget is RAM (CPU device)."""
     moe = manifest.raw["moe"]
-    held = _dense_bytes(manifest.path("dense.safetensors"))
+    held = dense_bytes(manifest.path("dense.safetensors"))
     if device.type == "cpu":
         held += sum(s.host_bytes for s in stores.values())
     slots = {p: held_bytes(s, forms[p]) for p, s in stores.items()}

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from loader.budget import _dense_bytes, budget_bytes, cache_layout, held_layout, minimum_budget, minimum_bytes  # noqa: F401
+from loader.budget import budget_bytes, cache_layout, dense_bytes, held_layout, minimum_budget, minimum_bytes  # noqa: F401
 from loader.cache import ExpertCache, MemoryMeter
 from loader.codec import RecordLayout
 from loader.errors import LoaderError
@@ -272,38 +272,16 @@ def _neuron_config(plan: Plan, neuron, pairings: dict) -> NeuronConfig | None:
     return cfg
 
 
-def _neuron_config(plan: Plan, neuron, pairings: dict) -> NeuronConfig | None:
-    """The neuron-level loading the load runs with (see ``load``), checked against the artifact's stores."""
-    if neuron is False or (neuron is None and plan.neuron.name == "off"):
-        return None
-    if isinstance(neuron, NeuronConfig):
-        cfg = neuron
-    else:
-        if plan.neuron.name not in ("off", "sparse"):
-            raise LoaderError(f"the plan's neuron entry {plan.neuron.name!r} is unknown (known: off, sparse); "
-                              "upgrade the loader or prepare the artifact again")
-        try:
-            cfg = NeuronConfig.from_params(plan.neuron.params)
-        except (NeuronError, TypeError) as e:
-            raise LoaderError(f"{e}; prepare the artifact again") from None
-    if not pairings:
-        raise LoaderError("neuron-level loading needs an artifact whose expert stores are in the neuron layout; "
-                          "prepare it with `--set neuron.layout=neuron` (or leave neuron loading off)")
-    return cfg
-
-
-def _load(artifact, device, memory_budget, store, policy, workers, routing, predictors, miss_policy,
-          plan, neuron, expert_dtype, cpu_misses, threads) -> LoadedModel:
+def _load(artifact, **options) -> LoadedModel:
     """``load`` once. Everything opened is registered on one ExitStack: on any error it is all closed."""
     with contextlib.ExitStack() as cleanup:
-        loaded = _build(artifact, device, memory_budget, store, policy, workers, routing, predictors, miss_policy,
-                        plan, neuron, expert_dtype, cpu_misses, threads, cleanup)
+        loaded = _build(artifact, cleanup, **options)
         cleanup.pop_all()  # success: the LoadedModel owns them now (``LoadedModel.close``)
         return loaded
 
 
-def _build(artifact, device, memory_budget, store, policy, workers, routing, predictors, miss_policy,
-           plan, neuron, expert_dtype, cpu_misses, threads, cleanup: contextlib.ExitStack) -> LoadedModel:
+def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, store, policy, workers, routing,
+           predictors, miss_policy, plan, neuron, expert_dtype, cpu_misses, threads) -> LoadedModel:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -387,7 +365,7 @@ def _build(artifact, device, memory_budget, store, policy, workers, routing, pre
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(artifact)
     caps, sizes = layout.capacities, layout.sizes
-    budget = caps.to_json() | {"dense_bytes": _dense_bytes(dense_path), "requested": memory_budget if memory_budget is not None else plan.default_budget,
+    budget = caps.to_json() | {"dense_bytes": dense_bytes(dense_path), "requested": memory_budget if memory_budget is not None else plan.default_budget,
                                "minimum_bytes": minimum_bytes(plan, sizes), "host_store_bytes": host_bytes,
                                "record_bytes": {p: s.record_bytes for p, s in stores.items()},
                                "slot_bytes": engine.slot_bytes, "eviction": plan.eviction.name,

@@ -48,7 +48,6 @@ class Decision:
     expert: int
     precision: str
     entry: Entry | None
-    kind: str  # "hit", "join" or "miss" (a miss served by a held lower copy keeps "miss")
 
 
 class LayerSchedule:
@@ -90,7 +89,7 @@ class LayerSchedule:
                                   f"store for (stores: {sorted(self.readable)})")
             precision = entry.precision if entry is not None else precision
             cache.use(layer, req.expert, precision)
-            decisions.append(Decision(req.expert, precision, entry, req.kind))
+            decisions.append(Decision(req.expert, precision, entry))
         return decisions, skipped
 
     def admit(self, layer: int, expert: int, precision: str, slot_bytes: int, read_bytes: int) -> Entry | None:

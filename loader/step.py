@@ -116,8 +116,8 @@ class ExpertEngine:
                                                 for b in self.caps.pools[pool.name].values()),
                                             self.slot_bytes[pool.precision], device) for pool in plan.pools}
         self.buffers = SlotArena(top_k, max(self.slot_bytes.values()), device)
-        staged = [s.stride for p, s in stores.items() if self.forms[p].staged]
-        self.staging = SlotArena(max(1, workers), max(staged), device) if staged else None
+        staging = layout.sizes.staging_bytes  # ``loader.budget.staging_bytes``: one buffer per reader thread
+        self.staging = SlotArena(max(1, workers), staging // max(1, workers), device) if staging else None
         if self.staging is not None:
             self.meter.add(self.staging.count * self.staging.slot_bytes)  # held for the whole run
         self.reader = Reader(workers, device, self.staging)
@@ -172,12 +172,12 @@ class ExpertEngine:
         self.arenas[entry.pool].give(held.slot)
         entry.payload = None
 
-    def read_entry(self, entry, priority: int, form=True) -> ReadJob:
+    def read_entry(self, entry, priority: int) -> ReadJob:
         """Take a slot of the entry's pool and read its record there (making the held form)."""
         arena = self.arenas[entry.pool]
         held = entry.payload = Held(arena.take())
         held.job = ReadJob(self.stores[entry.precision], self.key(entry.layer, entry.expert), arena, held.slot,
-                           priority, form=self.forms[entry.precision] if form else None)
+                           priority, form=self.forms[entry.precision])
         return self.reader.submit(held.job)
 
     def take_buffer(self) -> int:
@@ -198,6 +198,10 @@ class ExpertEngine:
         self.times[layer].stall_seconds += stalled
         self.times[layer].read_seconds += seconds
         self._stalled += stalled
+        self._count_made(job)
+
+    def _count_made(self, job: ReadJob) -> None:
+        """A landed read whose reader made a held form: one decode, and the reader's seconds making it."""
         if job.form is not None and job.form.staged:
             self.counters.decodes += 1
             self.counters.make_seconds += job.make_seconds
@@ -223,9 +227,7 @@ class ExpertEngine:
                 continue
             job = held.job
             if job.state == "done":
-                if job.form is not None and job.form.staged:
-                    self.counters.decodes += 1
-                    self.counters.make_seconds += job.make_seconds
+                self._count_made(job)
                 held.weights, held.read_seconds, held.job = job.weights, job.seconds, None
                 self.cache.complete(entry)
             elif job.state in ("failed", "cancelled"):
