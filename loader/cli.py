@@ -153,9 +153,10 @@ def neuron_switch(artifact: str, neuron: str, theta: float | None):
                    "plan's, else int4pack on a CPU where it fits and bfloat16 otherwise), a decoded copy in "
                    "that dtype, int4pack (torch's CPU int4 kernel), or packed (the record, decoded on every "
                    "use: the smallest).")
-@click.option("--threads", default="auto", show_default=True,
-              help="torch's intra-op threads while decoding: auto (on a CPU the cores the reader threads leave "
-                   "free), a number, or keep (torch's own setting).")
+@click.option("--threads", default="keep", show_default=True,
+              help="torch's intra-op threads while decoding: keep (torch's own setting), auto (on a CPU the cores "
+                   "the reader threads leave free: faster on some models, slower on others, see loader/README.md), "
+                   "or a number.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {text, token_ids, stats}.")
 def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_budget: str | None, device: str,
                      store: str, predictors: str | None, exact_routing: bool, planned_precision: bool,

@@ -17,8 +17,8 @@ Systems (DESIGN.md section 7, "Speed"):
   neurons buys at the same budget.
 - ``moeprep``: the loader with the artifact's plan (``plan.json``: its pools, eviction policy, predictors,
   routing and miss policies), scaled to the budget.
-- every system runs with the same torch intra-op threads, ``loader.runtime.compute_threads`` (on a CPU the
-  cores the loader's two reader threads leave free, at least one), so ratios compare systems, not threads.
+- every system runs with torch's own intra-op threads (the loader's ``threads`` option is left off), so
+  ratios compare systems, not threads.
 - ``naive@unlimited`` and ``moeprep@unlimited``: that loader system at the budget ``unlimited``, every expert
   cached in its held form; budget-free like ``resident``. Their speeds are the compute floors of the bounds
   below (``naive``'s for the naive rows, ``moeprep``'s for moeprep and llama.cpp).
@@ -74,7 +74,6 @@ from prep.trace import MIXTRAL_TRACE_FILE
 
 SYSTEMS = ("resident", "accelerate", "naive", "moeprep")
 UNLIMITED = "unlimited"
-LOADER_WORKERS = 2  # the loader's reader threads (``load``'s default)
 RESIDENT_DTYPES = ("float32", "bfloat16")  # the resident candidates' dtypes, and on CUDA also:
 CUDA_RESIDENT_DTYPES = ("float16",)
 EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")  # transformers' (integrations/moe.py)
@@ -781,13 +780,9 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
     profile = device_profile(subjects, sizes, device, output)
     candidates = resident_candidates(device)
 
-    from loader.runtime import compute_threads
-
-    threads = compute_threads(torch.device(device), LOADER_WORKERS)  # every system alike, resident included
-
     def spec_for(subj: Subject, system: str, budget: str, repeat: int) -> dict:
         limit = _budget_bytes(subj, budget)
-        spec = {"subject": subj.name, "system": system, "budget": budget, "device": device, "threads": threads,
+        spec = {"subject": subj.name, "system": system, "budget": budget, "device": device,
                 "memory_budget": limit if budget == BELOW_4BIT else budget,
                 "budget_bytes": limit, "host_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2,
                 "model_dir": str(subj.model_dir),
@@ -911,7 +906,7 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
         row["fraction_of_bound"] = speed / bound if bound and speed else None
 
     report = {
-        "machine": machine_info(device) | {"torch_threads": threads},
+        "machine": machine_info(device) | {"torch_threads": torch.get_num_threads()},
         "read_bandwidth_mb_s": bandwidth["mb_s"],
         "read_bandwidth": bandwidth,
         "device_profile": profile.to_json(),

@@ -269,8 +269,6 @@ def measure_llama(spec: dict) -> dict:
 def measure(spec: dict) -> dict:
     if spec["system"] == "llama.cpp":
         return measure_llama(spec)
-    if spec.get("threads"):  # the run's one thread count, for every system (prep/bench/run.py)
-        torch.set_num_threads(int(spec["threads"]))
     routing = _replay(spec)
     started = time.perf_counter()
     model, loaded, probe, cached_files = _load(spec, routing)
