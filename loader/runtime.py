@@ -46,6 +46,7 @@ from loader.routing import (
 )
 from loader.step import ExpertEngine, measure_miss_costs, renormalized  # noqa: F401 (renormalized: part of the loader's API)
 from loader.store import ExpertStore
+from loader.transfer import link_for
 from loader.vocab import CPU_MISSES
 
 IMPLEMENTATION = "moeprep_offload"
@@ -161,7 +162,7 @@ class LoadedModel:
                         "decodes": rt.counters.decodes,
                         "decode_seconds": rt.counters.make_seconds, "cpu_misses": rt.cpu_misses,
                         "cpu_computed": rt.counters.cpu_computed,
-                        "miss_costs": dataclasses.asdict(rt.miss_costs) if rt.miss_costs else None},
+                        "miss_costs": rt.miss_costs.to_json() if rt.miss_costs else None},
             # decode steps: MoE layer calls and the seconds in them, in expert compute, waiting for reads, and
             # the rest (the loader's own overhead)
             "decode_timing": rt.counters.timing.to_json(),
@@ -290,7 +291,8 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
     dev = parse_device(device)
     if cpu_misses not in CPU_MISSES:
         raise LoaderError(f"cpu_misses {cpu_misses!r} unknown; use one of {', '.join(CPU_MISSES)}")
-    if cpu_misses == "always" and (dev.type != "cuda" or store != "host"):
+    link = link_for(dev)
+    if cpu_misses == "always" and (not link.accelerated or store != "host"):
         raise LoaderError("cpu_misses='always' computes GPU misses on the CPU from a store held in host RAM; it needs "
                           "device='cuda' and store='host' (or leave it at 'auto')")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -313,7 +315,8 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
     stores = {}
     for p, s in manifest.stores.items():
         stores[p] = ExpertStore(manifest.path(s.file), p, mode=store,
-                                check=lambda key, data, p=p: check_record(manifest, p, key, data))
+                                check=lambda key, data, p=p: check_record(manifest, p, key, data),
+                                pinned=dev.type == "cuda")
         cleanup.callback(stores[p].close)
     host_bytes = sum(s.host_bytes for s in stores.values())
     layout = held_layout(manifest, stores, plan, memory_budget, dev, expert_dtype, workers)
@@ -339,7 +342,7 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
     engine = ExpertEngine(
         layout.plan if layout.capacities is not None else plan, layout, stores, layouts, moe["top_k"], dev, workers,
         miss_policy if miss_policy is not None else _named(MISS_POLICIES, plan.miss, "miss policy", MissPolicy),
-        chosen, list(moe["layers"]), neuron_cfg, pairings, cleanup)
+        chosen, list(moe["layers"]), neuron_cfg, pairings, cleanup, link)
     for position, path in enumerate(moe["experts_modules"]):
         module = _submodule(model, path, "experts")
         if getattr(module, "num_experts", moe["num_experts"]) != moe["num_experts"]:
@@ -349,11 +352,12 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
             del module._parameters[name]  # never materialised: experts live in the store and the cache
         module._moeprep = OffloadedExperts(position, engine)
         engine.modules.append(module)
-    if dev.type == "cuda" and store == "host" and cpu_misses != "never":
+    if link.accelerated and store == "host" and cpu_misses != "never":
         engine.cpu_misses = cpu_misses
         if cpu_misses == "auto":
-            records = {p: s.host_record(engine.key(0, 0)) for p, s in stores.items() if p not in pairings}
-            engine.miss_costs = measure_miss_costs(engine.modules[0], records, layouts, engine.forms, dev,
+            records = {p: s.host_record(engine.key(0, 0)) for p, s in stores.items()}
+            engine.miss_costs = measure_miss_costs(engine.modules[0], records,
+                                                   {p: engine.cpu_form(p) for p in records}, engine.forms, dev,
                                                    config.get_text_config().hidden_size)
             if not any(engine.miss_costs.prefer_cpu(p) for p in records):
                 engine.cpu_misses = "never"  # copying wins everywhere: keep the GPU path without the check

@@ -35,6 +35,7 @@ from loader.policies import policy_factory
 from loader.predict import PredictorContext, PredictorError, PrefetchRequest
 from loader.schedule import LayerSchedule
 from loader.store import DEMAND, PREFETCH, Reader, ReadJob, SlotArena
+from loader.transfer import Link, link_for
 
 
 @dataclass(eq=False)
@@ -61,17 +62,23 @@ class LayerTimes:
 @dataclass
 class DecodeTiming:
     """Over decode steps (forwards of one token): MoE layer calls, and the seconds spent in them, in expert
-    compute, and waiting for reads. On CUDA compute is launch time (kernels run asynchronously)."""
+    compute, and waiting for reads. On a GPU compute is launch time (kernels run asynchronously), and
+    ``routing_sync_seconds`` is the one device-to-host copy of the routing per layer (it waits for the work
+    queued before it)."""
 
     layer_steps: int = 0
     step_seconds: float = 0.0
     compute_seconds: float = 0.0
     stall_seconds: float = 0.0
+    routing_sync_seconds: float = 0.0
 
     def to_json(self) -> dict:
-        overhead = self.step_seconds - self.compute_seconds - self.stall_seconds
+        overhead = self.step_seconds - self.compute_seconds - self.stall_seconds - self.routing_sync_seconds
         return {"layer_steps": self.layer_steps, "step_seconds": self.step_seconds,
                 "compute_seconds": self.compute_seconds, "stall_seconds": self.stall_seconds,
+                "routing_sync_seconds": self.routing_sync_seconds,
+                "routing_sync_per_layer_step": (self.routing_sync_seconds / self.layer_steps
+                                                if self.layer_steps else None),
                 "overhead_seconds": overhead,
                 "overhead_per_layer_step": overhead / self.layer_steps if self.layer_steps else None}
 
@@ -90,9 +97,10 @@ class ExpertEngine:
 
     def __init__(self, plan, layout, stores: dict, layouts: dict, top_k: int, device: torch.device, workers: int,
                  miss_policy, predictors: list, layer_ids: list[int], neuron=None, pairings: dict | None = None,
-                 cleanup=None) -> None:
+                 cleanup=None, link: Link | None = None) -> None:
         """layout: ``loader.budget.HeldLayout`` (forms, sizes, capacities). cleanup: an ``ExitStack`` the
-        engine registers its reader on (``load`` closes it on any error)."""
+        engine registers its reader on (``load`` closes it on any error). link: how reads reach the device
+        (``loader/transfer.py``; by default the device's own)."""
         self.plan = plan
         self.layer_ids = layer_ids  # position among the MoE layers -> the model's layer index (record keys)
         self.caps = layout.capacities
@@ -101,6 +109,7 @@ class ExpertEngine:
         self.forms = dict(layout.forms)
         self.top_k = top_k
         self.device = device
+        self.link = link if link is not None else link_for(device)
         self.num_layers, self.num_experts = plan.num_layers, plan.num_experts
         self.read_bytes = {p: s.record_bytes for p, s in stores.items()}
         self.slot_bytes = dict(layout.sizes.record_bytes)
@@ -120,7 +129,7 @@ class ExpertEngine:
         self.staging = SlotArena(max(1, workers), staging // max(1, workers), device) if staging else None
         if self.staging is not None:
             self.meter.add(self.staging.count * self.staging.slot_bytes)  # held for the whole run
-        self.reader = Reader(workers, device, self.staging)
+        self.reader = Reader(workers, device, self.staging, self.link)
         if cleanup is not None:
             cleanup.callback(self.reader.close)
         self.miss_policy = miss_policy
@@ -169,6 +178,7 @@ class ExpertEngine:
         for job in (held.job, held.row_job):
             if job is not None and not self.reader.cancel(job):
                 job.wait_done()  # already being read: let it land before the slot is reused
+                self.link.synchronize(job.ready)  # (rare: an eviction of a read in flight) its copy too
         self.arenas[entry.pool].give(held.slot)
         entry.payload = None
 
@@ -194,6 +204,7 @@ class ExpertEngine:
         self.reader.promote(job)
         start = time.perf_counter()
         seconds = job.wait()
+        self.link.wait(job.ready)  # the compute stream waits for the copy; the host does not
         stalled = time.perf_counter() - start
         self.times[layer].stall_seconds += stalled
         self.times[layer].read_seconds += seconds
@@ -227,6 +238,7 @@ class ExpertEngine:
                 continue
             job = held.job
             if job.state == "done":
+                self.link.wait(job.ready)
                 self._count_made(job)
                 held.weights, held.read_seconds, held.job = job.weights, job.seconds, None
                 self.cache.complete(entry)
@@ -237,18 +249,18 @@ class ExpertEngine:
         self._prefetching = still
 
     def _mark_compute(self) -> None:
-        """CUDA: the reader's copies wait for the compute issued so far before overwriting a slot or buffer."""
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            self.reader.after_compute = event
+        """GPU: the reader's copies wait for the compute issued so far before overwriting a slot or buffer."""
+        if self.link.accelerated:
+            self.reader.after_compute = self.link.event()
 
     # ------------------------------------------------------------------------------------ the layer step
     def begin(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """The schedule's start of a layer step (both paths): (decisions, weights [T, K] after skips, and as
         lists: rows [T][K] of expert ids, -1 where a selection has weight 0, and their weights)."""
         self._reap()
+        synced = time.perf_counter()
         rows, weights = top_k_index.tolist(), top_k_weights.tolist()  # the one device sync of the step
+        self._synced = time.perf_counter() - synced
         if any(w == 0 for row in weights for w in row):  # a routing policy drops a selection by weight 0
             rows = [[e if w != 0 else -1 for e, w in zip(r, ws, strict=True)] for r, ws in zip(rows, weights, strict=True)]
         prefetched = self.schedule.prefetched(layer) if self.predictors else None
@@ -269,7 +281,7 @@ class ExpertEngine:
                   top_k_weights: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H]."""
         start = time.perf_counter()
-        self._stalled = self._computed = 0.0
+        self._stalled = self._computed = self._synced = 0.0
         tokens = hidden.shape[0]
         if self.neuron is not None and self.neuron.applies(tokens):
             out = self.neuron.run_layer(layer, module, hidden, top_k_index, top_k_weights)
@@ -281,6 +293,7 @@ class ExpertEngine:
             t.step_seconds += time.perf_counter() - start
             t.compute_seconds += self._computed
             t.stall_seconds += self._stalled
+            t.routing_sync_seconds += self._synced
         return out
 
     def _whole_layer(self, layer: int, module, hidden, top_k_index, top_k_weights) -> torch.Tensor:
@@ -366,10 +379,16 @@ class ExpertEngine:
         start = time.perf_counter()
         record = self.stores[d.precision].host_record(self.key(layer, d.expert))
         tokens, x, w = mix.inputs(d.expert)
-        form = RecordForm(self.layouts[d.precision])
+        form = self.cpu_form(d.precision)
         mix.add(tokens, form.forward(module, form.make(record), x.cpu()).to(mix.out.device), w)
         self.counters.cpu_computed += 1
         self._computed += time.perf_counter() - start
+
+    def cpu_form(self, precision: str):
+        """How the CPU computes a host record of ``precision``: from the record as it is, in the store's own
+        layout (a neuron-layout store's rows are not a plain record's matrices)."""
+        form = self.forms[precision]
+        return form if form.name == "record" else RecordForm(self.layouts[precision])
 
     def finish_layer(self, layer: int) -> None:
         self.schedule.end(layer)
@@ -436,23 +455,30 @@ class MissCosts:
     gpu_seconds: dict
 
     def prefer_cpu(self, precision: str) -> bool:
+        """False for a precision not measured (copying is the default)."""
+        if precision not in self.cpu_seconds or precision not in self.gpu_seconds:
+            return False
         return self.cpu_seconds[precision] < self.gpu_seconds[precision]
 
+    def to_json(self) -> dict:
+        return {"cpu_seconds": self.cpu_seconds, "gpu_seconds": self.gpu_seconds,
+                "computed_on_cpu": sorted(p for p in self.cpu_seconds if self.prefer_cpu(p))}
 
-def measure_miss_costs(module, records: dict, layouts: dict, held: dict, device: torch.device,
+
+def measure_miss_costs(module, records: dict, cpu_forms: dict, held: dict, device: torch.device,
                        hidden: int) -> MissCosts:
-    """``records``: one host record per precision. Times both ways of serving a one-token miss."""
+    """``records``: one host record per precision; ``cpu_forms``: how the CPU computes each
+    (``ExpertEngine.cpu_form``). Times both ways of serving a one-token miss."""
     cpu, gpu = {}, {}
     x = torch.randn(1, hidden)
     for precision, record in records.items():
-        layout = layouts[precision]
-        plain = RecordForm(layout)
+        plain = cpu_forms[precision]
         cpu[precision] = median_seconds(lambda r=record, f=plain: f.forward(module, f.make(r), x), repeats=5)
         form = held[precision]
         staging = record.pin_memory() if device.type == "cuda" else record
         xd = x.to(device)
 
-        def on_gpu(form=form, staging=staging, lay=layout, xd=xd):
+        def on_gpu(form=form, staging=staging, xd=xd):
             rec = staging.to(device, non_blocking=True)
             weights = form.make(rec, torch.empty(form.nbytes, dtype=torch.uint8, device=device))
             form.forward(module, weights, xd)

@@ -3,16 +3,18 @@
 One ``ExpertStore`` per precision (``experts-<precision>.safetensors``). ``disk`` mode reads the
 artifact file with positioned reads that bypass the page cache (O_DIRECT when the filesystem allows
 it, else plain reads followed by ``posix_fadvise(DONTNEED)``), so a miss costs what it costs on a
-device reading from flash; ``host`` mode holds the whole store in RAM (pinned on CUDA) and a miss is a
-copy; the runtime counts those bytes against the budget.
+device reading from flash; ``host`` mode reads the whole store into RAM once at load (pinned memory on
+a GPU, so a miss is one asynchronous copy straight from it) and checks each record's crc32 the first time
+it is used; the runtime reports those bytes beside the budget.
 
 Records land in memory allocated once (``SlotArena``: page-aligned, so O_DIRECT reads straight into
 it): the caches' slots, the read buffers, and one staging buffer per reader thread. No read allocates. A
 job with a held form that is made (``loader/forms.py``) reads into its thread's staging buffer, and the
 same thread makes the form into the target slot: the compute thread never decodes. A job of the record
-form reads into the target slot directly. On CUDA a read goes through a pinned host buffer of the thread,
-then to the device (the slot, or the thread's device staging buffer where the form is made) on the
-reader's own stream.
+form reads into the target slot directly. On a GPU (``loader/transfer.py``) the reader copies to the device
+on its own stream (from the pinned host store, or from one of its two pinned bounce buffers after a disk
+read), makes the form on that stream, and hands the compute thread an event to wait on (``ReadJob.ready``):
+no host synchronization per expert.
 
 ``Reader`` runs the reads on worker threads from one priority queue: demand reads before queued
 prefetch reads; a queued prefetch can be cancelled, and a demand for a queued prefetch promotes it.
@@ -34,6 +36,7 @@ import torch
 
 from loader.errors import ArtifactError
 from loader.io import read_record_offsets
+from loader.transfer import Link, link_for
 
 DEMAND, PREFETCH = 0, 1
 
@@ -42,8 +45,9 @@ class ExpertStore:
     """Read-only access to the records of one ``experts-<precision>.safetensors`` file."""
 
     def __init__(self, path: str | Path, precision: str, mode: str = "disk",
-                 check: Callable[[str, memoryview], None] | None = None) -> None:
-        """check(key, data): raises when a full record read does not match the manifest (its crc32)."""
+                 check: Callable[[str, memoryview], None] | None = None, pinned: bool = False) -> None:
+        """check(key, data): raises when a full record read does not match the manifest (its crc32).
+        pinned: host mode holds the store in page-locked memory (a GPU's copies then run asynchronously)."""
         if mode not in ("disk", "host"):
             raise ArtifactError(f"store mode {mode!r} unknown; use 'disk' or 'host'")
         self.path = Path(path)
@@ -58,10 +62,11 @@ class ExpertStore:
                                 "Copy the artifact again or rerun `moeprep prepare`")
         self.direct_io = False
         self._host: torch.Tensor | None = None
+        self._checked: set[str] = set()  # host mode: records whose crc32 matched (RAM is private: once is enough)
         self._fd = -1
         self._plain_fd = -1
         if mode == "host":
-            self._host = torch.from_file(str(self.path), shared=False, size=self.size, dtype=torch.uint8)
+            self._host = self._read_whole(pinned)
         else:
             self._fd, self.direct_io = self._open()
             self._plain_fd = os.open(self.path, os.O_RDONLY) if self.direct_io else self._fd
@@ -70,6 +75,20 @@ class ExpertStore:
     def host_bytes(self) -> int:
         """Bytes this store holds in RAM (the whole file in host mode)."""
         return self.size if self._host is not None else 0
+
+    def _read_whole(self, pinned: bool) -> torch.Tensor:
+        """The whole file in (pinned) host memory: a private copy, so a later change of the file is not seen."""
+        data = torch.empty(self.size, dtype=torch.uint8, pin_memory=pinned)
+        view = memoryview(data.numpy())
+        with open(self.path, "rb") as f:
+            done = 0
+            while done < self.size:
+                n = f.readinto(view[done:])
+                if not n:
+                    raise ArtifactError(f"{self.path.name} shrank while it was read ({done} of {self.size} bytes); "
+                                        "copy the artifact again or rerun `moeprep prepare`")
+                done += n
+        return data
 
     def _open(self) -> tuple[int, bool]:
         flag = getattr(os, "O_DIRECT", 0)
@@ -120,32 +139,51 @@ class ExpertStore:
                                 f"records of {self.path.name}")
         offset = self.offset(key) + start
         if self._host is not None:
+            if start == 0 and length == self.record_bytes:
+                self.host_record(key)  # checked the first time
             dest[:length] = memoryview(self._host.numpy())[offset:offset + length]
+            return length
+        aligned = self.direct_io and start % 4096 == 0 and len(dest) >= -(-length // 4096) * 4096
+        if aligned:
+            span = -(-length // 4096) * 4096
+            n = os.preadv(self._fd, [dest[:span]], offset)
         else:
-            aligned = self.direct_io and start % 4096 == 0 and len(dest) >= -(-length // 4096) * 4096
-            if aligned:
-                span = -(-length // 4096) * 4096
-                n = os.preadv(self._fd, [dest[:span]], offset)
-            else:
-                n = os.preadv(self._plain_fd, [dest[:length]], offset)
-                if hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(self._plain_fd, offset, length, os.POSIX_FADV_DONTNEED)
-            if n < length:
-                raise ArtifactError(f"{self.path.name}: short read at {key}; the file is truncated. "
-                                    "Copy the artifact again or rerun `moeprep prepare`")
+            n = os.preadv(self._plain_fd, [dest[:length]], offset)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self._plain_fd, offset, length, os.POSIX_FADV_DONTNEED)
+        if n < length:
+            raise ArtifactError(f"{self.path.name}: short read at {key}; the file is truncated. "
+                                "Copy the artifact again or rerun `moeprep prepare`")
         if start == 0 and length == self.record_bytes and self.check is not None:
             self.check(key, dest[:length])
         return length
 
     def host_record(self, key: str) -> torch.Tensor | None:
-        """Record ``key`` as a view of the host copy (host mode; None on disk), checked against its crc32."""
+        """Record ``key`` as a view of the host copy (host mode; None on disk), checked against its crc32 the
+        first time."""
         if self._host is None:
             return None
         offset = self.offset(key)
         record = self._host[offset:offset + self.record_bytes]
-        if self.check is not None:
-            self.check(key, record)
+        if self.check is not None and key not in self._checked:
+            self.check(key, memoryview(record.numpy()))
+            self._checked.add(key)
         return record
+
+    def host_slice(self, key: str, start: int = 0, length: int | None = None) -> torch.Tensor | None:
+        """Bytes [start, start + length) of record ``key`` in the host copy (host mode; None on disk); a whole
+        record is checked against its crc32 the first time."""
+        if self._host is None:
+            return None
+        length = self.record_bytes - start if length is None else length
+        if start < 0 or length <= 0 or start + length > self.record_bytes:
+            raise ArtifactError(f"byte range [{start}, {start + length}) is outside the {self.record_bytes}-byte "
+                                f"records of {self.path.name}")
+        record = self.host_record(key) if start == 0 and length == self.record_bytes else None
+        if record is not None:
+            return record
+        offset = self.offset(key) + start
+        return self._host[offset:offset + length]
 
     def close(self) -> None:
         for fd in {self._fd, self._plain_fd}:
@@ -194,7 +232,9 @@ class ReadJob:
     """One queued or running read; ``wait()`` returns the seconds the read (and the making of its form) took.
 
     ``form``: the held form to make from the record (None: the bytes only, as a neuron read);
-    ``weights`` is what the form made, for the compute thread."""
+    ``weights`` is what the form made, for the compute thread; ``ready``: on a GPU, the event the compute
+    stream waits on before it uses the slot (the copy and the making are queued, not finished, when the job is
+    done)."""
 
     def __init__(self, store: ExpertStore, key: str, arena: SlotArena, slot: int, priority: int,
                  ranges: list[tuple[int, int]] | None = None, form=None) -> None:
@@ -205,9 +245,10 @@ class ReadJob:
         self.ranges = ranges
         self.form = form
         self.weights = None
+        self.ready = None
         self.state = "queued"  # queued -> running -> done | failed; or queued -> cancelled
         self.seconds = 0.0
-        self.make_seconds = 0.0  # of ``seconds``, the time spent making the form
+        self.make_seconds = 0.0  # of ``seconds``, the time spent making the form (on a GPU: queueing it)
         self.nbytes = 0
         self.error: BaseException | None = None
         self._done = threading.Event()
@@ -228,16 +269,19 @@ class ReadJob:
 class Reader:
     """Worker threads serving one priority queue of reads (demand before prefetch, then first come)."""
 
-    def __init__(self, workers: int = 2, device: torch.device | None = None, staging: SlotArena | None = None) -> None:
-        """staging: one slot per worker (``workers`` of them), where reads of a made form land."""
+    def __init__(self, workers: int = 2, device: torch.device | None = None, staging: SlotArena | None = None,
+                 link: Link | None = None) -> None:
+        """staging: one slot per worker (``workers`` of them), where reads of a made form land. link: how bytes
+        reach the device (``loader/transfer.py``; by default the device's own)."""
         self.device = device or torch.device("cpu")
+        self.link = link if link is not None else link_for(self.device)
         self.staging = staging
         self._heap: list = []
         self._order = itertools.count()
         self._cv = threading.Condition()
         self._closed = False
         self._local = threading.local()
-        self.after_compute = None  # CUDA: an event the copy stream waits on before overwriting a slot
+        self.after_compute = None  # GPU: an event the copy streams wait on before overwriting a slot
         self._threads = [threading.Thread(target=self._work, args=(i,), name=f"moeprep-read-{i}", daemon=True)
                          for i in range(max(1, workers))]
         for thread in self._threads:
@@ -289,47 +333,65 @@ class Reader:
             job._done.set()
 
     def _read(self, job: ReadJob) -> int:
+        link = self.link
         if job.ranges is not None:
-            return sum(self._read_range(job, job.arena, job.slot, start, length) for start, length in job.ranges)
+            n = sum(self._read_range(job, job.arena, job.slot, start, length) for start, length in job.ranges)
+            job.ready = link.event(self._stream())
+            return n
         form = job.form
         if form is None or not form.staged:
             n = self._read_range(job, job.arena, job.slot, 0, None)
             if form is not None:
                 job.weights = form.make(job.arena.tensor(job.slot, job.store.record_bytes))
+            job.ready = link.event(self._stream())
             return n
         index = self._local.index
         n = self._read_range(job, self.staging, index, 0, None)
         start = time.perf_counter()
         record = self.staging.tensor(index, job.store.record_bytes)
         region = job.arena.tensor(job.slot, job.arena.slot_bytes)
-        if self.staging.device.type == "cuda":
-            with torch.cuda.stream(self._local.stream):
-                job.weights = form.make(record, region)
-                done = torch.cuda.Event()
-                done.record(self._local.stream)
-            done.synchronize()
-        else:
+        stream = self._stream()
+        with link.on(stream):  # after the copy into staging on the same stream; the next copy queues after it
             job.weights = form.make(record, region)
+        job.ready = link.event(stream)
         job.make_seconds = time.perf_counter() - start
         return n
 
+    def _stream(self):
+        """This reader thread's copy stream (None on a CPU)."""
+        if not hasattr(self._local, "stream"):
+            self._local.stream = self.link.stream()
+        return self._local.stream
+
+    def _bounce(self, nbytes: int) -> torch.Tensor:
+        """The next of this thread's two pinned bounce buffers for a disk read, once its last copy has finished
+        (the other one's copy may still run while the disk fills this one)."""
+        local = self._local
+        if not hasattr(local, "bounce"):
+            local.bounce, local.bounce_done, local.turn = [None, None], [None, None], 0
+        local.turn ^= 1
+        turn = local.turn
+        self.link.synchronize(local.bounce_done[turn])
+        local.bounce_done[turn] = None
+        if local.bounce[turn] is None or local.bounce[turn].numel() < nbytes:
+            local.bounce[turn] = self.link.pinned(nbytes)
+        return local.bounce[turn]
+
     def _read_range(self, job: ReadJob, arena: SlotArena, slot: int, start: int, length: int | None) -> int:
-        if arena.device.type != "cuda":
+        link = self.link
+        if not link.accelerated:
             return job.store.read_into(job.key, arena.host_view(slot)[start:], start, length)
-        pinned = getattr(self._local, "pinned", None)
-        if pinned is None or pinned.numel() < arena.slot_bytes:
-            pinned = self._local.pinned = torch.empty(arena.slot_bytes, dtype=torch.uint8, pin_memory=True)
-        if getattr(self._local, "stream", None) is None:
-            self._local.stream = torch.cuda.Stream(device=arena.device)
-        n = job.store.read_into(job.key, memoryview(pinned.numpy()), start, length)
-        stream = self._local.stream
-        with torch.cuda.stream(stream):
-            if self.after_compute is not None:
-                stream.wait_event(self.after_compute)  # the slot's previous contents may still be in use
-            arena.tensor(slot, arena.slot_bytes)[start:start + n].copy_(pinned[:n], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        done.synchronize()  # the pinned buffer is reused by this thread's next read
+        stream = self._stream()
+        link.wait(self.after_compute, stream)  # the slot's previous contents may still be read by queued compute
+        target = arena.tensor(slot, arena.slot_bytes)
+        source = job.store.host_slice(job.key, start, length)  # the pinned host store: one copy, no bounce
+        if source is not None:
+            link.copy(target[start:start + source.numel()], source, stream)
+            return source.numel()
+        bounce = self._bounce(arena.slot_bytes)
+        n = job.store.read_into(job.key, memoryview(bounce.numpy()), start, length)
+        link.copy(target[start:start + n], bounce[:n], stream)
+        self._local.bounce_done[self._local.turn] = link.event(stream)
         return n
 
     def close(self) -> None:

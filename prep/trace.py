@@ -59,8 +59,8 @@ LAST_HIDDEN = "pre_final_norm"  # which hidden state `last_hidden` is, recorded 
 class RoutingTrace:
     """The routing of one token sequence.
 
-    expert_ids: [T, L, K] int64, the selected experts of each token at each traced layer, in the
-    router's slot order. expert_weights: [T, L, K] float32, their combination weights.
+    expert_ids: [T, L, K] int64, the selected experts of each token at each traced layer, heaviest
+    first (``canonical_order``). expert_weights: [T, L, K] float32, their combination weights.
     layers: the model layer index of each of the L traced layers (None when unknown).
     """
 
@@ -95,6 +95,16 @@ class RoutingTrace:
 # --- capturing --------------------------------------------------------------------------------
 
 
+def canonical_order(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids, weights [..., K] with each row's selections heaviest first, equal weights by expert id. A router's
+    own slot order is not a decision (DeepSeek-V2 takes ``topk(sorted=False)``, whose order differs between
+    CPU and CUDA), so a trace records this one and is the same on every device."""
+    by_id = ids.argsort(dim=-1, stable=True)
+    ids, weights = ids.gather(-1, by_id), weights.gather(-1, by_id)
+    by_weight = weights.argsort(dim=-1, descending=True, stable=True)
+    return ids.gather(-1, by_weight), weights.gather(-1, by_weight)
+
+
 class RoutingRecorder:
     """Context manager capturing the routing of every MoE layer during forward passes.
 
@@ -126,6 +136,7 @@ class RoutingRecorder:
 
         def hook(module, args, output):
             logits, ids, weights = self.adapter.unpack_router_output(output)
+            ids, weights = canonical_order(ids, weights)
             if self.record_hidden:
                 self._keep(
                     f"layers.{layer}.router_input", args[0].reshape(-1, hidden_size), self.hidden_dtype

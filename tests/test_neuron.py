@@ -4,6 +4,7 @@ union rule, the budget with partial records, the neuron_gates predictor, and the
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -47,10 +48,11 @@ def save_wide_mixtral(directory):
 
 @torch.no_grad()
 def decode(artifact, neuron, budget="unlimited", steps: int = 5, stepwise: bool = False, predictors=None,
-           device: str = "cpu", store: str = "disk"):
+           device: str = "cpu", store: str = "disk", **options):
     """Greedy decode through the loader: (logits of every step [steps + 1, V], the tokens, stats). ``stepwise``
     feeds the prompt one token per call, so every call is a decode step."""
-    lm = load(artifact, memory_budget=budget, neuron=neuron, predictors=predictors, device=device, store=store)
+    lm = load(artifact, memory_budget=budget, neuron=neuron, predictors=predictors, device=device, store=store,
+              **options)
     try:
         ids = torch.tensor([PROMPT], device=device)
         chunks = [ids[:, i:i + 1] for i in range(ids.shape[1])] if stepwise else [ids]
@@ -291,16 +293,61 @@ def test_the_neuron_study_measures_every_theta_and_lands_in_report_json(tmp_path
     assert "### Neuron study" in (artifact / "report.md").read_text()
 
 
+NEURON_CONFIGS = (NeuronConfig(theta=0.2, crossover=1.0), NeuronConfig(theta=0.2, crossover=1.0, compute="active"))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("store", ["disk", "host"])
 def test_the_neuron_path_on_cuda_matches_the_cpu(tmp_path, store):
+    """The same store on both sides: which rows a read brings depends on the store (see the next test)."""
     _, artifact = neuron_artifact(tmp_path, "mixtral", "int4", theta=0.2, predictor=True)
-    for cfg in (NeuronConfig(theta=0.2, crossover=1.0), NeuronConfig(theta=0.2, crossover=1.0, compute="active")):
-        cpu, _, _ = decode(artifact, cfg, stepwise=True)
-        cuda, _, stats = decode(artifact, cfg, stepwise=True, device="cuda", store=store)
+    for cfg in NEURON_CONFIGS:
+        cpu, _, _ = decode(artifact, cfg, stepwise=True, store=store)
+        cuda, _, stats = decode(artifact, cfg, stepwise=True, device="cuda", store=store, cpu_misses="never")
         assert stats["neuron"]["experts"] > 0
         assert (cpu - cuda).abs().max() <= 1e-4
+
+
+def test_the_host_and_disk_stores_differ_only_by_the_rows_a_read_brings(tmp_path, monkeypatch):
+    """What the H100 run saw (CUDA with the host store against the CPU with the disk store: 0.20 apart) is read
+    granularity, not CUDA. O_DIRECT widens a disk read to whole 4 KiB blocks, which bring rows nobody asked
+    for, and ``compute: resident`` computes every resident row; the host store copies exactly the rows asked
+    for. With the same ranges (disk without O_DIRECT) the two stores give the same logits, and ``compute:
+    active`` (each token its own active rows) does not depend on what else was read."""
+    from loader.store import ExpertStore
+
+    _, artifact = neuron_artifact(tmp_path, "mixtral", "int4", theta=0.2, predictor=True)
+    resident, active = NEURON_CONFIGS
+    host, _, host_stats = decode(artifact, resident, stepwise=True, store="host")
+    assert host_stats["neuron"]["partial_reads"] > 0
+    assert torch.equal(decode(artifact, active, stepwise=True, store="host")[0],
+                       decode(artifact, active, stepwise=True, store="disk")[0])
+    monkeypatch.setattr(ExpertStore, "_open", lambda self: (os.open(self.path, os.O_RDONLY), False))
+    plain, _, plain_stats = decode(artifact, resident, stepwise=True, store="disk")
+    assert not plain_stats["direct_io"]
+    assert torch.equal(host, plain)
+    assert plain_stats["neuron"]["rows_read"] == host_stats["neuron"]["rows_read"]
+
+
+@pytest.mark.parametrize("cfg", [*NEURON_CONFIGS, None])
+def test_the_gpu_host_store_path_computes_the_cpu_host_store_path(tmp_path, monkeypatch, cfg):
+    """The CUDA host-store logic with CPU tensors (``tests.loader_fakes.FakeLink``: copies on streams, deferred
+    until waited for): neuron reads of exact row ranges, and misses computed on the CPU from the host record
+    (``cpu_misses='always'``, with neuron loading off: the neuron-layout record through its own form)."""
+    from tests.loader_fakes import FakeLink
+
+    _, artifact = neuron_artifact(tmp_path, "mixtral", "int4", theta=0.2, predictor=True)
+    expected, _, _ = decode(artifact, cfg if cfg is not None else False, stepwise=True, store="host")
+    link = FakeLink()
+    monkeypatch.setattr("loader.runtime.link_for", lambda device: link)
+    got, _, stats = decode(artifact, cfg if cfg is not None else False, stepwise=True, store="host",
+                           cpu_misses="never" if cfg is not None else "always")
+    assert (got - expected).abs().max() <= 1e-5
+    if cfg is not None:
+        assert stats["neuron"]["partial_reads"] > 0 and link.copies > 0
+    else:
+        assert stats["compute"]["cpu_computed"] > 0
 
 
 def test_neuron_ranges_are_the_runs_of_consecutive_neurons():

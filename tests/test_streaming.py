@@ -346,7 +346,11 @@ def test_prepare_on_cuda_gives_the_cpu_artifact(arch, tmp_path):
     traces = {d: open_trace(next((tmp_path / d / "artifacts" / "tiny" / "stages").glob("trace-*/trace")))
               for d in results}
     for a, b in zip(traces["cpu"].routing(), traces["cuda"].routing(), strict=True):
-        assert (a.expert_ids == b.expert_ids).float().mean() > 0.99
+        # the same set of experts per (token, layer): a different set is a routing difference under CUDA
+        same_set = (a.expert_ids.sort(-1).values == b.expert_ids.sort(-1).values).all(-1)
+        assert same_set.float().mean() > 0.99
+        # and, traces being recorded heaviest first, the same order where the sets agree
+        assert (a.expert_ids == b.expert_ids).all(-1)[same_set].float().mean() > 0.99
     quantized = {d: sorted((tmp_path / d / "artifacts" / "tiny" / "stages").glob("quantize-*/int4/*.safetensors"))
                  for d in results}
     assert [p.read_bytes() for p in quantized["cpu"]] == [p.read_bytes() for p in quantized["cuda"]]

@@ -11,7 +11,14 @@ from tiny_models import ARCHITECTURES, build_tiny_model, random_sequences
 
 from prep.adapters import get_adapter
 from prep.errors import MoeprepError
-from prep.trace import RoutingRecorder, RoutingTrace, open_trace, read_mixtral_traces, record_traces
+from prep.trace import (
+    RoutingRecorder,
+    RoutingTrace,
+    canonical_order,
+    open_trace,
+    read_mixtral_traces,
+    record_traces,
+)
 
 TRACES_ROOT = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 
@@ -56,6 +63,7 @@ def test_trace_parity(arch, tmp_path):
         assert (recomputed - block_out).abs().max() <= 1e-5
         # route() reproduces the recorded decision.
         logits, r_ids, r_weights = adapter.route(model, layer, hidden)
+        r_ids, r_weights = canonical_order(r_ids, r_weights.float())
         assert torch.equal(r_ids, ids)
         torch.testing.assert_close(r_weights.float(), weights, rtol=0, atol=1e-6)
         torch.testing.assert_close(logits.float(), trace.router_logits(layer), rtol=0, atol=1e-6)
@@ -173,3 +181,24 @@ def test_read_mixtral_traces():
 def test_read_mixtral_traces_missing(tmp_path):
     with pytest.raises(MoeprepError, match="no Mixtral routing trace"):
         read_mixtral_traces(tmp_path)
+
+
+def test_the_canonical_order_is_heaviest_first_then_by_expert_id():
+    """Against Python's sort of (-weight, id) per row, for rows given in any slot order (as DeepSeek-V2's
+    ``topk(sorted=False)`` gives them, differently on CPU and CUDA), ties included."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        k = rng.randint(1, 6)
+        experts = rng.sample(range(16), k)
+        weights = [rng.choice([0.125, 0.25, 0.5]) for _ in experts]  # few exact values: ties are common
+        want = sorted(zip(experts, weights, strict=True), key=lambda p: (-p[1], p[0]))
+        for _ in range(3):
+            slots = list(range(k))
+            rng.shuffle(slots)
+            ids = torch.tensor([[experts[i] for i in slots]])
+            w = torch.tensor([[weights[i] for i in slots]])
+            got_ids, got_w = canonical_order(ids, w)
+            assert got_ids[0].tolist() == [e for e, _ in want]
+            assert got_w[0].tolist() == [x for _, x in want]
