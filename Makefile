@@ -9,7 +9,10 @@ MODEL_PATH ?=
 DEVICE ?= cpu
 BIN := $(VENV)/bin
 
-.PHONY: setup test prepare eval bench reference-model reference-metrics lint
+GPU_PYTHON ?= python3
+TRACES ?= ../shared/data/traces
+
+.PHONY: setup test prepare eval bench reference-model reference-metrics lint gpu-carry gpu-check
 
 setup: $(VENV)/.installed
 
@@ -40,3 +43,13 @@ reference-metrics: setup
 
 lint: setup
 	$(BIN)/ruff check prep loader tests
+
+# Before a GPU run, on this machine: the wheels and traces a GPU machine without network lacks, into .gpu/.
+gpu-carry: setup
+	mkdir -p .gpu/whl .gpu/traces
+	$(BIN)/pip wheel --quiet --no-deps -w .gpu/whl hqq==0.2.8.post1 termcolor
+	cp -r $(TRACES)/mixtral-8x7b .gpu/traces/
+
+# On the GPU machine: its own python3 and the carried wheels, no setup (prep/bench/gpu_check.py).
+gpu-check:
+	$(GPU_PYTHON) -m prep.bench.gpu_check $(if $(OUT),--out $(OUT))

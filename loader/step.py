@@ -73,7 +73,7 @@ class DecodeTiming:
     routing_sync_seconds: float = 0.0
 
     def to_json(self) -> dict:
-        overhead = self.step_seconds - self.compute_seconds - self.stall_seconds - self.routing_sync_seconds
+        overhead = self.step_seconds - self.compute_seconds - self.stall_seconds  # routing sync included
         return {"layer_steps": self.layer_steps, "step_seconds": self.step_seconds,
                 "compute_seconds": self.compute_seconds, "stall_seconds": self.stall_seconds,
                 "routing_sync_seconds": self.routing_sync_seconds,

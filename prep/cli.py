@@ -404,11 +404,16 @@ def reference_metrics_command(ref_dir: str) -> None:
                    "with --quick: 1]")
 @click.option("--quick", is_flag=True, help="Smoke-sized: tiny mixtral-shape, one budget, a few tokens.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--store", type=click.Choice(["auto", "disk", "host"]), default="auto", show_default=True,
+              help="Where the loader's expert stores live: auto is host RAM on CUDA (pinned) and the disk on a CPU.")
+@click.option("--systems", "only", default=None,
+              help="Comma-separated systems to run (e.g. naive,moeprep); without resident its candidates are "
+                   "skipped too. [default: all]")
 @click.option("--output", default="artifacts/bench", show_default=True, type=click.Path(file_okay=False),
               help="Where bench.json, bench.md, bench.png (and the mixtral-shape model) go.")
 @click.option("--traces", default="../shared/data/traces", show_default=True, type=click.Path(),
               help="The real routing traces (holding mixtral-8x7b/gsm8k_routing.jsonl).")
-def bench_command(subject, budgets, repeats, quick, device, output, traces) -> None:
+def bench_command(subject, budgets, repeats, quick, device, store, only, output, traces) -> None:
     """Decode speed of resident, accelerate offloading, naive offloading and moeprep at each budget."""
     from pathlib import Path
 
@@ -416,7 +421,7 @@ def bench_command(subject, budgets, repeats, quick, device, output, traces) -> N
     from prep.bench.run import run_bench
 
     report = run_bench(subject, budgets, quick, device, output, traces, echo=lambda m: click.echo(m, err=True),
-                       repeats=repeats)
+                       repeats=repeats, store=store, only=only)
     for r in report["results"]:
         speed = (f"{r['decode_tokens_per_s']:.3g} tok/s (min {r['decode_tokens_per_s_min']:.3g}, max "
                  f"{r['decode_tokens_per_s_max']:.3g}, {r['repeats']} runs)") if r.get("decode_tokens_per_s") \

@@ -20,6 +20,7 @@ import prep.bench.run as bench_run
 from prep.bench.run import SYSTEMS, choose_resident, parse_budgets
 from prep.bench.worker import overhead
 from prep.cli import main
+from prep.errors import MoeprepError
 
 TRACES_ROOT = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 LOADER = ("naive", "moeprep", "naive@unlimited", "moeprep@unlimited")
@@ -178,6 +179,32 @@ def test_bench_interleaves_repeats_and_chooses_the_fastest_resident(tmp_path, mo
     md = (tmp_path / "bench.md").read_text()
     assert "| bfloat16 | eager | 90 | **resident** |" in md and "| bfloat16 | grouped_mm | failed: " in md
     assert "| 25% | naive | 80 | 40 - 160 (3) | 0.40x | " in md  # against the chosen resident's median, 200
+
+
+def test_bench_runs_only_the_systems_asked_for_on_the_store_asked_for(tmp_path, monkeypatch):
+    """``--systems naive,moeprep --store host`` (what gpu-check's second store runs): no resident candidates, no
+    accelerate, ``naive`` selects ``naive@unlimited`` too, and every loader run gets the store; a system that does
+    not exist is one clear error before anything runs."""
+    calls = []
+
+    def fake_worker(spec: dict, work: Path) -> dict:
+        calls.append(spec)
+        return {"decode_tokens_per_s": 10.0, "prefill_s": 0.01, "bytes_read_per_token": 0.0, "hit_rate": 1.0,
+                "stall_fraction": 0.0, "peak_rss_mb": 1.0}
+
+    monkeypatch.setattr(bench_run, "_run_worker", fake_worker)
+    report = bench_run.run_bench("mixtral-shape", "25%", quick=True, output=tmp_path, traces=TRACES_ROOT,
+                                 echo=lambda m: None, store="host", only="naive,moeprep")
+    ran = {(c["system"], c["budget"]) for c in calls}
+    assert ran == {("naive@unlimited", "unlimited"), ("moeprep@unlimited", "unlimited"), ("naive", "25%"),
+                   ("moeprep", "25%")}
+    assert {c["store"] for c in calls} == {"host"} and report["store"] == "host"
+    assert "Loader expert stores: `host`" in (tmp_path / "bench.md").read_text()
+    with pytest.raises(MoeprepError, match="--systems .*unknown"):
+        bench_run.run_bench("mixtral-shape", "25%", quick=True, output=tmp_path, traces=TRACES_ROOT,
+                            echo=lambda m: None, only="naive,fast")
+    with pytest.raises(MoeprepError, match="--store 'ram' unknown"):
+        bench_run.run_bench("mixtral-shape", "25%", quick=True, output=tmp_path, store="ram")
 
 
 def test_resident_choice_and_overhead_arithmetic():

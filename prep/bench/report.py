@@ -62,6 +62,26 @@ def goal_check(report: dict) -> list[str]:
     return lines
 
 
+def _store_lines(report: dict) -> list[str]:
+    """Where the loader's stores lived, and on a GPU with the store in host RAM each miss's two measured
+    costs (copy it, or compute it on the CPU) and what the loader chose."""
+    store = report.get("store")
+    if store is None:
+        return []
+    lines = [f"Loader expert stores: `{store}`" + (" (host RAM: a miss is a copy)" if store == "host"
+                                                   else " (read from the artifact's files)") + ".", ""]
+    costs = {}
+    for row in report["results"]:
+        if row.get("miss_costs"):
+            costs.setdefault((row["subject"], row["system"]), row["miss_costs"])
+    for (subject, system), c in sorted(costs.items()):
+        parts = [f"{p}: CPU {c['cpu_seconds'][p] * 1e3:.2f} ms, copy {c['gpu_seconds'][p] * 1e3:.2f} ms"
+                 for p in sorted(c["cpu_seconds"])]
+        lines.append(f"- {subject} {system}: a missed expert costs " + "; ".join(parts) +
+                     f"; computed on the CPU: {', '.join(c['computed_on_cpu']) or 'none'}.")
+    return lines + ([""] if costs else [])
+
+
 def write_markdown(report: dict) -> str:
     m = report["machine"]
     bw = report["read_bandwidth"]
@@ -78,6 +98,7 @@ def write_markdown(report: dict) -> str:
         f"{bw['bytes'] / 1e6:.0f} MB of `{bw['file']}`).",
         "",
         *(_profile_lines(profile) if profile else []),
+        *_store_lines(report),
     ]
     lines += ["Goals (issue 21; medians):", ""] + [f"- {line}" for line in goal_check(report)] + [""]
     for subject, facts in report["subjects"].items():

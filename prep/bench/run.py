@@ -369,15 +369,20 @@ def _host_copies(nbytes: int, block: int = 8 << 20, small: int = 32) -> dict:
     return {"read_bandwidth_bytes_per_s": bandwidth, "read_latency_s": statistics.median(latencies)}
 
 
-def device_profile(subjects: list[Subject], sizes: Sizes, device: str, output: Path):
+def device_profile(subjects: list[Subject], sizes: Sizes, device: str, output: Path, store: str = "host"):
     """This machine's ``prep.sim.device`` profile, measured once for the run (reads from a file on the output's
-    disk, one expert's compute on ``device``; on CUDA the reads are pinned host-to-GPU copies, as the loader's
-    host store reads there), written to ``output/device.json``."""
+    disk, one expert's compute on ``device``; on CUDA with ``store="host"`` the reads are pinned host-to-GPU
+    copies, as the loader's host store reads there), written to ``output/device.json``."""
     from prep.sim.device import measure_device
 
     profile = measure_device(output, file_bytes=sizes.profile_bytes, expert_shape=profile_shape(subjects),
                              device=device)
-    if device == "cuda":
+    if device == "cuda" and store == "disk":
+        copies = _host_copies(sizes.profile_bytes)
+        profile = dataclasses.replace(profile, extra=profile.extra | {
+            "reads": "disk reads bypassing the page cache (the loader's disk store; a pinned copy follows each)",
+            "host_copy_bandwidth_bytes_per_s": copies["read_bandwidth_bytes_per_s"]})
+    elif device == "cuda":
         copies = _host_copies(sizes.profile_bytes)
         profile = dataclasses.replace(
             profile, read_bandwidth=copies["read_bandwidth_bytes_per_s"], read_latency=copies["read_latency_s"],
@@ -619,6 +624,18 @@ def _io_floor(subject: Subject, routing: dict, artifact: Path, limit: int, plan,
     return out | {"bound_tokens_per_s": 1 / slowest}
 
 
+def _only_systems(only: str | None) -> set[str] | None:
+    """``--systems naive,moeprep`` -> {"naive", "moeprep"}; None runs every system."""
+    if only is None:
+        return None
+    chosen = {x.strip() for x in only.split(",") if x.strip()}
+    known = {*SYSTEMS, *PREDICTOR_SYSTEMS, "naive+neuron", LLAMA}
+    if not chosen or chosen - known:
+        raise MoeprepError(f"--systems {only!r}: unknown {sorted(chosen - known)}; use a comma-separated subset of "
+                           f"{', '.join(sorted(known))}")
+    return chosen
+
+
 def unlimited_systems(subject: Subject) -> list[str]:
     """The budget-free loader rows measuring the compute floors: naive's plan on its artifact and moeprep's plan on
     the recipe's (they differ in compute even on one artifact: held forms, routing policies, neuron loading)."""
@@ -696,9 +713,13 @@ def _write_atomic(path: Path, data: str | bytes) -> None:
 
 def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = False, device: str = "cpu",
               output: str | Path = "artifacts/bench", traces: str | Path | None = "../shared/data/traces",
-              root: str | Path = ".", echo=print, repeats: int | None = None) -> dict:
+              root: str | Path = ".", echo=print, repeats: int | None = None, store: str = "auto",
+              only: str | None = None) -> dict:
     """Measure, write bench.json / bench.md / bench.png (and the device profile, device.json) under ``output``,
-    and return the report."""
+    and return the report. store: where the loader's expert stores live (``load(store=...)``); auto is host
+    RAM on CUDA (pinned, copied at PCIe speed) and the disk on a CPU. only: comma-separated systems to run
+    (``naive`` also selects ``naive@unlimited``; without ``resident`` the resident candidates are not
+    measured either), to spend a short GPU lease on what a second store changes."""
     from prep.bench.report import write_markdown, write_plot
 
     if device not in ("cpu", "cuda"):
@@ -706,6 +727,10 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
     if device == "cuda" and not torch.cuda.is_available():
         raise MoeprepError("--device cuda: torch sees no CUDA GPU here; run with --device cpu "
                            "(or install a CUDA build of torch on a machine with a GPU)")
+    if store not in ("auto", "disk", "host"):
+        raise MoeprepError(f"--store {store!r} unknown; use auto, disk or host")
+    store = store if store != "auto" else ("host" if device == "cuda" else "disk")
+    chosen_systems = _only_systems(only)  # checked before anything is built
     if subject not in (*SUBJECTS, "all"):
         raise MoeprepError(f"--subject {subject!r} unknown; use {', '.join(SUBJECTS)} or all")
     budget_list = parse_budgets(budgets or (QUICK_BUDGETS if quick else DEFAULT_BUDGETS))
@@ -777,12 +802,12 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
         return [*SYSTEMS[1:3], *neuron, *(s for s in PREDICTOR_SYSTEMS if s.split("+", 1)[1] in planned), SYSTEMS[3]]
 
     echo("measuring the device profile (reads and one expert's compute) for the simulator")
-    profile = device_profile(subjects, sizes, device, output)
+    profile = device_profile(subjects, sizes, device, output, store)
     candidates = resident_candidates(device)
 
     def spec_for(subj: Subject, system: str, budget: str, repeat: int) -> dict:
         limit = _budget_bytes(subj, budget)
-        spec = {"subject": subj.name, "system": system, "budget": budget, "device": device,
+        spec = {"subject": subj.name, "system": system, "budget": budget, "device": device, "store": store,
                 "memory_budget": limit if budget == BELOW_4BIT else budget,
                 "budget_bytes": limit, "host_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2,
                 "model_dir": str(subj.model_dir),
@@ -799,13 +824,17 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
 
     runs = {s.name: [("resident", "100%")] + [(x, UNLIMITED) for x in unlimited_systems(s)]
             + [(x, b) for b in budget_list for x in systems(s)] for s in subjects}
+    if chosen_systems is not None:
+        runs = {name: [(x, b) for x, b in r if x.split("@", 1)[0] in chosen_systems] for name, r in runs.items()}
+        if "resident" not in chosen_systems:
+            candidates = []
     measured: dict = {}  # (subject, system, budget) -> [result of each repeat]
     raw = []
     bar = tqdm(total=sum(len(r) for r in runs.values()) * repeats + len(candidates) * len(subjects), desc="bench",
                unit="run")
     for repeat in range(repeats):  # interleaved: every configuration once per round, so drift hits them all
         for subj in subjects:
-            if repeat == 0:  # the resident baseline: the fastest candidate on this device, chosen first
+            if repeat == 0 and candidates:  # the resident baseline: the fastest candidate on this device, chosen first
                 bar.set_postfix_str(f"{subj.name} resident candidates")
                 subj.facts["resident"] = measure_resident_candidates(
                     spec_for(subj, "resident", "100%", 0), candidates, sizes.candidate_decode, work,
@@ -907,6 +936,7 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
 
     report = {
         "machine": machine_info(device) | {"torch_threads": torch.get_num_threads()},
+        "store": store,
         "read_bandwidth_mb_s": bandwidth["mb_s"],
         "read_bandwidth": bandwidth,
         "device_profile": profile.to_json(),

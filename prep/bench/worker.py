@@ -189,7 +189,8 @@ def _load(spec: dict, routing):
         from loader.runtime import load
 
         loaded = load(spec["artifact"], device=device, memory_budget=spec.get("memory_budget", spec["budget"]),
-                      store="host" if device == "cuda" else "disk", plan=loader_plan(spec["artifact"], system),
+                      store=spec.get("store") or ("host" if device == "cuda" else "disk"),
+                      plan=loader_plan(spec["artifact"], system),
                       routing=routing)
         return loaded.model, loaded, None, []
 
@@ -329,6 +330,10 @@ def measure(spec: dict) -> dict:
                    "prefetch": {k: after["prefetch"][k] - before["prefetch"][k]  # decode steps only
                                 for k in ("issued", "used", "wasted", "cancelled", "saved_seconds")}}
         result |= overhead(before, after, decode_seconds, n)
+        # a GPU with the store in host RAM: each miss copied, or computed on the CPU where the costs measured at
+        # load say that is cheaper (both costs per precision, and how many misses the CPU took)
+        result["miss_costs"] = after["compute"]["miss_costs"]
+        result["cpu_computed_per_token"] = (after["compute"]["cpu_computed"] - before["compute"]["cpu_computed"]) / n
         if after["neuron"] is not None:  # neuron-level loading (decode only): the whole run's shares
             result["neuron"] = {k: after["neuron"][k] for k in ("theta", "crossover", "active_share", "computed_share",
                                                                 "partial_reads", "whole_reads", "neuron_recall")}
