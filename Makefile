@@ -50,6 +50,6 @@ gpu-carry: setup
 	$(BIN)/pip wheel --quiet --no-deps -w .gpu/whl hqq==0.2.8.post1 termcolor
 	cp -r $(TRACES)/mixtral-8x7b .gpu/traces/
 
-# On the GPU machine: its own python3 and the carried wheels, no setup (prep/bench/gpu_check.py).
+# On the GPU machine: its own python3 and the carried wheels, no setup (prep/studies/bench/gpu_check.py).
 gpu-check:
-	$(GPU_PYTHON) -m prep.bench.gpu_check $(if $(OUT),--out $(OUT))
+	$(GPU_PYTHON) -m prep.studies.bench.gpu_check $(if $(OUT),--out $(OUT))

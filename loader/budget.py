@@ -1,6 +1,6 @@
 """Every size of the loader: slots, held forms, read and staging buffers, capacities, minimum and explicit
 budgets. ``capacities()`` is the only place where a memory budget becomes byte capacities per pool and
-layer: the loader, the bench, the planner (``prep/planning.py``) and the simulator all call it, so they can
+layer: the loader, the bench, the planner (``prep/stages/planning.py``) and the simulator all call it, so they can
 never disagree about what a budget buys.
 
 Budget semantics (``resolve_budget``): bytes, a size string ("1.5GiB"), a percentage ("25%": the dense

@@ -17,7 +17,7 @@ One expert is one *record*: all its tensors back to back in one byte string, in 
 ``RecordLayout`` that is the same for every expert of a store, so a cache miss is one read and one
 copy. This module is the decoding side, shared by the loader and ``prep``; it needs nothing but torch.
 The encoding side (packing codes, joining parts into a record, writing stores) lives in
-``prep/records.py`` and ``prep/quant/hqq_codec.py``.
+``prep/quant/records.py`` and ``prep/quant/hqq_codec.py``.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """Flat uint8 bytes -> ``count`` codes as uint8, little-endian within a byte (``prep.records.pack_codes``
+    """Flat uint8 bytes -> ``count`` codes as uint8, little-endian within a byte (``prep.quant.records.pack_codes``
     is the inverse): 8, 4 and 2 bits hold 1, 2 and 4 codes per byte; 3 bits hold 8 codes in 3 bytes.
     4 and 2 bits are unpacked with uint8 shifts (a quarter of the memory traffic of int32 ones): this runs
     on every cache miss."""

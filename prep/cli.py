@@ -59,7 +59,7 @@ def inspect_model_command(models: tuple[str, ...], as_json: bool, recipes_table:
     from prep.adapters import inspect_model
 
     if recipes_table:
-        from prep.models_table import EVAL_MARKERS, MARKERS, eval_time_table, models_table, update_readme
+        from prep.inspect import EVAL_MARKERS, MARKERS, eval_time_table, models_table, update_readme
 
         tables = [("models table", models_table(list(models)), MARKERS)]
         if data is not None:
@@ -105,7 +105,7 @@ def prepare_command(recipe_path: str, overrides: tuple[str, ...], output: str | 
     from prep.recipe import load_recipe
 
     if dry_run:
-        from prep.models_table import dry_run as describe
+        from prep.inspect import dry_run as describe
 
         click.echo(describe(load_recipe(recipe_path, overrides)), nl=False)
         return
@@ -211,7 +211,7 @@ def bitwidth_study_command(recipe_path, output, tolerances, shares, suites, data
     tolerance, frequency at each share, and a random control with the middle edgemoe row's bytes."""
     from pathlib import Path
 
-    from prep.bitwidth_study import merge_study_into, run_study
+    from prep.studies.bitwidth import merge_study_into, run_study
 
     study = run_study(recipe_path, output, tolerances=_floats(tolerances, "--tolerances"),
                       shares=_floats(shares, "--shares"), suites=_names(suites),
@@ -248,11 +248,11 @@ def prediction_study_command(recipe_path, artifact, budgets, seed, sequences, pr
 
     from loader.io import write_json_atomic
     from prep.errors import MoeprepError
-    from prep.prediction_study import fresh_trace, merge_into, run_study
     from prep.recipe import load_recipe
     from prep.sim.device import load_profile
     from prep.sim.simulate import parse_list
     from prep.stages.predict import prediction_study_markdown
+    from prep.studies.prediction import fresh_trace, merge_into, run_study
 
     recipe = load_recipe(recipe_path)
     artifact = Path(artifact or Path("artifacts") / recipe.name / "artifact")
@@ -282,8 +282,8 @@ def policy_study_command(trace, capacity, trials, seed, output):
     from pathlib import Path
 
     from loader.io import write_json_atomic
-    from prep.policy_study import run_study, study_markdown
     from prep.sim.simulate import parse_list
+    from prep.studies.policy import run_study, study_markdown
 
     study = run_study(trace, parse_list(capacity, "--capacity", int), trials=trials, seed=seed)
     if output:
@@ -312,7 +312,7 @@ def routing_study_command(recipe_path, output, budgets, gating, dynamic, lambdas
     cache-conditional routing, each swept across its knob, at each budget."""
     from pathlib import Path
 
-    from prep.routing_study import merge_into, run_study
+    from prep.studies.routing import merge_into, run_study
 
     try:
         knobs = {"gating": _floats(gating, "--gating") if gating else (),
@@ -350,7 +350,7 @@ def neuron_study_command(recipe_path, output, thetas, budget, suites, data, limi
     against whole-expert loading at the same budget."""
     from pathlib import Path
 
-    from prep.neuron_study import merge_into, run_study
+    from prep.studies.neuron import merge_into, run_study
 
     study = run_study(recipe_path, output, thetas=_floats(thetas, "--thetas"), budget=budget,
                       suites=_names(suites), limit=limit, data=data,
@@ -417,8 +417,8 @@ def bench_command(subject, budgets, repeats, quick, device, store, only, output,
     """Decode speed of resident, accelerate offloading, naive offloading and moeprep at each budget."""
     from pathlib import Path
 
-    from prep.bench.report import goal_check
-    from prep.bench.run import run_bench
+    from prep.studies.bench.report import goal_check
+    from prep.studies.bench.run import run_bench
 
     report = run_bench(subject, budgets, quick, device, output, traces, echo=lambda m: click.echo(m, err=True),
                        repeats=repeats, store=store, only=only)
@@ -513,7 +513,7 @@ def profile_device_command(output, directory, file_mb, device):
 @click.option("--output", default="artifacts/kernel-study", show_default=True, type=click.Path(file_okay=False))
 def kernel_study_command(hidden, intermediate, prefill_tokens, repeats, output):
     """Time one expert in each compute form here: decoding, float and low-bit products (loader/forms.py)."""
-    from prep.kernel_study import run_kernel_study
+    from prep.studies.kernel import run_kernel_study
 
     if hidden % 64 or intermediate % 64:
         raise click.UsageError("--hidden and --intermediate must be multiples of 64 (the int4 group size)")

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import prep.bench.run as bench_run
-from prep.bench.run import SYSTEMS, choose_resident, parse_budgets
-from prep.bench.worker import overhead
+import prep.studies.bench.run as bench_run
 from prep.cli import main
 from prep.errors import MoeprepError
+from prep.studies.bench.run import SYSTEMS, choose_resident, parse_budgets
+from prep.studies.bench.worker import overhead
 
 TRACES_ROOT = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 LOADER = ("naive", "moeprep", "naive@unlimited", "moeprep@unlimited")
@@ -247,14 +247,14 @@ def test_bench_runs_each_planned_predictor_against_naive_on_the_lossless_referen
     """The reference-lossless plan has all three predictors: naive+<predictor> rows and a prefetch table."""
     import shutil
 
-    from prep.bench.run import PREDICTOR_SYSTEMS
+    from prep.studies.bench.run import PREDICTOR_SYSTEMS
 
     repo = Path(__file__).resolve().parents[1]
     root = tmp_path / "repo"
     (root / "recipes").mkdir(parents=True)
     shutil.copy(repo / "recipes" / "reference-lossless.yaml", root / "recipes")
     (root / "recipes" / "reference").symlink_to(repo / "recipes" / "reference")
-    from prep.bench.run import run_bench
+    from prep.studies.bench.run import run_bench
 
     report = run_bench("reference-lossless", "25%", quick=True, output=tmp_path / "bench", root=root, echo=lambda m: None)
     rows = {r["system"]: r for r in report["results"]}
@@ -282,7 +282,7 @@ def test_bench_runs_neuron_loading_against_whole_expert_reads_of_the_same_record
     """reference-neuron: naive (whole reads of the neuron-layout records), naive+neuron, naive+neuron_gates and
     moeprep, and a neuron table; reading only active rows reads fewer bytes per token."""
 
-    from prep.bench.run import run_bench
+    from prep.studies.bench.run import run_bench
 
     repo = Path(__file__).resolve().parents[1]
     root = tmp_path / "repo"

@@ -1,4 +1,4 @@
-"""The bench's llama.cpp baseline (prep/bench/llama.py): the GGUF conversion's pieces, its logits against
+"""The bench's llama.cpp baseline (prep/studies/bench/llama.py): the GGUF conversion's pieces, its logits against
 transformers where the optional extra is installed, and the bench's llama.cpp rows or its skip note."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from prep.bench import llama
 from prep.cli import main
+from prep.studies.bench import llama
 
 HAVE_LLAMA = llama.missing() is None
 
@@ -44,7 +44,7 @@ def test_missing_names_the_extra(monkeypatch):
 
 @pytest.mark.skipif(not HAVE_LLAMA, reason=llama.missing() or "")
 def test_the_gguf_conversion_gives_transformers_logits(tmp_path):
-    from prep.bench.subjects import QUICK_SHAPE, _build_mixtral_shape
+    from prep.studies.bench.subjects import QUICK_SHAPE, _build_mixtral_shape
 
     model_dir = tmp_path / "model"
     _build_mixtral_shape(model_dir, QUICK_SHAPE)
@@ -55,7 +55,7 @@ def test_the_gguf_conversion_gives_transformers_logits(tmp_path):
 
 
 def test_the_bench_runs_llama_cpp_in_a_cgroup_or_says_why_not(tmp_path, monkeypatch):
-    import prep.bench.run as bench_run
+    import prep.studies.bench.run as bench_run
 
     # one resident candidate: the choice among them is tests/test_bench.py's, not this test's
     monkeypatch.setattr(bench_run, "RESIDENT_DTYPES", ("float32",))

@@ -10,9 +10,9 @@ import pytest
 from click.testing import CliRunner
 
 from loader.format import open_artifact, verify
-from prep import bitwidth_study
-from prep.bitwidth_study import merge_study_into, run_study, study_markdown
 from prep.cli import main as moeprep
+from prep.studies import bitwidth as bitwidth_study
+from prep.studies.bitwidth import merge_study_into, run_study, study_markdown
 from tests.tiny_models import save_tiny_model, write_tiny_suites
 
 RECIPE = """name: tiny

@@ -23,7 +23,7 @@ from loader.codec import (
 from loader.errors import MoeError
 from prep.errors import MoeprepError
 from prep.quant.hqq_codec import encode_expert, encode_matrix, fake_quantize, matrix_spec, quantize_meta
-from prep.records import pack_codes
+from prep.quant.records import pack_codes
 
 
 @pytest.mark.parametrize("bits", [8, 4, 3, 2])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from prep.errors import MoeprepError
-from prep.first_gate import (
+from prep.methods.first_gate import (
     first_gate_data,
     gate_pairs,
     kl_teacher_student,

@@ -404,7 +404,7 @@ def test_generate_input_edges(built, args, message):
 
 
 def test_crc_is_the_zlib_crc_of_the_record_bytes(built):
-    """The manifest's crc32 is plain zlib.crc32 over record_bytes (what prep.records writes)."""
+    """The manifest's crc32 is plain zlib.crc32 over record_bytes (what prep.quant.records writes)."""
     manifest = open_artifact(built)
     (precision, info), = manifest.stores.items()
     raw = _store(built).read_bytes()

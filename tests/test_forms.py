@@ -393,7 +393,7 @@ def test_the_nibble_repack_writes_torchs_int4pack_layout():
     """The repack from packed codes equals torch's convert op from the unpacked codes (on this build)."""
     from loader.codec import unpack_codes
     from loader.forms import _nibble_repack_matches, repack_nibbles
-    from prep.records import pack_codes
+    from prep.quant.records import pack_codes
 
     assert _nibble_repack_matches()
     torch.manual_seed(5)

@@ -1,4 +1,4 @@
-"""``make gpu-check`` (prep/bench/gpu_check.py) without a GPU: it stops at "no CUDA" with status 2 and says so in
+"""``make gpu-check`` (prep/studies/bench/gpu_check.py) without a GPU: it stops at "no CUDA" with status 2 and says so in
 gpu-check.md; its summary of a bench (complete or cut off) and its goal lines follow the numbers."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-from prep.bench import gpu_check
+from prep.studies.bench import gpu_check
 
 
 def test_without_cuda_the_check_says_so_and_exits_2(tmp_path):

@@ -26,8 +26,8 @@ from loader.routing import (
 )
 from loader.runtime import load, minimum_budget, renormalized
 from prep.adapters import get_adapter
-from prep.fisher import fisher_sensitivity
-from prep.routing_stats import gating_share, precision_split, split_thresholds
+from prep.methods.fisher import fisher_sensitivity
+from prep.methods.routing_stats import gating_share, precision_split, split_thresholds
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 
@@ -158,7 +158,7 @@ def test_unimportance_is_the_normalized_weight_of_the_more_important_selections(
 def test_hobbits_split_on_the_real_mixtral_traces():
     if not (TRACES / "mixtral-8x7b").is_dir():
         pytest.skip(f"the real Mixtral traces are not at {TRACES}")
-    from prep.trace import read_mixtral_traces
+    from prep.methods.trace import read_mixtral_traces
 
     weights = torch.cat([t.expert_weights.reshape(-1, 2) for t in read_mixtral_traces(TRACES)])
     split = precision_split(weights, 0.6, 0.9)
@@ -471,9 +471,9 @@ def test_the_tokens_of_one_call_see_the_cache_as_decode_would():
 def test_cache_routing_from_the_recipe_is_exact_at_zero_and_the_simulator_agrees_with_the_loader(tmp_path):
     from tiny_models import prepare_tiny_artifact
 
+    from prep.methods.trace import RoutingRecorder
     from prep.sim.replay import Replay
     from prep.sim.simulate import artifact_spec, simulate
-    from prep.trace import RoutingRecorder
 
     recipe = _recipe(cache_routing={"enabled": True, "method": "prior", "lam": 0.0})
     model, artifact = prepare_tiny_artifact(tmp_path, "qwen3_moe", recipe=recipe)
@@ -520,7 +520,7 @@ def test_the_routing_study_measures_every_method_and_lands_in_report_json(tmp_pa
     from tiny_models import save_tiny_model, write_tiny_suites
 
     from loader.format import verify
-    from prep.routing_study import merge_into, run_study
+    from prep.studies.routing import merge_into, run_study
 
     save_tiny_model("mixtral", tmp_path / "model")
     write_tiny_suites(tmp_path / "suites")

@@ -18,9 +18,9 @@ from loader.runtime import LoaderError, load, minimum_budget
 from loader.store import DEMAND, ExpertStore, Reader, ReadJob, SlotArena
 from prep.adapters import get_adapter
 from prep.errors import MoeprepError
-from prep.neuron import dropped_neurons
+from prep.methods.neuron import dropped_neurons
 from prep.quant.hqq_codec import encode_neuron_expert
-from prep.records import write_aligned_records
+from prep.quant.records import write_aligned_records
 from tests.tiny_models import ARCHITECTURES, prepare_tiny_artifact, tiny_recipe
 
 NEURON = {"layout": "neuron", "enabled": True, "theta": 0.0, "crossover": 1.0}
@@ -269,7 +269,7 @@ def test_neuron_loading_needs_the_neuron_layout(tmp_path):
 def test_the_neuron_study_measures_every_theta_and_lands_in_report_json(tmp_path):
     import yaml
 
-    from prep.neuron_study import merge_into, run_study
+    from prep.studies.neuron import merge_into, run_study
     from tests.tiny_models import write_tiny_suites
 
     save_wide_mixtral(tmp_path / "model")

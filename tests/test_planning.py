@@ -12,12 +12,12 @@ import pytest
 
 from loader.budget import ModelSizes, capacities, minimum_bytes
 from loader.plan import OperatingPoint, Plan, PlanError, PolicySpec, Pool
-from prep.allocation import allocate, closed_form_curve
 from prep.errors import MoeprepError
-from prep.planning import Draft
+from prep.methods.allocation import allocate, closed_form_curve
 from prep.recipe import recipe_from_dict
 from prep.sim.replay import Replay
 from prep.sim.simulate import capacities_spec, simulate
+from prep.stages.planning import Draft
 from prep.stages.tune_policy import JOURNAL, STUDY, tune
 from tests.tiny_models import prepare_tiny_artifact, tiny_recipe
 

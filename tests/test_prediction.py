@@ -24,7 +24,7 @@ from loader.predict import (
 )
 from loader.runtime import LoaderError, load, minimum_budget
 from prep.errors import MoeprepError
-from prep.routing_stats import fit_path_stats, next_gate_recall, path_stats_recall
+from prep.methods.routing_stats import fit_path_stats, next_gate_recall, path_stats_recall
 
 E, K, L = 8, 2, 4
 
@@ -277,7 +277,7 @@ def test_the_reference_models_held_out_recall_beats_the_marginal_at_every_layer(
 
 def test_path_stats_on_the_real_mixtral_traces_fit_on_one_problem_beat_the_marginal_on_the_other():
     """Weak but real: the two GSM8K problems are 166 and 78 decode tokens (the figures are in the note)."""
-    from prep.trace import read_mixtral_traces
+    from prep.methods.trace import read_mixtral_traces
 
     traces_dir = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
     if not (traces_dir / "mixtral-8x7b").is_dir():
@@ -313,7 +313,7 @@ def test_the_prediction_study_replays_fresh_text_and_lands_in_report_md(tmp_path
     import yaml
 
     from loader.format import verify
-    from prep.prediction_study import fresh_trace, merge_into, run_study
+    from prep.studies.prediction import fresh_trace, merge_into, run_study
 
     recipe = _predicting_recipe()
     prepare_tiny_artifact(tmp_path, "olmoe", recipe=recipe)

@@ -42,7 +42,7 @@ import dataclasses, json, os, signal, sys, time
 from pathlib import Path
 
 import prep.adapters
-import prep.calibration, prep.quant.hqq_codec, prep.reference.data, prep.trace  # noqa: F401,E401 (before fork)
+import prep.calibration, prep.quant.hqq_codec, prep.reference.data, prep.methods.trace  # noqa: F401,E401 (before fork)
 import prep.pipeline as pipeline
 import prep.stages.package as package_stage
 import prep.stages.quantize as quantize_stage

@@ -127,7 +127,7 @@ def test_eval_on_the_real_benchmarks(tmp_path, monkeypatch):
 
 
 def test_readme_tables_are_generated_and_current(tmp_path):
-    from prep.models_table import EVAL_MARKERS, MARKERS, eval_time_table, models_table, update_readme
+    from prep.inspect import EVAL_MARKERS, MARKERS, eval_time_table, models_table, update_readme
 
     recipes = sorted(str(p) for p in (ROOT / "recipes").glob("*.yaml"))
     copy = tmp_path / "README.md"

@@ -1,4 +1,4 @@
-"""prep.sensitivity against obviously-right references on tiny models.
+"""prep.methods.sensitivity against obviously-right references on tiny models.
 
 The layer-local sweep must give the KL a full forward per expert gives, on every architecture (the
 replay stubs stand in for the decoder layers before the lowered expert, so any format or mask slip
@@ -18,8 +18,8 @@ from tiny_models import ARCHITECTURES, build_tiny_model, random_sequences
 
 from prep.adapters import ExpertWeights, get_adapter
 from prep.errors import MoeprepError
-from prep.sensitivity import kl_sweep, spearman, trace_prerank
-from prep.trace import RoutingRecorder
+from prep.methods.sensitivity import kl_sweep, spearman, trace_prerank
+from prep.methods.trace import RoutingRecorder
 
 _MODELS: dict[str, torch.nn.Module] = {}
 

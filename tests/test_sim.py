@@ -220,7 +220,7 @@ def test_errors_name_the_fix():
 
 
 def test_project_trace_directory(tmp_path, one_thread):
-    from prep.trace import open_trace, record_traces
+    from prep.methods.trace import open_trace, record_traces
     from tests.tiny_models import build_tiny_model, random_sequences
 
     model = build_tiny_model("qwen2_moe")  # MoE layers 0 and 2: positions 0 and 1

@@ -302,7 +302,7 @@ def test_an_oracle_prefetch_turns_misses_into_hits_without_double_reads(tmp_path
 
 def test_store_reads_whole_records_and_byte_ranges_into_given_memory(tmp_path):
     from loader.store import ExpertStore
-    from prep.records import write_aligned_records
+    from prep.quant.records import write_aligned_records
 
     gen = torch.Generator().manual_seed(0)
     records = {f"layers.0.experts.{e}": torch.randint(0, 256, (10000,), dtype=torch.uint8, generator=gen).numpy().tobytes()

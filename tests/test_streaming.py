@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 
 from prep.adapters import get_adapter, load_model
 from prep.errors import MoeprepError
+from prep.methods.trace import RoutingRecorder, open_trace, record_traces
 from prep.streaming import load_streamed, stream_of
-from prep.trace import RoutingRecorder, open_trace, record_traces
 from tests.tiny_models import ARCHITECTURES, build_tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,7 +166,7 @@ def test_an_error_inside_a_forward_unpins_its_layer_and_is_the_error_seen(checkp
 
 def test_fisher_on_a_streamed_model_equals_the_whole_model(checkpoints):
     # backward recomputes each checkpointed layer (its experts read again) instead of keeping them all
-    from prep.fisher import fisher_sensitivity
+    from prep.methods.fisher import fisher_sensitivity
 
     whole = load_model(checkpoints["deepseek_v2"], dtype="auto")
     streamed = load_streamed(checkpoints["deepseek_v2"], resident_bytes=0)
@@ -308,7 +308,7 @@ def test_prepare_peak_rss_is_dense_plus_one_layer(tmp_path):
               "gating": {"enabled": True, "num_sequences": 2}}  # Fisher: a backward through every layer
     (tmp_path / "big.yaml").write_text(json.dumps(recipe))
     # the process's own footprint: the same interpreter with everything prepare imports, and no model
-    baseline = _peak_rss("import torch, transformers, hqq\nimport prep.pipeline, prep.streaming, prep.trace\n"
+    baseline = _peak_rss("import torch, transformers, hqq\nimport prep.pipeline, prep.streaming, prep.methods.trace\n"
                          "import transformers.models.mixtral.modeling_mixtral", tmp_path)
     peak = _peak_rss("from prep.cli import main\n"
                      "main(['prepare', '--recipe', 'big.yaml', '--expert-memory', '0'], standalone_mode=False)",
@@ -327,8 +327,8 @@ def test_prepare_peak_rss_is_dense_plus_one_layer(tmp_path):
 def test_prepare_on_cuda_gives_the_cpu_artifact(arch, tmp_path):
     # --device cuda: the forwards (trace, the KL sweeps and checks, Fisher) run on the GPU; HQQ stays on the
     # CPU, so the records are the same bytes and the routing the same decisions
+    from prep.methods.trace import open_trace
     from prep.pipeline import prepare
-    from prep.trace import open_trace
     from tests.tiny_models import save_tiny_model, tiny_recipe
 
     save_tiny_model(arch, tmp_path / "model")

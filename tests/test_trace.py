@@ -11,7 +11,7 @@ from tiny_models import ARCHITECTURES, build_tiny_model, random_sequences
 
 from prep.adapters import get_adapter
 from prep.errors import MoeprepError
-from prep.trace import (
+from prep.methods.trace import (
     RoutingRecorder,
     RoutingTrace,
     canonical_order,

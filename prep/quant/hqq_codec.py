@@ -1,7 +1,7 @@
 """The one module that imports hqq: half-quadratic quantization of expert matrices.
 
 ``encode_matrix`` turns a float matrix into the packed parts ``loader/codec.py`` defines (codes packed
-by our own scheme in ``prep/records.py``; per group a scale and a zero, as float16 or, with a
+by our own scheme in ``prep/quant/records.py``; per group a scale and a zero, as float16 or, with a
 ``meta_group``, as 8-bit codes), using hqq only for the optimisation of scale and zero; decoding never
 needs hqq. ``fake_quantize`` is the round trip, for accuracy measurements.
 """
@@ -13,7 +13,7 @@ from hqq.core.quantize import Quantizer
 
 from loader.codec import BITS, META_BITS, CodecError, MatrixSpec, RecordLayout, decode_matrix, dtype_name
 from prep.errors import MoeprepError
-from prep.records import join_record, pack_codes
+from prep.quant.records import join_record, pack_codes
 
 SUPPORTED_BITS = tuple(sorted(BITS.values(), reverse=True))
 

@@ -4,9 +4,9 @@ The simulator needs only which experts each token used at each MoE layer, so a t
 plain Python tuples once (``Replay``), which keeps the replay loop free of tensor indexing. Two
 sources are read:
 
-- a project trace directory written by ``prep.trace.record_traces`` (any architecture): one
+- a project trace directory written by ``prep.methods.trace.record_traces`` (any architecture): one
   sequence per recorded sequence, layers are the traced MoE layers in order, E from its index;
-- the real Mixtral-8x7B GSM8K decode traces (``prep.trace.read_mixtral_traces``: the
+- the real Mixtral-8x7B GSM8K decode traces (``prep.methods.trace.read_mixtral_traces``: the
   ``gsm8k_routing.jsonl`` file, its directory or the traces root): one sequence per problem, 32
   layers, E = 8. Each problem's layers are trimmed to its shortest layer (see that function).
 
@@ -53,7 +53,7 @@ class Replay:
 
 
 def replay_from_routing(traces: Sequence, num_experts: int | None = None, source: str = "") -> Replay:
-    """A ``Replay`` from ``prep.trace.RoutingTrace`` objects (expert_ids [T, L, K]) of one model.
+    """A ``Replay`` from ``prep.methods.trace.RoutingTrace`` objects (expert_ids [T, L, K]) of one model.
 
     num_experts: E of the model; None takes the largest expert id seen + 1.
     """
@@ -95,7 +95,7 @@ def load_replay(path: str | Path) -> Replay:
     path: a trace directory written by ``record_traces``; or ``gsm8k_routing.jsonl``, its directory, or
     the traces root holding ``mixtral-8x7b/``. Raises ``MoeprepError`` when nothing is there.
     """
-    from prep.trace import INDEX_NAME, open_trace, read_mixtral_traces
+    from prep.methods.trace import INDEX_NAME, open_trace, read_mixtral_traces
 
     path = Path(path)
     if not path.exists():

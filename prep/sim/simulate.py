@@ -500,7 +500,7 @@ def trace_feed(trace_dir, routers: list, tensors: dict) -> PredictionFeed:
     predictor tensors: per sequence the router inputs and, when recorded, the LM head's inputs."""
     import torch
 
-    from prep.trace import open_trace
+    from prep.methods.trace import open_trace
 
     trace = open_trace(trace_dir)
     if f"layers.{trace.layers[0]}.router_input" not in trace.index["tensors"]:

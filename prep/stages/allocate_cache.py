@@ -11,7 +11,7 @@ t = 0..n_c records, is either
   off) and the predict stage's top-1 accuracy for that layer (next-layer gate at distance 1; the
   first-layer gate for layer 0; 0 without them), in loads, times the cost of one read of the cell.
 
-``prep.allocation.allocate`` then solves the DP in bytes (slot bytes as the knapsack weights) at the
+``prep.methods.allocation.allocate`` then solves the DP in bytes (slot bytes as the knapsack weights) at the
 plan's default budget (the plan's pools, and an operating point) and at each operating point
 (``plan.points``: budgets holding that share of the shipped experts), and each result is simulated
 against the plan without an allocation (pools split by expert bytes, layers equal) and the closed-form
@@ -29,8 +29,8 @@ from tqdm import tqdm
 
 from loader.budget import Capacities, ModelSizes, buffer_bytes, resolve_budget
 from loader.plan import OperatingPoint, Plan, Pool
-from prep.allocation import allocate, closed_form_curve
 from prep.errors import MoeprepError
+from prep.methods.allocation import allocate, closed_form_curve
 from prep.recipe import PlanSection
 from prep.stages import Stage, StageResult
 
@@ -246,7 +246,7 @@ def allocate_plan(draft, cfg: PlanSection, gating=None, prediction=None, progres
 
 
 def _run(inputs) -> CacheAllocation:
-    from prep.planning import draft_from_inputs
+    from prep.stages.planning import draft_from_inputs
 
     cfg = inputs.config
     draft = draft_from_inputs(inputs, cfg.device)

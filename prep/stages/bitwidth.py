@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from prep.errors import MoeprepError
-from prep.quant.decoded import DecodedExperts, mean_kl, next_token_logprobs, original_experts
+from prep.methods.decoded import DecodedExperts, mean_kl, next_token_logprobs, original_experts
 from prep.recipe import PRECISIONS, BitwidthSection
 from prep.stages import Stage, StageResult
 

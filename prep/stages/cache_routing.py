@@ -52,7 +52,7 @@ class _ColdView:
 
 def measure_ranges(trace_dir, cfg: CacheRoutingSection) -> CacheRoutingChoice:
     """The knobs as given and the calibration logit ranges (no model run)."""
-    from prep.trace import open_trace
+    from prep.methods.trace import open_trace
 
     trace = open_trace(trace_dir)
     ranges = []
@@ -68,7 +68,7 @@ def within_tolerance(model, adapter, sequences: list, choice: CacheRoutingChoice
                      ) -> CacheRoutingChoice:
     """Lower the method's knob to the largest value within ``cfg.tolerance`` (see the module docstring)."""
     from loader.routing import CacheConditionalRouting, install_routing
-    from prep.quant.decoded import mean_kl, next_token_logprobs
+    from prep.methods.decoded import mean_kl, next_token_logprobs
     from prep.stages.bitwidth import held_out
 
     held = held_out(sequences, cfg.num_sequences)

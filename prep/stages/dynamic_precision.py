@@ -2,7 +2,7 @@
 
 Runs when ``dynamic_precision.enabled``. Reads the calibration routing (trace stage): t1 and t2 are the
 recipe's, or the quantiles of the unimportance score that give ``high_share`` of the selections at the
-planned precision and ``skip_share`` skipped (``prep.routing_stats.split_thresholds``). The split those
+planned precision and ``skip_share`` skipped (``prep.methods.routing_stats.split_thresholds``). The split those
 thresholds give on the calibration routing is reported. No model run.
 """
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from prep.methods.routing_stats import precision_split, split_thresholds
 from prep.recipe import DynamicPrecisionSection
-from prep.routing_stats import precision_split, split_thresholds
 from prep.stages import Stage, StageResult
 
 VERSION = 1
@@ -29,7 +29,7 @@ class PrecisionThresholds(StageResult):
 
 
 def choose_thresholds(trace_dir, cfg: DynamicPrecisionSection) -> PrecisionThresholds:
-    from prep.trace import open_trace
+    from prep.methods.trace import open_trace
 
     weights = torch.cat([r.expert_weights.reshape(-1, r.top_k) for r in open_trace(trace_dir).routing()])
     t1, t2 = (cfg.t1, cfg.t2) if cfg.t1 is not None else split_thresholds(weights, cfg.high_share, cfg.skip_share)

@@ -1,7 +1,7 @@
 """Stage ``gating``: AdapMoE's adaptive gating (paper 4.2, digest 2.1-2.2): the Fisher sensitivity S_l of every
 MoE layer and the threshold T of the rule (1 - alpha)^2 * S_l <= T.
 
-Runs when ``gating.enabled``. S comes from ``prep.fisher`` on the first ``num_sequences`` calibration
+Runs when ``gating.enabled``. S comes from ``prep.methods.fisher`` on the first ``num_sequences`` calibration
 sequences. T is ``threshold`` when given; else the T whose rule leaves ``target_single`` of the (token,
 layer) decisions of the calibration routing (trace stage) with one expert, found by bisection on log T
 without a forward pass. With ``tolerance``, T is bisected down to the largest value whose gated model (the
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from prep.fisher import fisher_sensitivity
+from prep.methods.fisher import fisher_sensitivity
+from prep.methods.routing_stats import gating_share
 from prep.recipe import GatingSection
-from prep.routing_stats import gating_share
 from prep.stages import Stage, StageResult
 
 VERSION = 1
@@ -60,7 +60,7 @@ def threshold_for_share(weights: torch.Tensor, sensitivity: list[float], target:
 def gated_loss(model, adapter, sensitivity: list[float], held: list, decode_only: bool):
     """loss(T): mean next-token KL of the model with gating at T against the model without, on ``held``."""
     from loader.routing import AdaptiveGating, install_routing
-    from prep.quant.decoded import mean_kl, next_token_logprobs
+    from prep.methods.decoded import mean_kl, next_token_logprobs
 
     paths = adapter.module_paths(model)
     reference = next_token_logprobs(model, held)
@@ -77,8 +77,8 @@ def gated_loss(model, adapter, sensitivity: list[float], held: list, decode_only
 
 
 def choose_gating(model, adapter, sequences: list, trace_dir, cfg: GatingSection) -> GatingChoice:
+    from prep.methods.trace import open_trace
     from prep.stages.bitwidth import held_out
-    from prep.trace import open_trace
 
     fit = list(sequences if cfg.num_sequences is None else sequences[:cfg.num_sequences])
     with tqdm(total=len(fit), desc="fisher sensitivity", unit="seq", leave=False) as bar:

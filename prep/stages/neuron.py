@@ -5,9 +5,9 @@
 2. The activation profile: per layer, the share of the selected experts' neurons active against theta, on
    the calibration traces (router inputs and selections).
 3. The read-cost crossover: partial against whole neuron reads timed on this machine's disk
-   (``prep.neuron.measure_crossover``), unless the recipe gives one.
+   (``prep.methods.neuron.measure_crossover``), unless the recipe gives one.
 4. theta: the recipe's, or with a tolerance the largest of ``thetas`` up to it whose source model with the
-   inactive neurons dropped (``prep.neuron.dropped_neurons``) stays within the mean next-token KL; the
+   inactive neurons dropped (``prep.methods.neuron.dropped_neurons``) stays within the mean next-token KL; the
    trail is kept.
 
 Package ships these records instead of the quantize stage's, and writes the plan's ``neuron`` entry (and the
@@ -25,7 +25,7 @@ from tqdm import tqdm
 from loader.codec import RecordLayout
 from loader.format import expert_key
 from loader.io import write_bytes_atomic
-from prep.neuron import activity_profile, dropped_neurons, measure_crossover, pairing_of
+from prep.methods.neuron import activity_profile, dropped_neurons, measure_crossover, pairing_of
 from prep.quant.hqq_codec import encode_neuron_expert
 from prep.recipe import NeuronSection
 from prep.stages import Stage, StageResult
@@ -86,7 +86,7 @@ def choose_theta(model, adapter, sequences: list, cfg: NeuronSection) -> tuple[f
     """The recipe's theta, or with a tolerance the largest candidate within it (from the top down)."""
     if cfg.tolerance is None:
         return cfg.theta, []
-    from prep.quant.decoded import mean_kl, next_token_logprobs
+    from prep.methods.decoded import mean_kl, next_token_logprobs
     from prep.stages.bitwidth import held_out
 
     held = held_out(sequences, cfg.num_sequences)
@@ -101,8 +101,8 @@ def choose_theta(model, adapter, sequences: list, cfg: NeuronSection) -> tuple[f
 
 
 def _run(inputs) -> NeuronChoice:
+    from prep.methods.trace import open_trace
     from prep.stages.trace import RoutingTraces
-    from prep.trace import open_trace
 
     cfg: NeuronSection = inputs.config
     quantize_dir, quantize = inputs.upstream("quantize")

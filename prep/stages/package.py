@@ -27,11 +27,11 @@ from loader.io import write_bytes_atomic, write_json_atomic
 from loader.plan import PLAN_FILE, PolicySpec
 from loader.predict import PREDICTORS_FILE
 from prep.errors import MoeprepError
-from prep.planning import compose_plan, model_sizes
+from prep.quant.records import write_aligned_records
 from prep.recipe import PackageSection
-from prep.records import write_aligned_records
 from prep.stages import Stage, StageResult
 from prep.stages.bitwidth import BitwidthChoice, uniform_choice
+from prep.stages.planning import compose_plan, model_sizes
 from prep.stages.predict import prediction_markdown, predictor_tensors
 from prep.stages.quantize import PackedExperts
 
@@ -251,8 +251,8 @@ def operating_points(allocation, tuned=None) -> list:
 def report_markdown(name: str, report: dict) -> str:
     """The artifact's report.md, a function of report.json: what it holds, then the bit-width study (when
     one was merged in), the prediction figures and the prediction study."""
-    from prep.bitwidth_study import study_markdown
     from prep.stages.predict import prediction_study_markdown
+    from prep.studies.bitwidth import study_markdown
 
     sizes, bw = report["sizes"], report.get("bitwidth", {})
     mix = ", ".join(f"{p} {n}" for p, n in bw.get("experts", {}).items())

@@ -6,10 +6,10 @@ sequence: the last ``held_out`` share is never fitted on and every figure is mea
 - next-layer gates: nothing to fit (the routers are in the dense weights); top-1 accuracy and top-K
   recall of layer l+d's router on layer l's router input, per layer and distance, against the marginal
   frequency of the target layer;
-- path statistics: counts fitted on the other sequences (``prep.routing_stats.fit_path_stats``), the
+- path statistics: counts fitted on the other sequences (``prep.methods.routing_stats.fit_path_stats``), the
   same figures per layer against the marginal;
 - first-layer gate (only when ``first_gate`` is enabled): trained on the fitted sequences' LM-head inputs
-  and first-router logits (``prep.first_gate``), early stopping on the last fifth of them, held-out KL,
+  and first-router logits (``prep.methods.first_gate``), early stopping on the last fifth of them, held-out KL,
   top-1 and top-K recall against the marginal-frequency predictor.
 
 Tensors (``tensors.safetensors``, copied by package into the artifact's ``predictors.safetensors`` for
@@ -26,11 +26,11 @@ import torch
 from tqdm import tqdm
 
 from prep.errors import MoeprepError
-from prep.first_gate import first_gate_data, gate_pairs, prediction_metrics, train_first_gate
+from prep.methods.first_gate import first_gate_data, gate_pairs, prediction_metrics, train_first_gate
+from prep.methods.routing_stats import fit_path_stats, next_gate_recall, path_stats_recall
+from prep.methods.trace import open_trace
 from prep.recipe import PredictSection
-from prep.routing_stats import fit_path_stats, next_gate_recall, path_stats_recall
 from prep.stages import Stage, StageResult
-from prep.trace import open_trace
 
 VERSION = 1
 
@@ -80,7 +80,7 @@ def fit_first_gate(model, adapter, sequences: list, n_fit: int, cfg) -> tuple[to
         gate = train_first_gate(*train, *val, k=adapter.top_k, init=init, lr=cfg.lr, max_epochs=cfg.max_epochs,
                                 patience=cfg.patience, on_epoch=progress)
     with torch.no_grad():
-        from prep.first_gate import marginal_logits
+        from prep.methods.first_gate import marginal_logits
 
         test = prediction_metrics(held[0] @ gate.weight.T, held[1], adapter.top_k)
         marginal = prediction_metrics(marginal_logits(train[1], len(held[1])), held[1], adapter.top_k)

@@ -20,8 +20,8 @@ from tqdm import tqdm
 from loader.codec import RecordLayout
 from loader.format import expert_key
 from prep.quant.hqq_codec import encode_expert, matrix_spec
+from prep.quant.records import write_record_file
 from prep.recipe import QuantizeSection
-from prep.records import write_record_file
 from prep.stages import Stage, StageResult
 from prep.streaming import resident_layer
 

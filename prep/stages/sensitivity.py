@@ -4,7 +4,7 @@ For every expert, the damage of moving it alone from ``quantize.precision`` to `
 (INT2 by default) while every other expert stays at the base precision:
 
 - ``sweep``: the mean KL of next-token distributions against the all-base configuration on the first
-  ``num_sequences`` calibration sequences, re-evaluated layer-locally (``prep.sensitivity.kl_sweep``).
+  ``num_sequences`` calibration sequences, re-evaluated layer-locally (``prep.methods.sensitivity.kl_sweep``).
   Each finished MoE layer is written at once (``layer-<p>.json``), so an interrupted sweep resumes at
   the first layer not yet written.
 - ``prerank``: the trace-only output error (digest 1.2 (b)), no forward pass; always computed, and with
@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 
 from loader.io import write_json_atomic
-from prep.quant.decoded import DecodedExperts, next_token_logprobs, original_experts
+from prep.methods.decoded import DecodedExperts, next_token_logprobs, original_experts
+from prep.methods.sensitivity import kl_sweep, spearman, trace_prerank
+from prep.methods.trace import open_trace
 from prep.recipe import SensitivitySection
-from prep.sensitivity import kl_sweep, spearman, trace_prerank
 from prep.stages import Stage, StageResult
 from prep.stages.trace import RoutingTraces
-from prep.trace import open_trace
 
 VERSION = 1
 METRIC = "mean next-token KL(base || one expert low), nats, calibration sequences"

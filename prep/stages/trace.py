@@ -1,7 +1,7 @@
 """Stage ``trace``: calibration routing traces (router inputs, logits, selections, last hidden state).
 
 Needs the model and the calibration data; reads no other stage. The traces go to ``trace/`` in the
-stage directory (``prep.trace.open_trace`` reads them); the result holds the token count and each MoE
+stage directory (``prep.methods.trace.open_trace`` reads them); the result holds the token count and each MoE
 layer's expert shares.
 """
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
+from prep.methods.trace import open_trace, record_traces
 from prep.recipe import TraceSection
 from prep.stages import Stage, StageResult
-from prep.trace import open_trace, record_traces
 
 VERSION = 2  # 2: the trace holds head_input
 

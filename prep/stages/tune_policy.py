@@ -3,7 +3,7 @@
 HOBBIT evicts the expert of lowest ``w_lru R/T + w_lfu F/T + w_lhu H/T + w_fld (1 - d/L)`` and chooses the
 weights "by minimising the mixed-precision miss penalty on a calibration dataset" without publishing
 them. This stage does that search: each trial replays the calibration traces through the loader's own
-cache (``prep.planning.Draft``) at the budget holding ``plan.tune.share`` of the shipped experts, and
+cache (``prep.stages.planning.Draft``) at the budget holding ``plan.tune.share`` of the shipped experts, and
 scores the plan's cost (modelled seconds per token with a device profile, else demand bytes per token,
 so a high-precision miss weighs its record's size). The search covers the weights (four exponentials
 normalised: uniform on the simplex), the pools' eviction group (per layer, or global as HOBBIT's), the
@@ -212,7 +212,7 @@ def _predictor_set(tuned: TunedPolicy, plan: Plan, score, objective_values: dict
 
 
 def _run(inputs) -> TunedPolicy:
-    from prep.planning import draft_from_inputs
+    from prep.stages.planning import draft_from_inputs
 
     cfg = inputs.config
     found = inputs.upstream("allocate_cache", optional=True)

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from loader.codec import RecordLayout
 from loader.format import expert_key
 from prep.errors import MoeprepError
-from prep.sensitivity import kl_sum, next_token_logprobs_of
+from prep.methods.sensitivity import kl_sum, next_token_logprobs_of
 from prep.streaming import stream_of
 
 

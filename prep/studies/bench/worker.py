@@ -1,6 +1,6 @@
 """One bench measurement in its own process: one system, one subject, one budget; JSON on stdout.
 
-``python -m prep.bench.worker SPEC.json`` loads the subject with the system the spec names, installs the
+``python -m prep.studies.bench.worker SPEC.json`` loads the subject with the system the spec names, installs the
 subject's routing (a replay of recorded decisions, or the model's own), runs one prefill of the prompt
 and then decodes the given continuation one token at a time (teacher forcing, so every system
 processes exactly the same tokens), and prints one JSON object as the last line of stdout.
@@ -12,7 +12,7 @@ Systems: ``resident`` (transformers, every weight in memory, in the spec's ``dty
 ``experts_implementation``: the bench times each candidate pair this way and runs the fastest),
 ``accelerate`` (transformers with ``device_map="auto"`` and ``max_memory`` at the budget, the overflow
 offloaded to disk), ``naive``, ``naive+<technique>`` and ``moeprep`` (``loader.runtime.load`` at the budget;
-see ``prep/bench/run.py`` for how they differ), and ``<system>@unlimited`` (that loader system at the budget
+see ``prep/studies/bench/run.py`` for how they differ), and ``<system>@unlimited`` (that loader system at the budget
 ``unlimited``: every expert cached in its held form, the compute floor of the bench's bound; the prompt and
 the continuation run once untimed first, so that every expert they use is cached when the timed run starts).
 
@@ -232,9 +232,9 @@ def _load(spec: dict, routing):
 
 
 def measure_llama(spec: dict) -> dict:
-    """llama.cpp (``prep/bench/llama.py``) in the spec's memory cgroup: the same prefill and teacher-forced
+    """llama.cpp (``prep/studies/bench/llama.py``) in the spec's memory cgroup: the same prefill and teacher-forced
     decode steps, the model's own routing."""
-    from prep.bench.llama import cgroup_peak, join_cgroup, open_model
+    from prep.studies.bench.llama import cgroup_peak, join_cgroup, open_model
 
     cgroup = Path(spec["cgroup"])
     join_cgroup(cgroup)  # before the model is mapped: its pages count against the budget from the start
@@ -383,7 +383,7 @@ def overhead(before: dict, after: dict, decode_seconds: float | None = None, tok
 
 def main(argv: list[str]) -> None:
     if len(argv) != 1:
-        raise SystemExit("usage: python -m prep.bench.worker SPEC.json")
+        raise SystemExit("usage: python -m prep.studies.bench.worker SPEC.json")
     spec = json.loads(Path(argv[0]).read_text())
     result = measure(spec)
     sys.stdout.write("\n" + json.dumps(result) + "\n")

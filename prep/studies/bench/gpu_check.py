@@ -256,7 +256,7 @@ def render(state: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     parser = argparse.ArgumentParser(prog="make gpu-check", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or str(root / ".gpu" / "check"),
                         help="where gpu-check.md and the small results go [$OUT, else .gpu/check]")

@@ -174,7 +174,7 @@ def _replay_file(work: Path, traces: Path, layers: int, tokens: int) -> tuple[Pa
     """The first ``tokens`` decisions of the longest recorded problem, first ``layers`` layers, as safetensors."""
     from safetensors.torch import save_file
 
-    from prep.trace import read_mixtral_traces
+    from prep.methods.trace import read_mixtral_traces
 
     recorded = max(read_mixtral_traces(traces), key=lambda t: t.num_tokens)
     if recorded.num_tokens < tokens:

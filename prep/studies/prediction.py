@@ -26,9 +26,9 @@ def fresh_trace(recipe_path: str | Path, root: Path, output: Path, seed: int, se
 
     from prep.adapters import get_adapter, load_model
     from prep.calibration import calibration_sequences, fingerprint_sequences
+    from prep.methods.trace import open_trace, record_traces
     from prep.pipeline import model_fingerprint
     from prep.recipe import load_recipe
-    from prep.trace import open_trace, record_traces
 
     recipe = load_recipe(recipe_path, (f"calibration.seed={seed}", f"calibration.num_sequences={sequences}"))
     if seed == load_recipe(recipe_path).calibration.seed:
@@ -56,8 +56,8 @@ def fresh_trace(recipe_path: str | Path, root: Path, output: Path, seed: int, se
 def mixtral_recall(traces: str | Path | None) -> list[dict] | None:
     """EdgeMoE's path statistics on the real Mixtral-8x7B traces, fitted on one problem and measured on the
     other (None when the traces are not there)."""
-    from prep.routing_stats import cross_fit_path_recall
-    from prep.trace import MIXTRAL_TRACE_FILE, read_mixtral_traces
+    from prep.methods.routing_stats import cross_fit_path_recall
+    from prep.methods.trace import MIXTRAL_TRACE_FILE, read_mixtral_traces
 
     if traces is None or not any(p.is_file() for p in (Path(traces) / MIXTRAL_TRACE_FILE,
                                                          Path(traces) / "mixtral-8x7b" / MIXTRAL_TRACE_FILE)):

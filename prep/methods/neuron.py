@@ -19,7 +19,7 @@ import torch
 
 from loader.codec import NeuronLayout, RecordLayout
 from loader.neuron import activity, pair
-from prep.records import write_aligned_records
+from prep.quant.records import write_aligned_records
 
 
 def pairing_of(adapter) -> str:

@@ -24,7 +24,7 @@ Systems (DESIGN.md section 7, "Speed"):
   below (``naive``'s for the naive rows, ``moeprep``'s for moeprep and llama.cpp).
 
 Beside each loader row's measured speed (and its ``overhead_us_per_layer``, the loader's own time per MoE
-layer step: ``prep/bench/worker.py``), the simulator's model of it (``modelled_tokens_per_s``): the same
+layer step: ``prep/studies/bench/worker.py``), the simulator's model of it (``modelled_tokens_per_s``): the same
 artifact, plan, budget and routing decisions (the replayed trace, or what the resident model's routers did,
 recorded in round 1) replayed by ``prep.sim.simulate.simulate`` with the device profile measured once at the
 start of the run (``prep.sim.device.measure_device``, written to ``device.json``; on CUDA its reads are
@@ -46,7 +46,7 @@ reads and computes parts of experts, with ``fraction_of_bound_error`` saying so)
 A budget ``p%`` is what the loader makes of it (``loader.runtime.budget_bytes``: the dense weights + p% of
 the source model's expert bytes, read buffers included); accelerate gets the same number of bytes as
 ``max_memory``. Each measurement runs in its own
-process (``prep/bench/worker.py``) so peak RSS is per system and memory is handed back between systems.
+process (``prep/studies/bench/worker.py``) so peak RSS is per system and memory is handed back between systems.
 """
 
 from __future__ import annotations
@@ -67,10 +67,10 @@ import torch
 from tqdm import tqdm
 
 from loader.io import write_bytes_atomic
-from prep.bench.llama import missing as llama_missing
-from prep.bench.subjects import Subject, mixtral_shape_subject, reference_subject
 from prep.errors import MoeprepError
-from prep.trace import MIXTRAL_TRACE_FILE
+from prep.methods.trace import MIXTRAL_TRACE_FILE
+from prep.studies.bench.llama import missing as llama_missing
+from prep.studies.bench.subjects import Subject, mixtral_shape_subject, reference_subject
 
 SYSTEMS = ("resident", "accelerate", "naive", "moeprep")
 UNLIMITED = "unlimited"
@@ -216,7 +216,7 @@ def _run_worker(spec: dict, work: Path) -> dict:
     # one, so its writeback does not compete with the next system's reads.
     os.sync()
     with open(log_path, "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "prep.bench.worker", str(spec_path)], stdout=subprocess.PIPE,
+        proc = subprocess.run([sys.executable, "-m", "prep.studies.bench.worker", str(spec_path)], stdout=subprocess.PIPE,
                               stderr=log, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -442,7 +442,7 @@ def subject_profile(profile, subject: Subject):
 def subject_routing(subject: Subject) -> dict | None:
     """The routing decisions every loader row of the subject ran, as tensors: the replay file's (``expert_ids``,
     ``weights`` [T, L, K]), or what the resident model's routers did in round 1 (also ``logits``,
-    ``router_inputs`` and, when recorded, ``head_inputs``: ``prep/bench/worker.py``); None when neither exists."""
+    ``router_inputs`` and, when recorded, ``head_inputs``: ``prep/studies/bench/worker.py``); None when neither exists."""
     path = subject.replay or subject.facts.get("routing_file")
     if not path or not Path(path).is_file():
         return None
@@ -527,7 +527,7 @@ def _prediction_feed(artifact: Path, routing: dict, plan, tokens: int):
 def _sim_plan(subject: Subject, system: str):
     """(artifact, plan) the loader row ``system`` ran, as the simulator replays it."""
     from loader.plan import PolicySpec, read_plan
-    from prep.bench.worker import loader_plan
+    from prep.studies.bench.worker import loader_plan
 
     artifact = subject.naive_artifact if system.startswith("naive") else subject.artifact
     plan = loader_plan(artifact, system) or read_plan(artifact)
@@ -651,7 +651,7 @@ def physical_bounds(subject: Subject, budgets: list[str], results: list[dict], r
     ``moeprep``, for the recipe's artifact with its plan's pools and precisions (exact routing) and
     ``moeprep@unlimited``."""
     from loader.plan import PolicySpec, read_plan
-    from prep.bench.worker import loader_plan
+    from prep.studies.bench.worker import loader_plan
 
     speeds = {r["system"]: r.get("decode_tokens_per_s") for r in results if r["subject"] == subject.name}
     moe = subject.manifest["moe"]
@@ -679,7 +679,7 @@ def physical_bounds(subject: Subject, budgets: list[str], results: list[dict], r
 def _neuron_loading(subject: Subject, system: str) -> bool:
     """Whether the loader row ``system`` reads and computes parts of experts (neuron-level loading)."""
     from loader.plan import read_plan
-    from prep.bench.worker import loader_plan
+    from prep.studies.bench.worker import loader_plan
 
     artifact = subject.naive_artifact if system.startswith("naive") else subject.artifact
     plan = loader_plan(artifact, system) or read_plan(artifact)
@@ -694,7 +694,7 @@ def is_loader(system: str) -> bool:
 def _prepare_llama(subject: Subject, output: Path, echo) -> str | None:
     """Convert and quantize the subject's model for llama.cpp and check its float32 logits against
     transformers' on the prompt; records the facts on the subject. Returns why it cannot run, or None."""
-    from prep.bench.llama import QUANT, logit_check, prepare_gguf
+    from prep.studies.bench.llama import QUANT, logit_check, prepare_gguf
 
     echo("llama.cpp: converting mixtral-shape to GGUF (float32, then Q4_0), reused while the model is unchanged")
     files = prepare_gguf(subject.model_dir, output / "llama-gguf" / subject.model_dir.parent.name)
@@ -720,7 +720,7 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
     RAM on CUDA (pinned, copied at PCIe speed) and the disk on a CPU. only: comma-separated systems to run
     (``naive`` also selects ``naive@unlimited``; without ``resident`` the resident candidates are not
     measured either), to spend a short GPU lease on what a second store changes."""
-    from prep.bench.report import write_markdown, write_plot
+    from prep.studies.bench.report import write_markdown, write_plot
 
     if device not in ("cpu", "cuda"):
         raise MoeprepError(f"--device {device!r} unknown; use cpu or cuda")
@@ -860,7 +860,7 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
                 spec = spec_for(subj, system, budget, repeat)
                 offload = Path(spec["offload_dir"])
                 if system == LLAMA:
-                    from prep.bench.llama import CGROUP_HEADROOM, make_cgroup, remove_cgroup
+                    from prep.studies.bench.llama import CGROUP_HEADROOM, make_cgroup, remove_cgroup
 
                     spec["gguf"] = subj.facts["llama_cpp"]["file"]
                     spec["cgroup"] = str(make_cgroup(f"moeprep-bench-{os.getpid()}",

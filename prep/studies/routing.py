@@ -43,7 +43,7 @@ def _plans(artifact: Path, weights, routing: dict, knobs: dict) -> list[tuple[st
     calibration routing ``weights`` [N, L, K] (where the gating and precision thresholds come from);
     ``routing``: the cache_routing params (logit ranges, weight function) every cache point starts from."""
     from loader.plan import Plan, PolicySpec, read_plan
-    from prep.routing_stats import split_thresholds
+    from prep.methods.routing_stats import split_thresholds
     from prep.stages.gating import threshold_for_share
 
     plan = read_plan(artifact)
@@ -84,14 +84,14 @@ def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".
     low: the precision of dynamic precision's low copies (default: the recipe's ``dynamic_precision.low``),
     added to what quantize writes."""
     from prep.evals.compare import evaluate_artifact
+    from prep.methods.trace import open_trace
     from prep.pipeline import prepare
-    from prep.prediction_study import fresh_trace
     from prep.recipe import load_recipe
     from prep.sim.replay import load_replay
     from prep.sim.simulate import artifact_spec, simulate
     from prep.stages.trace import RoutingTraces
     from prep.store import StageStore
-    from prep.trace import open_trace
+    from prep.studies.prediction import fresh_trace
 
     output, root = Path(output), Path(root)
     knobs = DEFAULT_KNOBS if knobs is None else knobs

@@ -252,7 +252,7 @@ def trace_prerank(
     err[p][e] = sum over recorded tokens t routed to e at MoE layer p of
     w_{t,e}^2 * ||f_base_e(x_t) - f_low_e(x_t)||^2, with f the adapter's expert MLP (in float32).
     router_inputs, expert_ids, expert_weights: one entry per MoE layer position, each [T, H], [T, K],
-    [T, K] (a tensor or a list of tensors to concatenate, e.g. from ``prep.trace.RecordedTrace``).
+    [T, K] (a tensor or a list of tensors to concatenate, e.g. from ``prep.methods.trace.RecordedTrace``).
     base(layer, e) / low(layer, e): the expert (model layer index) at each precision; an expert no
     recorded token chose scores 0 and is not fetched. Returns [L][E] floats.
     """
