@@ -37,7 +37,7 @@ from loader.vocab import precision_rank
 @dataclass(eq=False)
 class Entry:
     """One record held (or being read) in a pool. ``payload`` is the runtime's state of the entry (its slot,
-    its read, its held form: ``loader.step.Held``); None in the simulator."""
+    its read, its held form: ``loader.layer.Held``); None in the simulator."""
 
     layer: int
     expert: int

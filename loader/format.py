@@ -56,7 +56,8 @@ DIGEST_REQUIRED = True  # every writer seals the manifest through write_manifest
 CONFIG = "config.json"
 DENSE = "dense.safetensors"
 REPORT = "report.json"
-INFORMATIONAL_FILES = (REPORT, "report.md", "report.png", "report-routing.png", "report-plan.png")  # rewritten after packaging; checked by verify only
+REPORTS_DIR = "reports/"  # plots and study files: informational, whatever their names
+INFORMATIONAL_FILES = (REPORT, "report.md")  # rewritten after packaging, with everything under REPORTS_DIR
 REQUIRED_FILES = (CONFIG, DENSE, PLAN_FILE)
 DTYPES = ("float32", "float16", "bfloat16")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -100,6 +101,11 @@ def resolve_artifact(artifact: str | Path) -> Path:
     if not root.is_dir():
         raise ArtifactError(f"{artifact} is not a directory; pass the artifact directory (the one holding {MANIFEST})")
     return root
+
+
+def is_informational(name: str) -> bool:
+    """A file the report rewrites after packaging (checked by ``verify`` only, never needed to load)."""
+    return name in INFORMATIONAL_FILES or name.startswith(REPORTS_DIR)
 
 
 def artifact_file(root: Path, name) -> Path:
@@ -474,7 +480,7 @@ def open_artifact(artifact: str | Path) -> Manifest:
     stores = {s.file for s in manifest.stores.values()}
     problems = []
     for name in sorted(manifest.files):
-        if name in INFORMATIONAL_FILES:  # rewritten by `moeprep eval` and the study: verified by `verify`
+        if is_informational(name):  # rewritten by `moeprep eval` and the studies: verified by `verify`
             continue
         if problem := _file_problem(manifest, name, hash_it=name not in stores):
             problems.append((name, problem))

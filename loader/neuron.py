@@ -23,7 +23,9 @@ import torch
 
 from loader.codec import NeuronLayout
 from loader.errors import MoeError
+from loader.layer import Held, Mixer
 from loader.routing import RoutingPolicy, selection_weights
+from loader.store import DEMAND, PREFETCH, ReadJob
 
 COMPUTE = ("resident", "active")
 
@@ -195,8 +197,6 @@ class NeuronStep:
     def _rows_job(self, layer: int, store, arena, slot: int, expert: int, rows: torch.Tensor, priority: int):
         """Read the neuron rows of the bool mask ``rows`` into ``slot``: (the job, every row the read brings,
         which with O_DIRECT's whole blocks may be more than asked). The bytes fetched count as read."""
-        from loader.store import ReadJob
-
         engine, layout = self.engine, self.layouts[store.precision]
         spans = store.spans(layout.ranges(rows))
         job = engine.reader.submit(ReadJob(store, engine.key(layer, expert), arena, slot, priority, spans))
@@ -208,8 +208,6 @@ class NeuronStep:
     def _header_job(self, layer: int, store, arena, slot: int, expert: int, priority: int):
         """Read a neuron record's header (W1 and the biases) into ``slot``: (the job, the rows its read brings
         along, the rest of its last 4 KiB block with O_DIRECT)."""
-        from loader.store import ReadJob
-
         engine, layout = self.engine, self.layouts[store.precision]
         spans = store.spans([(0, layout.rows_offset)])
         job = engine.reader.submit(ReadJob(store, engine.key(layer, expert), arena, slot, priority, spans))
@@ -258,8 +256,6 @@ class NeuronStep:
                   top_k_weights: torch.Tensor) -> torch.Tensor:
         engine = self.engine
         decisions, top_k_weights, rows, weights, _ = engine.begin(layer, top_k_index, top_k_weights)
-        from loader.step import Mixer
-
         out = torch.zeros_like(hidden)
         mix = Mixer(hidden, rows, weights, top_k_index, top_k_weights, out)
         self._pending = [(e, x) for e, x in self._pending if e.layer != layer]
@@ -281,7 +277,6 @@ class NeuronStep:
     def _start_miss(self, layer: int, item: dict) -> None:
         """A miss: take a slot (the admitted entry's, else a read buffer) and start reading the header (a
         neuron record) or the whole record."""
-        from loader.step import Held
         from loader.store import DEMAND, ReadJob
 
         engine = self.engine
@@ -345,8 +340,6 @@ class NeuronStep:
             need = torch.zeros_like(wanted) if trusted else self.to_read(resident, wanted)
             item.update(header=header, wanted=wanted, resident=resident, record=record)
             if bool(need.any()):
-                from loader.store import DEMAND
-
                 job, brought = self._rows_job(layer, engine.stores[d.precision], arena, slot, d.expert, need, DEMAND)
                 item["rows"] = (brought, job)
         for item in items:
@@ -396,7 +389,6 @@ class NeuronStep:
     def prefetch_header(self, entry) -> bool:
         """CORM: an admitted prefetch with router inputs reads its header (W1) first; its neurons once the
         header has landed. False: not such a prefetch (the engine reads the whole record)."""
-        from loader.step import Held
         from loader.store import PREFETCH
 
         x = self._inputs.pop((entry.layer, entry.expert, entry.precision), None)
@@ -421,8 +413,6 @@ class NeuronStep:
     def _predict_rows(self, entry, x: torch.Tensor) -> None:
         """CORM's neuron prediction: the held W1 of a predicted expert on the earlier layer's router input names
         the active neurons; the rows the slot lacks are prefetched."""
-        from loader.store import PREFETCH
-
         held = entry.payload
         if held is None or entry.in_flight or held.neurons is None or held.row_job is not None:
             return

@@ -31,6 +31,7 @@ from loader.cache import ExpertCache, MemoryMeter
 from loader.codec import RecordLayout
 from loader.errors import LoaderError
 from loader.format import ArtifactError, check_model, check_record, open_artifact
+from loader.layer import renormalized  # noqa: F401 (part of the loader's API)
 from loader.neuron import NeuronConfig, NeuronError, TrustedPrediction
 from loader.plan import Plan, PolicySpec
 from loader.policies import policy_factory
@@ -44,7 +45,7 @@ from loader.routing import (
     RoutingPolicy,
     install_routing,
 )
-from loader.step import ExpertEngine, measure_miss_costs, renormalized  # noqa: F401 (renormalized: part of the loader's API)
+from loader.step import ExpertEngine, measure_miss_costs
 from loader.store import ExpertStore
 from loader.transfer import link_for
 from loader.vocab import CPU_MISSES

@@ -28,29 +28,17 @@ from dataclasses import dataclass, field
 import torch
 
 from loader.cache import ExpertCache, MemoryMeter, PoolConfig
+from loader.codec import NeuronLayout
 from loader.errors import LoaderError
 from loader.format import expert_key
 from loader.forms import RecordForm, median_seconds
+from loader.layer import Held, Mixer, renormalized
+from loader.neuron import NeuronRecordForm, NeuronStep
 from loader.policies import policy_factory
 from loader.predict import PredictorContext, PredictorError, PrefetchRequest
 from loader.schedule import LayerSchedule
 from loader.store import DEMAND, PREFETCH, Reader, ReadJob, SlotArena
 from loader.transfer import Link, link_for
-
-
-@dataclass(eq=False)
-class Held:
-    """The runtime's state of one cache entry (its ``payload``): the slot, the read in flight, what the held
-    form made, and for neuron-layout records which rows are in the slot."""
-
-    slot: int
-    job: ReadJob | None = None
-    weights: object = None
-    read_seconds: float = 0.0  # how long the read took (a landed prefetch: what a demand would have waited)
-    neurons: object = None  # bool [I] rows in the slot (None: the whole record)
-    row_job: ReadJob | None = None  # a neuron read in flight, and the rows it brings
-    row_mask: object = None
-    predicted: object = None  # the rows a predictor named for this expert
 
 
 @dataclass
@@ -146,9 +134,6 @@ class ExpertEngine:
         self.miss_costs = None
         self.neuron = None
         if pairings:  # neuron-layout stores compute from their records, whether neuron loading is on or off
-            from loader.codec import NeuronLayout
-            from loader.neuron import NeuronRecordForm, NeuronStep
-
             for p, pairing in pairings.items():
                 self.forms[p] = NeuronRecordForm(NeuronLayout(layouts[p]), pairing)
             if neuron is not None:
@@ -487,42 +472,3 @@ def measure_miss_costs(module, records: dict, cpu_forms: dict, held: dict, devic
 
         gpu[precision] = median_seconds(on_gpu, repeats=5)
     return MissCosts(cpu, gpu)
-
-
-class Mixer:
-    """The weighted sum of one layer call's expert outputs. A decode step (one token) indexes nothing: each
-    expert's weight is a number from the lists read once per layer, and its output is added in one op."""
-
-    def __init__(self, hidden: torch.Tensor, rows: list, weights: list, index: torch.Tensor, top_k_weights: torch.Tensor,
-                 out: torch.Tensor) -> None:
-        self.hidden, self.out = hidden, out
-        self.single = hidden.shape[0] == 1
-        if self.single:
-            self.weight_of = {e: w for e, w in zip(rows[0], weights[0], strict=True) if e >= 0}
-        else:
-            self.weights = top_k_weights
-            self.chosen = index.masked_fill(top_k_weights == 0, -1)
-
-    def inputs(self, expert: int):
-        """(token index [T_e], or None for the one token; x [T_e, H]; weights [T_e, 1], or a number)."""
-        if self.single:
-            return None, self.hidden, self.weight_of[expert]
-        tokens, slot = torch.where(self.chosen == expert)
-        return tokens, self.hidden[tokens], self.weights[tokens, slot, None]
-
-    def add(self, tokens, y: torch.Tensor, w) -> None:
-        if y.dtype != self.out.dtype:
-            y = y.to(self.out.dtype)
-        if tokens is None:
-            self.out.add_(y, alpha=w)
-        else:
-            self.out.index_add_(0, tokens, y * w)
-
-
-def renormalized(weights: torch.Tensor, chosen: torch.Tensor, skipped: list[int]) -> torch.Tensor:
-    """weights [T, K] with the selections of ``skipped`` experts zeroed and each token's rest rescaled to the
-    token's former total (a token whose every selection was skipped keeps zeros)."""
-    gone = torch.isin(chosen, torch.tensor(skipped, device=chosen.device))
-    kept = weights.masked_fill(gone, 0)
-    total, rest = weights.sum(-1, keepdim=True), kept.sum(-1, keepdim=True)
-    return torch.where(rest != 0, kept * (total / rest.where(rest != 0, torch.ones_like(rest))), kept)

@@ -16,12 +16,29 @@ import hashlib
 import importlib
 import json
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from prep.errors import MoeprepError
-from prep.recipe import CalibrationSection
+
+
+@dataclass(frozen=True)
+class CalibrationSection:
+    """Calibration text: ``reference`` (the reference model's generator), a Hugging Face dataset id,
+    or local ``.txt``/``.jsonl`` files."""
+
+    source: str = "reference"
+    files: tuple[str, ...] = ()
+    dataset: str | None = None
+    dataset_config: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    num_sequences: int = 16
+    sequence_length: int = 256
+    seed: int = 0
+
 
 CalibrationSource = Callable[[CalibrationSection, Path], Iterable[str]]
 

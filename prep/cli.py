@@ -251,8 +251,7 @@ def prediction_study_command(recipe_path, artifact, budgets, seed, sequences, pr
     from prep.recipe import load_recipe
     from prep.sim.device import load_profile
     from prep.sim.simulate import parse_list
-    from prep.stages.predict import prediction_study_markdown
-    from prep.studies.prediction import fresh_trace, merge_into, run_study
+    from prep.studies.prediction import fresh_trace, merge_into, prediction_study_markdown, run_study
 
     recipe = load_recipe(recipe_path)
     artifact = Path(artifact or Path("artifacts") / recipe.name / "artifact")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from prep.calibration import SOURCES, CalibrationSection  # noqa: F401 (CalibrationSection: a Recipe section)
 from prep.errors import MoeprepError
 
 PRECISIONS = ("passthrough", "int8", "int4", "int3", "int2")  # highest first
@@ -84,22 +85,6 @@ class ModelSection:
     hub_id: str | None = None
     revision: str | None = None
     config: str | None = None
-
-
-@dataclass(frozen=True)
-class CalibrationSection:
-    """Calibration text: ``reference`` (the reference model's generator), a Hugging Face dataset id,
-    or local ``.txt``/``.jsonl`` files."""
-
-    source: str = "reference"
-    files: tuple[str, ...] = ()
-    dataset: str | None = None
-    dataset_config: str | None = None
-    split: str = "train"
-    text_field: str = "text"
-    num_sequences: int = 16
-    sequence_length: int = 256
-    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -499,7 +484,6 @@ def _build(cls, data: dict, where: str):
 
 
 def _validate(recipe: Recipe) -> None:
-    from prep.calibration import SOURCES
 
     if not NAME_PATTERN.fullmatch(recipe.name):
         raise MoeprepError(f"recipe name {recipe.name!r} is not allowed: it names the directory artifacts/<name>, "

@@ -89,8 +89,8 @@ def test_the_study_merges_into_an_artifact_that_still_verifies_and_loads(study):
     assert [r["label"] for r in report["bitwidth_study"]["rows"]] == [r["label"] for r in result["rows"]]
     assert "eval" in report  # what eval merged before is kept
     text = (artifact / "report.md").read_text()
-    assert study_markdown(result) in text and "report.png" in text
-    assert (artifact / "report.png").read_bytes()[:4] == b"\x89PNG"
+    assert study_markdown(result) in text and "reports/report.png" in text
+    assert (artifact / "reports" / "report.png").read_bytes()[:4] == b"\x89PNG"
     (artifact / "report.md").write_text("edited")
     assert [line.split(":")[0] for line in verify(artifact)] == ["report.md"]
 

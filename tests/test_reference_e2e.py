@@ -72,7 +72,7 @@ def test_reference_recipe_end_to_end(tmp_path):
     assert {p["budget_bytes"] for p in points} <= {p["budget_bytes"] for p in plan["operating_points"]}
     assert all(p["modeled_tokens_per_s"] > 0 and set(p["accuracy_delta"]) == {"gsm8k", "mmlu", "truthfulqa_mc1",
                                                                                "truthfulqa_mc2"} for p in points)
-    assert "## Operating points" in (artifact / "report.md").read_text() and (artifact / "report-plan.png").is_file()
+    assert "## Operating points" in (artifact / "report.md").read_text() and (artifact / "reports" / "report-plan.png").is_file()
     checked = report["eval"]["suites"]
     assert set(checked) == {"gsm8k", "mmlu", "truthfulqa_mc1", "truthfulqa_mc2"}
     assert all(0 <= s["mcnemar_p"] <= 1 for s in checked.values())

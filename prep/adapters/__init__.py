@@ -21,7 +21,7 @@ from prep.errors import MoeprepError
 from .base import ExpertWeights, FusedLayout, HubExpertNames, MoeAdapter
 from .deepseek_v2 import DeepseekV2Adapter
 from .gpt_oss import GptOssAdapter
-from .loading import build_skeleton, inspect_model, load_config, load_model
+from .loading import _checkpoint_summary, build_skeleton, load_config, load_model
 from .mixtral import MixtralAdapter
 from .olmoe import OlmoeAdapter
 from .phimoe import PhimoeAdapter
@@ -73,6 +73,23 @@ def read_expert(checkpoint_dir: str | Path, layer: int, expert: int) -> ExpertWe
     The architecture comes from the directory's config.json; only that expert's bytes are read.
     """
     return get_adapter(load_config(Path(checkpoint_dir))).read_expert(checkpoint_dir, layer, expert)
+
+
+def inspect_model(model: str | Path) -> dict:
+    """The adapter's description of a model (see MoeAdapter.describe) plus its checkpoint summary.
+
+    ``model``: a directory, a hub id, or a ``config.json`` file. Needs only config.json and the safetensors
+    headers: the model is built on the meta device.
+    Returns a JSON-ready dict; raises MoeprepError for a missing path or an unsupported architecture.
+    """
+    if Path(str(model)).expanduser().is_file() and Path(str(model)).name == "config.json":
+        model = Path(str(model)).expanduser().parent  # a shipped config.json: its directory, without weights
+    config = load_config(model)
+    adapter = get_adapter(config)
+    info = {"model": str(model), **adapter.describe(build_skeleton(config))}
+    if Path(str(model)).expanduser().is_dir():
+        info.update(_checkpoint_summary(Path(str(model)).expanduser()))
+    return info
 
 
 __all__ = [

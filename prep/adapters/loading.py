@@ -110,22 +110,3 @@ def _checkpoint_summary(directory: Path) -> dict:
         "checkpoint_dtypes": dict(dtypes.most_common()),
         "checkpoint_tensors": sum(dtypes.values()),
     }
-
-
-def inspect_model(model: str | Path) -> dict:
-    """The adapter's description of a model (see MoeAdapter.describe) plus its checkpoint summary.
-
-    ``model``: a directory, a hub id, or a ``config.json`` file. Needs only config.json and the safetensors
-    headers: the model is built on the meta device.
-    Returns a JSON-ready dict; raises MoeprepError for a missing path or an unsupported architecture.
-    """
-    from . import get_adapter
-
-    if Path(str(model)).expanduser().is_file() and Path(str(model)).name == "config.json":
-        model = Path(str(model)).expanduser().parent  # a shipped config.json: its directory, without weights
-    config = load_config(model)
-    adapter = get_adapter(config)
-    info = {"model": str(model), **adapter.describe(build_skeleton(config))}
-    if Path(str(model)).expanduser().is_dir():
-        info.update(_checkpoint_summary(Path(str(model)).expanduser()))
-    return info

@@ -20,6 +20,7 @@ from prep.errors import MoeprepError
 from prep.evals import suites as S
 from prep.evals import templates as tpl
 from prep.evals.data import SUITES, BenchmarkData, load_benchmarks
+from prep.report import PENDING, update_artifact_report  # noqa: F401 (PENDING: where eval's marker lives)
 
 DEFAULT_SHOTS = {"gsm8k": 8, "mmlu": 5, "truthfulqa": 0}  # gsm8k_cot uses 8, the 5-shot format 5
 
@@ -71,7 +72,7 @@ class _Models(dict):
         import transformers
 
         from loader.io import write_json_atomic
-        from prep.pipeline import model_fingerprint
+        from prep.fingerprint import model_fingerprint
 
         key = hashlib.sha256(json.dumps([model_fingerprint(self.original_dir), settings, torch.__version__,
                                          transformers.__version__], sort_keys=True, default=str).encode())
@@ -230,78 +231,10 @@ def eval_summary(report: dict) -> dict:
             for name, s in report["suites"].items()}
 
 
-PENDING = ".eval-pending.json"  # the hash of a report.json being blessed, while eval updates the artifact
-
-
 def merge_into_artifact(artifact: str | Path, report: dict, package_key: str | None = None) -> None:
     """Put the eval summary into the artifact's report.json (``update_artifact_report``)."""
     update_artifact_report(artifact, {"eval": {"suites": eval_summary(report), "data": report["data"],
                                                "memory_budget": report["memory_budget"]}}, package_key=package_key)
-
-
-def update_artifact_report(artifact: str | Path, sections: dict, files: dict[str, bytes] | None = None,
-                           package_key: str | None = None) -> None:
-    """Merge ``sections`` into the artifact's report.json, write the informational ``files`` (report.md,
-    report.png) beside it, and list the new hashes in the manifest.
-
-    Never re-blesses a report.json it did not write: the current one must hash as the manifest says (or
-    as ``PENDING`` says, when an earlier eval was killed between its two renames), else the artifact
-    was altered and this refuses. The update is two atomic renames, report.json then manifest.json,
-    after the new hash is recorded in ``PENDING``. Loading never depends on report.json's hash, so the
-    artifact loads at every instant; ``verify`` passes before and after (and between the renames names
-    report.json only). ``package_key``: the artifact evaluated; if it was re-prepared meanwhile, refuse.
-    """
-    from loader.format import (
-        INFORMATIONAL_FILES,
-        REPORT,
-        ArtifactError,
-        read_json,
-        read_manifest,
-        sha256_file,
-        write_manifest,
-    )
-    from loader.io import write_bytes_atomic, write_json_atomic
-
-    manifest = read_manifest(artifact)
-    root = manifest.root
-    if package_key is not None and manifest.raw["package_key"] != package_key:
-        raise MoeprepError(f"{root} was prepared again while eval ran; its report.json is left as it is. "
-                           "Run `moeprep eval` again on the new artifact")
-    path, pending = manifest.path(REPORT), root / PENDING
-    listed = manifest.files.get(REPORT)
-    if path.exists():
-        digest = sha256_file(path)
-        ours = listed is not None and digest == listed["sha256"]
-        if not ours and pending.is_file():
-            try:
-                ours = read_json(pending, PENDING).get("sha256") == digest
-            except (ArtifactError, AttributeError):
-                ours = False
-        if not ours:
-            raise ArtifactError(f"{path} is not the report.json the manifest lists (its sha256 differs): the "
-                                "artifact was altered, and eval will not bless a file it did not write. Run "
-                                "`moeload verify`, then re-run `moeprep prepare`", file=REPORT)
-        current = read_json(path, REPORT)
-        if not isinstance(current, dict):
-            raise ArtifactError(f"{path} must hold a JSON object; re-run `moeprep prepare`", file=REPORT)
-    elif listed is not None:
-        raise ArtifactError(f"{path} is missing though the manifest lists it: the artifact is damaged. Run "
-                            "`moeload verify`, then re-run `moeprep prepare`", file=REPORT)
-    else:
-        current = {}
-    current |= sections
-    data = (json.dumps(current, indent=2) + "\n").encode()
-    entry = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    extra = {}
-    for name, content in (files or {}).items():
-        if name not in INFORMATIONAL_FILES:
-            raise MoeprepError(f"{name!r} is not one of the artifact's informational files {INFORMATIONAL_FILES}")
-        write_bytes_atomic(root / name, content)
-        extra[name] = {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
-    write_json_atomic(pending, {"sha256": entry["sha256"]})
-    write_bytes_atomic(path, data)
-    write_manifest(root, manifest.raw | {"files": manifest.files | extra | {REPORT: entry}})
-    pending.unlink(missing_ok=True)
 
 
 def summary_markdown(report: dict) -> str:

@@ -41,8 +41,8 @@ class AccuracyCheck(StageResult):
 def check_accuracy(artifact: Path, model_dir: Path, cfg: EvaluateSection, work: Path, root: Path) -> AccuracyCheck:
     from loader.format import read_json, read_manifest
     from loader.plan import read_plan
-    from prep.evals.compare import update_artifact_report
-    from prep.stages.package import PLAN_PLOT, operating_points_plot, report_markdown
+    from prep.report import merge_section
+    from prep.report.sections import PLAN_PLOT, operating_points_plot
 
     data = Path(cfg.data) if cfg.data else None
     if data is not None and not data.is_absolute():
@@ -75,11 +75,8 @@ def check_accuracy(artifact: Path, model_dir: Path, cfg: EvaluateSection, work: 
                                          all(abs(d) * 100 <= tolerance + 1e-9 for d in q["accuracy_delta"].values()))}
                for p, q in zip(artifact_report["operating_points"], points, strict=True)]
     artifact_report |= {"operating_points": updated}
-    name = manifest.raw.get("recipe", {}).get("name", "artifact")
-    update_artifact_report(manifest.root, {"operating_points": updated},
-                           files={"report.md": report_markdown(name, artifact_report).encode(),
-                                  PLAN_PLOT: operating_points_plot(artifact_report)},
-                           package_key=manifest.raw["package_key"])
+    merge_section(manifest.root, {"operating_points": updated}, files={PLAN_PLOT: operating_points_plot(artifact_report)},
+                  package_key=manifest.raw["package_key"])
     return AccuracyCheck(check.suites, check.data, check.memory_budget, points)
 
 

@@ -26,13 +26,16 @@ from loader.format import FORMAT, SCHEMA_VERSION, sha256_file, write_manifest
 from loader.io import write_bytes_atomic, write_json_atomic
 from loader.plan import PLAN_FILE, PolicySpec
 from loader.predict import PREDICTORS_FILE
+from prep.adapters.model_state import dense_state, expert_parameters
 from prep.errors import MoeprepError
 from prep.quant.records import write_aligned_records
 from prep.recipe import PackageSection
+from prep.report import report_markdown
+from prep.report.sections import PLAN_PLOT, operating_points_plot
 from prep.stages import Stage, StageResult
 from prep.stages.bitwidth import BitwidthChoice, uniform_choice
 from prep.stages.planning import compose_plan, model_sizes
-from prep.stages.predict import prediction_markdown, predictor_tensors
+from prep.stages.predict import predictor_tensors
 from prep.stages.quantize import PackedExperts
 
 VERSION = 7
@@ -69,28 +72,6 @@ def _producer() -> dict:
     # hqq sets no __version__; the installed distribution's metadata knows it
     return {"moeprep": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "hqq": version("hqq")}
-
-
-def expert_parameters(model, adapter) -> tuple[set[str], list]:
-    """(the state-dict names of every expert parameter, the experts modules in MoE-layer order)."""
-    paths = adapter.module_paths(model)
-    experts = [adapter.experts(model, layer) for layer in adapter.moe_layers]
-    return ({f"{path}.{p}" for path, m in zip(paths["experts_modules"], experts, strict=True)
-             for p, _ in m.named_parameters(recurse=False)}, experts)
-
-
-def dense_state(model, expert_params: set[str]) -> dict[str, torch.Tensor]:
-    """Every non-expert tensor once (a tied lm_head is left to the loader to tie again)."""
-    out, seen = {}, set()
-    for name, tensor in model.state_dict().items():
-        if name in expert_params:
-            continue
-        ptr = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if ptr in seen:
-            continue
-        seen.add(ptr)
-        out[name] = tensor.detach().contiguous().cpu()
-    return out
 
 
 def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quantize_dir: Path,
@@ -180,10 +161,11 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
     write_json_atomic(out / REPORT, report.to_json())
     write_bytes_atomic(out / "report.md", report_markdown(recipe.get("name", "artifact"), report.to_json()).encode())
     if report.operating_points:
+        (out / PLAN_PLOT).parent.mkdir(exist_ok=True)
         write_bytes_atomic(out / PLAN_PLOT, operating_points_plot(report.to_json()))
 
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-             for p in sorted(out.iterdir()) if p.is_file()}
+    files = {p.relative_to(out).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+             for p in sorted(out.rglob("*")) if p.is_file()}
     manifest = {
         "format": FORMAT,
         "schema_version": SCHEMA_VERSION,
@@ -246,138 +228,6 @@ def operating_points(allocation, tuned=None) -> list:
                     "allocated_default_policy": point["allocated"], "uniform": point["uniform"],
                     "closed_form": point["closed_form"], "accuracy_delta": None})
     return out
-
-
-def report_markdown(name: str, report: dict) -> str:
-    """The artifact's report.md, a function of report.json: what it holds, then the bit-width study (when
-    one was merged in), the prediction figures and the prediction study."""
-    from prep.stages.predict import prediction_study_markdown
-    from prep.studies.bitwidth import study_markdown
-
-    sizes, bw = report["sizes"], report.get("bitwidth", {})
-    mix = ", ".join(f"{p} {n}" for p, n in bw.get("experts", {}).items())
-    lines = [f"# {name}: {report.get('architecture', '')}", "",
-             f"- Experts: {mix} ({bw.get('method', 'uniform')}); {sizes['expert_bytes'] / 2**20:.2f} MiB, "
-             f"{report['compression']['bfloat16']:.2f}x smaller than bfloat16, "
-             f"{report['compression']['source']:.2f}x than the source; dense weights "
-             f"{sizes['dense_bytes'] / 2**20:.2f} MiB.", ""]
-    if report.get("bitwidth_study"):
-        lines += [study_markdown(report["bitwidth_study"]), "![accuracy delta against expert bytes](report.png)", ""]
-    if report.get("prediction"):
-        lines += [prediction_markdown(report["prediction"]), ""]
-    if report.get("prediction_study"):
-        lines += [prediction_study_markdown(report["prediction_study"]), ""]
-    if report.get("operating_points"):
-        lines += [operating_points_markdown(report), "", f"![operating points]({PLAN_PLOT})", ""]
-    if report.get("routing_study"):
-        lines += [report["routing_study"]["markdown"], "![accuracy delta against miss rate](report-routing.png)", ""]
-    if report.get("neuron"):
-        lines += [neuron_markdown(report["neuron"]), ""]
-    return "\n".join(lines)
-
-
-def neuron_markdown(neuron: dict) -> str:
-    """report.md's neuron-level loading section: the stage's theta, crossover and profile, and the study's
-    table when one was merged in."""
-    profile = neuron["profile"]
-    lines = ["## Neuron-level loading (CORM)", "",
-             f"theta {neuron['theta']:g}, crossover {neuron['crossover']:.0%} of the neurons"
-             + (" (measured on the preparing machine's disk)" if neuron.get("crossover_measured") else " (given)")
-             + f", compute {neuron['knobs']['compute']}, predictor {'on' if neuron['predictor'] else 'off'}"
-             + (f"; theta trail (theta, KL): {neuron['trail']}" if neuron.get("trail") else "") + ".", "",
-             "Share of the selected experts' neurons active (|act(W1 x)| > theta) on the calibration traces:", "",
-             "| theta | " + " | ".join(f"layer {i}" for i in range(len(profile["layers"]))) + " | mean |",
-             "| ---: | " + " | ".join("---:" for _ in profile["layers"]) + " | ---: |"]
-    for i, theta in enumerate(profile["thetas"]):
-        lines.append(f"| {theta:g} | " + " | ".join(f"{row[i]:.3f}" for row in profile["layers"])
-                     + f" | {profile['mean'][i]:.3f} |")
-    if neuron.get("study"):
-        lines += ["", neuron["study"]["markdown"]]
-    return "\n".join(lines)
-
-
-PLAN_PLOT = "report-plan.png"
-
-
-def operating_points_plot(report: dict) -> bytes:
-    """Modelled tokens/s and miss rate against the budget: the allocation, the plan without one, the closed
-    form; each point labelled with its worst suite's accuracy delta once evaluate has measured it."""
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    points = report["operating_points"]
-    xs = [p["budget_bytes"] / 2**20 for p in points]
-    fig, (tps_ax, miss_ax) = plt.subplots(1, 2, figsize=(11, 4))
-    for key, label, style in (("allocated", "the plan (DP, tuned policy)", "o-"),
-                              ("allocated_default_policy", "DP, default policy", "d-"),
-                              ("uniform", "without allocation, default policy", "s--"),
-                              ("closed_form", "closed-form DP, default policy", "^:")):
-        rows = [p if key == "allocated" else p.get(key) for p in points]
-        got = [(x, r) for x, r in zip(xs, rows, strict=True) if r and "cost" in r]
-        if not got:
-            continue
-        tps = [r.get("modeled_tokens_per_s") for _, r in got]
-        if all(t is not None for t in tps):
-            tps_ax.plot([x for x, _ in got], tps, style, label=label)
-        miss_ax.plot([x for x, _ in got], [r["miss_rate"] for _, r in got], style, label=label)
-    for x, p in zip(xs, points, strict=True):
-        if p.get("accuracy_delta") and p.get("modeled_tokens_per_s"):
-            worst = min(p["accuracy_delta"].values()) * 100
-            tps_ax.annotate(f"{worst:+.1f} pt", (x, p["modeled_tokens_per_s"]), textcoords="offset points",
-                            xytext=(0, 8), ha="center", fontsize=8)
-    tps_ax.set_ylabel("modelled tokens/s")
-    miss_ax.set_ylabel("miss rate (calibration traces)")
-    for ax in (tps_ax, miss_ax):
-        ax.set_xlabel("memory budget (MiB)")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=100, metadata={"Software": None})
-    plt.close(fig)
-    return png.getvalue()
-
-
-def operating_points_markdown(report: dict) -> str:
-    """The operating points table (and the tuned policy) of report.md."""
-    planning = report.get("planning") or {}
-    unit = (planning.get("allocate_cache") or {}).get("unit", "")
-    lines = ["## Operating points", "",
-             f"The plan holds one cache allocation per budget (AdapMoE's DP on {unit} measured by the simulator "
-             "on the calibration traces); the loader takes the point of the largest budget it is given. Records "
-             "per cell follow the cells of `planning.allocate_cache.cells` in report.json. Cost is the plan's "
-             "(with its tuned policy); the next three columns share the plan's default policy (per-layer LRU): "
-             "the DP allocation, the same plan without an allocation (pools by expert bytes, layers equal; "
-             "refused where a group would hold less than one record) and the paper's closed-form DP.", "",
-             "| budget | share of experts | records per cell | modelled tokens/s | miss rate | cost | DP, default policy | "
-             "without allocation | closed form | accuracy delta |",
-             "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-
-    def cost(entry):
-        return f"{entry['cost']:.4g}" if entry and "cost" in entry else "refused"
-
-    for p in report["operating_points"]:
-        tps = f"{p['modeled_tokens_per_s']:.1f}" if p.get("modeled_tokens_per_s") else "-"
-        miss = f"{p['miss_rate']:.3f}" if p.get("miss_rate") is not None else "-"
-        delta = p.get("accuracy_delta")
-        acc = ", ".join(f"{s} {d * 100:+.1f} pt" for s, d in delta.items()) if delta else "not measured"
-        if p.get("within_tolerance") is not None:
-            acc += " (within tolerance)" if p["within_tolerance"] else " (**beyond tolerance**)"
-        lines.append(f"| {p['budget_bytes'] / 2**20:.2f} MiB | {p['share']:.0%} | {p['slots']} | {tps} | {miss} | "
-                     f"{cost(p)} | {cost(p.get('allocated_default_policy'))} | {cost(p['uniform'])} | "
-                     f"{cost(p['closed_form'])} | {acc} |")
-    tuned = planning.get("tune_policy")
-    if tuned:
-        values = ", ".join(f"{k} {v:.4g}" if v is not None else f"{k} refused" for k, v in tuned["objective"].items())
-        lines += ["", f"Eviction policy: {tuned['chosen']} ({tuned['eviction']['name']} "
-                      f"{ {k: round(v, 3) for k, v in tuned['eviction']['params'].items()} }, group {tuned['group']}, "
-                      f"prefetch depth {tuned['depth']}), searched over {tuned['trials']} trials at "
-                      f"{tuned['budget_bytes'] / 2**20:.2f} MiB; {tuned['unit']}: {values}."]
-    return "\n".join(lines)
 
 
 def _run(inputs) -> ArtifactReport:

@@ -114,7 +114,7 @@ class Draft:
 def model_sizes(model, adapter, read_bytes: dict) -> ModelSizes:
     """The budget arithmetic's sizes before the artifact exists: the dense tensors' bytes, the source
     experts' bytes, and per precision the slot a record takes."""
-    from prep.stages.package import dense_state, expert_parameters
+    from prep.adapters.model_state import dense_state, expert_parameters
 
     params, experts = expert_parameters(model, adapter)
     dense = sum(t.numel() * t.element_size() for t in dense_state(model, params).values())

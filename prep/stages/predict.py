@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -127,107 +126,6 @@ def predictor_tensors(stage_dir, predictors: list) -> dict:
     tensors = StageResult.load_tensors(stage_dir)
     keep = (("path.",) if "path_stats" in predictors else ()) + (("first_gate.",) if "first_gate" in predictors else ())
     return {name: t for name, t in tensors.items() if name.startswith(keep)} if keep else {}
-
-
-def _recall_key(row: dict) -> str:
-    return next(k for k in row if k.endswith("_recall"))
-
-
-def prediction_markdown(prediction: dict) -> str:
-    """The report.md section of the predict stage's figures (report.json ``prediction``)."""
-    seqs = prediction["sequences"]
-    lines = ["## Prediction", "",
-             f"Predictors in the plan: {', '.join(prediction['predictors'])}. Measured on the last "
-             f"{seqs['held_out']} calibration sequences ({seqs['tokens_held_out']} tokens), never fitted on; "
-             f"the baseline ranks each layer's experts by their frequency in the other {seqs['fitted']}.", ""]
-    gates = prediction["next_gates"]
-    if gates["layers"]:
-        key = _recall_key(gates["layers"][0]["gate"])
-        k = key.removeprefix("top").removesuffix("_recall")
-        lines += ["Next-layer gates (layer l+d's router on layer l's router input), mean over layers:", "",
-                  f"| distance | top-1 | top-{k} recall | marginal top-1 | marginal top-{k} recall |",
-                  "| --- | ---: | ---: | ---: | ---: |"]
-        for d, m in gates["by_distance"].items():
-            lines.append(f"| {d} | {m['gate']['top1']:.3f} | {m['gate'][key]:.3f} | {m['marginal']['top1']:.3f} | "
-                         f"{m['marginal'][key]:.3f} |")
-        lines += ["", "Per layer and distance:", "",
-                  f"| layer | d | target | top-1 | top-{k} recall | marginal top-1 | marginal top-{k} recall |",
-                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-        for r in gates["layers"]:
-            lines.append(f"| {r['layer']} | {r['distance']} | {r['target']} | {r['gate']['top1']:.3f} | "
-                         f"{r['gate'][key]:.3f} | {r['marginal']['top1']:.3f} | {r['marginal'][key]:.3f} |")
-        lines.append("")
-    path = prediction["path_stats"]
-    if path["layers"]:
-        key = _recall_key(path["layers"][0]["path"])
-        k = key.removeprefix("top").removesuffix("_recall")
-        lines += ["Path statistics P(E_l | E_l-2, E_l-1) with backoff, per layer:", "",
-                  f"| layer | top-1 | top-{k} recall | marginal top-1 | marginal top-{k} recall | answered by "
-                  "full key / previous layer / marginal |", "| ---: | ---: | ---: | ---: | ---: | --- |"]
-        for r in path["layers"]:
-            t = r["tables"]
-            lines.append(f"| {r['layer']} | {r['path']['top1']:.3f} | {r['path'][key]:.3f} | "
-                         f"{r['marginal']['top1']:.3f} | {r['marginal'][key]:.3f} | "
-                         f"{t['prev2']:.2f} / {t['prev1']:.2f} / {t['marginal']:.2f} |")
-        lines.append("")
-    first = prediction.get("first_gate")
-    if first:
-        held, base = first["held_out"], first["marginal"]
-        key = _recall_key(held)
-        lines += [f"First-layer gate (init {first['init']}, {first['epochs']} epochs, best {first['best_epoch']}; "
-                  f"{first['pairs']['train']} training pairs, {first['pairs']['held_out']} held out): "
-                  f"KL {held['kl']:.4f}, top-1 {held['top1']:.3f}, {key.replace('_', ' ')} {held[key]:.3f}; the "
-                  f"marginal: KL {base['kl']:.4f}, top-1 {base['top1']:.3f}, {key.replace('_', ' ')} {base[key]:.3f}.", ""]
-    return "\n".join(lines)
-
-
-def prediction_study_markdown(study: dict) -> str:
-    """The report.md section of ``moeprep prediction-study`` (report.json ``prediction_study``)."""
-    rows = study["rows"]
-    lines = ["## Prediction study (simulator)", "",
-             f"The plan's predictors replayed by the simulator (the loader's cache and predictor code) on "
-             f"{rows[0]['tokens']} tokens of fresh text (`{Path(study['trace']).name}`, never fitted on), one "
-             f"call per token and MoE layer; {study['model']}. Stall: the demand reads' modelled time"
-             + (f" on `{study['device']}`" if study.get("device") else "") + "; prefetch read s: the prefetch "
-             "reads' time.", "",
-             "| budget | predictors | demand misses | miss rate | KB read/token | stall s | prefetch read s | "
-             "prefetches issued | used | wasted |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        names = ", ".join(r["predictors"]) or "none"
-        stall = "-" if r["stall_seconds"] is None else f"{r['stall_seconds']:.3f}"
-        pre = "-" if r["prefetch_read_seconds"] is None else f"{r['prefetch_read_seconds']:.3f}"
-        lines.append(f"| {r['budget']} | {names} | {r['misses']} | {r['miss_rate']:.3f} | "
-                     f"{r['bytes_read_per_token'] / 1e3:.1f} | {stall} | {pre} | {r['issued']} | {r['used']} | "
-                     f"{r['wasted']} |")
-    if bench := study.get("bench"):
-        machine = bench.get("machine") or {}
-        lines += ["", f"Measured by `moeprep bench` ({bench['created']}, {machine.get('cpu', '')}, "
-                  f"{machine.get('cores', '')} cores): decode steps of the loader, each predictor alone and the whole "
-                  "plan against `naive`, in one run.", "",
-                  "| budget | system | decode tok/s | vs naive | misses/token | hit rate | stall fraction | prefetches "
-                  "issued | used | wasted | cancelled |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-                  "| ---: | ---: |"]
-        for r in bench["rows"]:
-            naive = next((x["decode_tokens_per_s"] for x in bench["rows"] if x["budget"] == r["budget"]
-                          and x["system"] == "naive"), None)
-            p = r.get("prefetch") or {}
-            ratio = f"{r['decode_tokens_per_s'] / naive:.2f}x" if naive else "-"
-            lines.append(f"| {r['budget']} | {r['system']} | {r['decode_tokens_per_s']:.3g} | {ratio} | "
-                         f"{r['misses_per_token']:.2f} | {r['hit_rate']:.3f} | {r['stall_fraction']:.3f} | "
-                         f"{p.get('issued', 0)} | {p.get('used', 0)} | {p.get('wasted', 0)} | {p.get('cancelled', 0)} |")
-    if mixtral := study.get("mixtral_path_recall"):
-        key = next(k for k in mixtral[0]["path"] if k.endswith("_recall"))
-        lines += ["", "Path statistics on the real Mixtral-8x7B GSM8K decode traces, fitted on one problem and "
-                  "measured on the other (means over the 32 layers):", "",
-                  f"| fit -> test (tokens) | top-1 | {key.replace('_', ' ')} | marginal top-1 | marginal "
-                  f"{key.replace('_', ' ')} | answered by full key / previous layer / marginal |",
-                  "| --- | ---: | ---: | ---: | ---: | --- |"]
-        for r in mixtral:
-            t = r["tables"]
-            lines.append(f"| {r['fit']} -> {r['test']} ({r['fit_tokens']} -> {r['test_tokens']}) | "
-                         f"{r['path']['top1']:.3f} | {r['path'][key]:.3f} | {r['marginal']['top1']:.3f} | "
-                         f"{r['marginal'][key]:.3f} | {t['prev2']:.2f} / {t['prev1']:.2f} / {t['marginal']:.2f} |")
-    return "\n".join(lines)
 
 
 def _run(inputs) -> PredictionStats:

@@ -243,20 +243,14 @@ def study_plot(study: dict) -> bytes:
 
 
 def merge_study_into(artifact: str | Path, study: dict) -> None:
-    """The study into ``artifact``: report.json's ``bitwidth_study``, report.md (the artifact's own figures,
-    then the table) and report.png (the plot)."""
-    from loader.format import read_manifest
-    from prep.evals.compare import update_artifact_report
-    from prep.stages.package import report_markdown
+    """The study into ``artifact``: report.json's ``bitwidth_study`` (with its markdown, the table) and its plot
+    under ``reports/``, through the report (``prep.report.merge_section``)."""
+    from prep.report import BITWIDTH_PLOT, merge_section
 
-    manifest = read_manifest(artifact)
-    report = json.loads(manifest.path("report.json").read_text())
     keep = ("label", "experts", "expert_bytes", "compression_bfloat16", "bits_per_weight", "suites", "meets_goal")
     summary = {k: study.get(k) for k in ("recipe", "settings", "goal", "best", "sensitivity")}
     summary["rows"] = [{k: r[k] for k in keep} | {"bitwidth": {k: v for k, v in r["bitwidth"].items()
                                                                if k not in ("trail", "sensitivity")}}
                        for r in study["rows"]]
-    report["bitwidth_study"] = summary
-    text = report_markdown(manifest.raw["recipe"].get("name", "artifact"), report)
-    update_artifact_report(manifest.root, {"bitwidth_study": summary},
-                           files={"report.md": text.encode(), "report.png": study_plot(study)})
+    summary["markdown"] = study_markdown(study)
+    merge_section(artifact, {"bitwidth_study": summary}, files={BITWIDTH_PLOT: study_plot(study)})

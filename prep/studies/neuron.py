@@ -183,13 +183,11 @@ def study_markdown(study: dict) -> str:
 
 def merge_into(artifact: str | Path, study: dict) -> None:
     """The study into the artifact's report.json ``neuron`` (bytes per token and deltas per theta) and report.md."""
-    from loader.format import read_manifest
-    from prep.evals.compare import update_artifact_report
-    from prep.stages.package import report_markdown
+    from loader.format import read_json, read_manifest
+    from prep.report import merge_section
 
     manifest = read_manifest(artifact)
-    report = json.loads(manifest.path("report.json").read_text())
-    neuron = dict(report.get("neuron") or {})
+    neuron = dict(read_json(manifest.path("report.json"), "report.json").get("neuron") or {})
     neuron["study"] = {
         "settings": study["settings"], "baseline_bytes_per_token": study["baseline"]["bytes_per_token"],
         "points": [{"theta": p["theta"], "bytes_per_token": p["no_predictor"]["bytes_per_token"],
@@ -197,6 +195,4 @@ def merge_into(artifact: str | Path, study: dict) -> None:
                     "bytes_per_token_measured_crossover": p["measured_crossover"]["bytes_per_token"],
                     "deltas": {k: v["delta"] for k, v in p["suites"].items()}} for p in study["points"]],
         "markdown": study_markdown(study)}
-    report["neuron"] = neuron
-    text = report_markdown(manifest.raw["recipe"].get("name", "artifact"), report)
-    update_artifact_report(manifest.root, {"neuron": neuron}, files={"report.md": text.encode()})
+    merge_section(manifest.root, {"neuron": neuron})

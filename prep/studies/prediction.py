@@ -26,8 +26,8 @@ def fresh_trace(recipe_path: str | Path, root: Path, output: Path, seed: int, se
 
     from prep.adapters import get_adapter, load_model
     from prep.calibration import calibration_sequences, fingerprint_sequences
+    from prep.fingerprint import model_fingerprint
     from prep.methods.trace import open_trace, record_traces
-    from prep.pipeline import model_fingerprint
     from prep.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, (f"calibration.seed={seed}", f"calibration.num_sequences={sequences}"))
@@ -115,11 +115,55 @@ def run_study(artifact: str | Path, trace: Path, budgets: list[str], profile=Non
 
 def merge_into(artifact: str | Path, study: dict) -> None:
     """``prediction_study`` into the artifact's report.json, and report.md rendered again."""
-    from loader.format import read_manifest
-    from prep.evals.compare import update_artifact_report
-    from prep.stages.package import report_markdown
+    from prep.report import merge_section
 
-    manifest = read_manifest(artifact)
-    report = json.loads(manifest.path("report.json").read_text()) | {"prediction_study": study}
-    text = report_markdown(manifest.raw["recipe"].get("name", "artifact"), report)
-    update_artifact_report(manifest.root, {"prediction_study": study}, files={"report.md": text.encode()})
+    merge_section(artifact, {"prediction_study": study | {"markdown": prediction_study_markdown(study)}})
+
+
+def prediction_study_markdown(study: dict) -> str:
+    """The report.md section of ``moeprep prediction-study`` (report.json ``prediction_study``)."""
+    rows = study["rows"]
+    lines = ["## Prediction study (simulator)", "",
+             f"The plan's predictors replayed by the simulator (the loader's cache and predictor code) on "
+             f"{rows[0]['tokens']} tokens of fresh text (`{Path(study['trace']).name}`, never fitted on), one "
+             f"call per token and MoE layer; {study['model']}. Stall: the demand reads' modelled time"
+             + (f" on `{study['device']}`" if study.get("device") else "") + "; prefetch read s: the prefetch "
+             "reads' time.", "",
+             "| budget | predictors | demand misses | miss rate | KB read/token | stall s | prefetch read s | "
+             "prefetches issued | used | wasted |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        names = ", ".join(r["predictors"]) or "none"
+        stall = "-" if r["stall_seconds"] is None else f"{r['stall_seconds']:.3f}"
+        pre = "-" if r["prefetch_read_seconds"] is None else f"{r['prefetch_read_seconds']:.3f}"
+        lines.append(f"| {r['budget']} | {names} | {r['misses']} | {r['miss_rate']:.3f} | "
+                     f"{r['bytes_read_per_token'] / 1e3:.1f} | {stall} | {pre} | {r['issued']} | {r['used']} | "
+                     f"{r['wasted']} |")
+    if bench := study.get("bench"):
+        machine = bench.get("machine") or {}
+        lines += ["", f"Measured by `moeprep bench` ({bench['created']}, {machine.get('cpu', '')}, "
+                  f"{machine.get('cores', '')} cores): decode steps of the loader, each predictor alone and the whole "
+                  "plan against `naive`, in one run.", "",
+                  "| budget | system | decode tok/s | vs naive | misses/token | hit rate | stall fraction | prefetches "
+                  "issued | used | wasted | cancelled |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+                  "| ---: | ---: |"]
+        for r in bench["rows"]:
+            naive = next((x["decode_tokens_per_s"] for x in bench["rows"] if x["budget"] == r["budget"]
+                          and x["system"] == "naive"), None)
+            p = r.get("prefetch") or {}
+            ratio = f"{r['decode_tokens_per_s'] / naive:.2f}x" if naive else "-"
+            lines.append(f"| {r['budget']} | {r['system']} | {r['decode_tokens_per_s']:.3g} | {ratio} | "
+                         f"{r['misses_per_token']:.2f} | {r['hit_rate']:.3f} | {r['stall_fraction']:.3f} | "
+                         f"{p.get('issued', 0)} | {p.get('used', 0)} | {p.get('wasted', 0)} | {p.get('cancelled', 0)} |")
+    if mixtral := study.get("mixtral_path_recall"):
+        key = next(k for k in mixtral[0]["path"] if k.endswith("_recall"))
+        lines += ["", "Path statistics on the real Mixtral-8x7B GSM8K decode traces, fitted on one problem and "
+                  "measured on the other (means over the 32 layers):", "",
+                  f"| fit -> test (tokens) | top-1 | {key.replace('_', ' ')} | marginal top-1 | marginal "
+                  f"{key.replace('_', ' ')} | answered by full key / previous layer / marginal |",
+                  "| --- | ---: | ---: | ---: | ---: | --- |"]
+        for r in mixtral:
+            t = r["tables"]
+            lines.append(f"| {r['fit']} -> {r['test']} ({r['fit_tokens']} -> {r['test_tokens']}) | "
+                         f"{r['path']['top1']:.3f} | {r['path'][key]:.3f} | {r['marginal']['top1']:.3f} | "
+                         f"{r['marginal'][key]:.3f} | {t['prev2']:.2f} / {t['prev1']:.2f} / {t['marginal']:.2f} |")
+    return "\n".join(lines)

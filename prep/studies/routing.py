@@ -259,11 +259,8 @@ def study_plot(study: dict) -> bytes:
 
 def merge_into(artifact: str | Path, study: dict, png: bytes) -> None:
     """``routing_curves`` into the artifact's report.json (per method, its points), report.md and the plot."""
-    from loader.format import read_manifest
-    from prep.evals.compare import update_artifact_report
-    from prep.stages.package import report_markdown
+    from prep.report import ROUTING_PLOT, merge_section
 
-    manifest = read_manifest(artifact)
     curves: dict = {}
     for p in study["points"]:
         curves.setdefault(p["method"], []).append({
@@ -271,6 +268,4 @@ def merge_into(artifact: str | Path, study: dict, png: bytes) -> None:
             "bytes_per_token": p["bytes_per_token"], "deltas": {k: v["delta"] for k, v in p["suites"].items()}})
     section = {"routing_curves": curves, "routing_study": {k: study[k] for k in ("recipe", "settings", "budgets", "goals")
                                                            if k in study} | {"markdown": study_markdown(study)}}
-    report = json.loads(manifest.path("report.json").read_text()) | section
-    text = report_markdown(manifest.raw["recipe"].get("name", "artifact"), report)
-    update_artifact_report(manifest.root, section, files={"report.md": text.encode(), "report-routing.png": png})
+    merge_section(artifact, section, files={ROUTING_PLOT: png})

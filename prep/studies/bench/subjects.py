@@ -77,7 +77,7 @@ class Subject:
 
 
 def _artifact_is_current(artifact: Path, model_dir: Path) -> bool:
-    from prep.pipeline import model_fingerprint
+    from prep.fingerprint import model_fingerprint
 
     manifest = artifact / "manifest.json"
     if not manifest.is_file():
