@@ -251,7 +251,8 @@ def prediction_study_command(recipe_path, artifact, budgets, seed, sequences, pr
     from prep.recipe import load_recipe
     from prep.sim.device import load_profile
     from prep.sim.simulate import parse_list
-    from prep.studies.prediction import fresh_trace, merge_into, prediction_study_markdown, run_study
+    from prep.studies.common import fresh_trace
+    from prep.studies.prediction import merge_into, prediction_study_markdown, run_study
 
     recipe = load_recipe(recipe_path)
     artifact = Path(artifact or Path("artifacts") / recipe.name / "artifact")

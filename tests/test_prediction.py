@@ -313,7 +313,8 @@ def test_the_prediction_study_replays_fresh_text_and_lands_in_report_md(tmp_path
     import yaml
 
     from loader.format import verify
-    from prep.studies.prediction import fresh_trace, merge_into, run_study
+    from prep.studies.common import fresh_trace
+    from prep.studies.prediction import merge_into, run_study
 
     recipe = _predicting_recipe()
     prepare_tiny_artifact(tmp_path, "olmoe", recipe=recipe)

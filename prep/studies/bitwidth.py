@@ -17,8 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from loader.io import write_bytes_atomic, write_json_atomic, write_text_atomic
+from loader.io import write_json_atomic
 from prep.errors import MoeprepError
+from prep.studies.common import write_outputs
 
 PRECISIONS = ("int8", "int4", "int3", "int2")
 GOAL_COMPRESSION = 3.5  # expert bytes against bfloat16
@@ -143,9 +144,7 @@ def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".
     study["sensitivity"] = next((r["bitwidth"]["sensitivity"] for r in results
                                  if r["bitwidth"].get("sensitivity")), None)
     study["seconds"] = round(time.perf_counter() - started, 1)
-    write_json_atomic(path, study)
-    write_text_atomic(output / "study.md", study_markdown(study))
-    write_bytes_atomic(output / "study.png", study_plot(study))
+    write_outputs(output, study, study_markdown(study), study_plot(study))
     return study
 
 

@@ -29,7 +29,8 @@ import json
 import time
 from pathlib import Path
 
-from loader.io import write_json_atomic, write_text_atomic
+from loader.io import write_json_atomic
+from prep.studies.common import write_outputs
 
 PREPARE_OVERRIDES = ("neuron.layout=neuron", "neuron.enabled=true", "neuron.predictor=true", "evaluate.enabled=false")
 DEFAULT_THETAS = (0.0, 0.05, 0.1, 0.2, 0.3)
@@ -125,8 +126,7 @@ def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".
                       "suites": evaluate(plan_variant(plan, trust_theta, True, trust_prediction=True,
                                                       compute="active", prefill=True))}
     study["seconds"] = time.perf_counter() - started
-    write_json_atomic(path, study)
-    write_text_atomic(output / "study.md", study_markdown(study))
+    write_outputs(output, study, study_markdown(study))
     return study
 
 

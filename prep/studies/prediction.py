@@ -19,40 +19,6 @@ from prep.errors import MoeprepError
 PREDICTOR_ROWS = ("none", "next_gates", "path_stats", "first_gate", "plan")
 
 
-def fresh_trace(recipe_path: str | Path, root: Path, output: Path, seed: int, sequences: int) -> Path:
-    """A trace of ``sequences`` calibration sequences drawn with ``seed`` under ``output`` (reused while the
-    model, the calibration settings and the seed are unchanged)."""
-    import torch
-
-    from prep.adapters import get_adapter, load_model
-    from prep.calibration import calibration_sequences, fingerprint_sequences
-    from prep.fingerprint import model_fingerprint
-    from prep.methods.trace import open_trace, record_traces
-    from prep.recipe import load_recipe
-
-    recipe = load_recipe(recipe_path, (f"calibration.seed={seed}", f"calibration.num_sequences={sequences}"))
-    if seed == load_recipe(recipe_path).calibration.seed:
-        raise MoeprepError(f"--seed {seed} is the recipe's own calibration seed; pick another so the predictors "
-                           "are measured on text they were not fitted on")
-    model_dir = Path(recipe.model_path(root))
-    if not (model_dir / "config.json").is_file():
-        raise MoeprepError(f"model {model_dir} not found; set model.path in {recipe_path}")
-    from transformers import AutoTokenizer
-
-    seqs = calibration_sequences(recipe.calibration, AutoTokenizer.from_pretrained(model_dir), root)
-    key = f"{model_fingerprint(model_dir)}:{fingerprint_sequences(seqs)}"
-    path = output / f"trace-seed{seed}"
-    if (path / "index.json").is_file():
-        try:
-            if open_trace(path).index.get("model_fingerprint") == key:
-                return path
-        except MoeprepError:
-            pass
-    model = load_model(model_dir, dtype="auto")
-    return record_traces(model, seqs, path, adapter=get_adapter(model), hidden_dtype=torch.float16,
-                         fingerprint=key, overwrite=True, progress=True)
-
-
 def mixtral_recall(traces: str | Path | None) -> list[dict] | None:
     """EdgeMoE's path statistics on the real Mixtral-8x7B traces, fitted on one problem and measured on the
     other (None when the traces are not there)."""

@@ -28,8 +28,9 @@ import json
 import time
 from pathlib import Path
 
-from loader.io import write_bytes_atomic, write_json_atomic, write_text_atomic
+from loader.io import write_json_atomic
 from prep.errors import MoeprepError
+from prep.studies.common import write_outputs
 
 DEFAULT_KNOBS = {"gating": (0.1, 0.25, 0.4), "dynamic_precision": ((0.85, 0.0), (0.67, 0.03), (0.5, 0.1)),
                  "cache_prior": (0.25, 0.5, 1.0), "max_rank": (3, 4)}
@@ -91,7 +92,7 @@ def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".
     from prep.sim.simulate import artifact_spec, simulate
     from prep.stages.trace import RoutingTraces
     from prep.store import StageStore
-    from prep.studies.prediction import fresh_trace
+    from prep.studies.common import fresh_trace
 
     output, root = Path(output), Path(root)
     knobs = DEFAULT_KNOBS if knobs is None else knobs
@@ -151,9 +152,7 @@ def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".
             write_json_atomic(path, study)
     study["seconds"] = round(time.perf_counter() - started, 1)
     study["goals"] = goals(study)
-    write_json_atomic(path, study)
-    write_text_atomic(output / "study.md", study_markdown(study))
-    write_bytes_atomic(output / "study.png", study_plot(study))
+    write_outputs(output, study, study_markdown(study), study_plot(study))
     return study
 
 
