@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from loader.errors import LoaderError
-from loader.forms import HeldForm, KernelError, choose_form
+from loader.errors import BudgetError, LoaderError
+from loader.forms import HeldForm, choose_form
 from loader.plan import PLAN_FILE, Plan, PlanError, Pool, parse_budget, read_plan
 
 DIRECT_ALIGN = 4096  # O_DIRECT reads whole aligned blocks: a slot a record is read into is that long
@@ -180,12 +180,9 @@ def store_forms(manifest, expert_dtype: str, device: torch.device, plan: Plan | 
     from loader.codec import RecordLayout
 
     planned = dict(plan.forms) if plan is not None else {}
-    try:
-        return {p: choose_form(expert_dtype, RecordLayout.from_json(s["layout"]), device, planned.get(p),
-                               neuron=s.get("neuron") is not None)
-                for p, s in manifest.raw["stores"].items()}
-    except KernelError as e:
-        raise LoaderError(str(e)) from None
+    return {p: choose_form(expert_dtype, RecordLayout.from_json(s["layout"]), device, planned.get(p),
+                           neuron=s.get("neuron") is not None)
+            for p, s in manifest.raw["stores"].items()}
 
 
 def artifact_sizes(manifest, stores: dict, device: torch.device, forms: dict, workers: int = 2) -> ModelSizes:
@@ -208,7 +205,7 @@ def _capacities(plan: Plan, sizes: ModelSizes, memory_budget, host_bytes: int, d
     except PlanError as e:
         extra = (f" (store='host' holds the whole expert store, {host_bytes:,} bytes, in RAM inside the budget; "
                  "use store='disk' for a small budget)") if host_bytes and device.type == "cpu" else ""
-        raise LoaderError(f"{e}{extra}") from None
+        raise BudgetError(f"{e}{extra}") from None
 
 
 NO_BUDGET = object()  # held_layout without a budget: sizes only

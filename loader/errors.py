@@ -24,5 +24,9 @@ class ArtifactError(MoeError):
         self.file = file
 
 
-class LoaderError(ArtifactError):
-    """A request the loader cannot satisfy (budget too small, no GPU, ...); the message says what to do."""
+class LoaderError(MoeError):
+    """A request the loader cannot satisfy (no GPU, an unknown option, ...); the message says what to do."""
+
+
+class BudgetError(LoaderError):
+    """A memory budget too small for what must be held, or one that cannot be read; not the artifact's fault."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -56,6 +57,34 @@ def write_json_atomic(path: str | Path, obj, indent: int | None = 2, sort_keys: 
 ST_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
              "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit
+
+
+def replace_directory(built: str | Path, final: str | Path) -> None:
+    """Put the finished directory ``built`` at ``final``. An old ``final`` is renamed aside first and removed only
+    once the new one is in place, so ``final`` is the old complete directory or the new one (a kill between the
+    two renames leaves the old one beside it as ``.<name>.old-<pid>``)."""
+    built, final = Path(built), Path(final)
+    aside = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+    os.rename(built, final)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+@contextmanager
+def building_directory(final: str | Path) -> Iterator[Path]:
+    """An empty temporary directory beside ``final`` (unique per process) to build it in: when the block ends it
+    replaces ``final`` (``replace_directory``); if the block raises it is removed and ``final`` is untouched."""
+    final = Path(final)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        replace_directory(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _is_int(x) -> bool:

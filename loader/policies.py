@@ -9,6 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from loader.errors import MoeError
+
+
+class PolicyError(MoeError, ValueError):
+    """An eviction policy name or parameter the cache does not know (a ``ValueError`` too, as before)."""
+
 
 @dataclass
 class Clock:
@@ -32,7 +38,7 @@ class EvictionPolicy:
 
     def __init__(self, clock: Clock, num_experts: int, **params) -> None:
         if params:
-            raise ValueError(f"eviction policy {self.name!r} takes no parameters, got {sorted(params)}")
+            raise PolicyError(f"eviction policy {self.name!r} takes no parameters, got {sorted(params)}")
         self.clock = clock
         self.num_experts = num_experts
         self.tick = 0
@@ -203,11 +209,11 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
 def policy_factory(name: str, params: dict | None = None) -> Callable[[Clock, int], EvictionPolicy]:
     """A constructor for the named policy with ``params``; a ValueError names the known policies."""
     if name not in POLICIES:
-        raise ValueError(f"eviction policy {name!r} unknown; use one of {', '.join(POLICIES)}")
+        raise PolicyError(f"eviction policy {name!r} unknown; use one of {', '.join(POLICIES)}")
     cls = POLICIES[name]
     params = dict(params or {})
     try:
         cls(Clock(1), 1, **params)  # reject unknown parameters now, not at the first eviction
     except TypeError as e:
-        raise ValueError(f"eviction policy {name!r}: {e}") from None
+        raise PolicyError(f"eviction policy {name!r}: {e}") from None
     return lambda clock, num_experts: cls(clock, num_experts, **params)

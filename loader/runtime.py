@@ -305,10 +305,7 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
     plan = plan or manifest.plan
     if policy is not None:
         plan = dataclasses.replace(plan, eviction=PolicySpec(policy))
-    try:
-        policy_factory(plan.eviction.name, plan.eviction.params)
-    except ValueError as e:
-        raise LoaderError(str(e)) from None
+    policy_factory(plan.eviction.name, plan.eviction.params)
     moe = manifest.raw["moe"]
     chosen = _predictors(plan, predictors)
 

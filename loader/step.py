@@ -29,13 +29,12 @@ import torch
 
 from loader.cache import ExpertCache, MemoryMeter, PoolConfig
 from loader.codec import NeuronLayout
-from loader.errors import LoaderError
 from loader.format import expert_key
 from loader.forms import RecordForm, median_seconds
 from loader.layer import Held, Mixer, renormalized
 from loader.neuron import NeuronRecordForm, NeuronStep
 from loader.policies import policy_factory
-from loader.predict import PredictorContext, PredictorError, PrefetchRequest
+from loader.predict import PredictorContext, PrefetchRequest
 from loader.schedule import LayerSchedule
 from loader.store import DEMAND, PREFETCH, Reader, ReadJob, SlotArena
 from loader.transfer import Link, link_for
@@ -146,10 +145,7 @@ class ExpertEngine:
             held=lambda layer, expert, precision: self.cache.find(layer, expert, precision) is not None,
             precision_of=lambda layer, expert: self.plan.expert_precision[layer][expert])
         for predictor in self.predictors:
-            try:
-                predictor.bind(context)
-            except PredictorError as e:
-                raise LoaderError(str(e)) from None
+            predictor.bind(context)
 
     # ----------------------------------------------------------------------------------- slots and reads
     def key(self, layer: int, expert: int) -> str:

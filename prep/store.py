@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from loader.format import FORMAT, MANIFEST
+from loader.io import replace_directory
 from prep.errors import MoeprepError
 from prep.stages import RESULT, Stage, StageResult
 
@@ -73,9 +74,7 @@ class StageStore:
         """Write ``result.json`` last into ``work`` and rename it to the final directory."""
         result.save(work, stage=stage, key=key, **meta)
         final = self.final_dir(stage, key)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(work, final)
+        replace_directory(work, final)
         return final
 
     def discard(self, stage: str, key: str) -> None:

@@ -33,8 +33,6 @@ Shapes use the legend declared in ``loader/__init__.py``.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -45,7 +43,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from loader.io import write_json_atomic
+from loader.io import building_directory, write_json_atomic
 from prep.adapters import MoeAdapter, get_adapter
 from prep.errors import MoeprepError
 
@@ -279,10 +277,7 @@ def record_traces(
     adapter = adapter or get_adapter(model)
     model.eval()
     device = next(model.parameters()).device
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with building_directory(out_dir) as tmp:
         writer = _ShardWriter(tmp, shard_tokens)
         lengths = []
         recorder = RoutingRecorder(model, adapter, record_hidden=record_hidden, hidden_dtype=hidden_dtype)
@@ -322,12 +317,6 @@ def record_traces(
             "shards": shards,
         }
         _write_json_atomic(tmp / INDEX_NAME, index)  # last: its presence marks a complete trace
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

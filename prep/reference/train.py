@@ -62,7 +62,6 @@ import math
 import os
 import random
 import re
-import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -71,7 +70,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from loader.io import write_json_atomic
+from loader.io import replace_directory, write_json_atomic
 from prep.errors import MoeprepError
 from prep.reference import data as D
 
@@ -375,16 +374,6 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Move a finished directory into place; the old one is removed only after the new one is complete."""
-    old = final.with_name(final.name + ".old")
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    if old.exists():
-        shutil.rmtree(old)
-
-
 def write_suites(out_dir: str | Path, spec: ReferenceSpec) -> None:
     """Write ``out_dir/suites/``: the held-out suites and the few-shot pools (deterministic from the seed)."""
     out_dir = Path(out_dir)
@@ -393,7 +382,7 @@ def write_suites(out_dir: str | Path, spec: ReferenceSpec) -> None:
     tmp.chmod(0o755)
     for name, rows in (suites | D.fewshot_pools(spec.seed, split)).items():
         _write_jsonl(tmp / f"{name}.jsonl", rows)
-    _replace_dir(tmp, out_dir / "suites")
+    replace_directory(tmp, out_dir / "suites")
 
 
 def build_reference(out_dir: str | Path, spec: ReferenceSpec | None = None, device: str = "auto") -> dict:
@@ -475,7 +464,7 @@ def build_reference(out_dir: str | Path, spec: ReferenceSpec | None = None, devi
     tmp.chmod(0o755)
     model.to("cpu").save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    _replace_dir(tmp, out_dir / "model")
+    replace_directory(tmp, out_dir / "model")
     write_suites(out_dir, spec)
     report = {
         "spec": asdict(spec),

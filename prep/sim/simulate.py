@@ -35,8 +35,7 @@ from dataclasses import dataclass, field
 
 from loader.budget import Capacities, ModelSizes, capacities
 from loader.cache import ExpertCache, PoolConfig
-from loader.errors import MoeError
-from loader.plan import Plan, PlanError, read_plan_file
+from loader.plan import Plan, read_plan_file
 from loader.policies import POLICIES, policy_factory
 from loader.schedule import LayerSchedule
 from prep.errors import MoeprepError
@@ -138,11 +137,7 @@ def capacities_spec(plan: Plan, caps: Capacities, record_bytes: dict, slot_bytes
 def plan_spec(plan: Plan, budget, sizes) -> CacheSpec:
     """The cache the loader builds for ``plan`` under ``budget`` (``loader.plan.capacities``);
     ``sizes.record_bytes`` are both what a record takes and what a miss reads."""
-    try:
-        caps = capacities(plan, budget, sizes)
-    except PlanError as e:
-        raise MoeprepError(str(e)) from None
-    return capacities_spec(plan, caps, sizes.record_bytes)
+    return capacities_spec(plan, capacities(plan, budget, sizes), sizes.record_bytes)
 
 
 def artifact_spec(artifact, budget=None, plan: Plan | None = None, store: str = "disk") -> CacheSpec:
@@ -150,10 +145,7 @@ def artifact_spec(artifact, budget=None, plan: Plan | None = None, store: str = 
     (``loader.budget.cache_layout``, the arithmetic ``load`` itself uses)."""
     from loader.budget import cache_layout
 
-    try:
-        layout = cache_layout(artifact, budget, store=store, plan=plan)
-    except MoeError as e:
-        raise MoeprepError(str(e)) from None
+    layout = cache_layout(artifact, budget, store=store, plan=plan)
     return capacities_spec(layout.plan, layout.capacities, layout.record_bytes, layout.slot_bytes)
 
 
@@ -322,10 +314,7 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
         raise MoeprepError(f"the trace has {replay.num_layers} MoE layers x {replay.num_experts} experts but the "
                            f"cache is for {spec.num_layers} x {spec.num_experts}; use a plan made for this model")
     future = FutureUses() if policy == "belady" else None
-    try:
-        cache = ExpertCache(spec.pools, spec.num_layers, spec.num_experts, _factory(policy, params, future))
-    except ValueError as e:
-        raise MoeprepError(str(e)) from None
+    cache = ExpertCache(spec.pools, spec.num_layers, spec.num_experts, _factory(policy, params, future))
     layers = [LayerResult() for _ in range(spec.num_layers)]
     precision, record_bytes = spec.expert_precision, spec.record_bytes
     slot_bytes = spec.slot_bytes if spec.slot_bytes is not None else record_bytes
@@ -454,7 +443,7 @@ def _route(routing, weights: tuple, experts: tuple, layer: int, cache: ExpertCac
 
 def _bind_predictors(predictors: list, cache: ExpertCache, spec: CacheSpec, replay: Replay,
                      feed: PredictionFeed | None) -> None:
-    from loader.predict import PredictorContext, PredictorError
+    from loader.predict import PredictorContext
 
     if feed is None:
         raise MoeprepError("predictors need what they read: simulate a project trace (router inputs) with an "
@@ -469,10 +458,7 @@ def _bind_predictors(predictors: list, cache: ExpertCache, spec: CacheSpec, repl
                                held=lambda layer, expert, p: cache.find(layer, expert, p) is not None,
                                precision_of=lambda layer, expert: spec.expert_precision[layer][expert])
     for p in predictors:
-        try:
-            p.bind(context)
-        except PredictorError as e:
-            raise MoeprepError(str(e)) from None
+        p.bind(context)
 
 
 def prediction_feed(trace_dir, artifact) -> PredictionFeed:
@@ -587,10 +573,7 @@ def simulate_trace(trace, plan=None, budget=None, policies=None, capacity=None, 
             elif path.name == "plan.json" and (path.parent / "manifest.json").is_file():
                 spec = artifact_spec(path.parent, budget)
             else:
-                try:
-                    loaded = read_plan_file(path, fix="pass a plan.json or an artifact directory")
-                except PlanError as e:
-                    raise MoeprepError(str(e)) from None
+                loaded = read_plan_file(path, fix="pass a plan.json or an artifact directory")
                 spec = plan_spec(loaded, budget, _synthetic_sizes(loaded, replay, record_bytes))
         names, feed = _predictor_request(predictors, plan, trace)
         runs = []
@@ -638,16 +621,13 @@ def _predictor_request(predictors, plan, trace) -> tuple[list[str], PredictionFe
 def _make_predictors(names: list[str], plan) -> list:
     from pathlib import Path
 
-    from loader.predict import PredictorError, make_predictor
+    from loader.predict import make_predictor
 
     if not names:
         return []
     path = Path(plan)
     knobs = {s.name: s.params for s in read_plan_file((path if path.is_dir() else path.parent) / "plan.json").predictors}
-    try:
-        return [make_predictor(n, knobs.get(n)) for n in names]
-    except PredictorError as e:
-        raise MoeprepError(str(e)) from None
+    return [make_predictor(n, knobs.get(n)) for n in names]
 
 
 def parse_params(items) -> dict:

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loader.budget import Capacities, ModelSizes, buffer_bytes, capacities, record_slot_bytes
-from loader.plan import Plan, PlanError, PolicySpec, Pool
-from prep.errors import MoeprepError
+from loader.plan import Plan, PolicySpec, Pool
 
 
 def compose_plan(grid, record_bytes: dict, default_budget: str, dynamic=None, gating=None, cache_routing=None,
@@ -72,10 +71,7 @@ class Draft:
         return "seconds per token" if self.profile is not None else "demand bytes per token"
 
     def capacities(self, plan: Plan, budget) -> Capacities:
-        try:
-            return capacities(plan, budget, self.sizes)
-        except PlanError as e:
-            raise MoeprepError(str(e)) from None
+        return capacities(plan, budget, self.sizes)
 
     def budget_for_share(self, share: float) -> int:
         """The budget in bytes whose expert part holds ``share`` of the shipped experts' slots."""

@@ -25,12 +25,12 @@ from __future__ import annotations
 import gc
 import json
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from loader.io import building_directory
 from prep.errors import MoeprepError
 
 # Attention is kept small (4 query heads of 64, one KV head, short context): the bench is about experts.
@@ -159,15 +159,12 @@ def _build_mixtral_shape(model_dir: Path, shape: dict) -> None:
                            pad_token_id=3, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, shape["dtype"]))
-    tmp = model_dir.with_name(f".{model_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    del model
-    gc.collect()
-    char_tokenizer(shape["vocab_size"]).save_pretrained(tmp)
-    (tmp / "bench-shape.json").write_text(json.dumps(shape | {"seed": SEED}, indent=2) + "\n")
-    shutil.rmtree(model_dir, ignore_errors=True)
-    os.replace(tmp, model_dir)
+    with building_directory(model_dir) as tmp:
+        model.save_pretrained(tmp)
+        del model
+        gc.collect()
+        char_tokenizer(shape["vocab_size"]).save_pretrained(tmp)
+        (tmp / "bench-shape.json").write_text(json.dumps(shape | {"seed": SEED}, indent=2) + "\n")
 
 
 def _replay_file(work: Path, traces: Path, layers: int, tokens: int) -> tuple[Path, str]:
