@@ -202,6 +202,12 @@ class StageInputs:
                                f"switches off; enable it")
         return self._store.final_dir(name, key), self._store.load(reader, key)
 
+    def contributions(self) -> list[StageResult]:
+        """The results of the stages this one reads that the recipe switches on, in the table's order: what
+        ``prep.stages.planning.compose_plan`` applies (``StageResult.apply``)."""
+        found = (self.upstream(s.name, optional=True) for s in STAGES if s.name in self.stage.reads)
+        return [f[1] for f in found if f is not None]
+
     @property
     def model(self):
         self._need("model")

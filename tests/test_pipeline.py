@@ -10,7 +10,8 @@ from click.testing import CliRunner
 from prep import pipeline
 from prep.cli import main as moeprep
 from prep.errors import MoeprepError
-from prep.fingerprint import model_fingerprint, prepare
+from prep.fingerprint import model_fingerprint
+from prep.pipeline import prepare
 from prep.recipe import load_recipe, recipe_from_dict
 from prep.stages import quantize as quantize_stage
 from tests.tiny_models import file_hashes, save_tiny_model, tiny_recipe
@@ -90,8 +91,8 @@ def test_retrained_weights_of_the_same_shapes_are_not_served_from_cache(root, mo
     assert not rerun["trace"]["cached"] and rerun["trace"]["key"] != first["trace"]["key"]
     # the sampled path for big files sees the change too
     monkeypatch.setattr("prep.fingerprint.FULL_HASH_BYTES", 0)
-    monkeypatch.setattr(pipeline, "BLOCK_BYTES", 64)
-    monkeypatch.setattr(pipeline, "SAMPLED_BLOCKS", shards[0].stat().st_size // 64 + 1)
+    monkeypatch.setattr("prep.fingerprint.BLOCK_BYTES", 64)
+    monkeypatch.setattr("prep.fingerprint.SAMPLED_BLOCKS", shards[0].stat().st_size // 64 + 1)
     sampled = model_fingerprint(root / "model")
     tensors[name] = tensors[name] - 1e-3
     save_file(tensors, shards[0], metadata={"format": "pt"})

@@ -4,7 +4,8 @@ A stage declares
 
 - ``config``: its recipe section, a frozen dataclass of ``prep/recipe.py``;
 - ``result``: a frozen ``StageResult`` subclass, saved as ``result.json`` (+ an optional
-  ``tensors.safetensors``, + any files the stage writes itself) in its stage directory;
+  ``tensors.safetensors``, + any files the stage writes itself) in its stage directory; its
+  ``apply(plan, context)`` is the stage's contribution to the artifact's plan (none by default);
 - ``reads``: the upstream stages whose results it reads;
 - ``needs``: what else it uses, from ``NEEDS``:
   ``model`` (the loaded source model, its adapter and tokenizer; loaded only when such a stage runs),
@@ -46,6 +47,12 @@ class StageResult:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+    def apply(self, plan, context):
+        """This result's contribution to the artifact's plan (``loader.plan.Plan``): ``compose_plan`` hands every
+        result a stage reads to this, in the table's order, with a ``prep.stages.planning.PlanContext``. By
+        default a result contributes nothing."""
+        return plan
 
     @classmethod
     def from_json(cls, raw: dict) -> StageResult:

@@ -50,8 +50,9 @@ class CacheAllocation(StageResult):
     inputs: dict  # the closed form's alpha and beta per layer
     tolerance: float | None  # plan.tolerance: points of accuracy an operating point may lose (evaluate checks)
 
-    def apply(self, plan: Plan, sizes: ModelSizes) -> Plan:
+    def apply(self, plan: Plan, context) -> Plan:
         """``plan`` with its own pools allocated for its default budget and the operating points."""
+        sizes = context.sizes
         def pools(raw):
             return tuple(Pool.from_json(p, "allocation", plan.num_layers) for p in raw)
 

@@ -15,10 +15,12 @@ function is added by package from the adapter.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from loader.plan import PolicySpec
 from prep.recipe import CacheRoutingSection
 from prep.stages import Stage, StageResult
 
@@ -31,6 +33,11 @@ class CacheRoutingChoice(StageResult):
     knobs: dict  # the plan's cache_routing params, without the weight function
     logit_range: list  # [L] mean max-minus-min router logit on the calibration tokens
     details: dict  # with a tolerance: the knob searched, the trail and the chosen value's KL
+
+    def apply(self, plan, context):
+        """Cache-conditional routing as the plan's routing policy, with the router's weight function."""
+        return dataclasses.replace(plan, routing=PolicySpec("cache_routing", self.knobs | {
+            "weights": context.routing_weights}))
 
 
 class _ColdView:

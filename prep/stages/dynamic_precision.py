@@ -8,10 +8,12 @@ thresholds give on the calibration routing is reported. No model run.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from loader.plan import PolicySpec, Pool
 from prep.methods.routing_stats import precision_split, split_thresholds
 from prep.recipe import DynamicPrecisionSection
 from prep.stages import Stage, StageResult
@@ -26,6 +28,14 @@ class PrecisionThresholds(StageResult):
     split: dict  # {high, low, skip, selections} on the calibration routing
     knobs: dict  # the plan's dynamic_precision params
     low_share: float
+
+    def apply(self, plan, context):
+        """HOBBIT's miss policy, with a pool of its own for the low copies (when no pool holds that precision)."""
+        low, pools = self.knobs["low"], plan.pools
+        if low not in {p.precision for p in pools}:
+            pools = tuple(dataclasses.replace(p, share=p.share * (1 - self.low_share)) for p in pools) + (
+                Pool("low", low, self.low_share),)
+        return dataclasses.replace(plan, pools=pools, miss=PolicySpec("dynamic_precision", self.knobs))
 
 
 def choose_thresholds(trace_dir, cfg: DynamicPrecisionSection) -> PrecisionThresholds:

@@ -12,12 +12,14 @@ what the DP allocator will (alpha_l: the per-layer single-expert shares).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
+from loader.plan import PolicySpec
 from prep.methods.fisher import fisher_sensitivity
 from prep.methods.routing_stats import gating_share
 from prep.recipe import GatingSection
@@ -38,6 +40,10 @@ class GatingChoice(StageResult):
     per_layer: list  # [L] {single, runs_saved}
     knobs: dict
     details: dict  # fisher convention and positions; target search; KL trail and loss when a tolerance is set
+
+    def apply(self, plan, context):
+        """AdapMoE's gating as the plan's routing policy."""
+        return dataclasses.replace(plan, routing=PolicySpec("adaptive_gating", self.knobs))
 
 
 def threshold_for_share(weights: torch.Tensor, sensitivity: list[float], target: float) -> float:

@@ -16,6 +16,7 @@ Package ships these records instead of the quantize stage's, and writes the plan
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from tqdm import tqdm
 from loader.codec import RecordLayout
 from loader.format import expert_key
 from loader.io import write_bytes_atomic
+from loader.plan import PolicySpec
 from prep.methods.neuron import activity_profile, dropped_neurons, measure_crossover, pairing_of
 from prep.quant.hqq_codec import encode_neuron_expert
 from prep.recipe import NeuronSection
@@ -47,6 +49,15 @@ class NeuronChoice(StageResult):
     knobs: dict  # the plan's neuron entry: theta, crossover, compute, trust_prediction, prefill
     enabled: bool
     predictor: bool
+
+    def apply(self, plan, context):
+        """CORM's neuron-level loading as the plan's ``neuron`` entry, and its predictor, when enabled."""
+        if not self.enabled:
+            return plan
+        predictors = plan.predictors
+        if self.predictor and "neuron_gates" not in {p.name for p in predictors}:
+            predictors = (*predictors, PolicySpec("neuron_gates", {}))
+        return dataclasses.replace(plan, predictors=predictors, neuron=PolicySpec("sparse", self.knobs))
 
     def packed_experts(self) -> PackedExperts:
         return PackedExperts.from_json(self.packed)

@@ -14,7 +14,6 @@ has its recorded size; otherwise it builds it again. Every file is a pure functi
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from safetensors.torch import save_file
 from loader.codec import RecordLayout
 from loader.format import FORMAT, SCHEMA_VERSION, sha256_file, write_manifest
 from loader.io import write_bytes_atomic, write_json_atomic
-from loader.plan import PLAN_FILE, PolicySpec
+from loader.plan import PLAN_FILE
 from loader.predict import PREDICTORS_FILE
 from prep.adapters.model_state import dense_state, expert_parameters
 from prep.errors import MoeprepError
@@ -34,7 +33,7 @@ from prep.report import report_markdown
 from prep.report.sections import PLAN_PLOT, operating_points_plot
 from prep.stages import Stage, StageResult
 from prep.stages.bitwidth import BitwidthChoice, uniform_choice
-from prep.stages.planning import compose_plan, model_sizes
+from prep.stages.planning import PlanContext, compose_plan, model_sizes
 from prep.stages.predict import predictor_tensors
 from prep.stages.quantize import PackedExperts
 
@@ -76,14 +75,15 @@ def _producer() -> dict:
 
 def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quantize_dir: Path,
                      quantize: PackedExperts, choice: BitwidthChoice, cfg: PackageSection, package_key: str,
-                     out: Path, techniques: dict | None = None) -> ArtifactReport:
+                     out: Path, techniques: dict | None = None, contributions: list | None = None) -> ArtifactReport:
     """Write every artifact file into the empty directory ``out``, ``manifest.json`` last; returns the report.
 
     ``recipe`` is the resolved recipe the artifact derives from, ``source`` the source model's
     {path, revision, fingerprint}, ``package_key`` this stage's cache key. ``techniques``: the results of the
     stages the recipe switched on: ``predict`` ((stage dir, PredictionStats)), ``gating`` (GatingChoice),
     ``dynamic_precision`` (PrecisionThresholds), ``cache_routing`` (CacheRoutingChoice), ``tune_policy``
-    (TunedPolicy), ``allocate_cache`` (CacheAllocation).
+    (TunedPolicy), ``allocate_cache`` (CacheAllocation). ``contributions``: the results the plan is composed
+    of, in the stage table's order (``StageInputs.contributions``).
     """
     techniques = techniques or {}
     prediction, gating, dynamic, cache_routing, tuned, allocation = (techniques.get(k) for k in (
@@ -113,21 +113,15 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
                                                   quantize.records(quantize_dir, precision, keep), store["record_bytes"])
 
     budget = f"{cfg.cache_fraction * 100:g}%"
-    knobs = {}
     if prediction is not None:
         stage_dir, stats = prediction
         wanted = stats.knobs.get("next_gates", {}).get("precision")
         if wanted is not None and wanted not in used:
             raise MoeprepError(f"predict.next_gates.precision is {wanted}, but the artifact ships no {wanted} store "
                                f"(its experts are at {used}); set it to null or to one of those")
-        knobs = {n: stats.knobs[n] for n in stats.predictors}
     sizes = model_sizes(model, adapter, {p: s["record_bytes"] for p, s in quantize.stores.items()})
-    if neuron is not None and neuron[1].enabled and neuron[1].predictor:
-        knobs = knobs | {"neuron_gates": {}}
-    plan = compose_plan(grid, {p: quantize.stores[p]["record_bytes"] for p in planned}, budget, dynamic, gating,
-                        cache_routing, adapter.routing_weights(), knobs, allocation, tuned, sizes)
-    if neuron is not None and neuron[1].enabled:
-        plan = dataclasses.replace(plan, neuron=PolicySpec("sparse", neuron[1].knobs))
+    plan = compose_plan(grid, {p: quantize.stores[p]["record_bytes"] for p in planned}, budget, contributions or [],
+                        PlanContext(sizes, adapter.routing_weights()))
     summary = None
     if prediction is not None:
         save_file(predictor_tensors(stage_dir, stats.predictors), str(out / PREDICTORS_FILE), metadata={"format": "pt"})
@@ -241,7 +235,8 @@ def _run(inputs) -> ArtifactReport:
         techniques[name] = found[1] if found is not None else None
     with inputs.artifact.build() as out:
         return package_artifact(inputs.model, inputs.adapter, inputs.tokenizer, inputs.recipe, inputs.source,
-                                quantize_dir, quantize, choice, inputs.config, inputs.key, out, techniques)
+                                quantize_dir, quantize, choice, inputs.config, inputs.key, out, techniques,
+                                inputs.contributions())
 
 
 STAGE = Stage(

@@ -1,8 +1,8 @@
 """The draft plan and its simulated cost: what ``allocate_cache``, ``tune_policy`` and ``package`` share.
 
-``compose_plan`` is the one place where the stages' outputs become a ``loader.plan.Plan`` (precisions,
-pools, miss and routing policies, predictors, and with the planning stages the per-layer pool sizes,
-the eviction policy and the operating points). ``Draft`` is that plan before the artifact exists, with
+``compose_plan`` is where the stages' outputs become a ``loader.plan.Plan``: the precisions, then each stage
+result's own contribution (``StageResult.apply``: pools, miss and routing policies, predictors, and with the
+planning stages the per-layer pool sizes, the eviction policy and the operating points). ``Draft`` is that plan before the artifact exists, with
 everything the simulator needs to replay the calibration traces through the loader's own cache:
 the budget arithmetic's sizes (from the model and the quantize stage), the replay and the predictors'
 feed (routers from the model, tensors from the predict stage). ``Draft.cost`` is the objective both
@@ -17,35 +17,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loader.budget import Capacities, ModelSizes, buffer_bytes, capacities, record_slot_bytes
-from loader.plan import Plan, PolicySpec, Pool
+from loader.plan import Plan
 
 
-def compose_plan(grid, record_bytes: dict, default_budget: str, dynamic=None, gating=None, cache_routing=None,
-                 routing_weights: str | None = None, predictors: dict | None = None, allocation=None,
-                 policy=None, sizes: ModelSizes | None = None) -> Plan:
-    """The plan of the stages' outputs. grid: [L][E] precision names; record_bytes: per planned precision;
-    dynamic / gating / cache_routing: those stages' results (None: off); predictors: {name: knobs} in plan
-    order; allocation: ``prep.stages.allocate_cache.CacheAllocation`` (with ``sizes``, ``model_sizes``: its DP
-    runs again at the default budget); policy: ``prep.stages.tune_policy.TunedPolicy``."""
+@dataclass(frozen=True)
+class PlanContext:
+    """What a stage's plan contribution may use besides its own result."""
+
+    sizes: ModelSizes | None = None  # the budget arithmetic's sizes (the allocation solves the default budget)
+    routing_weights: str | None = None  # the router's weight function (cache-conditional routing re-weighs)
+
+
+def compose_plan(grid, record_bytes: dict, default_budget: str, results, context: PlanContext) -> Plan:
+    """The plan of the stages' outputs: precisions ``grid`` ([L][E] precision names) with ``record_bytes`` per
+    planned precision, then each result's contribution (``StageResult.apply``) in the stage table's order."""
     plan = Plan.mixed(grid, record_bytes, default_budget=default_budget)
-    if dynamic is not None:
-        low = dynamic.knobs["low"]
-        pools = plan.pools
-        if low not in {p.precision for p in pools}:  # a pool of its own for the low copies
-            pools = tuple(dataclasses.replace(p, share=p.share * (1 - dynamic.low_share)) for p in pools) + (
-                Pool("low", low, dynamic.low_share),)
-        plan = dataclasses.replace(plan, pools=pools, miss=PolicySpec("dynamic_precision", dynamic.knobs))
-    if gating is not None:
-        plan = dataclasses.replace(plan, routing=PolicySpec("adaptive_gating", gating.knobs))
-    if cache_routing is not None:
-        plan = dataclasses.replace(plan, routing=PolicySpec("cache_routing", cache_routing.knobs | {
-            "weights": routing_weights}))
-    if predictors:
-        plan = dataclasses.replace(plan, predictors=tuple(PolicySpec(n, k) for n, k in predictors.items()))
-    if allocation is not None:
-        plan = allocation.apply(plan, sizes)
-    if policy is not None:
-        plan = policy.apply(plan)
+    for result in results:
+        plan = result.apply(plan, context)
     return plan
 
 
@@ -119,10 +107,9 @@ def model_sizes(model, adapter, read_bytes: dict) -> ModelSizes:
                       {p: slot_bytes(b) for p, b in read_bytes.items()})
 
 
-def draft_from_inputs(inputs, profile_path: str | None, allocation=None) -> Draft:
-    """The draft of a planning stage's inputs: it reads quantize, bitwidth, predict, gating,
-    dynamic_precision and cache_routing (each may be off) and the trace; it needs the model. ``allocation``:
-    the allocate_cache result to apply."""
+def draft_from_inputs(inputs, profile_path: str | None) -> Draft:
+    """The draft of a planning stage's inputs: the precisions of bitwidth (else quantize's uniform one) and the
+    contributions of every stage it reads (``StageInputs.contributions``) and the trace; it needs the model."""
 
     from prep.sim.device import load_profile
     from prep.sim.replay import load_replay
@@ -135,15 +122,12 @@ def draft_from_inputs(inputs, profile_path: str | None, allocation=None) -> Draf
     _, quantize = inputs.upstream("quantize")
     chosen = inputs.upstream("bitwidth", optional=True)
     choice = chosen[1] if chosen is not None else uniform_choice(quantize)
-    found = {n: inputs.upstream(n, optional=True) for n in ("predict", "gating", "dynamic_precision", "cache_routing")}
-    results = {n: f[1] if f is not None else None for n, f in found.items()}
+    predict = inputs.upstream("predict", optional=True)
     planned = [p for p in quantize.stores if choice.counts.get(p)]
     read_bytes = {p: s["record_bytes"] for p, s in quantize.stores.items()}
-    predictors = {n: results["predict"].knobs[n] for n in results["predict"].predictors} if results["predict"] else {}
     sizes = model_sizes(model, adapter, read_bytes)
-    plan = compose_plan(choice.expert_precision, {p: read_bytes[p] for p in planned}, "50%", results["dynamic_precision"],
-                        results["gating"], results["cache_routing"], adapter.routing_weights(), predictors,
-                        allocation=allocation, sizes=sizes)
+    plan = compose_plan(choice.expert_precision, {p: read_bytes[p] for p in planned}, "50%", inputs.contributions(),
+                        PlanContext(sizes, adapter.routing_weights()))
     shipped = sum(sizes.record_bytes[p] for row in plan.expert_precision for p in row)
 
     trace_dir, _ = inputs.upstream("trace")
@@ -156,7 +140,7 @@ def draft_from_inputs(inputs, profile_path: str | None, allocation=None) -> Draf
             router = model.get_submodule(router_path)
             bias = getattr(router, "bias", None)
             routers.append((router.weight.detach().float(), bias.detach().float() if bias is not None else None))
-        feed = trace_feed(path, routers, predictor_tensors(found["predict"][0], list(predictors)))
+        feed = trace_feed(path, routers, predictor_tensors(predict[0], [p.name for p in plan.predictors]))
     profile = None
     if profile_path is not None:
         itemsize = next(model.parameters()).element_size()

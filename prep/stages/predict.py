@@ -18,12 +18,14 @@ the enabled predictors): the path counts (``loader.predict.PathStats``) and ``fi
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 from tqdm import tqdm
 
+from loader.plan import PolicySpec
 from prep.errors import MoeprepError
 from prep.methods.first_gate import first_gate_data, gate_pairs, prediction_metrics, train_first_gate
 from prep.methods.routing_stats import fit_path_stats, next_gate_recall, path_stats_recall
@@ -43,6 +45,12 @@ class PredictionStats(StageResult):
     path_stats: dict  # routing_stats.path_stats_recall on the held-out tokens
     first_gate: dict | None  # training summary and held-out metrics (None when off)
     seconds: float
+
+    def apply(self, plan, context):
+        """The enabled predictors, in the recipe's order, with their knobs."""
+        if not self.predictors:
+            return plan
+        return dataclasses.replace(plan, predictors=tuple(PolicySpec(n, self.knobs[n]) for n in self.predictors))
 
 
 def plan_knobs(cfg: PredictSection) -> dict:

@@ -62,7 +62,8 @@ class TunedPolicy(StageResult):
     points: list  # the allocation's operating points scored with the chosen policy (none without allocation)
     predictors: list | None = None  # the predictor names kept (None: the plan's, not searched)
 
-    def apply(self, plan: Plan) -> Plan:
+    def apply(self, plan: Plan, context=None) -> Plan:
+        """The tuned eviction policy (and group, low share, next_gates depth, predictor subset) on ``plan``."""
         pools, points = plan.pools, plan.operating_points
         if self.group is not None:
             pools = tuple(dataclasses.replace(p, group=self.group) for p in pools)
@@ -217,7 +218,7 @@ def _run(inputs) -> TunedPolicy:
     cfg = inputs.config
     found = inputs.upstream("allocate_cache", optional=True)
     allocation = found[1] if found is not None else None
-    return tune(draft_from_inputs(inputs, cfg.device, allocation=allocation), cfg, inputs.work, allocation)
+    return tune(draft_from_inputs(inputs, cfg.device), cfg, inputs.work, allocation)
 
 
 STAGE = Stage(
