@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from loader.codec import RecordLayout, decode_matrix, group_params, unpack_codes
-from loader.errors import MoeError
+from loader.errors import LoaderError
 from loader.vocab import BITS, EXPERT_DTYPES
 
 ENV = "MOEPREP_EXPERT_DTYPE"
@@ -46,7 +46,7 @@ ALIGN = 64
 INT4PACK_GROUPS = (32, 64, 128, 256)
 
 
-class KernelError(MoeError):
+class KernelError(LoaderError):
     """An unknown expert dtype or held form."""
 
 
