@@ -39,6 +39,12 @@ class CalibrationSection:
     sequence_length: int = 256
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise MoeprepError(f"calibration.source {self.source!r} unknown; use {', '.join(SOURCES)}")
+        if self.num_sequences <= 0 or self.sequence_length <= 1:
+            raise MoeprepError("calibration needs num_sequences >= 1 and sequence_length >= 2")
+
 
 CalibrationSource = Callable[[CalibrationSection, Path], Iterable[str]]
 

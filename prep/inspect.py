@@ -43,7 +43,7 @@ def _params(n: int) -> str:
 def expert_record_bytes(adapter, skeleton, precision: str) -> int:
     """Bytes of one routed expert's record at ``precision`` (bfloat16: the plain weights in bfloat16)."""
     from prep.quant.hqq_codec import matrix_spec
-    from prep.recipe import QuantizeSection
+    from prep.stages.quantize import QuantizeSection
 
     experts = adapter.experts(skeleton, adapter.moe_layers[0])
     params = {name: p[0].to(torch.bfloat16) for name, p in experts.named_parameters(recurse=False)}

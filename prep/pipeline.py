@@ -16,10 +16,8 @@ The whole run holds an exclusive lock per artifact name (``artifacts/<name>/.loc
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import time
-import typing
 from functools import cached_property
 from pathlib import Path
 
@@ -28,57 +26,13 @@ from tqdm import tqdm
 from prep.errors import MoeprepError
 from prep.fingerprint import model_fingerprint
 from prep.recipe import Recipe
-from prep.stages import (
-    Stage,
-    StageResult,
-    allocate_cache,
-    bitwidth,
-    cache_routing,
-    dynamic_precision,
-    evaluate,
-    gating,
-    neuron,
-    package,
-    predict,
-    quantize,
-    sensitivity,
-    trace,
-    tune_policy,
-)
+from prep.stages import Stage, StageResult
+from prep.stages.table import STAGE_NAMES, STAGES
 from prep.store import ArtifactOutput, StageStore, exclusive_lock, stage_key
 
-STAGES: tuple[Stage, ...] = (
-    trace.STAGE,
-    quantize.STAGE,
-    sensitivity.STAGE,
-    bitwidth.STAGE,
-    predict.STAGE,
-    gating.STAGE,
-    dynamic_precision.STAGE,
-    cache_routing.STAGE,
-    neuron.STAGE,
-    allocate_cache.STAGE,
-    tune_policy.STAGE,
-    package.STAGE,
-    evaluate.STAGE,
-)
-STAGE_NAMES = tuple(s.name for s in STAGES)
-# the recipe section of each config type: Recipe's fields, by their dataclass type
-SECTIONS = {hint: name for name, hint in typing.get_type_hints(Recipe).items() if dataclasses.is_dataclass(hint)}
+# the recipe key of each stage's config type
+SECTIONS = {stage.config: stage.section for stage in STAGES}
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-
-
-def _check_table(stages: tuple[Stage, ...]) -> None:
-    seen: set[str] = set()
-    for stage in stages:
-        if stage.config not in SECTIONS:
-            raise TypeError(f"stage {stage.name}: config {stage.config.__name__} is not a section of Recipe")
-        if missing := [r for r in stage.reads if r not in seen]:
-            raise TypeError(f"stage {stage.name} reads {missing}, which do not come before it in the table")
-        seen.add(stage.name)
-
-
-_check_table(STAGES)
 
 
 def _file_digest(path: Path) -> str | None:

@@ -206,8 +206,8 @@ def test_a_stage_is_one_table_entry_and_gets_only_what_it_declares(root, monkeyp
     """A new stage: a module-level Stage and one entry in STAGES; prepare() needs no change."""
     from dataclasses import dataclass
 
-    from prep.recipe import TraceSection
     from prep.stages import Stage, StageResult
+    from prep.stages.trace import TraceSection
 
     @dataclass(frozen=True)
     class Count(StageResult):
@@ -217,7 +217,7 @@ def test_a_stage_is_one_table_entry_and_gets_only_what_it_declares(root, monkeyp
         directory, packed = inputs.upstream("quantize")
         return Count(records=len(packed.records(directory)))
 
-    counting = Stage(name="count", version=1, config=TraceSection, result=Count, reads=("quantize",),
+    counting = Stage(name="count", version=1, config=TraceSection, section="trace", result=Count, reads=("quantize",),
                      run=count_records)
     monkeypatch.setattr(pipeline, "STAGES", (*pipeline.STAGES, counting))
     monkeypatch.setattr(pipeline, "STAGE_NAMES", (*pipeline.STAGE_NAMES, "count"))
@@ -230,7 +230,7 @@ def test_a_stage_is_one_table_entry_and_gets_only_what_it_declares(root, monkeyp
     def peeks(inputs):
         return Count(records=inputs.model.config.num_experts)
 
-    sneaky = Stage(name="sneaky", version=1, config=TraceSection, result=Count, run=peeks)
+    sneaky = Stage(name="sneaky", version=1, config=TraceSection, section="trace", result=Count, run=peeks)
     monkeypatch.setattr(pipeline, "STAGES", (*pipeline.STAGES, sneaky))
     with pytest.raises(TypeError, match="does not declare it in needs"):
         prepare(tiny_recipe(), root=root)

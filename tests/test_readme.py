@@ -111,8 +111,8 @@ def test_readme_claims_hold(name):
     assert link_problems(ROOT / name) == []
 
 
-def test_readme_names_the_commands_and_recipes():
-    """The top README names the commands of the quickstart and links the two reference READMEs."""
+def test_readme_opens_with_the_quickstart_and_links_the_references():
+    """The top README shows the quickstart's commands, links the two reference READMEs and nothing outside the repo."""
     text = (ROOT / "README.md").read_text()
     named = {(p, c) for p, c, _ in commands(text)}
     assert {("moeprep", "prepare"), ("moeload", "generate"), ("moeprep", "bench")} <= named

@@ -2,11 +2,15 @@
 
 A stage declares
 
-- ``config``: its recipe section, a frozen dataclass of ``prep/recipe.py``;
+- ``config`` and ``section``: its recipe section, a frozen dataclass defined beside the stage that checks its
+  own keys in ``__post_init__``, and its key in the recipe (``Recipe`` is made from the table's sections);
+- optionally ``check(recipe)``: its rules across sections (``bitwidth.low`` must be a precision
+  ``quantize`` writes), run by ``load_recipe`` and ``--dry-run``;
 - ``result``: a frozen ``StageResult`` subclass, saved as ``result.json`` (+ an optional
   ``tensors.safetensors``, + any files the stage writes itself) in its stage directory; its
   ``apply(plan, context)`` is the stage's contribution to the artifact's plan (none by default);
-- ``reads``: the upstream stages whose results it reads;
+- ``reads``: the upstream stages whose results it reads (``EVERY_EARLIER``: all of them, as the package stage
+  does, so a new stage's plan contribution reaches the artifact without editing it);
 - ``needs``: what else it uses, from ``NEEDS``:
   ``model`` (the loaded source model, its adapter and tokenizer; loaded only when such a stage runs),
   ``calibration`` (the calibration token sequences), ``recipe`` (it records the recipe that made its
@@ -37,6 +41,7 @@ from typing import Any
 from loader.io import write_json_atomic
 
 RESULT = "result.json"
+EVERY_EARLIER = "*"  # in ``reads``: every stage before this one in the table (the package stage: each contribution)
 TENSORS = "tensors.safetensors"
 NEEDS = frozenset({"model", "calibration", "recipe", "artifact"})
 
@@ -91,7 +96,11 @@ class Stage:
     enabled: Callable[[Any], bool] | None = None
     files: Callable[[Any], list[str]] | None = None  # input files the recipe names (relative to the project root)
     output_ok: Callable[[Any, StageResult], bool] | None = None
+    section: str = ""  # the recipe key of ``config`` (a section two stages share has one name)
+    check: Callable[[Any], None] | None = None  # the stage's rules across recipe sections; raises MoeprepError
 
     def __post_init__(self) -> None:
+        if not self.section.isidentifier():
+            raise ValueError(f"stage {self.name}: section must name its recipe section, got {self.section!r}")
         if unknown := set(self.needs) - NEEDS:
             raise ValueError(f"stage {self.name}: unknown needs {sorted(unknown)}; use {sorted(NEEDS)}")

@@ -31,8 +31,8 @@ from loader.budget import Capacities, ModelSizes, buffer_bytes, resolve_budget
 from loader.plan import OperatingPoint, Plan, Pool
 from prep.errors import MoeprepError
 from prep.methods.allocation import allocate, closed_form_curve
-from prep.recipe import PlanSection
 from prep.stages import Stage, StageResult
+from prep.stages.planning import PlanSection
 
 VERSION = 2
 GLOBAL_GRID = 9  # measured points of a global pool's curve
@@ -261,4 +261,5 @@ STAGE = Stage(
     reads=("trace", "quantize", "bitwidth", "predict", "gating", "dynamic_precision", "cache_routing"),
     needs=frozenset({"model"}), files=lambda recipe: [recipe.plan.device] if recipe.plan.device else [],
     enabled=lambda recipe: recipe.plan.allocate.enabled, run=_run,
+    section="plan",
 )

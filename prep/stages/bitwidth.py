@@ -26,13 +26,45 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from loader.vocab import PRECISIONS
 from prep.errors import MoeprepError
 from prep.methods.decoded import DecodedExperts, mean_kl, next_token_logprobs, original_experts
-from prep.recipe import PRECISIONS, BitwidthSection
 from prep.stages import Stage, StageResult
 
 VERSION = 1
 METRIC = "mean next-token KL(source || configuration), nats, held-out calibration sequences"
+
+
+BITWIDTH_METHODS = ("uniform", "edgemoe", "frequency", "random")
+
+
+@dataclass(frozen=True)
+class BitwidthSection:
+    """How each expert's precision is chosen (the plan's per-expert map).
+
+    ``uniform``: every expert at ``quantize.precision``. ``edgemoe``: bounds from uniform precisions, then
+    bisection on K, the number of least sensitive experts moved down, under ``tolerance`` (mean KL in nats
+    against the source model on held-out calibration tokens). ``frequency`` (CORM): per layer the least used
+    ``share`` of experts (calibration routing counts) at ``low``. ``random``: ``share`` of all experts, drawn
+    with ``seed``, at ``low`` (the control that shows whether a ranking matters).
+    """
+
+    method: str = "uniform"
+    tolerance: float = 0.05
+    share: float = 0.25
+    low: str = "int2"
+    seed: int = 0
+    num_sequences: int | None = 8  # calibration sequences the tolerance is measured on (None: all)
+
+    def __post_init__(self) -> None:
+        if self.low not in PRECISIONS:
+            raise MoeprepError(f"bitwidth.low: precision {self.low!r} unknown; use one of {PRECISIONS}")
+        if self.method not in BITWIDTH_METHODS:
+            raise MoeprepError(f"bitwidth.method {self.method!r} unknown; use one of {BITWIDTH_METHODS}")
+        if not 0 <= self.share <= 1 or not self.tolerance >= 0:
+            raise MoeprepError("bitwidth.share must be in [0, 1] and bitwidth.tolerance >= 0")
+        if self.num_sequences is not None and self.num_sequences <= 0:
+            raise MoeprepError("bitwidth.num_sequences must be positive (or null for all)")
 
 
 @dataclass(frozen=True)
@@ -170,9 +202,21 @@ def _run(inputs) -> BitwidthChoice:
                             trace, inputs.config)
 
 
+def check(recipe) -> None:
+    """The low precision (and EdgeMoE's sweep precision) must be one the quantize stage writes."""
+    q, b = recipe.quantize, recipe.bitwidth
+    if b.method != "uniform" and b.low not in q.precisions:
+        raise MoeprepError(f"bitwidth.low is {b.low}, which the quantize stage does not write; add it to "
+                           f"quantize.also (now {list(q.also)})")
+    if b.method == "edgemoe" and recipe.sensitivity.precision not in q.precisions:
+        raise MoeprepError(f"sensitivity.precision is {recipe.sensitivity.precision}, which the quantize stage "
+                           f"does not write; add it to quantize.also (now {list(q.also)})")
+
+
 STAGE = Stage(
     name="bitwidth", version=VERSION, config=BitwidthSection, result=BitwidthChoice,
     reads=("trace", "quantize", "sensitivity"), needs=frozenset({"model", "calibration"}),
     run=_run,
     enabled=lambda recipe: recipe.bitwidth.method != "uniform",  # uniform needs no search: package does it
+    section="bitwidth", check=check,
 )

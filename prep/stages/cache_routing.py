@@ -21,11 +21,43 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from loader.plan import PolicySpec
-from prep.recipe import CacheRoutingSection
+from loader.routing import CACHE_METHODS
+from prep.errors import MoeprepError
 from prep.stages import Stage, StageResult
 
 VERSION = 2
 TOLERANCE_STEPS = 8  # bisection steps on lambda or tau
+
+
+@dataclass(frozen=True)
+class CacheRoutingSection:
+    """Cache-conditional routing (Skliar et al.): prefer resident experts where the router is nearly
+    indifferent. ``method``: ``prior`` (``lam`` times the running logit range added to resident experts'
+    logits), ``max_rank`` (cached experts within the top ``m`` move ahead) or ``threshold`` (m from the
+    cumulative probability ``tau``); the ``top_j`` best experts always stay. With ``tolerance`` (mean
+    next-token KL, nats, on the last ``num_sequences`` calibration sequences) the method's knob is lowered
+    from the given value to the largest one within it, measured with a cache of ``cache_share`` of each
+    layer's experts emulated from a cold start."""
+
+    enabled: bool = False
+    method: str = "prior"
+    lam: float = 0.5
+    m: int | None = None
+    tau: float = 0.9
+    top_j: int = 1
+    tolerance: float | None = None
+    cache_share: float = 0.5
+    num_sequences: int | None = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in CACHE_METHODS:
+            raise MoeprepError(f"cache_routing.method {self.method!r} unknown; use one of {CACHE_METHODS}")
+        if self.lam < 0 or not 0 <= self.tau <= 1 or self.top_j < 0 or (self.m is not None and self.m < 1):
+            raise MoeprepError("cache_routing needs lam >= 0, tau in [0, 1], top_j >= 0 and m >= 1 (or null)")
+        if self.tolerance is not None and self.tolerance < 0:
+            raise MoeprepError(f"cache_routing.tolerance must be >= 0 nats (or null), got {self.tolerance}")
+        if not 0 < self.cache_share <= 1 or (self.num_sequences is not None and self.num_sequences <= 0):
+            raise MoeprepError("cache_routing needs cache_share in (0, 1] and num_sequences positive (or null)")
 
 
 @dataclass(frozen=True)
@@ -131,8 +163,16 @@ def _run(inputs) -> CacheRoutingChoice:
     return within_tolerance(inputs.model, inputs.adapter, inputs.sequences, choice, inputs.config)
 
 
+def check(recipe) -> None:
+    """One routing policy per plan: cache-conditional routing or adaptive gating, not both."""
+    if recipe.cache_routing.enabled and recipe.gating.enabled:
+        raise MoeprepError("gating and cache_routing both rewrite the routing and a plan runs one routing policy; "
+                           "enable one of them")
+
+
 STAGE = Stage(
     name="cache_routing", version=VERSION, config=CacheRoutingSection, result=CacheRoutingChoice,
     reads=("trace",), needs=frozenset({"model", "calibration"}),
     enabled=lambda recipe: recipe.cache_routing.enabled, run=_run,
+    section="cache_routing", check=check,
 )

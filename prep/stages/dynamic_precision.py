@@ -14,11 +14,46 @@ from dataclasses import dataclass
 import torch
 
 from loader.plan import PolicySpec, Pool
+from loader.vocab import PRECISIONS
+from prep.errors import MoeprepError
 from prep.methods.routing_stats import precision_split, split_thresholds
-from prep.recipe import DynamicPrecisionSection
 from prep.stages import Stage, StageResult
 
 VERSION = 1
+
+
+@dataclass(frozen=True)
+class DynamicPrecisionSection:
+    """HOBBIT's dynamic precision: a missed expert whose unimportance (the summed normalized weight of its
+    token's more important experts) is at most t1 is read at its planned precision, at most t2 at ``low``,
+    above t2 skipped. t1 and t2 come from quantiles of the calibration routing that give ``high_share`` high
+    and ``skip_share`` skipped selections, unless given. ``strict``: a cached low copy does not satisfy a
+    high want; ``renormalize``: rescale a token's remaining weights after a skip; ``low_share``: the share of
+    the expert budget held by the pool of low copies."""
+
+    enabled: bool = False
+    low: str = "int2"
+    high_share: float = 0.67
+    skip_share: float = 0.03
+    t1: float | None = None
+    t2: float | None = None
+    strict: bool = True
+    renormalize: bool = False
+    low_share: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.low not in PRECISIONS:
+            raise MoeprepError(f"dynamic_precision.low: precision {self.low!r} unknown; use one of {PRECISIONS}")
+        if not (0 <= self.skip_share <= 1 and 0 <= self.high_share <= 1 - self.skip_share):
+            raise MoeprepError(f"dynamic_precision needs 0 <= skip_share <= 1 and 0 <= high_share <= 1 - skip_share, "
+                               f"got high_share {self.high_share}, skip_share {self.skip_share}")
+        if (self.t1 is None) != (self.t2 is None):
+            raise MoeprepError("dynamic_precision: give both t1 and t2, or neither (then the shares set them)")
+        if self.t1 is not None and not 0 <= self.t1 <= self.t2 <= 1:
+            raise MoeprepError(f"dynamic_precision needs 0 <= t1 <= t2 <= 1, got t1 {self.t1}, t2 {self.t2}")
+        if not 0 < self.low_share < 1:
+            raise MoeprepError(f"dynamic_precision.low_share is the budget share of the low pool, in (0, 1); got "
+                               f"{self.low_share}")
 
 
 @dataclass(frozen=True)
@@ -55,7 +90,16 @@ def _run(inputs) -> PrecisionThresholds:
     return choose_thresholds(RoutingTraces.path(trace_dir), inputs.config)
 
 
+def check(recipe) -> None:
+    """The low copies must be a precision the quantize stage writes."""
+    d, precisions = recipe.dynamic_precision, recipe.quantize.precisions
+    if d.enabled and d.low not in precisions:
+        raise MoeprepError(f"dynamic_precision.low is {d.low}, which the quantize stage does not write; add it to "
+                           f"quantize.also (now {list(precisions[1:])})")
+
+
 STAGE = Stage(
     name="dynamic_precision", version=VERSION, config=DynamicPrecisionSection, result=PrecisionThresholds,
     reads=("trace",), enabled=lambda recipe: recipe.dynamic_precision.enabled, run=_run,
+    section="dynamic_precision", check=check,
 )

@@ -18,11 +18,30 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from prep.errors import MoeprepError
 from prep.evals.compare import eval_summary, evaluate_artifact
-from prep.recipe import EvaluateSection
 from prep.stages import Stage, StageResult
 
 VERSION = 3
+
+
+@dataclass(frozen=True)
+class EvaluateSection:
+    """The accuracy check as the last stage of prepare (``moeprep eval`` with these settings)."""
+
+    enabled: bool = False
+    suites: tuple[str, ...] = ("gsm8k", "mmlu", "truthfulqa")
+    data: str | None = None  # default: suites/ beside the model
+    limit: int | None = 20
+    num_fewshot: int | None = None
+    gsm8k_format: str = "cot"
+    memory_budget: str | None = "50%"
+
+    def __post_init__(self) -> None:
+        if self.gsm8k_format not in ("cot", "plain"):
+            raise MoeprepError("evaluate.gsm8k_format must be cot or plain")
+        if unknown := sorted(set(self.suites) - {"gsm8k", "mmlu", "truthfulqa"}):
+            raise MoeprepError(f"evaluate.suites: unknown suite(s) {unknown}; use gsm8k, mmlu, truthfulqa")
 
 
 @dataclass(frozen=True)
@@ -98,4 +117,5 @@ STAGE = Stage(
                                       inputs.root),
     enabled=lambda recipe: recipe.evaluate.enabled,
     output_ok=_in_report,
+    section="evaluate",
 )

@@ -20,14 +20,42 @@ import torch
 from tqdm import tqdm
 
 from loader.plan import PolicySpec
+from prep.errors import MoeprepError
 from prep.methods.fisher import fisher_sensitivity
 from prep.methods.routing_stats import gating_share
-from prep.recipe import GatingSection
 from prep.stages import Stage, StageResult
 
 VERSION = 1
 SEARCH_STEPS = 60  # bisection steps on log T for a target share
 TOLERANCE_STEPS = 8  # bisection steps on T for the KL tolerance
+
+
+@dataclass(frozen=True)
+class GatingSection:
+    """AdapMoE's adaptive gating: drop a token's second expert where (1 - alpha)^2 * S_l <= T, S_l the Fisher
+    sensitivity over the first ``num_sequences`` calibration sequences. T comes from ``threshold``, else from
+    ``target_single`` (the share of single-expert decisions on the calibration routing: T itself does not
+    carry over between implementations); with ``tolerance`` (mean next-token KL, nats, on the last
+    ``num_sequences`` sequences) T is lowered until the gated model is within it. ``decode_only`` leaves
+    calls of several tokens exact."""
+
+    enabled: bool = False
+    target_single: float = 0.25
+    threshold: float | None = None
+    tolerance: float | None = None
+    decode_only: bool = False
+    num_sequences: int | None = 8
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.target_single <= 1:
+            raise MoeprepError(f"gating.target_single is a share of decisions in [0, 1], got {self.target_single}")
+        if self.threshold is not None and self.threshold < 0:
+            raise MoeprepError(f"gating.threshold must be >= 0 (or null to take it from target_single), got "
+                               f"{self.threshold}")
+        if self.tolerance is not None and self.tolerance < 0:
+            raise MoeprepError(f"gating.tolerance must be >= 0 nats (or null), got {self.tolerance}")
+        if self.num_sequences is not None and self.num_sequences <= 0:
+            raise MoeprepError("gating.num_sequences must be positive (or null for all)")
 
 
 @dataclass(frozen=True)
@@ -130,4 +158,5 @@ STAGE = Stage(
     reads=("trace",), needs=frozenset({"model", "calibration"}),
     enabled=lambda recipe: recipe.gating.enabled,
     run=_run,
+    section="gating",
 )

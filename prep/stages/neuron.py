@@ -26,15 +26,58 @@ from tqdm import tqdm
 from loader.codec import RecordLayout
 from loader.format import expert_key
 from loader.io import write_bytes_atomic
+from loader.neuron import COMPUTE
 from loader.plan import PolicySpec
+from prep.errors import MoeprepError
 from prep.methods.neuron import activity_profile, dropped_neurons, measure_crossover, pairing_of
 from prep.quant.hqq_codec import encode_neuron_expert
-from prep.recipe import NeuronSection
 from prep.stages import Stage, StageResult
 from prep.stages.quantize import PackedExperts
 
 VERSION = 2
 CROSSOVER_FRACTIONS = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+
+
+@dataclass(frozen=True)
+class NeuronSection:
+    """CORM's neuron-level loading. ``layout``: ``expert`` (whole-expert records) or ``neuron`` (neuron-major
+    records: W1 whole, then one contiguous row per neuron; ``loader/codec.py`` NeuronLayout). ``enabled``:
+    the loader reads only each token's active neurons (needs the neuron layout; decode only unless
+    ``prefill``). ``theta``: the activity threshold; with ``tolerance`` (mean next-token KL, nats, on the last
+    ``num_sequences`` calibration sequences) it is the largest of ``thetas`` up to ``theta`` whose source
+    model with the inactive neurons dropped stays within it. ``crossover``: the active share above which a
+    whole read is cheaper (null: measured on this machine's disk). ``compute``: ``resident`` or ``active``
+    neurons; ``predictor``: CORM's next-gate + W1 prefetch (the ``neuron_gates`` predictor);
+    ``trust_prediction``: proceed with the prediction as CORM does (the layer computes the predicted experts
+    with the prefetched neurons) instead of fixing wrong predictions on demand."""
+
+    layout: str = "expert"
+    enabled: bool = False
+    theta: float = 0.1
+    thetas: tuple[float, ...] = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3)
+    tolerance: float | None = None
+    num_sequences: int | None = 8
+    crossover: float | None = None
+    compute: str = "resident"
+    predictor: bool = False
+    trust_prediction: bool = False
+    prefill: bool = False
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("expert", "neuron"):
+            raise MoeprepError(f"neuron.layout {self.layout!r} unknown; use expert or neuron")
+        if self.enabled and self.layout != "neuron":
+            raise MoeprepError("neuron.enabled needs the neuron record layout: set neuron.layout: neuron")
+        if self.theta < 0 or any(t < 0 for t in self.thetas) or not self.thetas:
+            raise MoeprepError("neuron.theta and neuron.thetas must be >= 0 (thetas: a non-empty list)")
+        if self.tolerance is not None and self.tolerance < 0:
+            raise MoeprepError(f"neuron.tolerance must be >= 0 nats (or null), got {self.tolerance}")
+        if self.crossover is not None and not 0 <= self.crossover <= 1:
+            raise MoeprepError(f"neuron.crossover is a share in [0, 1] (or null to measure it), got {self.crossover}")
+        if self.compute not in COMPUTE:
+            raise MoeprepError(f"neuron.compute must be one of {COMPUTE}, got {self.compute!r}")
+        if self.num_sequences is not None and self.num_sequences <= 0:
+            raise MoeprepError("neuron.num_sequences must be positive (or null for all)")
 
 
 @dataclass(frozen=True)
@@ -143,4 +186,5 @@ STAGE = Stage(
     reads=("trace", "quantize"), needs=frozenset({"model", "calibration"}),
     enabled=lambda recipe: recipe.neuron.layout == "neuron",
     run=_run,
+    section="neuron",
 )

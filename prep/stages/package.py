@@ -28,10 +28,9 @@ from loader.predict import PREDICTORS_FILE
 from prep.adapters.model_state import dense_state, expert_parameters
 from prep.errors import MoeprepError
 from prep.quant.records import write_aligned_records
-from prep.recipe import PackageSection
 from prep.report import report_markdown
 from prep.report.sections import PLAN_PLOT, operating_points_plot
-from prep.stages import Stage, StageResult
+from prep.stages import EVERY_EARLIER, Stage, StageResult
 from prep.stages.bitwidth import BitwidthChoice, uniform_choice
 from prep.stages.planning import PlanContext, compose_plan, model_sizes
 from prep.stages.predict import predictor_tensors
@@ -40,6 +39,17 @@ from prep.stages.quantize import PackedExperts
 VERSION = 7
 REPORT = "report.json"
 REPORTED_DETAILS = ("loss", "metric", "sequences", "b_hi", "b_lo", "K", "met", "bounds", "trail", "sensitivity")  # the rest: the stage result
+
+
+@dataclass(frozen=True)
+class PackageSection:
+    """Plan defaults written into the artifact: the share of each layer's experts to cache."""
+
+    cache_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0 < self.cache_fraction <= 1:
+            raise MoeprepError("package.cache_fraction must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -241,8 +251,8 @@ def _run(inputs) -> ArtifactReport:
 
 STAGE = Stage(
     name="package", version=VERSION, config=PackageSection, result=ArtifactReport,
-    reads=("quantize", "bitwidth", "predict", "gating", "dynamic_precision", "cache_routing", "neuron",
-           "tune_policy", "allocate_cache"), needs=frozenset({"model", "recipe", "artifact"}),
+    reads=(EVERY_EARLIER,), needs=frozenset({"model", "recipe", "artifact"}),  # every plan contribution
     run=_run,
     output_ok=lambda inputs, result: inputs.artifact.matches(inputs.key),
+    section="package",
 )

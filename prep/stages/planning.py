@@ -13,11 +13,69 @@ per token (each miss weighed by its precision's record size, HOBBIT's precision-
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loader.budget import Capacities, ModelSizes, buffer_bytes, capacities, record_slot_bytes
 from loader.plan import Plan
+from prep.errors import MoeprepError
+
+ALLOCATION_COSTS = ("measured", "closed_form")
+
+
+@dataclass(frozen=True)
+class AllocateKnobs:
+    """AdapMoE's DP over the cache cells (a per-layer pool's layer, or a global pool): ``measured`` cost
+    curves from the simulator, or the paper's ``closed_form`` (uniform routing, one prefetch per layer)."""
+
+    enabled: bool = False
+    cost: str = "measured"
+
+
+@dataclass(frozen=True)
+class TuneKnobs:
+    """HOBBIT's cache weights (w_lru, w_lfu, w_lhu, w_fld on the simplex), the pools' eviction group, the
+    prefetch depth and (with dynamic precision and no allocation) the low pool's share, searched by Optuna
+    over the simulator for ``trials`` trials (trial 0: HOBBIT's equal weights) at the budget holding
+    ``share`` of the shipped experts."""
+
+    enabled: bool = False
+    trials: int = 24
+    seed: int = 0
+    share: float = 0.5
+
+
+@dataclass(frozen=True)
+class PlanSection:
+    """Planning for a device: the stages ``tune_policy`` and ``allocate_cache``. ``device``: a device profile
+    (``moeprep profile-device``) for modelled seconds (None: costs are bytes read on demand); ``points``:
+    the operating points, each a budget holding that share of the shipped experts' bytes; ``tolerance``:
+    the accuracy (points of score, per suite) an operating point may lose against the source model;
+    ``num_sequences``: the calibration sequences replayed (None: all)."""
+
+    device: str | None = None
+    points: tuple[float, ...] = (0.25, 0.5, 0.75)
+    tolerance: float | None = None
+    num_sequences: int | None = None
+    allocate: AllocateKnobs = field(default_factory=AllocateKnobs)
+    tune: TuneKnobs = field(default_factory=TuneKnobs)
+
+    def __post_init__(self) -> None:
+        if self.allocate.cost not in ALLOCATION_COSTS:
+            raise MoeprepError(f"plan.allocate.cost {self.allocate.cost!r} unknown; use one of {ALLOCATION_COSTS}")
+        if not self.points or any(not 0 < x <= 1 for x in self.points) or len(set(self.points)) != len(self.points):
+            raise MoeprepError(f"plan.points are distinct shares of the shipped expert bytes in (0, 1], got "
+                               f"{list(self.points)}")
+        if not 0 < self.tune.share <= 1:
+            raise MoeprepError(f"plan.tune.share is a share of the shipped expert bytes in (0, 1], got {self.tune.share}")
+        if self.tune.trials < 1:
+            raise MoeprepError(f"plan.tune.trials must be at least 1 (trial 0 is HOBBIT's equal weights), got "
+                               f"{self.tune.trials}")
+        if self.tolerance is not None and self.tolerance < 0:
+            raise MoeprepError(f"plan.tolerance is points of accuracy a plan may lose, >= 0 (or null); got "
+                               f"{self.tolerance}")
+        if self.num_sequences is not None and self.num_sequences < 1:
+            raise MoeprepError("plan.num_sequences must be positive (or null for all)")
 
 
 @dataclass(frozen=True)

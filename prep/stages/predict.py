@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -30,10 +30,85 @@ from prep.errors import MoeprepError
 from prep.methods.first_gate import first_gate_data, gate_pairs, prediction_metrics, train_first_gate
 from prep.methods.routing_stats import fit_path_stats, next_gate_recall, path_stats_recall
 from prep.methods.trace import open_trace
-from prep.recipe import PredictSection
 from prep.stages import Stage, StageResult
 
 VERSION = 1
+
+
+PREDICTOR_NAMES = ("next_gates", "path_stats", "first_gate")  # loader.predict.PREDICTORS
+FIRST_GATE_INITS = ("zeros", "router")
+
+
+@dataclass(frozen=True)
+class NextGatesKnobs:
+    """Stacked next-layer gates: look ``depth`` layers ahead, predict ``experts`` per layer (null: the model's
+    top-k), prefetch at ``precision`` (null: the planned one)."""
+
+    depth: int = 3
+    experts: int | None = None
+    precision: str | None = None
+
+
+@dataclass(frozen=True)
+class PathStatsKnobs:
+    """EdgeMoE's path statistics: preload at most ``max_preload`` experts of the next layer with inclusion
+    probability >= ``floor``; a key seen fewer than ``min_count`` times backs off to a shorter one."""
+
+    max_preload: int = 3
+    floor: float = 0.05
+    min_count: int = 5
+
+
+@dataclass(frozen=True)
+class FirstGateKnobs:
+    """AdapMoE's first-layer gate: prefetch ``experts`` (null: top-k); trained from ``init`` (zeros, or the
+    first MoE router's weights) by AdamW at ``lr`` with early stopping after ``patience`` epochs."""
+
+    experts: int | None = None
+    init: str = "zeros"
+    lr: float = 1e-3
+    max_epochs: int = 200
+    patience: int = 10
+
+
+@dataclass(frozen=True)
+class PredictSection:
+    """Prefetch predictors the artifact's plan runs (any of ``next_gates``, ``path_stats``, ``first_gate``;
+    empty: the stage is off). The stage fits what they need on the calibration traces and measures their
+    recall on the last ``held_out`` share of the sequences (never fitted on), next-layer gates at distances
+    1..``distances``."""
+
+    predictors: tuple[str, ...] = ()
+    held_out: float = 0.25
+    distances: int = 3
+    next_gates: NextGatesKnobs = field(default_factory=NextGatesKnobs)
+    path_stats: PathStatsKnobs = field(default_factory=PathStatsKnobs)
+    first_gate: FirstGateKnobs = field(default_factory=FirstGateKnobs)
+
+    def __post_init__(self) -> None:
+        if unknown := [n for n in self.predictors if n not in PREDICTOR_NAMES]:
+            raise MoeprepError(f"predict.predictors: unknown predictor(s) {unknown}; use any of {PREDICTOR_NAMES}")
+        if len(set(self.predictors)) != len(self.predictors):
+            raise MoeprepError(f"predict.predictors names a predictor twice: {list(self.predictors)}")
+        if not 0 < self.held_out < 1:
+            raise MoeprepError(f"predict.held_out is the share of calibration sequences held out, in (0, 1); got "
+                               f"{self.held_out}")
+        for where, n in (("predict.distances", self.distances), ("predict.next_gates.depth", self.next_gates.depth),
+                         ("predict.path_stats.max_preload", self.path_stats.max_preload),
+                         ("predict.path_stats.min_count", self.path_stats.min_count),
+                         ("predict.next_gates.experts", self.next_gates.experts),
+                         ("predict.first_gate.experts", self.first_gate.experts),
+                         ("predict.first_gate.max_epochs", self.first_gate.max_epochs),
+                         ("predict.first_gate.patience", self.first_gate.patience)):
+            if n is not None and n < 1:
+                raise MoeprepError(f"{where} must be at least 1, got {n}")
+        if not 0 <= self.path_stats.floor <= 1:
+            raise MoeprepError(f"predict.path_stats.floor is a probability in [0, 1], got {self.path_stats.floor}")
+        if self.first_gate.init not in FIRST_GATE_INITS:
+            raise MoeprepError(f"predict.first_gate.init {self.first_gate.init!r} unknown; use one of "
+                               f"{FIRST_GATE_INITS}")
+        if not self.first_gate.lr > 0:
+            raise MoeprepError(f"predict.first_gate.lr must be positive, got {self.first_gate.lr}")
 
 
 @dataclass(frozen=True)
@@ -150,9 +225,22 @@ def _run(inputs) -> PredictionStats:
     return stats
 
 
+def check(recipe) -> None:
+    """Held-out sequences to measure recall on, and a prefetch precision the quantize stage writes."""
+    p = recipe.predict
+    if p.predictors and recipe.calibration.num_sequences < 2:
+        raise MoeprepError("predict needs calibration.num_sequences >= 2: the last ones are held out to measure "
+                           "the predictors' recall")
+    precisions = recipe.quantize.precisions
+    if p.next_gates.precision is not None and p.next_gates.precision not in precisions:
+        raise MoeprepError(f"predict.next_gates.precision is {p.next_gates.precision}, which the quantize stage does "
+                           f"not write ({list(precisions)}); add it to quantize.also or set it to null")
+
+
 STAGE = Stage(
     name="predict", version=VERSION, config=PredictSection, result=PredictionStats,
     reads=("trace",), needs=frozenset({"model", "calibration"}),
     enabled=lambda recipe: bool(recipe.predict.predictors),
     run=_run,
+    section="predict", check=check,
 )

@@ -17,15 +17,52 @@ from pathlib import Path
 from safetensors import safe_open
 from tqdm import tqdm
 
-from loader.codec import RecordLayout
+from loader.codec import DEFAULT_FORMATS, RecordLayout
 from loader.format import expert_key
+from loader.vocab import PRECISIONS
+from prep.errors import MoeprepError
 from prep.quant.hqq_codec import encode_expert, matrix_spec
 from prep.quant.records import write_record_file
-from prep.recipe import QuantizeSection
 from prep.stages import Stage, StageResult
 from prep.streaming import resident_layer
 
 VERSION = 2
+
+
+@dataclass(frozen=True)
+class QuantizeSection:
+    """Expert precisions: ``passthrough`` keeps the source dtype; intN is HQQ with ``group_size`` weights per
+    scale/zero and, with ``meta_group`` > 0, those scales and zeros themselves stored in 8 bits per
+    ``meta_group`` groups (0: float16). None takes each precision's default (``loader.codec.DEFAULT_FORMATS``).
+    ``precision`` is the base every expert is quantized at; ``also`` lists more precisions every expert is
+    quantized at, for the ``sensitivity`` and ``bitwidth`` stages to choose from."""
+
+    precision: str = "int4"
+    group_size: int | None = None
+    meta_group: int | None = None
+    also: tuple[str, ...] = ()
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """Every precision the stage writes, base first."""
+        return tuple(dict.fromkeys((self.precision, *self.also)))
+
+    def format_of(self, precision: str) -> tuple[int, int]:
+        """(group_size, meta_group) of ``precision`` (0, 0 for passthrough)."""
+        if precision == "passthrough":
+            return 0, 0
+        group, meta = DEFAULT_FORMATS[precision]
+        return (group if self.group_size is None else self.group_size,
+                meta if self.meta_group is None else self.meta_group)
+
+    def __post_init__(self) -> None:
+        for where, precision in [("quantize.precision", self.precision), *(("quantize.also", p) for p in self.also)]:
+            if precision not in PRECISIONS:
+                raise MoeprepError(f"{where}: precision {precision!r} unknown; use one of {PRECISIONS}")
+        if self.group_size is not None and self.group_size <= 0:
+            raise MoeprepError("quantize.group_size must be positive (or left out for each precision's default)")
+        if self.meta_group is not None and self.meta_group < 0:
+            raise MoeprepError("quantize.meta_group must be 0 (float16 scales) or positive (or left out)")
 
 
 @dataclass(frozen=True)
@@ -124,4 +161,5 @@ STAGE = Stage(
     name="quantize", version=VERSION, config=QuantizeSection, result=PackedExperts,
     needs=frozenset({"model"}),
     run=lambda inputs: quantize_experts(inputs.model, inputs.adapter, inputs.config, inputs.work),
+    section="quantize",
 )

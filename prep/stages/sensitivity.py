@@ -24,15 +24,41 @@ from pathlib import Path
 import torch
 
 from loader.io import write_json_atomic
+from loader.vocab import PRECISIONS
+from prep.errors import MoeprepError
 from prep.methods.decoded import DecodedExperts, next_token_logprobs, original_experts
 from prep.methods.sensitivity import kl_sweep, spearman, trace_prerank
 from prep.methods.trace import open_trace
-from prep.recipe import SensitivitySection
 from prep.stages import Stage, StageResult
 from prep.stages.trace import RoutingTraces
 
 VERSION = 1
 METRIC = "mean next-token KL(base || one expert low), nats, calibration sequences"
+
+
+SENSITIVITY_METHODS = ("sweep", "prerank")
+
+
+@dataclass(frozen=True)
+class SensitivitySection:
+    """EdgeMoE's expert importance profile: the damage of moving one expert alone to ``precision``.
+
+    ``method``: ``sweep`` (mean KL of next-token distributions against the base configuration, layer-local
+    re-evaluation, one run per expert) or ``prerank`` (trace-only output error, no forward pass; the fast path
+    for thousands of experts). The pre-rank is always computed too, with its rank correlation to the sweep.
+    """
+
+    method: str = "sweep"
+    precision: str = "int2"
+    num_sequences: int | None = 8  # calibration sequences the sweep evaluates (None: all)
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise MoeprepError(f"sensitivity.precision: precision {self.precision!r} unknown; use one of {PRECISIONS}")
+        if self.method not in SENSITIVITY_METHODS:
+            raise MoeprepError(f"sensitivity.method {self.method!r} unknown; use one of {SENSITIVITY_METHODS}")
+        if self.num_sequences is not None and self.num_sequences <= 0:
+            raise MoeprepError("sensitivity.num_sequences must be positive (or null for all)")
 
 
 @dataclass(frozen=True)
@@ -108,4 +134,5 @@ STAGE = Stage(
     reads=("trace", "quantize"), needs=frozenset({"model", "calibration"}),
     run=_run,
     enabled=lambda recipe: recipe.bitwidth.method == "edgemoe",
+    section="sensitivity",
 )

@@ -12,11 +12,28 @@ from pathlib import Path
 
 import torch
 
+from prep.errors import MoeprepError
 from prep.methods.trace import open_trace, record_traces
-from prep.recipe import TraceSection
 from prep.stages import Stage, StageResult
 
 VERSION = 2  # 2: the trace holds head_input
+
+
+@dataclass(frozen=True)
+class TraceSection:
+    """``batch``: calibration sequences per forward. With the model streamed a layer at a time (a model
+    bigger than ``--expert-memory``), one batch of all sequences reads every layer once; 1 reads it once
+    per sequence. Batching changes float rounding, so it is part of the key."""
+
+    hidden_dtype: str = "float16"
+    shard_tokens: int = 4096
+    batch: int = 1
+
+    def __post_init__(self) -> None:
+        if self.batch < 1:
+            raise MoeprepError(f"trace.batch must be at least 1 (sequences per forward), got {self.batch}")
+        if self.hidden_dtype not in ("float16", "bfloat16", "float32"):
+            raise MoeprepError(f"trace.hidden_dtype {self.hidden_dtype!r} unknown; use float16, bfloat16 or float32")
 
 
 @dataclass(frozen=True)
@@ -53,4 +70,5 @@ STAGE = Stage(
     needs=frozenset({"model", "calibration"}),
     run=lambda inputs: record_routing(inputs.model, inputs.adapter, inputs.sequences, inputs.config, inputs.work,
                                       inputs.model_fingerprint),
+    section="trace",
 )

@@ -33,8 +33,8 @@ from pathlib import Path
 
 from loader.plan import Plan, PolicySpec
 from prep.errors import MoeprepError
-from prep.recipe import PlanSection
 from prep.stages import Stage, StageResult
+from prep.stages.planning import PlanSection
 
 VERSION = 3  # 3: the predictor set is searched
 STUDY = "tune_policy"
@@ -226,4 +226,5 @@ STAGE = Stage(
     reads=("trace", "quantize", "bitwidth", "predict", "gating", "dynamic_precision", "cache_routing", "allocate_cache"),
     needs=frozenset({"model"}), files=lambda recipe: [recipe.plan.device] if recipe.plan.device else [],
     enabled=lambda recipe: recipe.plan.tune.enabled, run=_run,
+    section="plan",
 )

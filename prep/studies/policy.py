@@ -16,8 +16,7 @@ from pathlib import Path
 from loader.budget import ModelSizes
 from loader.plan import Plan, PolicySpec, Pool
 from prep.errors import MoeprepError
-from prep.recipe import PlanSection, TuneKnobs
-from prep.stages.planning import Draft
+from prep.stages.planning import Draft, PlanSection, TuneKnobs
 
 BASELINES = ("lru", "lfu", "edgemoe")
 DENSE_BYTES = 1 << 20  # the budget arithmetic needs one; the dense part never competes with experts here

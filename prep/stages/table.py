@@ -1,0 +1,75 @@
+"""The stage table: every stage of ``moeprep prepare``, in the order they run. Adding a stage is its module, one
+row here, and its test: the recipe's sections (``SECTIONS``, from which ``prep.recipe.Recipe`` is made), the
+recipe checks and the plan come from the rows; ``prep/pipeline.py`` walks the table and has no per-stage code."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from prep.stages import (
+    EVERY_EARLIER,
+    Stage,
+    allocate_cache,
+    bitwidth,
+    cache_routing,
+    dynamic_precision,
+    evaluate,
+    gating,
+    neuron,
+    package,
+    predict,
+    quantize,
+    sensitivity,
+    trace,
+    tune_policy,
+)
+
+ROWS: tuple[Stage, ...] = (
+    trace.STAGE,
+    quantize.STAGE,
+    sensitivity.STAGE,
+    bitwidth.STAGE,
+    predict.STAGE,
+    gating.STAGE,
+    dynamic_precision.STAGE,
+    cache_routing.STAGE,
+    neuron.STAGE,
+    allocate_cache.STAGE,
+    tune_policy.STAGE,
+    package.STAGE,
+    evaluate.STAGE,
+)
+
+
+def expanded(rows: tuple[Stage, ...]) -> tuple[Stage, ...]:
+    """The rows with ``EVERY_EARLIER`` in ``reads`` replaced by the name of every stage before them."""
+    return tuple(dataclasses.replace(stage, reads=tuple(s.name for s in rows[:i])) if EVERY_EARLIER in stage.reads
+                 else stage for i, stage in enumerate(rows))
+
+
+STAGES = expanded(ROWS)
+STAGE_NAMES = tuple(s.name for s in STAGES)
+
+
+def sections(stages: tuple[Stage, ...]) -> dict[str, type]:
+    """Recipe key -> section class, in the table's order; a section two stages share (``plan``) once, and one
+    name may not stand for two classes."""
+    out: dict[str, type] = {}
+    for stage in stages:
+        if out.setdefault(stage.section, stage.config) is not stage.config:
+            raise TypeError(f"stage {stage.name}: section {stage.section!r} is {out[stage.section].__name__} in an "
+                            f"earlier row, not {stage.config.__name__}")
+    return out
+
+
+def check_table(stages: tuple[Stage, ...]) -> None:
+    """Every stage reads only stages before it."""
+    seen: set[str] = set()
+    for stage in stages:
+        if missing := [r for r in stage.reads if r not in seen]:
+            raise TypeError(f"stage {stage.name} reads {missing}, which do not come before it in the table")
+        seen.add(stage.name)
+
+
+check_table(STAGES)
+SECTIONS = sections(STAGES)
