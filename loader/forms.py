@@ -23,7 +23,7 @@ kernel, ``int4pack`` where it fits; otherwise ``bfloat16`` for a quantized store
 matrices. Never a timing taken at load: one artifact, budget and device always give one cache.
 
 A new form is one class with ``name``, ``nbytes``, ``staged``, ``make`` and ``forward``, one ``FORMS``
-entry, and a row in the parametrized parity test (``tests/test_forms.py``).
+entry, and a row in the parametrized parity test (``tests/loader/test_forms.py``).
 """
 
 from __future__ import annotations

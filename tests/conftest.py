@@ -1,6 +1,6 @@
 """Session guard: tests must not write into the repository (they use tmp_path). The loader's "auto" held
 form is pinned to float32 (``loader/forms.py``): the parity tolerances of the suite are float32's, the same
-on every machine; ``tests/test_forms.py`` tests every form and the device rule at their own."""
+on every machine; ``tests/loader/test_forms.py`` tests every form and the device rule at their own."""
 
 from __future__ import annotations
 

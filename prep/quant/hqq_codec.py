@@ -61,7 +61,7 @@ def encode_matrix(spec: MatrixSpec, weight: torch.Tensor) -> dict[str, torch.Ten
     squares for hqq's codes and that scale (it absorbs part of the scale's error), quantized, and the
     codes are rounded again against the stored scale and zero, as hqq itself rounds against its final
     ones. Without the second rounding int8 loses 15-35% MSE to its 8-bit zero; with it every precision
-    stays within a few percent of float16 metadata (``tests/test_codec.py`` measures it).
+    stays within a few percent of float16 metadata (``tests/loader/test_codec.py`` measures it).
     """
     if spec.transposed:
         weight = weight.T

@@ -15,7 +15,7 @@ theta:
   (the choice suites are prefill only) computes its own active set, as a decode step does; paired against
   the original model (the artifact is lossless for a passthrough recipe, so the delta is theta's alone).
   The predictor does not enter: with predictions fixed on demand it never changes an output
-  (``tests/test_neuron.py``); ``trust_prediction`` (CORM's own behaviour) is one more accuracy point.
+  (``tests/loader/test_neuron.py``); ``trust_prediction`` (CORM's own behaviour) is one more accuracy point.
 
 The baseline is the same artifact with neuron loading off (whole-expert reads), decoded once more beside
 every theta so each speed ratio compares runs made under the same load (these 2-core machines vary

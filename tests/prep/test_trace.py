@@ -20,7 +20,7 @@ from prep.methods.trace import (
     record_traces,
 )
 
-TRACES_ROOT = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+TRACES_ROOT = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -23,7 +23,7 @@ from prep.methods.trace import RoutingRecorder, open_trace, record_traces
 from prep.streaming import load_streamed, stream_of
 from tests.tiny_models import ARCHITECTURES, build_tiny_model, tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 names, locks, and refuses hostile recipes (issue 14 items 1, 2, 3, 6, 8 and the prepare parts of 10).
 
 Each test is built from the reproduction in the issue. "Killed" runs here raise ``_Killed`` (a
-BaseException nothing in prep catches) at the exact step named; tests/test_prepare_kill.py kills a real
+BaseException nothing in prep catches) at the exact step named; tests/prep/test_prepare_kill.py kills a real
 subprocess with SIGKILL.
 """
 

@@ -29,7 +29,7 @@ from prep.adapters import get_adapter
 from prep.methods.fisher import fisher_sensitivity
 from prep.methods.routing_stats import gating_share, precision_split, split_thresholds
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
 
 
 # ------------------------------------------------------------------------------------------- Fisher

@@ -213,7 +213,7 @@ def test_bits_per_weight_of_a_realistic_expert():
 
 
 def test_readme_table_matches_the_layouts():
-    text = (Path(__file__).resolve().parents[1] / "loader" / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "loader" / "README.md").read_text()
     rows = re.findall(r"^\| (int\d) \| (\d+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \|$", text, re.M)
     assert sorted(r[0] for r in rows) == sorted(DEFAULT_FORMATS)
     for precision, group_size, meta_group, plain, meta in rows:
@@ -232,7 +232,7 @@ def _neuron_layout(intermediate: int, hidden: int, precision: str) -> RecordLayo
 def test_readme_neuron_layout_costs_match_the_layouts():
     """loader/README's neuron-against-expert bits per weight (a Mixtral-8x7B expert) and the reference model's
     1-2.5% are what the layouts give."""
-    text = (Path(__file__).resolve().parents[1] / "loader" / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "loader" / "README.md").read_text()
     section = text[text.index("### The neuron layout"):text.index("### Quantized metadata")]
     rows = re.findall(r"(int\d) ([\d.]+) against ([\d.]+)", " ".join(section.split()))
     assert sorted(r[0] for r in rows) == sorted(DEFAULT_FORMATS)

@@ -24,7 +24,7 @@ from prep.cli import main
 from prep.recipe import load_recipe
 from tests.tiny_models import build_tiny_model, planned_reference, tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = {  # recipe -> the architecture of its model
     "mixtral-8x7b": "mixtral",
     "phi-3.5-moe": "phimoe",

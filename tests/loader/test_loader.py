@@ -54,7 +54,7 @@ def test_int4_logits_equal_model_with_decoded_experts(tmp_path_factory, arch):
         expected = reference(input_ids=ids).logits
         original = model(input_ids=ids).logits
     # decoded copies in float32 and decoding per use: the same float32 values, the same products (bfloat16
-    # copies: tests/test_forms.py)
+    # copies: tests/loader/test_forms.py)
     for budget, form in (("unlimited", "float32"), ("unlimited", "packed"), (minimum_budget(artifact, expert_dtype="float32"), "float32"),
                          (minimum_budget(artifact, expert_dtype="packed"), "packed")):
         loaded = load(artifact, memory_budget=budget, expert_dtype=form)

@@ -16,7 +16,7 @@ from prep.recipe import load_recipe, recipe_from_dict
 from prep.stages import quantize as quantize_stage
 from tests.tiny_models import file_hashes, save_tiny_model, tiny_recipe
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 

@@ -24,7 +24,7 @@ import pytest
 from loader.cli import main as moeload_main
 from prep.cli import main as moeprep_main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 READMES = ("README.md", "prep/README.md", "loader/README.md")
 GROUPS = {"moeprep": moeprep_main, "moeload": moeload_main}
 

@@ -57,7 +57,7 @@ def test_the_gguf_conversion_gives_transformers_logits(tmp_path):
 def test_the_bench_runs_llama_cpp_in_a_cgroup_or_says_why_not(tmp_path, monkeypatch):
     import prep.studies.bench.run as bench_run
 
-    # one resident candidate: the choice among them is tests/test_bench.py's, not this test's
+    # one resident candidate: the choice among them is tests/studies/test_bench.py's, not this test's
     monkeypatch.setattr(bench_run, "RESIDENT_DTYPES", ("float32",))
     monkeypatch.setattr(bench_run, "EXPERTS_IMPLEMENTATIONS", ("grouped_mm",))
     result = CliRunner().invoke(main, ["bench", "--quick", "--subject", "mixtral-shape-own", "--budgets", "25%",

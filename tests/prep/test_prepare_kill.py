@@ -33,7 +33,7 @@ from tests.tiny_models import file_hashes, save_tiny_model
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SEED = 20250214
 PHASES = ("load", "trace", "quantize", "package")  # load: fingerprint, calibration data, model
 

@@ -257,7 +257,7 @@ def test_the_reference_models_held_out_recall_beats_the_marginal_at_every_layer(
     from prep.pipeline import prepare
     from prep.recipe import load_recipe
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     recipe = load_recipe(repo / "recipes/reference-lossless.yaml",
                          (f"model.path={repo / 'recipes/reference/model'}", "calibration.num_sequences=8"))
     prepare(recipe, root=tmp_path, until="predict")
@@ -279,7 +279,7 @@ def test_path_stats_on_the_real_mixtral_traces_fit_on_one_problem_beat_the_margi
     """Weak but real: the two GSM8K problems are 166 and 78 decode tokens (the figures are in the note)."""
     from prep.methods.trace import read_mixtral_traces
 
-    traces_dir = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+    traces_dir = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
     if not (traces_dir / "mixtral-8x7b").is_dir():
         pytest.skip(f"the real Mixtral traces are not at {traces_dir}")
     fit, test = read_mixtral_traces(traces_dir)

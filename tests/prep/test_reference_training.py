@@ -17,7 +17,7 @@ from prep.reference.train import (
     query_log_attention,
     weighted_lm_loss,
 )
-from tests.test_reference_model import REF
+from tests.prep.test_reference_model import REF
 from tests.tiny_models import tiny_mixtral
 
 

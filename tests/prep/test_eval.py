@@ -28,7 +28,7 @@ from prep.pipeline import prepare
 from prep.recipe import recipe_from_dict
 from tests.tiny_models import save_tiny_model, write_tiny_suites
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "benchmarks"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "benchmarks"
 
 
 def test_mcnemar_exact_values():

@@ -12,7 +12,7 @@ from prep.pipeline import prepare
 from prep.recipe import load_recipe
 from prep.reference.metrics import load_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "recipes" / "reference" / "model"
 
 

@@ -22,7 +22,7 @@ from prep.errors import MoeprepError
 from prep.studies.bench.run import SYSTEMS, choose_resident, parse_budgets
 from prep.studies.bench.worker import overhead
 
-TRACES_ROOT = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+TRACES_ROOT = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
 LOADER = ("naive", "moeprep", "naive@unlimited", "moeprep@unlimited")
 
 
@@ -249,7 +249,7 @@ def test_bench_runs_each_planned_predictor_against_naive_on_the_lossless_referen
 
     from prep.studies.bench.run import PREDICTOR_SYSTEMS
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     root = tmp_path / "repo"
     (root / "recipes").mkdir(parents=True)
     shutil.copy(repo / "recipes" / "reference-lossless.yaml", root / "recipes")
@@ -284,7 +284,7 @@ def test_bench_runs_neuron_loading_against_whole_expert_reads_of_the_same_record
 
     from prep.studies.bench.run import run_bench
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     root = tmp_path / "repo"
     (root / "recipes").mkdir(parents=True)
     # rows read as named (the measured crossover of this VM's disk reads nearly every expert whole), and a

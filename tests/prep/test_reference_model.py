@@ -16,7 +16,7 @@ from prep.reference import data as D
 from prep.reference.metrics import NOISE_LEVELS, TARGETS, load_model, quantize_all_experts
 from prep.reference.train import ReferenceSpec
 
-REF = Path(__file__).resolve().parents[1] / "recipes" / "reference"
+REF = Path(__file__).resolve().parents[2] / "recipes" / "reference"
 
 
 @pytest.fixture(scope="module")

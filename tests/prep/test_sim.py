@@ -38,7 +38,7 @@ from prep.sim import (
     simulate,
 )
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
 MIXTRAL = TRACES / "mixtral-8x7b" / "gsm8k_routing.jsonl"
 needs_traces = pytest.mark.skipif(not MIXTRAL.is_file(), reason=f"the real Mixtral traces are not at {MIXTRAL}")
 
@@ -316,7 +316,7 @@ def test_profile_round_trip_and_measurements(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_artifact(tmp_path_factory):
-    """A tiny passthrough Mixtral artifact (2 MoE layers x 4 experts, top-2), as tests/test_routing.py builds it."""
+    """A tiny passthrough Mixtral artifact (2 MoE layers x 4 experts, top-2), as tests/loader/test_routing.py builds it."""
     from tests.tiny_models import prepare_tiny_artifact
 
     return prepare_tiny_artifact(tmp_path_factory.mktemp("sim-loader"), until="package")[1]
@@ -404,7 +404,7 @@ def test_the_schedule_has_one_implementation():
     methods themselves."""
     import re
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     rules = re.compile(r"\.(begin_layer|use|skip|end_layer|decide)\(|cache\.(admit|prefetch)\(")
     for path in ("loader/step.py", "loader/neuron.py", "loader/runtime.py", "prep/sim/simulate.py"):
         found = [line.strip() for line in (root / path).read_text().splitlines()
