@@ -22,9 +22,12 @@ from pathlib import Path
 
 import torch
 
+from loader.codec import RecordLayout
 from loader.errors import BudgetError, LoaderError
+from loader.format import ArtifactError, read_manifest
 from loader.forms import HeldForm, choose_form
 from loader.plan import PLAN_FILE, Plan, PlanError, Pool, parse_budget, read_plan
+from loader.store import ExpertStore
 
 DIRECT_ALIGN = 4096  # O_DIRECT reads whole aligned blocks: a slot a record is read into is that long
 ALIGN = 64
@@ -166,7 +169,6 @@ def staging_bytes(stores: dict, forms: dict, workers: int) -> int:
 
 def dense_bytes(path: Path) -> int:
     """Bytes of the tensors in a safetensors file: the file minus its 8-byte length and JSON header."""
-    from loader.format import ArtifactError
 
     with open(path, "rb") as f:
         head = f.read(8)
@@ -177,7 +179,6 @@ def dense_bytes(path: Path) -> int:
 
 def store_forms(manifest, expert_dtype: str, device: torch.device, plan: Plan | None = None) -> dict:
     """Per store precision, the held form (``loader.forms.choose_form``): fixed by the arguments, never timed."""
-    from loader.codec import RecordLayout
 
     planned = dict(plan.forms) if plan is not None else {}
     return {p: choose_form(expert_dtype, RecordLayout.from_json(s["layout"]), device, planned.get(p),
@@ -254,8 +255,6 @@ def held_layout(manifest, stores: dict, plan: Plan, memory_budget, device: torch
 def _layout_of(artifact, store: str, plan: Plan | None, device: torch.device, expert_dtype: str, memory_budget,
                workers: int, smallest: bool = False) -> tuple[HeldLayout, dict]:
     """(the held layout ``load`` would build, record bytes per precision), without the model."""
-    from loader.format import read_manifest
-    from loader.store import ExpertStore
 
     manifest = read_manifest(artifact)
     plan = plan or read_plan(manifest.root)

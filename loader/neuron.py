@@ -277,7 +277,6 @@ class NeuronStep:
     def _start_miss(self, layer: int, item: dict) -> None:
         """A miss: take a slot (the admitted entry's, else a read buffer) and start reading the header (a
         neuron record) or the whole record."""
-        from loader.store import DEMAND, ReadJob
 
         engine = self.engine
         entry, d = item["entry"], item["decision"]
@@ -389,7 +388,6 @@ class NeuronStep:
     def prefetch_header(self, entry) -> bool:
         """CORM: an admitted prefetch with router inputs reads its header (W1) first; its neurons once the
         header has landed. False: not such a prefetch (the engine reads the whole record)."""
-        from loader.store import PREFETCH
 
         x = self._inputs.pop((entry.layer, entry.expert, entry.precision), None)
         if x is None:

@@ -21,7 +21,15 @@ from pathlib import Path
 import torch
 
 from loader.codec import RecordLayout
+from loader.io import write_text_atomic
+from prep.adapters import build_skeleton, get_adapter, inspect_model, load_config
 from prep.errors import MoeprepError
+from prep.evals.data import load_benchmarks
+from prep.evals.workload import DEVICES, suite_seconds, suite_workloads
+from prep.pipeline import STAGES
+from prep.quant.hqq_codec import matrix_spec
+from prep.recipe import load_recipe
+from prep.stages.quantize import QuantizeSection
 
 PRECISIONS = ("bfloat16", "int8", "int4", "int3", "int2")
 RUNTIME_BYTES = 400 * 2**20  # python + torch + transformers + moeprep, no model (the streaming test measures ~380 MiB)
@@ -42,8 +50,6 @@ def _params(n: int) -> str:
 
 def expert_record_bytes(adapter, skeleton, precision: str) -> int:
     """Bytes of one routed expert's record at ``precision`` (bfloat16: the plain weights in bfloat16)."""
-    from prep.quant.hqq_codec import matrix_spec
-    from prep.stages.quantize import QuantizeSection
 
     experts = adapter.experts(skeleton, adapter.moe_layers[0])
     params = {name: p[0].to(torch.bfloat16) for name, p in experts.named_parameters(recurse=False)}
@@ -57,7 +63,6 @@ def expert_record_bytes(adapter, skeleton, precision: str) -> int:
 
 def model_row(recipe_path: str | Path, root: str | Path = ".") -> dict:
     """The sizes of one real-model recipe's model, from its shipped config (see the module docstring)."""
-    from prep.recipe import load_recipe
 
     recipe = load_recipe(recipe_path)
     if recipe.model.config is None:
@@ -67,7 +72,6 @@ def model_row(recipe_path: str | Path, root: str | Path = ".") -> dict:
 
 def recipe_sizes(recipe, config_dir: Path) -> dict:
     """The sizes of ``recipe``'s model, from the config.json in ``config_dir`` (no weights read)."""
-    from prep.adapters import build_skeleton, get_adapter, inspect_model, load_config
 
     info = inspect_model(config_dir)
     config = load_config(config_dir)
@@ -106,7 +110,6 @@ def dry_run(recipe, root: str | Path = ".") -> str:
     """What ``prepare`` would do with ``recipe``, without the weights: the model (from ``model.config``, else
     the config.json of ``model.path``), the stages it would run, the sizes, and how many experts per layer
     the default budget and each operating point's budget would cache at the shipped precision."""
-    from prep.pipeline import STAGES
 
     root = Path(root)
     if recipe.model.config is not None:
@@ -140,7 +143,6 @@ def dry_run(recipe, root: str | Path = ".") -> str:
 
 def real_model_recipes(recipe_paths: list[str | Path]) -> list[str | Path]:
     """The recipes of ``recipe_paths`` that ship their model's config (the real-model ones), in order."""
-    from prep.recipe import load_recipe
 
     real = [p for p in recipe_paths if load_recipe(p).model.config is not None]
     if not real:
@@ -175,8 +177,6 @@ def _duration(seconds: float) -> str:
 def eval_time_table(recipe_paths: list[str | Path], data: str | Path, root: str | Path = ".") -> str:
     """The markdown table of ``moeprep eval``'s wall-time floor per suite, model and device
     (``prep/evals/workload.py``), on every item of the benchmark files in ``data``."""
-    from prep.evals.data import load_benchmarks
-    from prep.evals.workload import DEVICES, suite_seconds, suite_workloads
 
     work = suite_workloads(load_benchmarks(data))
     suites = list(work)
@@ -196,7 +196,6 @@ def eval_time_table(recipe_paths: list[str | Path], data: str | Path, root: str 
 
 def update_readme(readme: str | Path, table: str, markers: tuple[str, str] = MARKERS) -> bool:
     """Replace the block between ``markers`` in ``readme`` with ``table``; returns whether it changed."""
-    from loader.io import write_text_atomic
 
     path = Path(readme)
     text = path.read_text()

@@ -23,12 +23,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from prep.adapters import get_adapter
+from prep.calibration import calibration_sequences, fingerprint_sequences
 from prep.errors import MoeprepError
 from prep.fingerprint import model_fingerprint
 from prep.recipe import Recipe
 from prep.stages import Stage, StageResult
 from prep.stages.table import STAGE_NAMES, STAGES
 from prep.store import ArtifactOutput, StageStore, exclusive_lock, stage_key
+from prep.streaming import check_device, load_streamed
 
 # the recipe key of each stage's config type
 SECTIONS = {stage.config: stage.section for stage in STAGES}
@@ -78,26 +81,22 @@ class _Sources:
 
     @cached_property
     def sequences(self) -> list:
-        from prep.calibration import calibration_sequences
 
         return calibration_sequences(self.recipe.calibration, self.tokenizer, self.root)
 
     @cached_property
     def data_fingerprint(self) -> str:
-        from prep.calibration import fingerprint_sequences
 
         return fingerprint_sequences(self.sequences)
 
     @cached_property
     def model(self):
         # dense weights loaded, routed experts read from the shards a layer at a time (prep/streaming.py)
-        from prep.streaming import load_streamed
 
         return load_streamed(self.model_dir, device=self.device, resident_bytes=self.expert_memory)
 
     @cached_property
     def adapter(self):
-        from prep.adapters import get_adapter
 
         return get_adapter(self.model)
 
@@ -239,7 +238,6 @@ def prepare(recipe: Recipe, root: str | Path = ".", output: str | Path | None = 
     artifact = ArtifactOutput(
         work_root / "artifact" if default_output else Path(output),
         protected=[model_dir, Path.cwd(), root, PROJECT_ROOT, work_root / "stages"], overwrite=overwrite)
-    from prep.streaming import check_device
 
     check_device(device)  # before any lock or work
     sources = _Sources(recipe, root, model_dir, device, expert_memory)

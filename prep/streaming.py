@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from loader.runtime import _rebuild_meta_buffers
+from prep.adapters import build_skeleton, get_adapter, load_config
 from prep.adapters.base import ExpertWeights, MoeAdapter
 from prep.adapters.checkpoint import CheckpointTensors
 from prep.errors import MoeprepError
@@ -260,8 +262,6 @@ def load_streamed(model_dir: str | Path, *, device: str | torch.device = "cpu",
     Raises MoeprepError for a missing directory, an unsupported architecture or a checkpoint that lacks a
     non-expert tensor of the model.
     """
-    from loader.runtime import _rebuild_meta_buffers
-    from prep.adapters import build_skeleton, get_adapter, load_config
 
     model_dir = Path(model_dir)
     device = check_device(device)

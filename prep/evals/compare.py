@@ -16,11 +16,16 @@ from pathlib import Path
 
 import torch
 
+from loader.format import read_manifest
+from loader.io import write_json_atomic, write_text_atomic
+from loader.runtime import load
 from prep.errors import MoeprepError
 from prep.evals import suites as S
 from prep.evals import templates as tpl
 from prep.evals.data import SUITES, BenchmarkData, load_benchmarks
+from prep.fingerprint import model_fingerprint
 from prep.report import PENDING, update_artifact_report  # noqa: F401 (PENDING: where eval's marker lives)
+from prep.streaming import load_streamed
 
 DEFAULT_SHOTS = {"gsm8k": 8, "mmlu": 5, "truthfulqa": 0}  # gsm8k_cot uses 8, the 5-shot format 5
 
@@ -71,8 +76,6 @@ class _Models(dict):
     def _original(self, settings: tuple, score) -> list:
         import transformers
 
-        from loader.io import write_json_atomic
-        from prep.fingerprint import model_fingerprint
 
         key = hashlib.sha256(json.dumps([model_fingerprint(self.original_dir), settings, torch.__version__,
                                          transformers.__version__], sort_keys=True, default=str).encode())
@@ -168,9 +171,6 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
     """
     import transformers
 
-    from loader.format import read_manifest
-    from loader.runtime import load
-    from prep.streaming import load_streamed
 
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise MoeprepError(f"limit must be a whole number >= 1 (the first N items of each suite), got {limit!r}; "
@@ -250,7 +250,6 @@ def summary_markdown(report: dict) -> str:
 
 def write_report(report: dict, output: Path) -> None:
     """``output`` (JSON) and a markdown summary beside it (same name, ``.md``), both atomically."""
-    from loader.io import write_json_atomic, write_text_atomic
 
     output.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(output, report)

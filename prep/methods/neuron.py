@@ -19,6 +19,7 @@ import torch
 
 from loader.codec import NeuronLayout, RecordLayout
 from loader.neuron import activity, pair
+from loader.store import ExpertStore, SlotArena
 from prep.quant.records import write_aligned_records
 
 
@@ -103,7 +104,6 @@ def measure_crossover(records: dict[str, bytes], layout: RecordLayout, fractions
     (one range), through the loader's own store reads (O_DIRECT where the filesystem allows, each range
     widened to whole 4 KiB blocks and merged where they touch: ``ExpertStore.spans``). The crossover is
     the smallest f whose partial read is no faster than the whole one (1.0 when none)."""
-    from loader.store import ExpertStore, SlotArena
 
     neuron = NeuronLayout(layout)
     rng = random.Random(seed)

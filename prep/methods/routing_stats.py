@@ -21,6 +21,7 @@ from collections import defaultdict
 import torch
 
 from loader.predict import PathStats, stacked_router_logits
+from loader.routing import AdaptiveGating, unimportance
 from prep.errors import MoeprepError
 
 
@@ -185,7 +186,6 @@ def next_gate_recall(router_inputs: list[torch.Tensor], routers: list[tuple[torc
 def precision_split(weights: torch.Tensor, t1: float, t2: float) -> dict:
     """weights [N, K] of recorded selections -> the shares of selections HOBBIT's rule would read high
     (unimportance <= t1), low (<= t2) and skip, over every selection (as if each were a miss)."""
-    from loader.routing import unimportance
 
     s = unimportance(weights.reshape(-1, weights.shape[-1]))
     n = s.numel()
@@ -197,7 +197,6 @@ def precision_split(weights: torch.Tensor, t1: float, t2: float) -> dict:
 def split_thresholds(weights: torch.Tensor, high: float, skip: float = 0.0) -> tuple[float, float]:
     """(t1, t2) from quantiles of the unimportance score so that about ``high`` of the selections read high
     and ``skip`` are skipped (HOBBIT picks its thresholds by profiling this distribution)."""
-    from loader.routing import unimportance
 
     if not (0 <= skip <= 1 and 0 <= high <= 1 - skip):
         raise MoeprepError(f"a split needs 0 <= skip <= 1 and 0 <= high <= 1 - skip, got high {high}, skip {skip}")
@@ -215,7 +214,6 @@ def split_thresholds(weights: torch.Tensor, high: float, skip: float = 0.0) -> t
 def gating_share(weights: torch.Tensor, sensitivity: list[float], threshold: float) -> dict:
     """AdapMoE's rule on recorded routing weights [N, L, K] (no forward pass): the share of (token, layer)
     decisions left with one expert and the share of expert runs saved, overall and per layer."""
-    from loader.routing import AdaptiveGating
 
     policy = AdaptiveGating(threshold, sensitivity)
     per_layer = []

@@ -42,6 +42,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loader.codec import MatrixSpec, RecordLayout
+from loader.forms import choose_form, matrices_forward
 from loader.io import write_json_atomic
 from prep.errors import MoeprepError
 
@@ -270,8 +272,6 @@ def measure_compute(expert_shape: tuple[int, int] = MIXTRAL_SHAPE, scale: int = 
     """
     import torch
 
-    from loader.codec import MatrixSpec, RecordLayout
-    from loader.forms import choose_form, matrices_forward
 
     hidden, inter = expert_shape[0] // scale, expert_shape[1] // scale
     if hidden < group_size or inter % group_size or hidden % group_size:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prep.errors import MoeprepError
+from prep.methods.trace import INDEX_NAME, open_trace, read_mixtral_traces
 
 MIXTRAL_EXPERTS = 8
 
@@ -95,7 +96,6 @@ def load_replay(path: str | Path) -> Replay:
     path: a trace directory written by ``record_traces``; or ``gsm8k_routing.jsonl``, its directory, or
     the traces root holding ``mixtral-8x7b/``. Raises ``MoeprepError`` when nothing is there.
     """
-    from prep.methods.trace import INDEX_NAME, open_trace, read_mixtral_traces
 
     path = Path(path)
     if not path.exists():

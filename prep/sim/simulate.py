@@ -33,15 +33,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from loader.budget import Capacities, ModelSizes, capacities
+from loader.budget import Capacities, ModelSizes, cache_layout, capacities
 from loader.cache import ExpertCache, PoolConfig
+from loader.codec import BITS, MatrixSpec, RecordLayout
+from loader.format import read_manifest
 from loader.plan import Plan, read_plan_file
 from loader.policies import POLICIES, policy_factory
+from loader.predict import PREDICTORS, PREDICTORS_FILE, PredictorContext, make_predictor
+from loader.routing import MISS_POLICIES, ROUTING_POLICIES, RoutingError
 from loader.schedule import LayerSchedule
 from prep.errors import MoeprepError
+from prep.methods.trace import open_trace
 from prep.sim.belady import BeladyPolicy, FutureUses
-from prep.sim.device import DeviceProfile
-from prep.sim.replay import Replay
+from prep.sim.device import DeviceProfile, load_profile
+from prep.sim.replay import Replay, load_replay
 
 POLICY_NAMES = (*POLICIES, "belady")  # every policy the simulator runs; belady only here
 GROUPS = ("layer", "global")
@@ -57,7 +62,6 @@ def mixtral_record_bytes(precision: str = "int4", group_size: int = MIXTRAL_GROU
     3 x (29,360,128 + 2 x 1,835,008) = 99,090,432 bytes (94.5 MiB). ``passthrough`` is the source
     bfloat16: 352,321,536 bytes.
     """
-    from loader.codec import BITS, MatrixSpec, RecordLayout
 
     hidden, inter = 4096, 14336
     if precision not in BITS and precision != "passthrough":
@@ -143,7 +147,6 @@ def plan_spec(plan: Plan, budget, sizes) -> CacheSpec:
 def artifact_spec(artifact, budget=None, plan: Plan | None = None, store: str = "disk") -> CacheSpec:
     """The cache ``loader.runtime.load(artifact, memory_budget=budget, store=store, plan=plan)`` builds
     (``loader.budget.cache_layout``, the arithmetic ``load`` itself uses)."""
-    from loader.budget import cache_layout
 
     layout = cache_layout(artifact, budget, store=store, plan=plan)
     return capacities_spec(layout.plan, layout.capacities, layout.record_bytes, layout.slot_bytes)
@@ -403,7 +406,6 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
 
 def _policies(spec: CacheSpec, replay: Replay, routing, miss):
     """(routing, miss) policy objects: the given ones, else the spec's (None for the defaults)."""
-    from loader.routing import MISS_POLICIES, ROUTING_POLICIES, RoutingError
 
     def build(given, named, registry, what):
         if given is not None:
@@ -443,7 +445,6 @@ def _route(routing, weights: tuple, experts: tuple, layer: int, cache: ExpertCac
 
 def _bind_predictors(predictors: list, cache: ExpertCache, spec: CacheSpec, replay: Replay,
                      feed: PredictionFeed | None) -> None:
-    from loader.predict import PredictorContext
 
     if feed is None:
         raise MoeprepError("predictors need what they read: simulate a project trace (router inputs) with an "
@@ -466,8 +467,6 @@ def prediction_feed(trace_dir, artifact) -> PredictionFeed:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from loader.format import read_manifest
-    from loader.predict import PREDICTORS_FILE
 
     manifest = read_manifest(artifact)
     routers = []
@@ -486,7 +485,6 @@ def trace_feed(trace_dir, routers: list, tensors: dict) -> PredictionFeed:
     predictor tensors: per sequence the router inputs and, when recorded, the LM head's inputs."""
     import torch
 
-    from prep.methods.trace import open_trace
 
     trace = open_trace(trace_dir)
     if f"layers.{trace.layers[0]}.router_input" not in trace.index["tensors"]:
@@ -548,8 +546,6 @@ def simulate_trace(trace, plan=None, budget=None, policies=None, capacity=None, 
     """
     from pathlib import Path
 
-    from prep.sim.device import DeviceProfile, load_profile
-    from prep.sim.replay import load_replay
 
     replay = load_replay(trace)
     if profile is not None and not isinstance(profile, DeviceProfile):
@@ -598,7 +594,6 @@ def simulate_trace(trace, plan=None, budget=None, policies=None, capacity=None, 
 def _predictor_request(predictors, plan, trace) -> tuple[list[str], PredictionFeed | None]:
     from pathlib import Path
 
-    from loader.predict import PREDICTORS
 
     if not predictors or predictors == "none":
         return [], None
@@ -621,7 +616,6 @@ def _predictor_request(predictors, plan, trace) -> tuple[list[str], PredictionFe
 def _make_predictors(names: list[str], plan) -> list:
     from pathlib import Path
 
-    from loader.predict import make_predictor
 
     if not names:
         return []

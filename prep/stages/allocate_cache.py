@@ -32,7 +32,7 @@ from loader.plan import OperatingPoint, Plan, Pool
 from prep.errors import MoeprepError
 from prep.methods.allocation import allocate, closed_form_curve
 from prep.stages import Stage, StageResult
-from prep.stages.planning import PlanSection
+from prep.stages.planning import PlanSection, draft_from_inputs
 
 VERSION = 2
 GLOBAL_GRID = 9  # measured points of a global pool's curve
@@ -247,7 +247,6 @@ def allocate_plan(draft, cfg: PlanSection, gating=None, prediction=None, progres
 
 
 def _run(inputs) -> CacheAllocation:
-    from prep.stages.planning import draft_from_inputs
 
     cfg = inputs.config
     draft = draft_from_inputs(inputs, cfg.device)

@@ -21,9 +21,13 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from loader.plan import PolicySpec
-from loader.routing import CACHE_METHODS
+from loader.routing import CACHE_METHODS, CacheConditionalRouting, install_routing
 from prep.errors import MoeprepError
+from prep.methods.decoded import mean_kl, next_token_logprobs
+from prep.methods.trace import open_trace
 from prep.stages import Stage, StageResult
+from prep.stages.bitwidth import held_out
+from prep.stages.trace import RoutingTraces
 
 VERSION = 2
 TOLERANCE_STEPS = 8  # bisection steps on lambda or tau
@@ -91,7 +95,6 @@ class _ColdView:
 
 def measure_ranges(trace_dir, cfg: CacheRoutingSection) -> CacheRoutingChoice:
     """The knobs as given and the calibration logit ranges (no model run)."""
-    from prep.methods.trace import open_trace
 
     trace = open_trace(trace_dir)
     ranges = []
@@ -106,9 +109,6 @@ def measure_ranges(trace_dir, cfg: CacheRoutingSection) -> CacheRoutingChoice:
 def within_tolerance(model, adapter, sequences: list, choice: CacheRoutingChoice, cfg: CacheRoutingSection
                      ) -> CacheRoutingChoice:
     """Lower the method's knob to the largest value within ``cfg.tolerance`` (see the module docstring)."""
-    from loader.routing import CacheConditionalRouting, install_routing
-    from prep.methods.decoded import mean_kl, next_token_logprobs
-    from prep.stages.bitwidth import held_out
 
     held = held_out(sequences, cfg.num_sequences)
     paths = adapter.module_paths(model)
@@ -154,7 +154,6 @@ def within_tolerance(model, adapter, sequences: list, choice: CacheRoutingChoice
 
 
 def _run(inputs) -> CacheRoutingChoice:
-    from prep.stages.trace import RoutingTraces
 
     trace_dir, _ = inputs.upstream("trace")
     choice = measure_ranges(RoutingTraces.path(trace_dir), inputs.config)

@@ -17,7 +17,9 @@ from loader.plan import PolicySpec, Pool
 from loader.vocab import PRECISIONS
 from prep.errors import MoeprepError
 from prep.methods.routing_stats import precision_split, split_thresholds
+from prep.methods.trace import open_trace
 from prep.stages import Stage, StageResult
+from prep.stages.trace import RoutingTraces
 
 VERSION = 1
 
@@ -74,7 +76,6 @@ class PrecisionThresholds(StageResult):
 
 
 def choose_thresholds(trace_dir, cfg: DynamicPrecisionSection) -> PrecisionThresholds:
-    from prep.methods.trace import open_trace
 
     weights = torch.cat([r.expert_weights.reshape(-1, r.top_k) for r in open_trace(trace_dir).routing()])
     t1, t2 = (cfg.t1, cfg.t2) if cfg.t1 is not None else split_thresholds(weights, cfg.high_share, cfg.skip_share)
@@ -84,7 +85,6 @@ def choose_thresholds(trace_dir, cfg: DynamicPrecisionSection) -> PrecisionThres
 
 
 def _run(inputs) -> PrecisionThresholds:
-    from prep.stages.trace import RoutingTraces
 
     trace_dir, _ = inputs.upstream("trace")
     return choose_thresholds(RoutingTraces.path(trace_dir), inputs.config)

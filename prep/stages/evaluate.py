@@ -18,8 +18,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from loader.format import read_json, read_manifest
+from loader.plan import read_plan
 from prep.errors import MoeprepError
 from prep.evals.compare import eval_summary, evaluate_artifact
+from prep.report import merge_section
+from prep.report.sections import PLAN_PLOT, operating_points_plot
 from prep.stages import Stage, StageResult
 
 VERSION = 3
@@ -58,10 +62,6 @@ class AccuracyCheck(StageResult):
 
 
 def check_accuracy(artifact: Path, model_dir: Path, cfg: EvaluateSection, work: Path, root: Path) -> AccuracyCheck:
-    from loader.format import read_json, read_manifest
-    from loader.plan import read_plan
-    from prep.report import merge_section
-    from prep.report.sections import PLAN_PLOT, operating_points_plot
 
     data = Path(cfg.data) if cfg.data else None
     if data is not None and not data.is_absolute():

@@ -20,10 +20,15 @@ import torch
 from tqdm import tqdm
 
 from loader.plan import PolicySpec
+from loader.routing import AdaptiveGating, install_routing
 from prep.errors import MoeprepError
+from prep.methods.decoded import mean_kl, next_token_logprobs
 from prep.methods.fisher import fisher_sensitivity
 from prep.methods.routing_stats import gating_share
+from prep.methods.trace import open_trace
 from prep.stages import Stage, StageResult
+from prep.stages.bitwidth import held_out
+from prep.stages.trace import RoutingTraces
 
 VERSION = 1
 SEARCH_STEPS = 60  # bisection steps on log T for a target share
@@ -93,8 +98,6 @@ def threshold_for_share(weights: torch.Tensor, sensitivity: list[float], target:
 
 def gated_loss(model, adapter, sensitivity: list[float], held: list, decode_only: bool):
     """loss(T): mean next-token KL of the model with gating at T against the model without, on ``held``."""
-    from loader.routing import AdaptiveGating, install_routing
-    from prep.methods.decoded import mean_kl, next_token_logprobs
 
     paths = adapter.module_paths(model)
     reference = next_token_logprobs(model, held)
@@ -111,8 +114,6 @@ def gated_loss(model, adapter, sensitivity: list[float], held: list, decode_only
 
 
 def choose_gating(model, adapter, sequences: list, trace_dir, cfg: GatingSection) -> GatingChoice:
-    from prep.methods.trace import open_trace
-    from prep.stages.bitwidth import held_out
 
     fit = list(sequences if cfg.num_sequences is None else sequences[:cfg.num_sequences])
     with tqdm(total=len(fit), desc="fisher sensitivity", unit="seq", leave=False) as bar:
@@ -147,7 +148,6 @@ def choose_gating(model, adapter, sequences: list, trace_dir, cfg: GatingSection
 
 
 def _run(inputs) -> GatingChoice:
-    from prep.stages.trace import RoutingTraces
 
     trace_dir, _ = inputs.upstream("trace")
     return choose_gating(inputs.model, inputs.adapter, inputs.sequences, RoutingTraces.path(trace_dir), inputs.config)

@@ -29,10 +29,14 @@ from loader.io import write_bytes_atomic
 from loader.neuron import COMPUTE
 from loader.plan import PolicySpec
 from prep.errors import MoeprepError
+from prep.methods.decoded import mean_kl, next_token_logprobs
 from prep.methods.neuron import activity_profile, dropped_neurons, measure_crossover, pairing_of
+from prep.methods.trace import open_trace
 from prep.quant.hqq_codec import encode_neuron_expert
 from prep.stages import Stage, StageResult
+from prep.stages.bitwidth import held_out
 from prep.stages.quantize import PackedExperts
+from prep.stages.trace import RoutingTraces
 
 VERSION = 2
 CROSSOVER_FRACTIONS = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
@@ -140,8 +144,6 @@ def choose_theta(model, adapter, sequences: list, cfg: NeuronSection) -> tuple[f
     """The recipe's theta, or with a tolerance the largest candidate within it (from the top down)."""
     if cfg.tolerance is None:
         return cfg.theta, []
-    from prep.methods.decoded import mean_kl, next_token_logprobs
-    from prep.stages.bitwidth import held_out
 
     held = held_out(sequences, cfg.num_sequences)
     reference = next_token_logprobs(model, held)
@@ -155,8 +157,6 @@ def choose_theta(model, adapter, sequences: list, cfg: NeuronSection) -> tuple[f
 
 
 def _run(inputs) -> NeuronChoice:
-    from prep.methods.trace import open_trace
-    from prep.stages.trace import RoutingTraces
 
     cfg: NeuronSection = inputs.config
     quantize_dir, quantize = inputs.upstream("quantize")

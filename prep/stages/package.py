@@ -25,6 +25,7 @@ from loader.format import FORMAT, SCHEMA_VERSION, sha256_file, write_manifest
 from loader.io import write_bytes_atomic, write_json_atomic
 from loader.plan import PLAN_FILE
 from loader.predict import PREDICTORS_FILE
+from prep import __version__
 from prep.adapters.model_state import dense_state, expert_parameters
 from prep.errors import MoeprepError
 from prep.quant.records import write_aligned_records
@@ -76,7 +77,6 @@ def _producer() -> dict:
 
     import transformers
 
-    from prep import __version__
 
     # hqq sets no __version__; the installed distribution's metadata knows it
     return {"moeprep": __version__, "torch": torch.__version__, "transformers": transformers.__version__,

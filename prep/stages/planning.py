@@ -18,7 +18,15 @@ from pathlib import Path
 
 from loader.budget import Capacities, ModelSizes, buffer_bytes, capacities, record_slot_bytes
 from loader.plan import Plan
+from loader.predict import make_predictor
+from prep.adapters.model_state import dense_state, expert_parameters
 from prep.errors import MoeprepError
+from prep.sim.device import load_profile
+from prep.sim.replay import load_replay
+from prep.sim.simulate import capacities_spec, simulate, trace_feed
+from prep.stages.bitwidth import uniform_choice
+from prep.stages.predict import predictor_tensors
+from prep.stages.trace import RoutingTraces
 
 ALLOCATION_COSTS = ("measured", "closed_form")
 
@@ -125,8 +133,6 @@ class Draft:
 
     def simulate(self, plan: Plan, caps: Capacities, sequences: slice | None = None):
         """Replay (a slice of) the calibration traces through the cache ``plan`` builds with ``caps``."""
-        from loader.predict import make_predictor
-        from prep.sim.simulate import capacities_spec, simulate
 
         replay, feed = self.replay, self.feed
         if sequences is not None:
@@ -156,7 +162,6 @@ class Draft:
 def model_sizes(model, adapter, read_bytes: dict) -> ModelSizes:
     """The budget arithmetic's sizes before the artifact exists: the dense tensors' bytes, the source
     experts' bytes, and per precision the slot a record takes."""
-    from prep.adapters.model_state import dense_state, expert_parameters
 
     params, experts = expert_parameters(model, adapter)
     dense = sum(t.numel() * t.element_size() for t in dense_state(model, params).values())
@@ -169,12 +174,6 @@ def draft_from_inputs(inputs, profile_path: str | None) -> Draft:
     """The draft of a planning stage's inputs: the precisions of bitwidth (else quantize's uniform one) and the
     contributions of every stage it reads (``StageInputs.contributions``) and the trace; it needs the model."""
 
-    from prep.sim.device import load_profile
-    from prep.sim.replay import load_replay
-    from prep.sim.simulate import trace_feed
-    from prep.stages.bitwidth import uniform_choice
-    from prep.stages.predict import predictor_tensors
-    from prep.stages.trace import RoutingTraces
 
     model, adapter = inputs.model, inputs.adapter
     _, quantize = inputs.upstream("quantize")

@@ -30,7 +30,8 @@ from prep.errors import MoeprepError
 from prep.methods.first_gate import first_gate_data, gate_pairs, prediction_metrics, train_first_gate
 from prep.methods.routing_stats import fit_path_stats, next_gate_recall, path_stats_recall
 from prep.methods.trace import open_trace
-from prep.stages import Stage, StageResult
+from prep.stages import TENSORS, Stage, StageResult
+from prep.stages.trace import RoutingTraces
 
 VERSION = 1
 
@@ -212,14 +213,12 @@ def predictor_tensors(stage_dir, predictors: list) -> dict:
 
 
 def _run(inputs) -> PredictionStats:
-    from prep.stages.trace import RoutingTraces
 
     trace_dir, _ = inputs.upstream("trace")
     stats, tensors = fit_predictors(inputs.model, inputs.adapter, inputs.sequences, RoutingTraces.path(trace_dir),
                                     inputs.config)
     from safetensors.torch import save_file
 
-    from prep.stages import TENSORS
 
     save_file(tensors, str(inputs.work / TENSORS))  # result.json is written last, by the stage store
     return stats

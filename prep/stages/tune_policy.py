@@ -34,7 +34,8 @@ from pathlib import Path
 from loader.plan import Plan, PolicySpec
 from prep.errors import MoeprepError
 from prep.stages import Stage, StageResult
-from prep.stages.planning import PlanSection
+from prep.stages.allocate_cache import score_plan
+from prep.stages.planning import PlanSection, draft_from_inputs
 
 VERSION = 3  # 3: the predictor set is searched
 STUDY = "tune_policy"
@@ -186,7 +187,6 @@ def tune(draft, cfg: PlanSection, work: Path, allocation=None, progress: bool = 
                                 trials=[[t.number, t.params, _finite(t.value)] for t in finished], predictors=kept)
     if allocation is None:
         return tuned
-    from prep.stages.allocate_cache import score_plan
 
     final = tuned.apply(plan)
     return dataclasses.replace(tuned, points=[
@@ -213,7 +213,6 @@ def _predictor_set(tuned: TunedPolicy, plan: Plan, score, objective_values: dict
 
 
 def _run(inputs) -> TunedPolicy:
-    from prep.stages.planning import draft_from_inputs
 
     cfg = inputs.config
     found = inputs.upstream("allocate_cache", optional=True)

@@ -19,6 +19,10 @@ from pathlib import Path
 
 from loader.io import write_json_atomic
 from prep.errors import MoeprepError
+from prep.evals.compare import evaluate_artifact
+from prep.pipeline import prepare
+from prep.recipe import load_recipe, recipe_from_dict
+from prep.report import BITWIDTH_PLOT, merge_section
 from prep.studies.common import write_outputs
 
 PRECISIONS = ("int8", "int4", "int3", "int2")
@@ -96,9 +100,6 @@ def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".
               suites: tuple[str, ...] = ("gsm8k", "mmlu", "truthfulqa"), limit: int | None = None,
               data: str | Path | None = None, memory_budget: str | None = None, echo=print) -> dict:
     """Prepare and evaluate every row; writes ``study.json``, ``study.md`` and ``study.png`` under ``output``."""
-    from prep.evals.compare import evaluate_artifact
-    from prep.pipeline import prepare
-    from prep.recipe import load_recipe, recipe_from_dict
 
     if not tolerances:
         raise MoeprepError("the study needs at least one edgemoe tolerance (--tolerances 0.01,0.03,0.1)")
@@ -244,7 +245,6 @@ def study_plot(study: dict) -> bytes:
 def merge_study_into(artifact: str | Path, study: dict) -> None:
     """The study into ``artifact``: report.json's ``bitwidth_study`` (with its markdown, the table) and its plot
     under ``reports/``, through the report (``prep.report.merge_section``)."""
-    from prep.report import BITWIDTH_PLOT, merge_section
 
     keep = ("label", "experts", "expert_bytes", "compression_bfloat16", "bits_per_weight", "suites", "meets_goal")
     summary = {k: study.get(k) for k in ("recipe", "settings", "goal", "best", "sensitivity")}

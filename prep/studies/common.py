@@ -7,7 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from loader.io import write_bytes_atomic, write_json_atomic, write_text_atomic
+from prep.adapters import get_adapter, load_model
+from prep.calibration import calibration_sequences, fingerprint_sequences
 from prep.errors import MoeprepError
+from prep.fingerprint import model_fingerprint
+from prep.methods.trace import open_trace, record_traces
+from prep.recipe import load_recipe
 
 
 def write_outputs(output: Path, study: dict, markdown: str, png: bytes | None = None) -> None:
@@ -23,11 +28,6 @@ def fresh_trace(recipe_path: str | Path, root: Path, output: Path, seed: int, se
     model, the calibration settings and the seed are unchanged)."""
     import torch
 
-    from prep.adapters import get_adapter, load_model
-    from prep.calibration import calibration_sequences, fingerprint_sequences
-    from prep.fingerprint import model_fingerprint
-    from prep.methods.trace import open_trace, record_traces
-    from prep.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, (f"calibration.seed={seed}", f"calibration.num_sequences={sequences}"))
     if seed == load_recipe(recipe_path).calibration.seed:

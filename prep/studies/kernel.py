@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from loader.codec import DEFAULT_FORMATS
 from loader.forms import DecodedForm, Int4PackForm, int4pack_fits, median_seconds
 from loader.io import write_bytes_atomic
+from prep.quant.hqq_codec import encode_expert
 
 PRECISIONS = ("int8", "int4", "int3", "int2")
 
@@ -81,7 +82,6 @@ def _lowbit_forwards(gate_up: torch.Tensor, down: torch.Tensor) -> dict:
 
 def run_kernel_study(hidden: int, intermediate: int, prefill_tokens: int = 16, repeats: int = 20,
                      output: str | Path = "artifacts/kernel-study", echo=print) -> dict:
-    from prep.quant.hqq_codec import encode_expert
 
     torch.manual_seed(0)
     gate_up = torch.randn(2 * intermediate, hidden) * hidden ** -0.5

@@ -29,7 +29,15 @@ import json
 import time
 from pathlib import Path
 
+from loader.format import read_json, read_manifest
 from loader.io import write_json_atomic
+from loader.plan import PolicySpec, read_plan
+from loader.runtime import load
+from prep.calibration import calibration_sequences
+from prep.evals.compare import evaluate_artifact
+from prep.pipeline import prepare
+from prep.recipe import load_recipe
+from prep.report import merge_section
 from prep.studies.common import write_outputs
 
 PREPARE_OVERRIDES = ("neuron.layout=neuron", "neuron.enabled=true", "neuron.predictor=true", "evaluate.enabled=false")
@@ -38,7 +46,6 @@ DEFAULT_THETAS = (0.0, 0.05, 0.1, 0.2, 0.3)
 
 def plan_variant(plan, theta: float | None, predictor: bool, **knobs):
     """The artifact's plan with neuron loading at ``theta`` (None: off) and the neuron_gates predictor on or off."""
-    from loader.plan import PolicySpec
 
     predictors = tuple(p for p in plan.predictors if p.name != "neuron_gates")
     if predictor:
@@ -51,7 +58,6 @@ def measure_decode(artifact, plan, budget: str, sequences) -> dict:
     """The loader on ``sequences`` one token per call: bytes read per token, tokens/s and the neuron stats."""
     import torch
 
-    from loader.runtime import load
 
     lm = load(artifact, memory_budget=budget, plan=plan)
     try:
@@ -73,11 +79,6 @@ def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".
               seed: int = 1, sequences: int = 4, sequence_length: int = 64, trust_theta: float | None = None,
               echo=print) -> dict:
     """Prepare the study's artifact and measure every theta; writes study.json and study.md."""
-    from loader.plan import read_plan
-    from prep.calibration import calibration_sequences
-    from prep.evals.compare import evaluate_artifact
-    from prep.pipeline import prepare
-    from prep.recipe import load_recipe
 
     output, root = Path(output), Path(root)
     recipe = load_recipe(recipe_path, PREPARE_OVERRIDES)
@@ -183,8 +184,6 @@ def study_markdown(study: dict) -> str:
 
 def merge_into(artifact: str | Path, study: dict) -> None:
     """The study into the artifact's report.json ``neuron`` (bytes per token and deltas per theta) and report.md."""
-    from loader.format import read_json, read_manifest
-    from prep.report import merge_section
 
     manifest = read_manifest(artifact)
     neuron = dict(read_json(manifest.path("report.json"), "report.json").get("neuron") or {})

@@ -16,7 +16,10 @@ from pathlib import Path
 from loader.budget import ModelSizes
 from loader.plan import Plan, PolicySpec, Pool
 from prep.errors import MoeprepError
+from prep.sim.replay import load_replay
+from prep.sim.simulate import DEFAULT_RECORD_BYTES
 from prep.stages.planning import Draft, PlanSection, TuneKnobs
+from prep.stages.tune_policy import tune
 
 BASELINES = ("lru", "lfu", "edgemoe")
 DENSE_BYTES = 1 << 20  # the budget arithmetic needs one; the dense part never competes with experts here
@@ -39,9 +42,6 @@ def _only(replay, index: int):
 def run_study(trace, capacities: list[int], trials: int = 40, seed: int = 0, record_bytes: int | None = None,
               progress: bool = True) -> dict:
     """Per capacity (records per layer) and fold (fit sequence, test sequence): each policy's cost."""
-    from prep.sim.replay import load_replay
-    from prep.sim.simulate import DEFAULT_RECORD_BYTES
-    from prep.stages.tune_policy import tune
 
     replay = load_replay(trace)
     if len(replay.sequences) < 2:

@@ -14,7 +14,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from loader.plan import read_plan
 from prep.errors import MoeprepError
+from prep.methods.routing_stats import cross_fit_path_recall
+from prep.methods.trace import MIXTRAL_TRACE_FILE, read_mixtral_traces
+from prep.report import merge_section
+from prep.sim.simulate import simulate_trace
 
 PREDICTOR_ROWS = ("none", "next_gates", "path_stats", "first_gate", "plan")
 
@@ -22,8 +27,6 @@ PREDICTOR_ROWS = ("none", "next_gates", "path_stats", "first_gate", "plan")
 def mixtral_recall(traces: str | Path | None) -> list[dict] | None:
     """EdgeMoE's path statistics on the real Mixtral-8x7B traces, fitted on one problem and measured on the
     other (None when the traces are not there)."""
-    from prep.methods.routing_stats import cross_fit_path_recall
-    from prep.methods.trace import MIXTRAL_TRACE_FILE, read_mixtral_traces
 
     if traces is None or not any(p.is_file() for p in (Path(traces) / MIXTRAL_TRACE_FILE,
                                                          Path(traces) / "mixtral-8x7b" / MIXTRAL_TRACE_FILE)):
@@ -54,8 +57,6 @@ def run_study(artifact: str | Path, trace: Path, budgets: list[str], profile=Non
     """One simulation per (budget, predictor row); rows: no prediction, each planned predictor alone, all.
     With ``mixtral_traces``, also the path statistics' cross-fitted recall there; with ``bench`` (a
     bench.json), that run's prefetch rows for ``subject``."""
-    from loader.plan import read_plan
-    from prep.sim.simulate import simulate_trace
 
     planned = [s.name for s in read_plan(artifact).predictors]
     if not planned:
@@ -81,7 +82,6 @@ def run_study(artifact: str | Path, trace: Path, budgets: list[str], profile=Non
 
 def merge_into(artifact: str | Path, study: dict) -> None:
     """``prediction_study`` into the artifact's report.json, and report.md rendered again."""
-    from prep.report import merge_section
 
     merge_section(artifact, {"prediction_study": study | {"markdown": prediction_study_markdown(study)}})
 

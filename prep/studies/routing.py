@@ -29,8 +29,21 @@ import time
 from pathlib import Path
 
 from loader.io import write_json_atomic
+from loader.plan import Plan, PolicySpec, read_plan
 from prep.errors import MoeprepError
-from prep.studies.common import write_outputs
+from prep.evals.compare import evaluate_artifact
+from prep.methods.routing_stats import split_thresholds
+from prep.methods.trace import open_trace
+from prep.pipeline import prepare
+from prep.recipe import load_recipe
+from prep.report import ROUTING_PLOT, merge_section
+from prep.sim.replay import load_replay
+from prep.sim.simulate import artifact_spec, simulate
+from prep.stages.cache_routing import measure_ranges
+from prep.stages.gating import threshold_for_share
+from prep.stages.trace import RoutingTraces
+from prep.store import StageStore
+from prep.studies.common import fresh_trace, write_outputs
 
 DEFAULT_KNOBS = {"gating": (0.1, 0.25, 0.4), "dynamic_precision": ((0.85, 0.0), (0.67, 0.03), (0.5, 0.1)),
                  "cache_prior": (0.25, 0.5, 1.0), "max_rank": (3, 4)}
@@ -43,9 +56,6 @@ def _plans(artifact: Path, weights, routing: dict, knobs: dict) -> list[tuple[st
     """(method, knob label, knob value, Plan) for every point, from the artifact's plan and report and the
     calibration routing ``weights`` [N, L, K] (where the gating and precision thresholds come from);
     ``routing``: the cache_routing params (logit ranges, weight function) every cache point starts from."""
-    from loader.plan import Plan, PolicySpec, read_plan
-    from prep.methods.routing_stats import split_thresholds
-    from prep.stages.gating import threshold_for_share
 
     plan = read_plan(artifact)
     report = json.loads((artifact / "report.json").read_text())
@@ -84,15 +94,6 @@ def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".
 
     low: the precision of dynamic precision's low copies (default: the recipe's ``dynamic_precision.low``),
     added to what quantize writes."""
-    from prep.evals.compare import evaluate_artifact
-    from prep.methods.trace import open_trace
-    from prep.pipeline import prepare
-    from prep.recipe import load_recipe
-    from prep.sim.replay import load_replay
-    from prep.sim.simulate import artifact_spec, simulate
-    from prep.stages.trace import RoutingTraces
-    from prep.store import StageStore
-    from prep.studies.common import fresh_trace
 
     output, root = Path(output), Path(root)
     knobs = DEFAULT_KNOBS if knobs is None else knobs
@@ -119,7 +120,6 @@ def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".
         if path.is_file() else {}
     key = json.loads((artifact / "manifest.json").read_text())["package_key"]
     study = {"recipe": str(recipe_path), "settings": settings, "budgets": list(budgets), "points": []}
-    from prep.stages.cache_routing import measure_ranges
 
     routing = measure_ranges(trace_dir, recipe.cache_routing).knobs | {
         "weights": json.loads((artifact / "manifest.json").read_text())["moe"]["routing_weights"]}
@@ -258,7 +258,6 @@ def study_plot(study: dict) -> bytes:
 
 def merge_into(artifact: str | Path, study: dict, png: bytes) -> None:
     """``routing_curves`` into the artifact's report.json (per method, its points), report.md and the plot."""
-    from prep.report import ROUTING_PLOT, merge_section
 
     curves: dict = {}
     for p in study["points"]:

@@ -66,11 +66,22 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from loader.codec import DEFAULT_FORMATS, MatrixSpec
+from loader.errors import MoeError
 from loader.io import write_bytes_atomic
+from loader.plan import PolicySpec, read_plan
+from loader.predict import PREDICTORS_FILE, make_predictor
+from loader.runtime import budget_bytes
 from prep.errors import MoeprepError
 from prep.methods.trace import MIXTRAL_TRACE_FILE
+from prep.sim.device import measure_device
+from prep.sim.replay import replay_from_routing
+from prep.sim.simulate import PredictionFeed, artifact_spec, simulate
+from prep.studies.bench.llama import QUANT, logit_check, prepare_gguf
 from prep.studies.bench.llama import missing as llama_missing
+from prep.studies.bench.report import write_markdown, write_plot
 from prep.studies.bench.subjects import Subject, mixtral_shape_subject, reference_subject
+from prep.studies.bench.worker import loader_plan
 
 SYSTEMS = ("resident", "accelerate", "naive", "moeprep")
 UNLIMITED = "unlimited"
@@ -186,7 +197,6 @@ def read_bandwidth(path: Path, limit: int, chunk: int = 16 << 20) -> dict:
 def four_bit_expert_bytes(subject: Subject) -> int:
     """The source model's experts at 4 bits in the codec's default int4 format (its bits per weight: codes,
     8-bit scale and zero per group of 64, their float16 meta)."""
-    from loader.codec import DEFAULT_FORMATS, MatrixSpec
 
     group, meta = DEFAULT_FORMATS["int4"]
     moe = subject.manifest["moe"]
@@ -199,7 +209,6 @@ def four_bit_expert_bytes(subject: Subject) -> int:
 def _budget_bytes(subject: Subject, budget: str) -> int:
     """The loader's reading of a share budget, in bytes (one function for the loader, bench and simulator);
     ``4bit-25%``: the dense weights + 25% of ``four_bit_expert_bytes``."""
-    from loader.runtime import budget_bytes
 
     if budget == BELOW_4BIT:
         dense = budget_bytes(subject.artifact, "100%") - int(subject.manifest["moe"]["source_expert_bytes"])
@@ -373,7 +382,6 @@ def device_profile(subjects: list[Subject], sizes: Sizes, device: str, output: P
     """This machine's ``prep.sim.device`` profile, measured once for the run (reads from a file on the output's
     disk, one expert's compute on ``device``; on CUDA with ``store="host"`` the reads are pinned host-to-GPU
     copies, as the loader's host store reads there), written to ``output/device.json``."""
-    from prep.sim.device import measure_device
 
     profile = measure_device(output, file_bytes=sizes.profile_bytes, expert_shape=profile_shape(subjects),
                              device=device)
@@ -457,7 +465,6 @@ def _replay(routing: dict, num_experts: int, tokens: int, source: str, warm: int
     ``@unlimited`` row)."""
     from types import SimpleNamespace
 
-    from prep.sim.replay import replay_from_routing
 
     lengths = ([warm] if warm else []) + [tokens]
     traces = [SimpleNamespace(num_layers=routing["expert_ids"].shape[1], top_k=routing["expert_ids"].shape[2],
@@ -474,7 +481,6 @@ def cache_spec(artifact: Path, budget, plan, device: str):
     the bench's workers call it (``store="host"`` on CUDA)."""
     import inspect
 
-    from prep.sim.simulate import artifact_spec
 
     store = "host" if device == "cuda" else "disk"
     if device != "cpu" and "device" in inspect.signature(artifact_spec).parameters:
@@ -507,8 +513,6 @@ def _prediction_feed(artifact: Path, routing: dict, plan, tokens: int):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from loader.predict import PREDICTORS_FILE, make_predictor
-    from prep.sim.simulate import PredictionFeed
 
     manifest = json.loads((Path(artifact) / "manifest.json").read_text())
     routers = []
@@ -526,8 +530,6 @@ def _prediction_feed(artifact: Path, routing: dict, plan, tokens: int):
 
 def _sim_plan(subject: Subject, system: str):
     """(artifact, plan) the loader row ``system`` ran, as the simulator replays it."""
-    from loader.plan import PolicySpec, read_plan
-    from prep.studies.bench.worker import loader_plan
 
     artifact = subject.naive_artifact if system.startswith("naive") else subject.artifact
     plan = loader_plan(artifact, system) or read_plan(artifact)
@@ -553,7 +555,6 @@ def modelled(subject: Subject, system: str, memory_budget, routing: dict | None,
 
 
 def _modelled(subject: Subject, system: str, memory_budget, routing: dict, profile, device: str) -> dict:
-    from prep.sim.simulate import simulate
 
     artifact, plan = _sim_plan(subject, system)
     if plan.neuron.name != "off":
@@ -593,7 +594,6 @@ def _modelled(subject: Subject, system: str, memory_budget, routing: dict, profi
 
 def _belady_demand_bytes(routing: dict, num_experts: int, tokens: int, spec) -> int:
     """Demand bytes Belady's policy reads replaying the first ``tokens`` tokens of ``routing`` through ``spec``."""
-    from prep.sim.simulate import simulate
 
     replay = _replay(routing, num_experts, tokens, "bench")
     return sum(layer.demand_bytes for layer in simulate(replay, spec, "belady").layers)
@@ -603,7 +603,6 @@ def _io_floor(subject: Subject, routing: dict, artifact: Path, limit: int, plan,
               compute: float | None, device: str) -> dict:
     """Belady's demand bytes per decode token in the cache ``load(artifact, limit, plan=plan)`` builds, that over
     the read bandwidth (bytes/s), and the bound it makes with the compute floor (tokens/s; None: not measured)."""
-    from loader.errors import MoeError
 
     prompt = len(subject.prompt_ids)
     tokens = prompt + len(subject.decode_ids)
@@ -650,8 +649,6 @@ def physical_bounds(subject: Subject, budgets: list[str], results: list[dict], r
     I/O) per token), for ``naive`` (its artifact, plan and ``naive@unlimited``; the entry's top level) and, under
     ``moeprep``, for the recipe's artifact with its plan's pools and precisions (exact routing) and
     ``moeprep@unlimited``."""
-    from loader.plan import PolicySpec, read_plan
-    from prep.studies.bench.worker import loader_plan
 
     speeds = {r["system"]: r.get("decode_tokens_per_s") for r in results if r["subject"] == subject.name}
     moe = subject.manifest["moe"]
@@ -678,8 +675,6 @@ def physical_bounds(subject: Subject, budgets: list[str], results: list[dict], r
 
 def _neuron_loading(subject: Subject, system: str) -> bool:
     """Whether the loader row ``system`` reads and computes parts of experts (neuron-level loading)."""
-    from loader.plan import read_plan
-    from prep.studies.bench.worker import loader_plan
 
     artifact = subject.naive_artifact if system.startswith("naive") else subject.artifact
     plan = loader_plan(artifact, system) or read_plan(artifact)
@@ -694,7 +689,6 @@ def is_loader(system: str) -> bool:
 def _prepare_llama(subject: Subject, output: Path, echo) -> str | None:
     """Convert and quantize the subject's model for llama.cpp and check its float32 logits against
     transformers' on the prompt; records the facts on the subject. Returns why it cannot run, or None."""
-    from prep.studies.bench.llama import QUANT, logit_check, prepare_gguf
 
     echo("llama.cpp: converting mixtral-shape to GGUF (float32, then Q4_0), reused while the model is unchanged")
     files = prepare_gguf(subject.model_dir, output / "llama-gguf" / subject.model_dir.parent.name)
@@ -720,7 +714,6 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
     RAM on CUDA (pinned, copied at PCIe speed) and the disk on a CPU. only: comma-separated systems to run
     (``naive`` also selects ``naive@unlimited``; without ``resident`` the resident candidates are not
     measured either), to spend a short GPU lease on what a second store changes."""
-    from prep.studies.bench.report import write_markdown, write_plot
 
     if device not in ("cpu", "cuda"):
         raise MoeprepError(f"--device {device!r} unknown; use cpu or cuda")

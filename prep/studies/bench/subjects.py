@@ -32,6 +32,10 @@ import torch
 
 from loader.io import building_directory
 from prep.errors import MoeprepError
+from prep.fingerprint import model_fingerprint
+from prep.methods.trace import read_mixtral_traces
+from prep.pipeline import prepare
+from prep.recipe import load_recipe, recipe_from_dict
 
 # Attention is kept small (4 query heads of 64, one KV head, short context): the bench is about experts.
 MIXTRAL_SHAPE = {"num_hidden_layers": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
@@ -77,7 +81,6 @@ class Subject:
 
 
 def _artifact_is_current(artifact: Path, model_dir: Path) -> bool:
-    from prep.fingerprint import model_fingerprint
 
     manifest = artifact / "manifest.json"
     if not manifest.is_file():
@@ -104,8 +107,6 @@ def _prepared(root: Path, name: str, evaluate: bool = True) -> tuple[Path, Path]
     """(model dir, artifact) of ``recipes/<name>.yaml``, prepared (reused when current) to the end, so that its
     report carries the accuracy check bench.md quotes, or only through the package stage (``evaluate`` off:
     the quick bench)."""
-    from prep.pipeline import prepare
-    from prep.recipe import load_recipe
 
     recipe_path = root / "recipes" / f"{name}.yaml"
     if not recipe_path.is_file():
@@ -171,7 +172,6 @@ def _replay_file(work: Path, traces: Path, layers: int, tokens: int) -> tuple[Pa
     """The first ``tokens`` decisions of the longest recorded problem, first ``layers`` layers, as safetensors."""
     from safetensors.torch import save_file
 
-    from prep.methods.trace import read_mixtral_traces
 
     recorded = max(read_mixtral_traces(traces), key=lambda t: t.num_tokens)
     if recorded.num_tokens < tokens:
@@ -192,8 +192,6 @@ def mixtral_shape_subject(output: Path, traces: Path | None, quick: bool, prompt
                           decode_tokens: int, own: bool = False) -> Subject:
     """Build (or reuse) the mixtral-shape model and its passthrough and int4 artifacts under ``output``;
     ``own``: the subject ``mixtral-shape-own``, routed by the model's own routers (what llama.cpp can run)."""
-    from prep.pipeline import prepare
-    from prep.recipe import recipe_from_dict
 
     shape = QUICK_SHAPE if quick else MIXTRAL_SHAPE
     name = "mixtral-shape"

@@ -36,7 +36,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from loader.plan import Plan, read_plan
 from loader.routing import ReplayRouting, RoutingPolicy, install_routing
+from prep.studies.bench.llama import cgroup_peak, join_cgroup, open_model
 
 
 class RecordingRouting(RoutingPolicy):
@@ -165,7 +167,6 @@ def loader_plan(artifact: str | Path, system: str):
     ``<system>@unlimited`` is ``<system>``'s plan (the budget differs). The bench's simulator takes the same."""
     import dataclasses
 
-    from loader.plan import Plan, read_plan
 
     system = system.split("@", 1)[0]
     if not system.startswith("naive"):
@@ -234,7 +235,6 @@ def _load(spec: dict, routing):
 def measure_llama(spec: dict) -> dict:
     """llama.cpp (``prep/studies/bench/llama.py``) in the spec's memory cgroup: the same prefill and teacher-forced
     decode steps, the model's own routing."""
-    from prep.studies.bench.llama import cgroup_peak, join_cgroup, open_model
 
     cgroup = Path(spec["cgroup"])
     join_cgroup(cgroup)  # before the model is mapped: its pages count against the budget from the start
