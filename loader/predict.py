@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loader.errors import MoeError
+from loader.errors import LoaderError
 
 PREDICTORS_FILE = "predictors.safetensors"
 
 
-class PredictorError(MoeError):
+class PredictorError(LoaderError):
     """A predictor that cannot run on this artifact (missing tensors, bad knobs); the message says what to do."""
 
 

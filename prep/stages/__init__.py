@@ -9,8 +9,9 @@ A stage declares
 - ``result``: a frozen ``StageResult`` subclass, saved as ``result.json`` (+ an optional
   ``tensors.safetensors``, + any files the stage writes itself) in its stage directory; its
   ``apply(plan, context)`` is the stage's contribution to the artifact's plan (none by default);
-- ``reads``: the upstream stages whose results it reads (``EVERY_EARLIER``: all of them, as the package stage
-  does, so a new stage's plan contribution reaches the artifact without editing it);
+- ``reads``: the upstream stages whose results it reads (``EARLIER_CONTRIBUTIONS``: also every earlier stage
+  whose result contributes to the plan, as the package stage reads them, so a new stage's contribution
+  reaches the artifact without editing the package stage);
 - ``needs``: what else it uses, from ``NEEDS``:
   ``model`` (the loaded source model, its adapter and tokenizer; loaded only when such a stage runs),
   ``calibration`` (the calibration token sequences), ``recipe`` (it records the recipe that made its
@@ -41,7 +42,8 @@ from typing import Any
 from loader.io import write_json_atomic
 
 RESULT = "result.json"
-EVERY_EARLIER = "*"  # in ``reads``: every stage before this one in the table (the package stage: each contribution)
+# in ``reads``: every earlier stage of the table whose result contributes to the plan (overrides ``apply``)
+EARLIER_CONTRIBUTIONS = "*contributions"
 TENSORS = "tensors.safetensors"
 NEEDS = frozenset({"model", "calibration", "recipe", "artifact"})
 
@@ -52,6 +54,11 @@ class StageResult:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def contributes(cls) -> bool:
+        """Whether this result type has a plan contribution (overrides ``apply``)."""
+        return cls.apply is not StageResult.apply
 
     def apply(self, plan, context):
         """This result's contribution to the artifact's plan (``loader.plan.Plan``): ``compose_plan`` hands every

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from loader.budget import Capacities, ModelSizes, buffer_bytes, resolve_budget
+from loader.errors import MoeError
 from loader.plan import OperatingPoint, Plan, Pool
 from prep.errors import MoeprepError
 from prep.methods.allocation import allocate, closed_form_curve
@@ -61,7 +62,7 @@ class CacheAllocation(StageResult):
         try:
             own = pools_of(plan, self.cells, solve(plan, sizes, self.cells, self.curves, budget))
             raw[budget] = own  # the default budget is a point too
-        except MoeprepError:  # a default budget that holds no record: the smallest point's pools
+        except MoeError:  # a default budget that holds no record: the smallest point's pools
             own = raw[min(raw)]
         points = tuple(OperatingPoint(b, pools(raw[b])) for b in sorted(raw))
         return dataclasses.replace(plan, pools=pools(own), operating_points=points)
@@ -210,7 +211,7 @@ def score_plan(draft, plan: Plan, budget: int, sequences) -> dict | None:
     """Cost, demand misses and reads per token, modelled tokens/s of ``plan`` at ``budget`` (None: refused)."""
     try:
         result = draft.simulate(plan, draft.capacities(plan, budget), sequences)
-    except MoeprepError as e:
+    except MoeError as e:
         return {"refused": str(e)}
     cost = draft.cost(result)
     return {"cost": cost, "misses_per_token": result.misses / result.tokens, "miss_rate": result.miss_rate,

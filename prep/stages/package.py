@@ -31,7 +31,7 @@ from prep.errors import MoeprepError
 from prep.quant.records import write_aligned_records
 from prep.report import report_markdown
 from prep.report.sections import PLAN_PLOT, operating_points_plot
-from prep.stages import EVERY_EARLIER, Stage, StageResult
+from prep.stages import EARLIER_CONTRIBUTIONS, Stage, StageResult
 from prep.stages.bitwidth import BitwidthChoice, uniform_choice
 from prep.stages.planning import PlanContext, compose_plan, model_sizes
 from prep.stages.predict import predictor_tensors
@@ -251,7 +251,7 @@ def _run(inputs) -> ArtifactReport:
 
 STAGE = Stage(
     name="package", version=VERSION, config=PackageSection, result=ArtifactReport,
-    reads=(EVERY_EARLIER,), needs=frozenset({"model", "recipe", "artifact"}),  # every plan contribution
+    reads=("quantize", "bitwidth", EARLIER_CONTRIBUTIONS), needs=frozenset({"model", "recipe", "artifact"}),
     run=_run,
     output_ok=lambda inputs, result: inputs.artifact.matches(inputs.key),
     section="package",

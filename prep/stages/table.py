@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from prep.stages import (
-    EVERY_EARLIER,
+    EARLIER_CONTRIBUTIONS,
     Stage,
     allocate_cache,
     bitwidth,
@@ -42,9 +42,16 @@ ROWS: tuple[Stage, ...] = (
 
 
 def expanded(rows: tuple[Stage, ...]) -> tuple[Stage, ...]:
-    """The rows with ``EVERY_EARLIER`` in ``reads`` replaced by the name of every stage before them."""
-    return tuple(dataclasses.replace(stage, reads=tuple(s.name for s in rows[:i])) if EVERY_EARLIER in stage.reads
-                 else stage for i, stage in enumerate(rows))
+    """The rows with ``EARLIER_CONTRIBUTIONS`` in ``reads`` replaced by the earlier stages whose result contributes
+    to the plan (in table order, after the stage's own reads)."""
+    out = []
+    for i, stage in enumerate(rows):
+        if EARLIER_CONTRIBUTIONS in stage.reads:
+            own = tuple(r for r in stage.reads if r != EARLIER_CONTRIBUTIONS)
+            stage = dataclasses.replace(stage, reads=own + tuple(
+                s.name for s in rows[:i] if s.result.contributes() and s.name not in own))
+        out.append(stage)
+    return tuple(out)
 
 
 STAGES = expanded(ROWS)

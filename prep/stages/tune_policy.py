@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from loader.errors import MoeError
 from loader.plan import Plan, PolicySpec
 from prep.errors import MoeprepError
 from prep.stages import Stage, StageResult
@@ -116,7 +117,7 @@ def tune(draft, cfg: PlanSection, work: Path, allocation=None, progress: bool = 
     def score(candidate: Plan) -> float:
         try:
             caps = draft.capacities(candidate, budget)
-        except MoeprepError:  # e.g. per-layer pools of an unallocated mixed plan: a group below one record
+        except MoeError:  # e.g. per-layer pools of an unallocated mixed plan: a group below one record
             return math.inf
         return draft.cost(draft.simulate(candidate, caps, sequences))
 

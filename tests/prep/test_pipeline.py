@@ -188,14 +188,13 @@ def test_keys_cover_only_what_a_stage_declares(root):
 
 
 def test_fully_cached_run_loads_no_model(root, monkeypatch):
-    import prep.streaming
 
     prepare(tiny_recipe(), root=root)
 
     def refuse(*args, **kwargs):
         raise AssertionError("a fully cached run loaded the model")
 
-    monkeypatch.setattr(prep.streaming, "load_streamed", refuse)
+    monkeypatch.setattr(pipeline, "load_streamed", refuse)  # the name the pipeline calls
     again = prepare(tiny_recipe(), root=root)
     assert all(again[s]["cached"] for s in ("trace", "quantize", "package"))
     with pytest.raises(AssertionError, match="loaded the model"):  # a stage that needs it does load it

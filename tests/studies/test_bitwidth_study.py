@@ -74,7 +74,7 @@ def test_a_rerun_evaluates_nothing_again(study, monkeypatch):
     def refuse(*args, **kw):
         raise AssertionError("a finished row was evaluated again")
 
-    monkeypatch.setattr("prep.evals.compare.evaluate_artifact", refuse)
+    monkeypatch.setattr("prep.studies.bitwidth.evaluate_artifact", refuse)
     again = run_study(root / "tiny.yaml", root / "out", **kwargs)
     assert again["rows"] == result["rows"]
 
