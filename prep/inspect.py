@@ -22,6 +22,7 @@ import torch
 
 from loader.codec import RecordLayout
 from loader.io import write_text_atomic
+from loader.vocab import BITS
 from prep.adapters import build_skeleton, get_adapter, inspect_model, load_config
 from prep.errors import MoeprepError
 from prep.evals.data import load_benchmarks
@@ -31,7 +32,7 @@ from prep.quant.hqq_codec import matrix_spec
 from prep.recipe import load_recipe
 from prep.stages.quantize import QuantizeSection
 
-PRECISIONS = ("bfloat16", "int8", "int4", "int3", "int2")
+PRECISIONS = ("bfloat16", *BITS)
 RUNTIME_BYTES = 400 * 2**20  # python + torch + transformers + moeprep, no model (the streaming test measures ~380 MiB)
 ACTIVATION_COPIES = 8  # float32 [tokens, H] tensors alive at once in a decoder layer (residual, norm, attention, MLP)
 MARKERS = ("<!-- models-table:start (moeprep inspect-model --table recipes/*.yaml --readme README.md) -->",

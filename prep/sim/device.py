@@ -45,12 +45,13 @@ from pathlib import Path
 from loader.codec import MatrixSpec, RecordLayout
 from loader.forms import choose_form, matrices_forward
 from loader.io import write_json_atomic
+from loader.vocab import BITS
 from prep.errors import MoeprepError
 
 PROFILE_FORMAT = "moeprep-device-profile"
 PROFILE_VERSION = 1
 MIXTRAL_SHAPE = (4096, 14336)  # (hidden H, expert intermediate I) of Mixtral-8x7B
-MEASURED_PRECISIONS = ("float32", "bfloat16", "int8", "int4", "int3", "int2")
+MEASURED_PRECISIONS = ("float32", "bfloat16", *BITS)
 _ALIGN = 4096
 
 
@@ -304,7 +305,7 @@ def measure_compute(expert_shape: tuple[int, int] = MIXTRAL_SHAPE, scale: int = 
             weights = {n: torch.randn(s, generator=gen).to(dev, dtype) for n, s in shapes.items()}
             x = torch.randn(1, hidden, generator=gen).to(dev, dtype)
             out[str(dtype).removeprefix("torch.")] = timed(lambda w=weights, x=x: matrices_forward(module, w, x))
-        for precision in ("int8", "int4", "int3", "int2"):
+        for precision in BITS:
             specs = [MatrixSpec(name, shape, precision, "bfloat16", group_size) for name, shape in shapes.items()]
             layout = RecordLayout(tuple(specs))
             record = torch.randint(0, 256, (layout.nbytes,), dtype=torch.uint8, generator=gen).to(dev)

@@ -22,6 +22,7 @@ from loader.format import read_json, read_manifest
 from loader.plan import read_plan
 from prep.errors import MoeprepError
 from prep.evals.compare import eval_summary, evaluate_artifact
+from prep.evals.data import SUITES
 from prep.report import merge_section
 from prep.report.sections import PLAN_PLOT, operating_points_plot
 from prep.stages import Stage, StageResult
@@ -34,7 +35,7 @@ class EvaluateSection:
     """The accuracy check as the last stage of prepare (``moeprep eval`` with these settings)."""
 
     enabled: bool = False
-    suites: tuple[str, ...] = ("gsm8k", "mmlu", "truthfulqa")
+    suites: tuple[str, ...] = SUITES
     data: str | None = None  # default: suites/ beside the model
     limit: int | None = 20
     num_fewshot: int | None = None
@@ -44,8 +45,8 @@ class EvaluateSection:
     def __post_init__(self) -> None:
         if self.gsm8k_format not in ("cot", "plain"):
             raise MoeprepError("evaluate.gsm8k_format must be cot or plain")
-        if unknown := sorted(set(self.suites) - {"gsm8k", "mmlu", "truthfulqa"}):
-            raise MoeprepError(f"evaluate.suites: unknown suite(s) {unknown}; use gsm8k, mmlu, truthfulqa")
+        if unknown := sorted(set(self.suites) - set(SUITES)):
+            raise MoeprepError(f"evaluate.suites: unknown suite(s) {unknown}; use {', '.join(SUITES)}")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from loader.plan import PolicySpec
+from loader.vocab import PREDICTOR_NAMES as LOADER_PREDICTORS
 from prep.errors import MoeprepError
 from prep.methods.first_gate import first_gate_data, gate_pairs, prediction_metrics, train_first_gate
 from prep.methods.routing_stats import fit_path_stats, next_gate_recall, path_stats_recall
@@ -36,7 +37,7 @@ from prep.stages.trace import RoutingTraces
 VERSION = 1
 
 
-PREDICTOR_NAMES = ("next_gates", "path_stats", "first_gate")  # loader.predict.PREDICTORS
+PREDICTOR_NAMES = tuple(n for n in LOADER_PREDICTORS if n != "neuron_gates")  # neuron_gates: the neuron stage's
 FIRST_GATE_INITS = ("zeros", "router")
 
 

@@ -10,7 +10,6 @@ settings are unchanged, so an interrupted study resumes.
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import time
@@ -18,14 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loader.io import write_json_atomic
+from loader.vocab import BITS
 from prep.errors import MoeprepError
 from prep.evals.compare import evaluate_artifact
+from prep.evals.data import SUITES
 from prep.pipeline import prepare
 from prep.recipe import load_recipe, recipe_from_dict
 from prep.report import BITWIDTH_PLOT, merge_section
-from prep.studies.common import write_outputs
+from prep.studies.common import figure_png, write_outputs
 
-PRECISIONS = ("int8", "int4", "int3", "int2")
+PRECISIONS = tuple(BITS)  # the quantized precisions, highest first
 GOAL_COMPRESSION = 3.5  # expert bytes against bfloat16
 GOAL_DELTA = 0.01  # |accuracy delta| on every suite: one point
 SUITE_METRIC = {"gsm8k": "strict_match"}  # the others: acc
@@ -97,7 +98,7 @@ def _row_result(row: Row, artifact: Path, report: dict, evaluation: dict, settin
 
 def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".", *,
               tolerances: tuple[float, ...], shares: tuple[float, ...] = (0.25, 0.5), middle: int | None = None,
-              suites: tuple[str, ...] = ("gsm8k", "mmlu", "truthfulqa"), limit: int | None = None,
+              suites: tuple[str, ...] = SUITES, limit: int | None = None,
               data: str | Path | None = None, memory_budget: str | None = None, echo=print) -> dict:
     """Prepare and evaluate every row; writes ``study.json``, ``study.md`` and ``study.png`` under ``output``."""
 
@@ -235,11 +236,7 @@ def study_plot(study: dict) -> bytes:
     ax.set_title("Bit-width configurations: accuracy against expert bytes")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=110)
-    plt.close(fig)
-    return png.getvalue()
+    return figure_png(fig)
 
 
 def merge_study_into(artifact: str | Path, study: dict) -> None:

@@ -4,6 +4,7 @@ own outputs (study.json, study.md, study.png). A study merges its section into a
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from loader.io import write_bytes_atomic, write_json_atomic, write_text_atomic
@@ -13,6 +14,17 @@ from prep.errors import MoeprepError
 from prep.fingerprint import model_fingerprint
 from prep.methods.trace import open_trace, record_traces
 from prep.recipe import load_recipe
+
+
+def figure_png(fig, dpi: int = 110) -> bytes:
+    """A matplotlib figure laid out, as PNG bytes; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=dpi)
+    plt.close(fig)
+    return png.getvalue()
 
 
 def write_outputs(output: Path, study: dict, markdown: str, png: bytes | None = None) -> None:

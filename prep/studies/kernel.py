@@ -25,9 +25,10 @@ import torch.nn.functional as F
 from loader.codec import DEFAULT_FORMATS
 from loader.forms import DecodedForm, Int4PackForm, int4pack_fits, median_seconds
 from loader.io import write_bytes_atomic
+from loader.vocab import BITS
 from prep.quant.hqq_codec import encode_expert
 
-PRECISIONS = ("int8", "int4", "int3", "int2")
+PRECISIONS = tuple(BITS)  # the quantized precisions, highest first
 
 
 def _forward(x, gate_up, down):

@@ -35,6 +35,7 @@ from loader.plan import PolicySpec, read_plan
 from loader.runtime import load
 from prep.calibration import calibration_sequences
 from prep.evals.compare import evaluate_artifact
+from prep.evals.data import SUITES
 from prep.pipeline import prepare
 from prep.recipe import load_recipe
 from prep.report import merge_section
@@ -75,7 +76,7 @@ def measure_decode(artifact, plan, budget: str, sequences) -> dict:
 
 
 def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".", *, thetas=DEFAULT_THETAS,
-              budget: str = "25%", suites=("gsm8k", "mmlu", "truthfulqa"), limit: int | None = None, data=None,
+              budget: str = "25%", suites=SUITES, limit: int | None = None, data=None,
               seed: int = 1, sequences: int = 4, sequence_length: int = 64, trust_theta: float | None = None,
               echo=print) -> dict:
     """Prepare the study's artifact and measure every theta; writes study.json and study.md."""

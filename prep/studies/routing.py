@@ -23,7 +23,6 @@ rewritten after every point and a rerun keeps the points already measured with t
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from loader.io import write_json_atomic
 from loader.plan import Plan, PolicySpec, read_plan
 from prep.errors import MoeprepError
 from prep.evals.compare import evaluate_artifact
+from prep.evals.data import SUITES
 from prep.methods.routing_stats import split_thresholds
 from prep.methods.trace import open_trace
 from prep.pipeline import prepare
@@ -43,7 +43,7 @@ from prep.stages.cache_routing import measure_ranges
 from prep.stages.gating import threshold_for_share
 from prep.stages.trace import RoutingTraces
 from prep.store import StageStore
-from prep.studies.common import fresh_trace, write_outputs
+from prep.studies.common import figure_png, fresh_trace, write_outputs
 
 DEFAULT_KNOBS = {"gating": (0.1, 0.25, 0.4), "dynamic_precision": ((0.85, 0.0), (0.67, 0.03), (0.5, 0.1)),
                  "cache_prior": (0.25, 0.5, 1.0), "max_rank": (3, 4)}
@@ -88,7 +88,7 @@ def _plans(artifact: Path, weights, routing: dict, knobs: dict) -> list[tuple[st
 
 
 def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".", *, budgets=("25%", "50%"),
-              knobs: dict | None = None, suites=("gsm8k", "mmlu", "truthfulqa"), limit: int | None = None,
+              knobs: dict | None = None, suites=SUITES, limit: int | None = None,
               data=None, seed: int = 1, sequences: int = 8, low: str | None = None, echo=print) -> dict:
     """Prepare the artifact, then measure every (budget, point); writes study.json, study.md, study.png.
 
@@ -249,11 +249,7 @@ def study_plot(study: dict) -> bytes:
         ax.set_title(f"per-layer cache at {budget}")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=110)
-    plt.close(fig)
-    return png.getvalue()
+    return figure_png(fig)
 
 
 def merge_into(artifact: str | Path, study: dict, png: bytes) -> None:

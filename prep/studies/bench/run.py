@@ -72,6 +72,7 @@ from loader.io import write_bytes_atomic
 from loader.plan import PolicySpec, read_plan
 from loader.predict import PREDICTORS_FILE, make_predictor
 from loader.runtime import budget_bytes
+from loader.vocab import PREDICTOR_NAMES
 from prep.errors import MoeprepError
 from prep.methods.trace import MIXTRAL_TRACE_FILE
 from prep.sim.device import measure_device
@@ -88,7 +89,7 @@ UNLIMITED = "unlimited"
 RESIDENT_DTYPES = ("float32", "bfloat16")  # the resident candidates' dtypes, and on CUDA also:
 CUDA_RESIDENT_DTYPES = ("float16",)
 EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")  # transformers' (integrations/moe.py)
-PREDICTOR_SYSTEMS = tuple(f"naive+{name}" for name in ("next_gates", "path_stats", "first_gate", "neuron_gates"))
+PREDICTOR_SYSTEMS = tuple(f"naive+{name}" for name in PREDICTOR_NAMES)
 SUBJECTS = ("reference", "reference-lossless", "reference-neuron", "mixtral-shape", "mixtral-shape-own")
 LLAMA = "llama.cpp"
 LLAMA_MAX_LOGIT_ERROR = 1e-3  # llama.cpp's float32 logits against transformers', checked before timing
