@@ -1,10 +1,11 @@
 """CORM's neuron-level loading: which neurons of an expert are active, and the expert's MLP over a subset.
 
 A neuron j of an expert is row j of W1 (gate) and W3 (up) and column j of W2 (down). It is *active* for
-an input x when |act(W1 x)_j| > theta (digest C1, ambiguity 2: the activation alone, what W1 tells
-before W3 and W2 are read). ``act`` is the experts module's own gate function evaluated with the up
-projection at 1, so every architecture's activation is used as the model computes it (for gpt-oss
-this is (1 + 1) * glu: its theta is on that scale; theta is calibrated per model anyway).
+an input x when |act(W1 x)_j| > theta (CORM section 3). The paper does not say whether the activation
+includes the W3 product; we take act(W1 x) alone, what W1 tells before W3 and W2 are read. ``act`` is the
+experts module's own gate function evaluated with the up projection at 1, so every architecture's
+activation is used as the model computes it (for gpt-oss this is (1 + 1) * glu: its theta is on that
+scale; theta is calibrated per model anyway).
 
 A neuron-layout record (``loader.codec.NeuronLayout``) holds W1 whole in its header and one contiguous
 row per neuron (up row, down column). The runtime reads the header, finds the active set, and reads the
@@ -38,12 +39,12 @@ class NeuronError(MoeError):
 class NeuronConfig:
     """theta: the activity threshold; crossover: the active share above which the whole expert is read;
     compute: "resident" (every resident neuron of the expert, the default: more accurate at no extra
-    read) or "active" (the token's active set only; digest ambiguity 6); trust_prediction: a predicted
-    expert computes with the neurons the predictor read, missing active ones are not read on demand
-    (CORM's own behaviour; off: wrong predictions are fixed on demand); prefill: also in prefill (off:
-    decode only, since a prompt's union of active sets is nearly everything). With trust_prediction and the
-    neuron_gates predictor the layers also compute the predicted experts instead of the router's
-    (``TrustedPrediction``)."""
+    read) or "active" (the token's active set only; CORM does not say which of the two it computes);
+    trust_prediction: a predicted expert computes with the neurons the predictor read, missing active ones
+    are not read on demand (CORM's own behaviour; off: wrong predictions are fixed on demand); prefill: also
+    in prefill (off: decode only, since a prompt's union of active sets is nearly everything). With
+    trust_prediction and the neuron_gates predictor the layers also compute the predicted experts instead of
+    the router's (``TrustedPrediction``)."""
 
     theta: float = 0.0
     crossover: float = 0.75
@@ -125,7 +126,8 @@ class TrustedPrediction(RoutingPolicy):
     """CORM proceeds with its prediction (``trust_prediction``): where the neuron path runs, MoE layer l computes
     the experts the ``neuron_gates`` predictor named from layer l-1's router input instead of its router's
     choice (the first MoE layer, with nothing named, keeps its router's). They are weighted by the router's
-    own weight function on its logits (digest ambiguity 5: the true gate, renormalized as the model does)."""
+    own weight function on its logits (CORM does not say which gate weighs them; we take the true gate,
+    renormalized as the model does)."""
 
     name = "trusted_prediction"
 

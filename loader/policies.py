@@ -129,7 +129,9 @@ class FLDPolicy(EvictionPolicy):
 
 
 class EdgeMoEPolicy(EvictionPolicy):
-    """EdgeMoE's buffer eviction: L = f * ((S - i + I) mod S), the smallest L leaves (digest §1.7).
+    """EdgeMoE's buffer eviction: L = f * ((S - i + I) mod S), the smallest L leaves (EdgeMoE section 3.3.3).
+
+    The paper's text of the formula lost its operators; this is our reading of it.
 
     f is the expert's use count since the loader started, seeded with ``n0 * share`` from the offline
     per-layer shares when given (``shares`` [L][E]), so the first tokens are not decided by zeros. The
@@ -158,7 +160,7 @@ class EdgeMoEPolicy(EvictionPolicy):
 
 
 class HobbitPolicy(EvictionPolicy):
-    """HOBBIT's multidimensional priority (digest H3), the lowest leaves:
+    """HOBBIT's multidimensional priority (HOBBIT section 3.4), the lowest leaves:
 
     p = w_lru * R/T + w_lfu * F/T + w_lhu * H/T + w_fld * (1 - d/L)
 

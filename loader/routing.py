@@ -20,23 +20,23 @@ On the experts side, a ``MissPolicy`` decides per missed expert which precision 
 Techniques (each a plan entry, ``Plan.routing`` / ``Plan.miss``, and a class of ``ROUTING_POLICIES`` /
 ``MISS_POLICIES``):
 
-- ``adaptive_gating`` (AdapMoE 4.2, digest 2.1): drop the tail of a token's selected experts when its
+- ``adaptive_gating`` (AdapMoE section 4.2, eqs. 3-8): drop the tail of a token's selected experts when its
   normalized weight w_R satisfies w_R^2 * S_l <= T (for top-2: keep only the top-1 when (1 - alpha)^2 * S_l
   <= T). A dropped expert gets weight 0 and the loader never reads it; the survivors are rescaled to the
   selection's original total weight. Top-k > 2 and routers that do not renormalize are an extension of the
   paper (which is top-2 and renormalized); on a renormalizing top-2 router the rule is the paper's.
-- ``dynamic_precision`` (HOBBIT H1, digest 1.1): a missed expert's unimportance is the summed normalized
+- ``dynamic_precision`` (HOBBIT section 3.2): a missed expert's unimportance is the summed normalized
   weight of the more important selected experts of its token (``unimportance``); at or below ``t1`` it is
   read at its planned precision, at or below ``t2`` at ``low``, above ``t2`` skipped. The top-1 always
   scores 0. With several tokens the most demanding token decides.
-- ``cache_routing`` (Skliar et al., digest CC1-CC4): prefer experts already resident when the router is
-  nearly indifferent. ``prior``: add lambda times the layer's running logit range to the logits of resident
-  experts and of the token's top-J; ``max_rank``: cached experts within the top m move ahead; ``threshold``:
-  m is the smallest rank whose cumulative probability reaches tau. The J best experts always stay. The
-  ranking changes, the weights do not: they are the router's own weight function
-  (``selection_weights``, the manifest's ``routing_weights``) on the unmodified logits. The tokens of one
-  call are routed in order, each seeing the cache as decode would (the earlier tokens' experts added,
-  least recently used out at the layer's capacity).
+- ``cache_routing`` (Skliar et al., Mixture of Cache-Conditional Experts, sections 3.1-3.3 and 4.1): prefer
+  experts already resident when the router is nearly indifferent. ``prior``: add lambda times the layer's
+  running logit range to the logits of resident experts and of the token's top-J; ``max_rank``: cached
+  experts within the top m move ahead; ``threshold``: m is the smallest rank whose cumulative probability
+  reaches tau. The J best experts always stay. The ranking changes, the weights do not: they are the router's
+  own weight function (``selection_weights``, the manifest's ``routing_weights``) on the unmodified logits.
+  The tokens of one call are routed in order, each seeing the cache as decode would (the earlier tokens'
+  experts added, least recently used out at the layer's capacity).
 
 ``ReplayRouting`` hands out recorded decisions (for example the real Mixtral-8x7B traces): each router
 call with T tokens takes the next T records of its layer, so a prefill of T tokens consumes T records

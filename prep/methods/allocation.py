@@ -1,4 +1,4 @@
-"""Cache allocation across layers (AdapMoE 4.4, digest 2.5): how many records each cache cell holds.
+"""Cache allocation across layers (AdapMoE section 4.4, eqs. 10-15): how many records each cache cell holds.
 
 A *cell* is one eviction group of the loader's cache that holds records of one size: a (layer, pool)
 pair of a per-layer pool. Each cell has a cost curve ``f(t)``, t = 0..n records (n: the experts the

@@ -1,4 +1,4 @@
-"""AdapMoE's first-layer predictive gate (paper section 4.3, digest 2.4): a linear map from the previous
+"""AdapMoE's first-layer predictive gate (AdapMoE section 4.3, eq. 9): a linear map from the previous
 token's final-normed last hidden state to the next token's first-MoE-layer routing.
 
 The first MoE layer has no earlier layer of the same token to predict from, so the loader runs this gate
@@ -10,7 +10,7 @@ gate applied at position p+1 with the routing at p (predicting the past). The te
 at p (``pairing="causal"``); ``"as_printed"`` exists only so a test can show the difference. Pairs never
 cross a sequence boundary.
 
-Training (the digest's reading of what the paper leaves out): AdamW, lr 1e-3, no weight decay,
+Training (the paper gives no training details; these are our choices): AdamW, lr 1e-3, no weight decay,
 mini-batches of about 1024 positions, early stopping on held-out KL(teacher || student), the best
 weights kept. The result is W [E, H] (no bias) plus held-out KL, top-1 accuracy and top-K recall, and
 the same figures for a marginal-frequency predictor as the baseline to beat.

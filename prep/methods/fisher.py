@@ -1,4 +1,4 @@
-"""AdapMoE's per-layer sensitivity (paper section 4.2, digest 2.1): S_l, the Fisher-diagonal sum of MoE
+"""AdapMoE's per-layer sensitivity (AdapMoE section 4.2, eqs. 3-8): S_l, the Fisher-diagonal sum of MoE
 layer l's output, which the adaptive-gating rule (1 - alpha)^2 * S_l <= T weighs a dropped expert by.
 
 Convention (the empirical Fisher; only the ratios S_l / S_l' matter once T is calibrated, so T does not

@@ -1,7 +1,7 @@
-"""Routing statistics for prediction (issue 17 section 1): what the loader's predictors are built from and
+"""Routing statistics for prediction: what the loader's predictors are built from and
 how well each predicts, measured on held-out calibration routing.
 
-- ``fit_path_stats``: EdgeMoE's path counts (section 3.3.2, digest 1.5) in the tensor layout
+- ``fit_path_stats``: EdgeMoE's path counts (EdgeMoE section 3.3.2) in the tensor layout
   ``loader.predict.PathStats`` reads (the backoff lives there, one home for the loader and for the
   recall measured here).
 - ``path_stats_recall``: per layer, top-1 accuracy and top-K set recall of the path statistics' ranking
@@ -180,7 +180,7 @@ def next_gate_recall(router_inputs: list[torch.Tensor], routers: list[tuple[torc
     return {"layers": rows, "by_distance": by_distance}
 
 
-# ------------------------------------------------------------------- doing less per token (issue 18)
+# ---------------------------------------------------------------------------------- doing less per token
 
 
 def precision_split(weights: torch.Tensor, t1: float, t2: float) -> dict:

@@ -1,15 +1,16 @@
 """Expert sensitivity: how much the model suffers when one expert alone drops to a lower precision.
 
-EdgeMoE (digest 1.2) orders experts by the damage of moving each one alone to INT2 while all others
-stay at the base precision; the bit-width search lowers the least sensitive first. Per-expert task
+EdgeMoE (section 3.2, Fig. 7(a)) orders experts by the damage of moving each one alone to INT2 while all
+others stay at the base precision; the bit-width search lowers the least sensitive first. Per-expert task
 accuracy is mostly noise, so the damage here is a continuous, low-noise proxy on calibration tokens:
 
 - ``kl_sweep``: the mean KL(p_base || p_modified) of next-token distributions, one run per expert.
   Lowering expert (p, e) changes nothing before decoder layer ``moe_layers[p]``, so the residual
   stream entering that layer is cached from the base model once and each run replays only the layers
   from there on (about half the cost of full forwards). Resumable per MoE layer.
-- ``trace_prerank``: digest 1.2 (b), no forward pass: each expert's output error on the recorded
-  router inputs, weighted by the squared routing weights. Cheap enough for thousands of experts.
+- ``trace_prerank``: ours, not in EdgeMoE (a cheap stand-in for its sweep), no forward pass: each expert's
+  output error on the recorded router inputs, weighted by the squared routing weights. Cheap enough for
+  thousands of experts.
 - ``spearman``: the rank correlation between two such profiles (how well the pre-rank predicts).
 
 Shape legend: T tokens, L layers (MoE layers, by position p), E experts, K top-k, H hidden, V vocab.
@@ -247,7 +248,7 @@ def trace_prerank(
     expert_ids: Sequence,
     expert_weights: Sequence,
 ) -> list[list[float]]:
-    """EdgeMoE's trace-only pre-rank (digest 1.2 (b)): err[p][e], no forward pass.
+    """A trace-only pre-rank for EdgeMoE's ordering (ours, not in the paper): err[p][e], no forward pass.
 
     err[p][e] = sum over recorded tokens t routed to e at MoE layer p of
     w_{t,e}^2 * ||f_base_e(x_t) - f_low_e(x_t)||^2, with f the adapter's expert MLP (in float32).

@@ -1,4 +1,4 @@
-"""Stage ``allocate_cache``: how many records each cache cell holds, per budget (AdapMoE 4.4, digest 2.5).
+"""Stage ``allocate_cache``: how many records each cache cell holds, per budget (AdapMoE section 4.4).
 
 A cell is one (layer, pool) of a per-layer pool, or a whole global pool. Its cost curve f_c(t),
 t = 0..n_c records, is either

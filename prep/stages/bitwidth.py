@@ -4,13 +4,14 @@ Methods (``recipe.bitwidth.method``):
 
 - ``uniform``: every expert at ``quantize.precision``; this stage is switched off and package uses
   ``uniform_choice`` (no model run, and the trace keys nothing of the artifact).
-- ``edgemoe`` (EdgeMoE section 3.2, digest 1.3): the loss of a configuration is the mean KL of next-token
-  distributions against the source model on held-out calibration sequences (the *last*
-  ``num_sequences``; the sensitivity sweep uses the first ones). Bounds: the loss of every expert at
-  each quantized precision; b_hi is the lowest precision whose loss stays within ``tolerance``, b_lo the
-  next lower one. Then the K least sensitive experts (the sensitivity stage's order) move down to b_lo:
-  K starts from the linear interpolation of the two bounds and is bisected to the largest K whose loss
-  stays within the tolerance. Every (K, loss) evaluated is kept in ``details.trail``.
+- ``edgemoe`` (EdgeMoE section 3.2; the paper leaves the loss measure and the K search open, our choices
+  follow): the loss of a configuration is the mean KL of next-token distributions against the source model
+  on held-out calibration sequences (the *last* ``num_sequences``; the sensitivity sweep uses the first
+  ones). Bounds: the loss of every expert at each quantized precision; b_hi is the lowest precision whose
+  loss stays within ``tolerance``, b_lo the next lower one. Then the K least sensitive experts (the
+  sensitivity stage's order) move down to b_lo: K starts from the linear interpolation of the two bounds
+  and is bisected to the largest K whose loss stays within the tolerance. Every (K, loss) evaluated is kept
+  in ``details.trail``.
 - ``frequency`` (CORM): per layer, the ``share`` of experts least used in the calibration routing
   (trace stage) at ``low``, the others at ``quantize.precision``.
 - ``random``: ``share`` of all experts, drawn with ``seed``, at ``low``: the control for a ranking.

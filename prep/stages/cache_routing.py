@@ -1,4 +1,5 @@
-"""Stage ``cache_routing``: the plan's cache-conditional routing (Skliar et al., digest CC1-CC4).
+"""Stage ``cache_routing``: the plan's cache-conditional routing (Skliar et al., Mixture of Cache-Conditional
+Experts, sections 3.1-3.3 and 4.1).
 
 Runs when ``cache_routing.enabled``. The prior's boost is lambda times each layer's running logit range;
 this stage measures that range on the calibration routing (trace stage: each token's max minus min router

@@ -1,4 +1,4 @@
-"""Stage ``dynamic_precision``: HOBBIT's thresholds (paper 3.2, digest H1) for the plan's miss policy.
+"""Stage ``dynamic_precision``: HOBBIT's thresholds (HOBBIT section 3.2) for the plan's miss policy.
 
 Runs when ``dynamic_precision.enabled``. Reads the calibration routing (trace stage): t1 and t2 are the
 recipe's, or the quantiles of the unimportance score that give ``high_share`` of the selections at the

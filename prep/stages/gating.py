@@ -1,4 +1,4 @@
-"""Stage ``gating``: AdapMoE's adaptive gating (paper 4.2, digest 2.1-2.2): the Fisher sensitivity S_l of every
+"""Stage ``gating``: AdapMoE's adaptive gating (AdapMoE section 4.2, eqs. 3-8): the Fisher sensitivity S_l of every
 MoE layer and the threshold T of the rule (1 - alpha)^2 * S_l <= T.
 
 Runs when ``gating.enabled``. S comes from ``prep.methods.fisher`` on the first ``num_sequences`` calibration

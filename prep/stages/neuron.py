@@ -1,4 +1,5 @@
-"""Stage ``neuron``: CORM's neuron-level loading (digest C1-C3), run when ``neuron.layout`` is ``neuron``.
+"""Stage ``neuron``: CORM's neuron-level loading (CORM sections 3 and 4.1-4.3), run when ``neuron.layout``
+is ``neuron``.
 
 1. Packs every expert at every precision of the quantize stage in the neuron layout
    (``loader.codec.NeuronLayout``), one file per MoE layer as quantize does, so an interrupted run resumes.

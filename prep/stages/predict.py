@@ -1,4 +1,4 @@
-"""Stage ``predict``: what the loader's prefetch predictors need, and how well each predicts (issue 17).
+"""Stage ``predict``: what the loader's prefetch predictors need, and how well each predicts.
 
 Runs when ``predict.predictors`` names any predictor. The calibration traces (trace stage) are split by
 sequence: the last ``held_out`` share is never fitted on and every figure is measured there.

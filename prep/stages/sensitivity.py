@@ -1,4 +1,5 @@
-"""Stage ``sensitivity``: EdgeMoE's expert importance profile (digest 1.2), read by ``bitwidth: edgemoe``.
+"""Stage ``sensitivity``: EdgeMoE's expert importance profile (EdgeMoE section 3.2, Fig. 7(a)), read by
+``bitwidth: edgemoe``.
 
 For every expert, the damage of moving it alone from ``quantize.precision`` to ``sensitivity.precision``
 (INT2 by default) while every other expert stays at the base precision:
@@ -7,8 +8,8 @@ For every expert, the damage of moving it alone from ``quantize.precision`` to `
   ``num_sequences`` calibration sequences, re-evaluated layer-locally (``prep.methods.sensitivity.kl_sweep``).
   Each finished MoE layer is written at once (``layer-<p>.json``), so an interrupted sweep resumes at
   the first layer not yet written.
-- ``prerank``: the trace-only output error (digest 1.2 (b)), no forward pass; always computed, and with
-  a sweep its Spearman rank correlation to it is reported.
+- ``prerank``: the trace-only output error (ours, not in EdgeMoE: a cheap stand-in for its sweep), no forward
+  pass; always computed, and with a sweep its Spearman rank correlation to it is reported.
 
 ``ranking`` is the score the bit-width stage orders by (least sensitive first).
 """

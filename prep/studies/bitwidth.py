@@ -1,4 +1,4 @@
-"""The bit-width study (issue 16, section 5): one recipe prepared at every bit-width configuration, each
+"""The bit-width study: one recipe prepared at every bit-width configuration, each
 artifact compared with the original model on the suites, and a table and a plot of accuracy against
 expert bytes.
 

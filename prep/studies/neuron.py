@@ -1,4 +1,4 @@
-"""The neuron study (issue 20, section 5): bytes read per decoded token and accuracy across theta, with and
+"""The neuron study: bytes read per decoded token and accuracy across theta, with and
 without CORM's predictor, against whole-expert loading at the same budget.
 
 One artifact is prepared from the recipe in the neuron layout with neuron loading and the ``neuron_gates``

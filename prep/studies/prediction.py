@@ -1,4 +1,4 @@
-"""The prediction study (issue 17, section 5): an artifact's prefetch predictors replayed through the
+"""The prediction study: an artifact's prefetch predictors replayed through the
 simulator (the loader's own cache and predictor code) on fresh text, at several budgets, each predictor
 alone and all of the plan's together, against no prediction.
 

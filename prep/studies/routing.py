@@ -1,4 +1,4 @@
-"""The routing study (issue 18, section 6): accuracy against miss rate and bytes read for each way of doing
+"""The routing study: accuracy against miss rate and bytes read for each way of doing
 less per token, swept across its knob, at several per-layer cache budgets.
 
 One artifact is prepared from the recipe with what every method needs: the Fisher sensitivity (gating
@@ -157,7 +157,8 @@ def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".
 
 
 def goals(study: dict, delta: float = 0.005) -> dict:
-    """Where each issue-18 goal lands, per budget: the best point within |delta| <= 0.5 point on every suite.
+    """Where each of the routing study's goals lands, per budget: the best point within |delta| <= 0.5 point
+    on every suite.
 
     cache prior: miss rate at most half of exact's; gating: at least 25% single-expert decisions (the
     loader's count in the eval); dynamic precision: at least 1.2x fewer bytes per token than exact."""

@@ -36,7 +36,8 @@ def _speed(report: dict, subject: str, system: str, budget: str):
 
 
 def goal_check(report: dict) -> list[str]:
-    """Issue 21's speed goals, each MET / NOT MET with its figures, or why it was not measured."""
+    """The bench's speed goals (moeprep's decode tokens/s against llama.cpp, resident, accelerate and naive),
+    each MET / NOT MET with its figures, or why it was not measured."""
     lines = []
 
     def goal(text: str, ours, theirs, factor: float, what: str) -> None:
@@ -100,7 +101,7 @@ def write_markdown(report: dict) -> str:
         *(_profile_lines(profile) if profile else []),
         *_store_lines(report),
     ]
-    lines += ["Goals (issue 21; medians):", ""] + [f"- {line}" for line in goal_check(report)] + [""]
+    lines += ["Goals (medians):", ""] + [f"- {line}" for line in goal_check(report)] + [""]
     for subject, facts in report["subjects"].items():
         lines += [f"## {subject}", ""]
         shape = facts.get("shape")
