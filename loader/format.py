@@ -47,9 +47,10 @@ from loader.io import read_record_offsets, read_safetensors_header, write_json_a
 from loader.plan import PLAN_FILE, Plan, read_plan
 
 FORMAT = "moeprep-artifact"
-SCHEMA_VERSION = 3  # 3: a store may hold neuron-layout records (its "neuron" key)
-READABLE_SCHEMAS = (2, 3)
+SCHEMA_VERSION = 4  # 3: a store may hold neuron-layout records (its "neuron" key); 4: with per-block crc32s
+READABLE_SCHEMAS = (2, 3, 4)
 ALIGN = 4096
+BLOCK = ALIGN  # the unit of a partial read of a neuron record, each with its own crc32
 MANIFEST = "manifest.json"
 DIGEST = "digest"  # the manifest's own sha256 (``manifest_digest``): the manifest protects itself too
 DIGEST_REQUIRED = True  # every writer seals the manifest through write_manifest
@@ -165,6 +166,12 @@ class StoreInfo:
     layout: list  # RecordLayout.to_json()
     crc32: dict  # expert key -> zlib.crc32 of the record's record_bytes
     neuron: dict | None = None  # neuron layout: {"pairing": "halves" | "interleaved"} (codec.NeuronLayout)
+    blocks: str | None = None  # a neuron store's per-block crc32 file (``block_file``), read in part
+
+    @property
+    def block_count(self) -> int:
+        """4 KiB blocks of one record (the last one may be short)."""
+        return -(-self.record_bytes // BLOCK)
 
     @property
     def stride(self) -> int:
@@ -193,7 +200,8 @@ class Manifest:
 
     @cached_property
     def stores(self) -> dict[str, StoreInfo]:
-        return {p: StoreInfo(p, s["file"], s["record_bytes"], s["layout"], s["crc32"], s.get("neuron"))
+        return {p: StoreInfo(p, s["file"], s["record_bytes"], s["layout"], s["crc32"], s.get("neuron"),
+                             s.get("blocks"))
                 for p, s in self.raw["stores"].items()}
 
     def path(self, name: str) -> Path:
@@ -321,7 +329,7 @@ def _validate(raw, root: Path) -> None:
             raise c.fail(f"stores has an unknown precision {precision!r}; known: {PRECISIONS}")
         if not isinstance(store, dict):
             raise c.fail(f"stores.{precision} must be dict")
-        c.only(store, {"file", "record_bytes", "layout", "crc32", "neuron"}, f"stores.{precision}")
+        c.only(store, {"file", "record_bytes", "layout", "crc32", "neuron", "blocks"}, f"stores.{precision}")
         if c.get(store, "file", where, "str") != f"experts-{precision}.safetensors":
             raise c.fail(f"{where}file must be 'experts-{precision}.safetensors', got {store['file']!r}")
         record_bytes = c.get(store, "record_bytes", where, "int")
@@ -341,6 +349,12 @@ def _validate(raw, root: Path) -> None:
                 NeuronLayout(layout)
             except CodecError as e:
                 raise c.fail(f"{where}layout: {e}") from None
+            if store.get("blocks") != block_file(precision):
+                raise c.fail(f"{where}blocks must be {block_file(precision)!r}: a neuron store is read in part, and each "
+                             "part is checked against its block's crc32 (schema_version 4; an older artifact has none, "
+                             "prepare it again)")
+        elif "blocks" in store:
+            raise c.fail(f"{where}blocks belongs to a neuron store only")
         elif NeuronLayout.holds(layout):
             raise c.fail(f"{where}layout has row-interleaved matrices, which only a neuron store (its 'neuron' key) "
                          "holds")
@@ -580,6 +594,39 @@ def store_offsets(manifest: Manifest, precision: str) -> dict[str, int]:
 # ------------------------------------------------------------------------------------ per read, per model
 
 
+def block_file(precision: str) -> str:
+    """The file of a neuron store's per-block crc32s: uint32 [records, blocks], records in store order."""
+    return f"experts-{precision}.blocks.safetensors"
+
+
+def block_crc32s(record) -> list[int]:
+    """zlib.crc32 of each 4 KiB block of one record (bytes or a memoryview of exactly its bytes)."""
+    view = memoryview(record)
+    return [zlib.crc32(view[i:i + BLOCK]) for i in range(0, view.nbytes, BLOCK)]
+
+
+def read_block_table(manifest: Manifest, precision: str):
+    """A neuron store's block crc32s, checked against the store's shape: (record key -> row, uint32 numpy array
+    [records, blocks]). The file's sha256 was checked with the other files by ``open_artifact``."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    info = manifest.stores[precision]
+    keys = manifest.store_keys(precision)
+    name = info.blocks
+    if name not in manifest.files:
+        raise ArtifactError(f"{name} is not listed in the manifest; {_PREPARE_AGAIN}", file=name)
+    try:
+        table = load_file(str(manifest.path(name))).get("blocks")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ArtifactError(f"{name} cannot be read ({e}); {_PREPARE_AGAIN}", file=name) from None
+    if table is None or str(table.dtype) != "uint32" or tuple(table.shape) != (len(keys), info.block_count):
+        got = None if table is None else (str(table.dtype), tuple(table.shape))
+        raise ArtifactError(f"{name} must hold 'blocks', uint32 [{len(keys)}, {info.block_count}] (one crc32 per 4 KiB "
+                            f"block of each record), it holds {got}; {_PREPARE_AGAIN}", file=name)
+    return {key: i for i, key in enumerate(keys)}, table
+
+
 def check_record(manifest: Manifest, precision: str, key: str, data) -> None:
     """Check one record as read (bytes, memoryview, mmap, numpy array or CPU tensor; at least
     record_bytes long, only the first record_bytes count) against the manifest's crc32."""
@@ -695,20 +742,35 @@ def _hash_store(manifest: Manifest, precision: str, chunk: int = 1 << 24) -> str
         return str(e)
     digest = hashlib.sha256()
     crcs = {}
+    blocks = None
+    if info.blocks is not None:
+        try:
+            rows, blocks = read_block_table(manifest, precision)
+        except ArtifactError as e:
+            return str(e)
+    chunk = -(-chunk // BLOCK) * BLOCK  # whole blocks per read, so each block's crc32 is one call
+    bad_blocks = []
     try:
         with open(manifest.path(info.file), "rb") as f:
             start = min(offsets.values())
             digest.update(f.read(start))
             for key in manifest.store_keys(precision):  # records lie in this order, one stride apart
-                crc, left, crc_left = 0, info.stride, info.record_bytes
+                crc, left, crc_left, done = 0, info.stride, info.record_bytes, 0
                 while left:
                     block = f.read(min(chunk, left))
                     if not block:
                         return "truncated"
                     digest.update(block)
                     if crc_left:
-                        crc = zlib.crc32(block[:crc_left], crc)
-                        crc_left -= min(crc_left, len(block))
+                        useful = memoryview(block)[:crc_left]
+                        crc = zlib.crc32(useful, crc)
+                        if blocks is not None:
+                            got = block_crc32s(useful)
+                            first = done // BLOCK
+                            if got != blocks[rows[key], first:first + len(got)].tolist():
+                                bad_blocks.append(key)
+                        crc_left -= len(useful)
+                        done += len(useful)
                     left -= len(block)
                 crcs[key] = crc
             digest.update(f.read())
@@ -718,6 +780,9 @@ def _hash_store(manifest: Manifest, precision: str, chunk: int = 1 << 24) -> str
         return "sha256 mismatch (content changed)"
     if bad := [k for k, v in crcs.items() if v != info.crc32[k]]:
         return f"crc32 of records {bad[:4]} differ from the manifest (the manifest or the records changed)"
+    if bad_blocks:
+        return (f"block crc32s of records {sorted(set(bad_blocks))[:4]} differ from {info.blocks} (the records or "
+                "the block table changed)")
     return None
 
 

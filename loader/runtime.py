@@ -30,7 +30,7 @@ from loader.budget import budget_bytes, cache_layout, dense_bytes, held_layout, 
 from loader.cache import ExpertCache, MemoryMeter
 from loader.codec import RecordLayout
 from loader.errors import LoaderError
-from loader.format import ArtifactError, check_model, check_record, open_artifact
+from loader.format import ArtifactError, check_model, check_record, open_artifact, read_block_table
 from loader.layer import renormalized  # noqa: F401 (part of the loader's API)
 from loader.neuron import NeuronConfig, NeuronError, TrustedPrediction
 from loader.plan import Plan, PolicySpec
@@ -145,6 +145,8 @@ class LoadedModel:
             "peak_expert_bytes": rt.meter.peak,
             "budget": self.budget,
             "direct_io": all(s.direct_io for s in rt.stores.values()),
+            # checking the 4 KiB blocks of partial (neuron) reads against their crc32s, on the reader threads
+            "block_check_seconds": sum(s.check_seconds for s in rt.stores.values()),
             # issued: prefetch reads started; used / wasted / cancelled: what became of them (the rest are
             # still pending); saved_seconds: read time of used prefetches that no demand waited for
             "prefetch": {"predictors": [p.name for p in rt.predictors], "issued": total["prefetches"],
@@ -314,7 +316,8 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
     for p, s in manifest.stores.items():
         stores[p] = ExpertStore(manifest.path(s.file), p, mode=store,
                                 check=lambda key, data, p=p: check_record(manifest, p, key, data),
-                                pinned=dev.type == "cuda")
+                                pinned=dev.type == "cuda",
+                                blocks=read_block_table(manifest, p) if s.blocks is not None else None)
         cleanup.callback(stores[p].close)
     host_bytes = sum(s.host_bytes for s in stores.values())
     layout = held_layout(manifest, stores, plan, memory_budget, dev, expert_dtype, workers)

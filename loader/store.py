@@ -29,12 +29,14 @@ import mmap
 import os
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from loader.errors import ArtifactError
+from loader.errors import PREPARE_AGAIN, ArtifactError
+from loader.format import BLOCK
 from loader.io import read_record_offsets
 from loader.transfer import Link, link_for
 
@@ -45,9 +47,12 @@ class ExpertStore:
     """Read-only access to the records of one ``experts-<precision>.safetensors`` file."""
 
     def __init__(self, path: str | Path, precision: str, mode: str = "disk",
-                 check: Callable[[str, memoryview], None] | None = None, pinned: bool = False) -> None:
+                 check: Callable[[str, memoryview], None] | None = None, pinned: bool = False,
+                 blocks: tuple[dict, object] | None = None) -> None:
         """check(key, data): raises when a full record read does not match the manifest (its crc32).
-        pinned: host mode holds the store in page-locked memory (a GPU's copies then run asynchronously)."""
+        pinned: host mode holds the store in page-locked memory (a GPU's copies then run asynchronously).
+        blocks: a neuron store's (record key -> row, uint32 [records, blocks]) crc32 of every 4 KiB block
+        (``loader.format.read_block_table``): its partial reads cover whole blocks, each checked."""
         if mode not in ("disk", "host"):
             raise ArtifactError(f"store mode {mode!r} unknown; use 'disk' or 'host'")
         self.path = Path(path)
@@ -62,7 +67,9 @@ class ExpertStore:
                                 "Copy the artifact again or rerun `moeprep prepare`")
         self.direct_io = False
         self._host: torch.Tensor | None = None
-        self._checked: set[str] = set()  # host mode: records whose crc32 matched (RAM is private: once is enough)
+        self._checked: set = set()  # host mode: records (and blocks) whose crc32 matched (private RAM: once is enough)
+        self.block_rows, self.blocks = blocks if blocks is not None else (None, None)
+        self.check_seconds = 0.0  # spent checking the blocks of partial reads
         self._fd = -1
         self._plain_fd = -1
         if mode == "host":
@@ -115,10 +122,11 @@ class ExpertStore:
                                 "rerun `moeprep prepare`") from None
 
     def spans(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The byte ranges a read of ``ranges`` of one record actually fetches: with O_DIRECT each widened to
-        whole 4 KiB blocks (clipped to the record) and merged where they touch, so a dense set of small
-        ranges is a few large reads; without it, the ranges themselves."""
-        if not self.direct_io:
+        """The byte ranges a read of ``ranges`` of one record actually fetches: with O_DIRECT, or with block
+        checksums (a neuron store: each block read is checked), each widened to whole 4 KiB blocks (clipped to the
+        record) and merged where they touch, so a dense set of small ranges is a few large reads; otherwise the
+        ranges themselves."""
+        if not self.direct_io and self.blocks is None:
             return list(ranges)
         out: list[list[int]] = []
         for start, length in sorted(ranges):
@@ -141,6 +149,8 @@ class ExpertStore:
         if self._host is not None:
             if start == 0 and length == self.record_bytes:
                 self.host_record(key)  # checked the first time
+            else:
+                self._check_blocks(key, memoryview(self._host.numpy())[offset:offset + length], start, once=True)
             dest[:length] = memoryview(self._host.numpy())[offset:offset + length]
             return length
         aligned = self.direct_io and start % 4096 == 0 and len(dest) >= -(-length // 4096) * 4096
@@ -154,9 +164,33 @@ class ExpertStore:
         if n < length:
             raise ArtifactError(f"{self.path.name}: short read at {key}; the file is truncated. "
                                 "Copy the artifact again or rerun `moeprep prepare`")
-        if start == 0 and length == self.record_bytes and self.check is not None:
-            self.check(key, dest[:length])
+        if start == 0 and length == self.record_bytes:
+            if self.check is not None:
+                self.check(key, dest[:length])
+        else:
+            self._check_blocks(key, dest[:length], start)
         return length
+
+    def _check_blocks(self, key: str, data: memoryview, start: int, once: bool = False) -> None:
+        """A partial read of record ``key`` (``data``, from byte ``start``) against its blocks' crc32s; the read
+        must cover whole blocks (``spans``). ``once``: host RAM, each block is checked the first time only."""
+        if self.blocks is None:
+            return
+        began = time.perf_counter()
+        if start % BLOCK or (start + data.nbytes != self.record_bytes and data.nbytes % BLOCK):
+            raise ArtifactError(f"{self.path.name}: a partial read of {key} at [{start}, {start + data.nbytes}) does "
+                                "not cover whole 4 KiB blocks, so it cannot be checked; read the spans the store gives")
+        row = self.blocks[self.block_rows[key]]
+        for i in range(0, data.nbytes, BLOCK):
+            block = (start + i) // BLOCK
+            if once and (key, block) in self._checked:
+                continue
+            if zlib.crc32(data[i:i + BLOCK]) != int(row[block]):
+                raise ArtifactError(f"record {key} of {self.path} is damaged in its 4 KiB block {block} (its crc32 "
+                                    f"differs from the block table); {PREPARE_AGAIN}", file=self.path.name)
+            if once:
+                self._checked.add((key, block))
+        self.check_seconds += time.perf_counter() - began
 
     def host_record(self, key: str) -> torch.Tensor | None:
         """Record ``key`` as a view of the host copy (host mode; None on disk), checked against its crc32 the
@@ -183,7 +217,9 @@ class ExpertStore:
         if record is not None:
             return record
         offset = self.offset(key) + start
-        return self._host[offset:offset + length]
+        part = self._host[offset:offset + length]
+        self._check_blocks(key, memoryview(part.numpy()), start, once=True)
+        return part
 
     def close(self) -> None:
         for fd in {self._fd, self._plain_fd}:

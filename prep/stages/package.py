@@ -17,11 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
+from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file
 
 from loader.codec import RecordLayout
-from loader.format import FORMAT, SCHEMA_VERSION, sha256_file, write_manifest
+from loader.format import FORMAT, SCHEMA_VERSION, block_file, sha256_file, write_manifest
 from loader.io import write_bytes_atomic, write_json_atomic
 from loader.plan import PLAN_FILE
 from loader.predict import PREDICTORS_FILE
@@ -37,7 +39,7 @@ from prep.stages.planning import PlanContext, compose_plan, model_sizes
 from prep.stages.predict import predictor_tensors
 from prep.stages.quantize import PackedExperts
 
-VERSION = 7
+VERSION = 8  # 8: a neuron store carries its per-block crc32s
 REPORT = "report.json"
 REPORTED_DETAILS = ("loss", "metric", "sequences", "b_hi", "b_lo", "K", "met", "bounds", "trail", "sensitivity")  # the rest: the stage result
 
@@ -119,8 +121,14 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
         # a store holds the experts planned at it; the low copies of dynamic precision are every expert
         keep = (lambda p: (lambda layer, e: True) if p == low else lambda layer, e: grid[position[layer]][e] == p)(precision)
         stores[precision] = store | {"file": f"experts-{precision}.safetensors"}
+        blocks = [] if neuron is not None else None  # a neuron store is read in part: a crc32 per 4 KiB block
         crc32s[precision] = write_aligned_records(out / stores[precision]["file"],
-                                                  quantize.records(quantize_dir, precision, keep), store["record_bytes"])
+                                                  quantize.records(quantize_dir, precision, keep), store["record_bytes"],
+                                                  blocks)
+        if blocks is not None:
+            stores[precision]["blocks"] = block_file(precision)
+            save_numpy({"blocks": np.asarray(blocks, dtype=np.uint32).reshape(len(blocks), -1)},
+                       str(out / block_file(precision)))
 
     budget = f"{cfg.cache_fraction * 100:g}%"
     if prediction is not None:
@@ -192,7 +200,8 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
         },
         "stores": {p: {"file": stores[p]["file"], "record_bytes": stores[p]["record_bytes"],
                        "layout": stores[p]["layout"], "crc32": crc32s[p]}
-                   | ({"neuron": {"pairing": neuron[1].pairing}} if neuron is not None else {}) for p in used},
+                   | ({"neuron": {"pairing": neuron[1].pairing}, "blocks": stores[p]["blocks"]} if neuron is not None
+                      else {}) for p in used},
         "plan_summary": {"precision": quantize.precision if len(planned) == 1 else "mixed",
                          "experts": choice.counts, "default_budget": budget, "eviction": plan.eviction.name},
         "files": files,

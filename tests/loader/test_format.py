@@ -101,7 +101,7 @@ def _store(artifact: Path) -> Path:
 def test_the_sound_artifact_passes_every_check(built):
     manifest = open_artifact(built)
     assert verify(built) == [] and manifest.plan is not None
-    assert manifest.raw["schema_version"] == SCHEMA_VERSION == 3 and manifest.root == built
+    assert manifest.raw["schema_version"] == SCHEMA_VERSION == 4 and manifest.root == built
     config = AutoConfig.from_pretrained(manifest.root)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -289,7 +289,7 @@ def test_a_hand_edited_manifest_is_refused_by_its_digest(artifact):
 # ------------------------------------------------------------------------------ malformed input (item 7)
 
 
-@pytest.mark.parametrize("value", [True, 1, "3", 3.0, None, 4])
+@pytest.mark.parametrize("value", [True, 1, "3", 3.0, None, 5])
 def test_schema_version_must_be_a_readable_integer(artifact, value):
     _edit(artifact, lambda raw: raw.update(schema_version=value))
     with pytest.raises(ArtifactError, match="schema_version") as err:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from loader.codec import NeuronLayout, RecordLayout
-from loader.format import read_manifest, verify
+from loader.format import ArtifactError, read_manifest, verify
 from loader.neuron import NeuronConfig, active_set, neuron_forward
 from loader.plan import read_plan
 from loader.runtime import LoaderError, load, minimum_budget
@@ -309,35 +309,33 @@ def test_the_neuron_path_on_cuda_matches_the_cpu(tmp_path, store):
         assert (cpu - cuda).abs().max() <= 1e-4
 
 
-def test_the_host_and_disk_stores_differ_only_by_the_rows_a_read_brings(tmp_path, monkeypatch):
-    """What the H100 run saw (CUDA with the host store against the CPU with the disk store: 0.20 apart) is read
-    granularity, not CUDA. O_DIRECT widens a disk read to whole 4 KiB blocks, which bring rows nobody asked
-    for, and ``compute: resident`` computes every resident row; the host store copies exactly the rows asked
-    for. With the same ranges (disk without O_DIRECT) the two stores give the same logits, and ``compute:
-    active`` (each token its own active rows) does not depend on what else was read."""
+def test_every_store_reads_the_same_rows_of_a_neuron_record(tmp_path, monkeypatch):
+    """What the H100 run saw (CUDA with the host store against the CPU with the disk store: 0.20 apart) was read
+    granularity: O_DIRECT widened a disk read to whole 4 KiB blocks, which bring rows nobody asked for, and
+    ``compute: resident`` computes every resident row, while the host store copied exactly the rows asked for.
+    A neuron store now carries a crc32 per 4 KiB block and every store reads whole blocks to check them, so the
+    host store, the disk with O_DIRECT and the disk without it read the same rows and give the same logits."""
     from loader.store import ExpertStore
 
-    _, artifact = neuron_artifact(tmp_path, "mixtral", "int4", theta=0.2, predictor=True)
+    artifact = _wide_neuron_artifact(tmp_path)
     resident, active = NEURON_CONFIGS
-    host, _, host_stats = decode(artifact, resident, stepwise=True, store="host")
-    assert host_stats["neuron"]["partial_reads"] > 0
-    assert torch.equal(decode(artifact, active, stepwise=True, store="host")[0],
-                       decode(artifact, active, stepwise=True, store="disk")[0])
+    results = {store: decode(artifact, resident, stepwise=True, store=store) for store in ("host", "disk")}
     monkeypatch.setattr(ExpertStore, "_open", lambda self: (os.open(self.path, os.O_RDONLY), False))
-    plain, _, plain_stats = decode(artifact, resident, stepwise=True, store="disk")
-    assert not plain_stats["direct_io"]
-    assert torch.equal(host, plain)
-    assert plain_stats["neuron"]["rows_read"] == host_stats["neuron"]["rows_read"]
+    results["plain"] = decode(artifact, resident, stepwise=True, store="disk")
+    assert not results["plain"][2]["direct_io"] and results["host"][2]["neuron"]["partial_reads"] > 0
+    for name in ("disk", "plain"):
+        assert torch.equal(results[name][0], results["host"][0]), name
+        assert results[name][2]["neuron"]["rows_read"] == results["host"][2]["neuron"]["rows_read"], name
 
 
 @pytest.mark.parametrize("cfg", [*NEURON_CONFIGS, None])
 def test_the_gpu_host_store_path_computes_the_cpu_host_store_path(tmp_path, monkeypatch, cfg):
     """The CUDA host-store logic with CPU tensors (``tests.loader_fakes.FakeLink``: copies on streams, deferred
-    until waited for): neuron reads of exact row ranges, and misses computed on the CPU from the host record
+    until waited for): neuron reads of whole checked blocks, and misses computed on the CPU from the host record
     (``cpu_misses='always'``, with neuron loading off: the neuron-layout record through its own form)."""
     from tests.loader_fakes import FakeLink
 
-    _, artifact = neuron_artifact(tmp_path, "mixtral", "int4", theta=0.2, predictor=True)
+    artifact = _wide_neuron_artifact(tmp_path, predictor=True)
     expected, _, _ = decode(artifact, cfg if cfg is not None else False, stepwise=True, store="host")
     link = FakeLink()
     monkeypatch.setattr("loader.runtime.link_for", lambda device: link)
@@ -368,3 +366,69 @@ def test_neuron_ranges_are_the_runs_of_consecutive_neurons():
             else:
                 expected.append((start, neuron.row_bytes))
         assert neuron.ranges(rows) == expected
+
+
+def _wide_neuron_artifact(tmp_path, **knobs):
+    from prep.pipeline import prepare
+
+    save_wide_mixtral(tmp_path / "model")
+    prepare(tiny_recipe("passthrough", neuron=NEURON | {"theta": 0.15} | knobs), root=tmp_path,
+            output=tmp_path / "artifact")
+    return tmp_path / "artifact"
+
+
+def _corrupt_rows(artifact, blocks: slice) -> list[str]:
+    """Flip a byte in each of the ``blocks`` (4 KiB blocks of every neuron-layout record past its header), leaving
+    the manifest as it is, as a damaged disk would; returns the record keys."""
+    from loader.format import BLOCK, open_artifact, store_offsets
+
+    manifest = open_artifact(artifact)
+    precision, info = next(iter(manifest.stores.items()))
+    layout = NeuronLayout(RecordLayout.from_json(info.layout))
+    first = -(-layout.rows_offset // BLOCK)  # the first block holding rows only
+    path = manifest.path(info.file)
+    data = bytearray(path.read_bytes())
+    offsets = store_offsets(manifest, precision)
+    for offset in offsets.values():
+        for block in range(info.block_count)[blocks]:
+            if block >= first:
+                data[offset + block * BLOCK + 7] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return list(offsets)
+
+
+@pytest.mark.parametrize("store", ["disk", "host"])
+def test_a_damaged_row_block_is_an_error_never_different_text(tmp_path, store):
+    """The reproduction: rows of experts corrupted past their header, manifest untouched. Decoding at a high theta
+    reads those rows in part; every partial read is checked against its block's crc32, so the run stops with an
+    ArtifactError naming the record and block instead of finishing with other text. The same decode on the
+    sound artifact reads in part without error, and ``verify`` names the file."""
+    artifact = _wide_neuron_artifact(tmp_path)
+    cfg = NeuronConfig(theta=0.3, crossover=1.0)
+    _, _, stats = decode(artifact, cfg, stepwise=True, store=store)
+    assert stats["neuron"]["partial_reads"] > 0 and stats["block_check_seconds"] > 0
+    _corrupt_rows(artifact, slice(None))
+    with pytest.raises(ArtifactError, match="damaged in its 4 KiB block"):
+        decode(artifact, cfg, stepwise=True, store=store)
+    assert any(line.startswith("experts-passthrough.safetensors") for line in verify(artifact))
+
+
+def test_verify_checks_the_block_table(tmp_path):
+    """A block table that does not match the records (hashes recomputed, as an editor would) is found by verify."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from loader.format import read_manifest, sha256_file, write_manifest
+
+    artifact = _wide_neuron_artifact(tmp_path)
+    assert verify(artifact) == []
+    manifest = read_manifest(artifact)
+    name = next(iter(manifest.stores.values())).blocks
+    table = load_file(str(artifact / name))["blocks"]
+    table[0, -1] ^= np.uint32(1)
+    save_file({"blocks": table}, str(artifact / name))
+    raw = manifest.raw
+    raw["files"][name] = {"bytes": (artifact / name).stat().st_size, "sha256": sha256_file(artifact / name)}
+    write_manifest(artifact, raw)
+    problems = verify(artifact)
+    assert len(problems) == 1 and "block crc32s" in problems[0]

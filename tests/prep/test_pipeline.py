@@ -127,7 +127,7 @@ def test_killed_quantize_resumes_to_identical_artifact(root, tmp_path_factory, m
 
 
 def test_manifest_is_schema_2(root):
-    """The manifest carries what the loader needs without guessing (CONTRACT: schema_version 3)."""
+    """The manifest carries what the loader needs without guessing (CONTRACT: schema_version 4)."""
     import json
     import zlib
 
@@ -137,7 +137,7 @@ def test_manifest_is_schema_2(root):
     summary = prepare(tiny_recipe(), root=root)
     artifact = Path(summary["artifact"])
     manifest = json.loads((artifact / "manifest.json").read_text())
-    assert manifest["schema_version"] == 3 and manifest["format"] == "moeprep-artifact"
+    assert manifest["schema_version"] == 4 and manifest["format"] == "moeprep-artifact"
     assert len(manifest["package_key"]) == 64 and manifest["package_key"].startswith(summary["package"]["key"])
     moe = manifest["moe"]
     assert moe["router_modules"] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
