@@ -145,7 +145,7 @@ class LoadedModel:
             "peak_expert_bytes": rt.meter.peak,
             "budget": self.budget,
             "direct_io": all(s.direct_io for s in rt.stores.values()),
-            # checking the 4 KiB blocks of partial (neuron) reads against their crc32s, on the reader threads
+            # checking the 4 KiB blocks of partial (neuron) reads against their hashes, on the reader threads
             "block_check_seconds": sum(s.check_seconds for s in rt.stores.values()),
             # issued: prefetch reads started; used / wasted / cancelled: what became of them (the rest are
             # still pending); saved_seconds: read time of used prefetches that no demand waited for

@@ -29,11 +29,11 @@ import mmap
 import os
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from xxhash import xxh3_64_intdigest
 
 from loader.errors import PREPARE_AGAIN, ArtifactError
 from loader.format import BLOCK
@@ -51,7 +51,7 @@ class ExpertStore:
                  blocks: tuple[dict, object] | None = None) -> None:
         """check(key, data): raises when a full record read does not match the manifest (its crc32).
         pinned: host mode holds the store in page-locked memory (a GPU's copies then run asynchronously).
-        blocks: a neuron store's (record key -> row, uint32 [records, blocks]) crc32 of every 4 KiB block
+        blocks: a neuron store's (record key -> row, uint64 [records, blocks]) xxh3 hash of every 4 KiB block
         (``loader.format.read_block_table``): its partial reads cover whole blocks, each checked."""
         if mode not in ("disk", "host"):
             raise ArtifactError(f"store mode {mode!r} unknown; use 'disk' or 'host'")
@@ -172,7 +172,7 @@ class ExpertStore:
         return length
 
     def _check_blocks(self, key: str, data: memoryview, start: int, once: bool = False) -> None:
-        """A partial read of record ``key`` (``data``, from byte ``start``) against its blocks' crc32s; the read
+        """A partial read of record ``key`` (``data``, from byte ``start``) against its blocks' hashes; the read
         must cover whole blocks (``spans``). ``once``: host RAM, each block is checked the first time only."""
         if self.blocks is None:
             return
@@ -180,16 +180,19 @@ class ExpertStore:
         if start % BLOCK or (start + data.nbytes != self.record_bytes and data.nbytes % BLOCK):
             raise ArtifactError(f"{self.path.name}: a partial read of {key} at [{start}, {start + data.nbytes}) does "
                                 "not cover whole 4 KiB blocks, so it cannot be checked; read the spans the store gives")
-        row = self.blocks[self.block_rows[key]]
-        for i in range(0, data.nbytes, BLOCK):
-            block = (start + i) // BLOCK
-            if once and (key, block) in self._checked:
-                continue
-            if zlib.crc32(data[i:i + BLOCK]) != int(row[block]):
-                raise ArtifactError(f"record {key} of {self.path} is damaged in its 4 KiB block {block} (its crc32 "
-                                    f"differs from the block table); {PREPARE_AGAIN}", file=self.path.name)
-            if once:
-                self._checked.add((key, block))
+        first = start // BLOCK
+        if once:
+            fresh = [b for b in range(first, first + -(-data.nbytes // BLOCK)) if (key, b) not in self._checked]
+            if not fresh:
+                return
+        got = [xxh3_64_intdigest(data[i:i + BLOCK]) for i in range(0, data.nbytes, BLOCK)]
+        want = self.blocks[self.block_rows[key], first:first + len(got)].tolist()
+        if got != want:
+            block = first + next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+            raise ArtifactError(f"record {key} of {self.path} is damaged in its 4 KiB block {block} (its hash "
+                                f"differs from the block table); {PREPARE_AGAIN}", file=self.path.name)
+        if once:
+            self._checked.update((key, b) for b in fresh)
         self.check_seconds += time.perf_counter() - began
 
     def host_record(self, key: str) -> torch.Tensor | None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from loader.codec import CodecError, RecordLayout
-from loader.format import ALIGN, block_crc32s
+from loader.format import ALIGN, block_hashes
 from loader.io import atomic_file
 from prep.errors import MoeprepError
 
@@ -69,7 +69,7 @@ def join_record(layout: RecordLayout, parts: dict[str, torch.Tensor]) -> torch.T
 def write_aligned_records(path: Path, records: dict[str, bytes | memoryview], record_bytes: int,
                           blocks: list | None = None) -> dict[str, int]:
     """Write ``records`` (name -> exactly ``record_bytes`` bytes) to ``path``; returns {name: crc32}. ``blocks``:
-    a list to append each record's per-4 KiB-block crc32s to (``loader.format.block_crc32s``), in record order."""
+    a list to append each record's per-4 KiB-block hashes to (``loader.format.block_hashes``), in record order."""
     stride = -(-record_bytes // ALIGN) * ALIGN
     header: dict = {"__metadata__": {"record_bytes": str(record_bytes), "stride": str(stride)}}
     for i, key in enumerate(records):
@@ -88,7 +88,7 @@ def write_aligned_records(path: Path, records: dict[str, bytes | memoryview], re
                                    "records; the quantize stage result is damaged, rerun with --force quantize")
             crcs[key] = zlib.crc32(record)
             if blocks is not None:
-                blocks.append(block_crc32s(record))
+                blocks.append(block_hashes(record))
             f.write(record)
             f.write(pad)
         f.flush()

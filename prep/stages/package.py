@@ -39,7 +39,7 @@ from prep.stages.planning import PlanContext, compose_plan, model_sizes
 from prep.stages.predict import predictor_tensors
 from prep.stages.quantize import PackedExperts
 
-VERSION = 8  # 8: a neuron store carries its per-block crc32s
+VERSION = 9  # 9: a neuron store carries its per-block hashes
 REPORT = "report.json"
 REPORTED_DETAILS = ("loss", "metric", "sequences", "b_hi", "b_lo", "K", "met", "bounds", "trail", "sensitivity")  # the rest: the stage result
 
@@ -121,13 +121,13 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
         # a store holds the experts planned at it; the low copies of dynamic precision are every expert
         keep = (lambda p: (lambda layer, e: True) if p == low else lambda layer, e: grid[position[layer]][e] == p)(precision)
         stores[precision] = store | {"file": f"experts-{precision}.safetensors"}
-        blocks = [] if neuron is not None else None  # a neuron store is read in part: a crc32 per 4 KiB block
+        blocks = [] if neuron is not None else None  # a neuron store is read in part: a hash per 4 KiB block
         crc32s[precision] = write_aligned_records(out / stores[precision]["file"],
                                                   quantize.records(quantize_dir, precision, keep), store["record_bytes"],
                                                   blocks)
         if blocks is not None:
             stores[precision]["blocks"] = block_file(precision)
-            save_numpy({"blocks": np.asarray(blocks, dtype=np.uint32).reshape(len(blocks), -1)},
+            save_numpy({"blocks": np.asarray(blocks, dtype=np.uint64).reshape(len(blocks), -1)},
                        str(out / block_file(precision)))
 
     budget = f"{cfg.cache_fraction * 100:g}%"

@@ -425,10 +425,10 @@ def test_verify_checks_the_block_table(tmp_path):
     manifest = read_manifest(artifact)
     name = next(iter(manifest.stores.values())).blocks
     table = load_file(str(artifact / name))["blocks"]
-    table[0, -1] ^= np.uint32(1)
+    table[0, -1] ^= np.uint64(1)
     save_file({"blocks": table}, str(artifact / name))
     raw = manifest.raw
     raw["files"][name] = {"bytes": (artifact / name).stat().st_size, "sha256": sha256_file(artifact / name)}
     write_manifest(artifact, raw)
     problems = verify(artifact)
-    assert len(problems) == 1 and "block crc32s" in problems[0]
+    assert len(problems) == 1 and "block hashes" in problems[0]
