@@ -17,6 +17,7 @@ knobs (``NeuronConfig``). ``NeuronStep`` is the layer step on this path; the who
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -58,8 +59,9 @@ class NeuronConfig:
         if unknown := sorted(set(params) - known):
             raise NeuronError(f"neuron: unknown knobs {unknown}; known: {sorted(known)}")
         cfg = cls(**params)
-        if isinstance(cfg.theta, bool) or not isinstance(cfg.theta, (int, float)) or cfg.theta < 0:
-            raise NeuronError(f"neuron.theta must be a number >= 0, got {cfg.theta!r}")
+        if isinstance(cfg.theta, bool) or not isinstance(cfg.theta, (int, float)) or not math.isfinite(cfg.theta) \
+                or cfg.theta < 0:
+            raise NeuronError(f"neuron.theta must be a finite number >= 0, got {cfg.theta!r}")
         if isinstance(cfg.crossover, bool) or not isinstance(cfg.crossover, (int, float)) \
                 or not 0 <= cfg.crossover <= 1:
             raise NeuronError(f"neuron.crossover must be a share in [0, 1], got {cfg.crossover!r}")

@@ -46,7 +46,24 @@ class PolicySpec:
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str) or not isinstance(raw.get("params", {}), dict):
             raise PlanError(f"{PLAN_FILE}: {where} must be {{'name': str, 'params': dict}}, got {raw!r:.80}; "
                             "prepare the artifact again")
-        return cls(raw["name"], dict(raw.get("params", {})))
+        params = dict(raw.get("params", {}))
+        if bad := _bad_number(params, f"{where}.params"):
+            raise PlanError(f"{PLAN_FILE}: {bad}; every policy parameter is a finite number >= 0. The plan was "
+                            "edited or damaged: prepare the artifact again")
+        return cls(raw["name"], params)
+
+
+def _bad_number(value, where: str) -> str | None:
+    """The first NaN, infinite or negative number in a JSON value (``where`` names its path), else None."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return None
+    if isinstance(value, int | float):
+        return None if math.isfinite(value) and value >= 0 else f"{where} is {value!r}"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if bad := _bad_number(item, f"{where}.{key}" if isinstance(value, dict) else f"{where}[{key}]"):
+            return bad
+    return None
 
 
 @dataclass(frozen=True)
@@ -222,8 +239,9 @@ class Plan:
             raise bad("operating_points must be a list")
         points = []
         for i, point in enumerate(points_raw):
-            if not isinstance(point, dict) or set(point) != {"budget_bytes", "pools"} or not _is_int(point["budget_bytes"]):
-                raise bad(f"operating_points[{i}] must be {{budget_bytes: int, pools: [...]}}")
+            if not isinstance(point, dict) or set(point) != {"budget_bytes", "pools"} or not _is_int(point["budget_bytes"]) \
+                    or point["budget_bytes"] <= 0:
+                raise bad(f"operating_points[{i}] must be {{budget_bytes: a positive int, pools: [...]}}")
             points.append(OperatingPoint(point["budget_bytes"], _pools(point["pools"], f"operating_points[{i}].pools",
                                                                         n_layers)))
             if [(p.name, p.precision, p.group) for p in points[-1].pools] != [(p.name, p.precision, p.group) for p in pools]:

@@ -1,0 +1,63 @@
+"""Trust, second pass: what a careless or hostile user can hand the loader gets one clear error, from ``verify``
+as from ``load``, never a traceback and never a silent success. (The neuron layout's partial reads:
+``tests/loader/test_neuron.py``.)"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from loader.cli import main as moeload
+from loader.errors import MoeError
+from loader.format import read_manifest, sha256_file, verify, write_manifest
+from loader.runtime import load
+from tests.tiny_models import prepare_tiny_artifact, tiny_recipe
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """A tiny artifact whose plan has a routing policy with numbers (gating) and operating points."""
+    root = tmp_path_factory.mktemp("planned")
+    recipe = tiny_recipe("int4", gating={"enabled": True, "num_sequences": 2},
+                         plan={"points": [0.5, 0.75], "allocate": {"enabled": True}})
+    return prepare_tiny_artifact(root, "mixtral", recipe=recipe)[1]
+
+
+def _edited_plan(artifact, tmp_path, change) -> object:
+    """A copy of ``artifact`` whose plan.json ``change(plan)`` edited, with the manifest's hashes recomputed (an
+    editor, not a damaged disk)."""
+    copy = tmp_path / "artifact"
+    shutil.copytree(artifact, copy)
+    plan = json.loads((copy / "plan.json").read_text())
+    change(plan)
+    (copy / "plan.json").write_text(json.dumps(plan))
+    manifest = read_manifest(copy)
+    raw = manifest.raw
+    raw["files"]["plan.json"] = {"bytes": (copy / "plan.json").stat().st_size, "sha256": sha256_file(copy / "plan.json")}
+    write_manifest(copy, raw)
+    return copy
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda plan: plan["routing"]["params"].update(threshold=math.nan), "routing.params.threshold is nan"),
+    (lambda plan: plan["routing"]["params"].update(threshold=-0.5), "routing.params.threshold is -0.5"),
+    (lambda plan: plan["operating_points"][0].update(budget_bytes=-1024), "budget_bytes: a positive int"),
+])
+def test_nan_and_negative_numbers_in_the_plan_are_refused_by_verify_and_load(planned, tmp_path, change, named):
+    assert json.loads((planned / "plan.json").read_text())["routing"]["name"] == "adaptive_gating"
+    edited = _edited_plan(planned, tmp_path, change)
+    problems = verify(edited)
+    assert len(problems) == 1 and problems[0].startswith("plan.json:") and named in problems[0]
+    with pytest.raises(MoeError, match=named.replace("[", r"\[")):
+        load(edited)
+
+
+@pytest.mark.parametrize("theta", ["nan", "inf", "-1"])
+def test_a_theta_that_is_not_a_finite_number_is_one_clear_error(planned, theta):
+    result = CliRunner().invoke(moeload, ["generate", str(planned), "--prompt", "hello", "--theta", theta])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "theta" in result.output
