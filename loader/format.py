@@ -47,6 +47,7 @@ from loader.errors import PREPARE_AGAIN as _PREPARE_AGAIN
 from loader.errors import ArtifactError, MoeError
 from loader.io import read_record_offsets, read_safetensors_header, write_json_atomic
 from loader.plan import PLAN_FILE, Plan, read_plan
+from loader.predict import PREDICTORS_FILE, PredictorContext, PredictorError, make_predictor
 
 FORMAT = "moeprep-artifact"
 SCHEMA_VERSION = 4  # 3: a store may hold neuron-layout records (its "neuron" key); 4: with per-block hashes
@@ -631,6 +632,53 @@ def read_block_table(manifest: Manifest, precision: str):
     return {key: i for i, key in enumerate(keys)}, table
 
 
+def read_predictor_tensors(manifest: Manifest) -> dict:
+    """The artifact's ``predictors.safetensors`` as torch tensors ({} when it has none), its header read bounded
+    and every float value finite; an unreadable file is one ArtifactError naming it."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if PREDICTORS_FILE not in manifest.files:
+        return {}
+    path = manifest.path(PREDICTORS_FILE)
+    read_safetensors_header(path, PREDICTORS_FILE)  # a garbage header or a 2**60 length is refused before loading
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ArtifactError(f"{PREDICTORS_FILE} cannot be read ({e}); {_PREPARE_AGAIN}", file=PREDICTORS_FILE) from None
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ArtifactError(f"{PREDICTORS_FILE}: {name} holds NaN or infinite values; {_PREPARE_AGAIN}",
+                                file=PREDICTORS_FILE)
+    return tensors
+
+
+def check_predictors(manifest: Manifest, plan: Plan) -> None:
+    """Bind the predictors ``plan`` names as the loader binds them (the routers' weights from dense.safetensors, the
+    artifact's predictor tensors), so ``verify`` refuses what ``load`` would; one ArtifactError naming the file."""
+    from safetensors import safe_open
+
+    tensors = read_predictor_tensors(manifest)
+    if not plan.predictors:
+        return
+    moe = manifest.moe
+    routers = []
+    with safe_open(str(manifest.path(DENSE)), framework="pt") as f:
+        names = set(f.keys())
+        for path in moe["router_modules"]:
+            weight = f.get_tensor(f"{path}.weight") if f"{path}.weight" in names else None
+            bias = f.get_tensor(f"{path}.bias") if f"{path}.bias" in names else None
+            routers.append((weight.float() if weight is not None else None, bias.float() if bias is not None else None))
+    context = PredictorContext(len(moe["layers"]), moe["num_experts"], moe["top_k"], routers, tensors)
+    for spec in plan.predictors:
+        try:
+            make_predictor(spec.name, spec.params).bind(context)
+        except PredictorError as e:
+            raise ArtifactError(f"{PLAN_FILE} names the predictor {spec.name}, which this artifact cannot run: {e}",
+                                file=PREDICTORS_FILE if PREDICTORS_FILE in manifest.files else PLAN_FILE) from None
+
+
 def check_record(manifest: Manifest, precision: str, key: str, data) -> None:
     """Check one record as read (bytes, memoryview, mmap, numpy array or CPU tensor; at least
     record_bytes long, only the first record_bytes count) against the manifest's crc32."""
@@ -809,7 +857,8 @@ def verify(artifact: str | Path) -> list[str]:
             bad[name] = problem
     if not bad:
         try:
-            _check_contents(manifest)
+            checked = _check_contents(manifest)
+            check_predictors(checked, checked.plan)  # what load would refuse when it binds them
         except MoeError as e:
             bad[getattr(e, "file", None) or PLAN_FILE] = str(e)
     return [f"{name}: {problem}" for name, problem in bad.items()]

@@ -30,12 +30,19 @@ from loader.budget import budget_bytes, cache_layout, dense_bytes, held_layout, 
 from loader.cache import ExpertCache, MemoryMeter
 from loader.codec import RecordLayout
 from loader.errors import LoaderError
-from loader.format import ArtifactError, check_model, check_record, open_artifact, read_block_table
+from loader.format import (
+    ArtifactError,
+    check_model,
+    check_record,
+    open_artifact,
+    read_block_table,
+    read_predictor_tensors,
+)
 from loader.layer import renormalized  # noqa: F401 (part of the loader's API)
 from loader.neuron import NeuronConfig, NeuronError, TrustedPrediction
 from loader.plan import Plan, PolicySpec
 from loader.policies import policy_factory
-from loader.predict import PREDICTORS_FILE, Predictor, PredictorError, make_predictor
+from loader.predict import Predictor, PredictorError, make_predictor
 from loader.routing import (
     MISS_POLICIES,
     ROUTING_POLICIES,
@@ -391,7 +398,7 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
     engine.routing = loaded.routing.policy
     if engine.predictors:
         routers = [_submodule(model, path, "router") for path in moe["router_modules"]]
-        engine.bind_predictors([(r.weight, getattr(r, "bias", None)) for r in routers], _predictor_tensors(manifest))
+        engine.bind_predictors([(r.weight, getattr(r, "bias", None)) for r in routers], read_predictor_tensors(manifest))
         # the LM head's input is the final-normed last hidden state, what the first-layer gate was trained on
         model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: engine.after_last_layer(args[0]))
     _attach_counters(loaded)
@@ -425,15 +432,6 @@ def _predictors(plan: Plan, given: list | None) -> list[Predictor]:
         except PredictorError as e:
             raise LoaderError(f"{e}; upgrade the loader or prepare the artifact again" if p in knobs else str(e)) from None
     return out
-
-
-def _predictor_tensors(manifest) -> dict:
-    """The artifact's ``predictors.safetensors`` ({} when it has none; the predictors that need it say so)."""
-    from safetensors.torch import load_file
-
-    if PREDICTORS_FILE not in manifest.raw["files"]:
-        return {}
-    return load_file(str(manifest.path(PREDICTORS_FILE)))
 
 
 def _past_length(args, kwargs) -> int:

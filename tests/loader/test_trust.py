@@ -59,5 +59,59 @@ def test_nan_and_negative_numbers_in_the_plan_are_refused_by_verify_and_load(pla
 @pytest.mark.parametrize("theta", ["nan", "inf", "-1"])
 def test_a_theta_that_is_not_a_finite_number_is_one_clear_error(planned, theta):
     result = CliRunner().invoke(moeload, ["generate", str(planned), "--prompt", "hello", "--theta", theta])
-    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert result.exit_code != 0 and isinstance(result.exception, SystemExit)  # handled: no traceback
     assert "theta" in result.output
+
+
+@pytest.fixture(scope="module")
+def predicting(tmp_path_factory):
+    """A tiny artifact whose plan runs all three prefetch predictors (a predictors.safetensors)."""
+    root = tmp_path_factory.mktemp("predicting")
+    recipe = tiny_recipe("int4", predict={"predictors": ["next_gates", "path_stats", "first_gate"]})
+    return prepare_tiny_artifact(root, "mixtral", recipe=recipe)[1]
+
+
+def _edited_file(artifact, tmp_path, name: str, data: bytes):
+    """A copy of ``artifact`` with file ``name`` replaced by ``data`` and the manifest's hashes recomputed."""
+    copy = tmp_path / "artifact"
+    shutil.copytree(artifact, copy)
+    (copy / name).write_bytes(data)
+    raw = read_manifest(copy).raw
+    raw["files"][name] = {"bytes": len(data), "sha256": sha256_file(copy / name)}
+    write_manifest(copy, raw)
+    return copy
+
+
+def _predictors_with(artifact, change) -> bytes:
+    from safetensors.torch import load_file, save
+
+    tensors = load_file(str(artifact / "predictors.safetensors"))
+    change(tensors)
+    return save(tensors)
+
+
+@pytest.mark.parametrize("what", ["garbage header", "huge length", "empty", "wrong shape", "nan", "missing gate"])
+def test_verify_refuses_a_predictors_file_that_load_would_refuse(predicting, tmp_path, what):
+    """Each reproduction of the probe, hashes recomputed: verify names predictors.safetensors, and generate exits
+    with one clear error instead of a SafetensorError traceback."""
+    import struct
+
+    import torch
+
+    data = {
+        "garbage header": lambda: struct.pack("<Q", 40) + b"{not json at all" + b" " * 24,
+        "huge length": lambda: struct.pack("<Q", 2**60) + b"{}",
+        "empty": lambda: b"",
+        "wrong shape": lambda: _predictors_with(predicting, lambda t: t.update(
+            {"first_gate.weight": torch.zeros(3, 5)})),
+        "nan": lambda: _predictors_with(predicting, lambda t: t["first_gate.weight"].fill_(math.nan)),
+        "missing gate": lambda: _predictors_with(predicting, lambda t: t.pop("first_gate.weight")),
+    }[what]()
+    assert verify(predicting) == []
+    edited = _edited_file(predicting, tmp_path, "predictors.safetensors", data)
+    problems = verify(edited)
+    assert len(problems) == 1 and problems[0].startswith("predictors.safetensors:"), problems
+    result = CliRunner().invoke(moeload, ["generate", str(edited), "--prompt", "hello", "--max-new-tokens", "2"])
+    assert result.exit_code != 0 and isinstance(result.exception, SystemExit), result.output  # handled
+    assert "predictors.safetensors" in result.output or "first-layer gate" in result.output or "first_gate" in \
+        result.output
