@@ -114,6 +114,32 @@ def check_device(device: str) -> None:
             raise MoeError(f"--device {device}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
 
 
+def context_length(config) -> int | None:
+    """The model's context (``max_position_embeddings``), None where the config does not say."""
+    value = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def fit_context(ids, max_new_tokens: int, context: int | None, truncate: bool):
+    """``ids`` [1, T] checked against the context: prompt plus new tokens must fit; with ``truncate`` a prompt that
+    does not keeps its last tokens. An empty prompt, or new tokens alone past the context, is an error."""
+    if ids.numel() == 0:
+        raise MoeError("--prompt encodes to no tokens; give some text to continue")
+    if context is None:
+        return ids
+    if max_new_tokens >= context:
+        raise MoeError(f"--max-new-tokens {max_new_tokens} leaves no room for the prompt in the model's context of "
+                       f"{context} tokens; ask for fewer")
+    room = context - max_new_tokens
+    if ids.shape[1] > room:
+        if not truncate:
+            raise MoeError(f"the prompt is {ids.shape[1]} tokens and the model's context is {context}: with "
+                           f"--max-new-tokens {max_new_tokens} it may be {room} at most. Shorten it, or pass "
+                           "--truncate to keep its last tokens")
+        ids = ids[:, -room:]
+    return ids
+
+
 def neuron_switch(artifact: str, neuron: str, theta: float | None):
     """``load``'s neuron argument for ``--neuron`` and ``--theta``: None (the plan), False, True or a config."""
     if theta is None:
@@ -157,10 +183,14 @@ def neuron_switch(artifact: str, neuron: str, theta: float | None):
               help="torch's intra-op threads while decoding: keep (torch's own setting), auto (on a CPU the cores "
                    "the reader threads leave free: faster on some models, slower on others, see loader/README.md), "
                    "or a number.")
+@click.option("--truncate", is_flag=True,
+              help="A prompt that leaves no room for --max-new-tokens in the model's context keeps its last tokens "
+                   "(default: it is an error).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {text, token_ids, stats}.")
 def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_budget: str | None, device: str,
                      store: str, predictors: str | None, exact_routing: bool, planned_precision: bool,
-                     neuron: str, theta: float | None, expert_dtype: str, threads: str, as_json: bool) -> None:
+                     neuron: str, theta: float | None, expert_dtype: str, threads: str, truncate: bool,
+                     as_json: bool) -> None:
     """Greedy generation through the offloading runtime; streams the text, then prints the stats."""
     import torch
     from transformers import TextStreamer
@@ -170,6 +200,10 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
 
     if max_new_tokens < 1:
         raise MoeError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise MoeError("--prompt is not valid UTF-8 text; pass the prompt as UTF-8") from None
     check_device(device)
     if threads not in ("auto", "keep") and not threads.isdigit():
         raise MoeError(f"--threads {threads!r}: use auto, keep or a positive number")
@@ -180,10 +214,12 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
                   miss_policy=MissPolicy() if planned_precision else None,
                   neuron=neuron_switch(artifact, neuron, theta), expert_dtype=expert_dtype, threads=threads_arg)
     tok = loaded.tokenizer
-    ids = torch.tensor([tok(prompt)["input_ids"]], dtype=torch.long, device=device)
-    if ids.numel() == 0:
+    try:
+        ids = torch.tensor([tok(prompt)["input_ids"]], dtype=torch.long, device=device)
+        ids = fit_context(ids, max_new_tokens, context_length(loaded.model.config), truncate)
+    except MoeError:
         loaded.close()
-        raise MoeError("--prompt encodes to no tokens; give some text to continue")
+        raise
     streamer = None if as_json else TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     with torch.no_grad():
         out = loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,

@@ -23,6 +23,9 @@ import torch
 
 from prep.errors import MoeprepError
 
+MAX_SEQUENCES = 100_000
+MAX_SEQUENCE_LENGTH = 1 << 17  # above every supported model's context
+
 
 @dataclass(frozen=True)
 class CalibrationSection:
@@ -44,6 +47,10 @@ class CalibrationSection:
             raise MoeprepError(f"calibration.source {self.source!r} unknown; use {', '.join(SOURCES)}")
         if self.num_sequences <= 0 or self.sequence_length <= 1:
             raise MoeprepError("calibration needs num_sequences >= 1 and sequence_length >= 2")
+        if self.num_sequences > MAX_SEQUENCES or self.sequence_length > MAX_SEQUENCE_LENGTH:
+            raise MoeprepError(f"calibration asks for {self.num_sequences} sequences of {self.sequence_length} tokens; "
+                               f"the bounds are {MAX_SEQUENCES:,} sequences of {MAX_SEQUENCE_LENGTH:,} tokens (and the "
+                               "model's context), far above what calibration needs")
 
 
 CalibrationSource = Callable[[CalibrationSection, Path], Iterable[str]]
@@ -131,3 +138,11 @@ def fingerprint_sequences(sequences: list[torch.Tensor]) -> str:
     for seq in sequences:
         digest.update(seq.numpy().tobytes())
     return digest.hexdigest()
+
+
+def check_context(recipe, config) -> None:
+    """The calibration sequences must fit the model's context (``prepare`` and ``--dry-run`` both check)."""
+    context = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if isinstance(context, int) and recipe.calibration.sequence_length > context:
+        raise MoeprepError(f"calibration.sequence_length {recipe.calibration.sequence_length} is longer than the "
+                           f"model's context of {context} tokens; set it to {context} or less")

@@ -24,6 +24,7 @@ from loader.codec import RecordLayout
 from loader.io import write_text_atomic
 from loader.vocab import BITS
 from prep.adapters import build_skeleton, get_adapter, inspect_model, load_config
+from prep.calibration import check_context
 from prep.errors import MoeprepError
 from prep.evals.data import load_benchmarks
 from prep.evals.workload import DEVICES, suite_seconds, suite_workloads
@@ -120,6 +121,7 @@ def dry_run(recipe, root: str | Path = ".") -> str:
         if not (config_dir / "config.json").is_file():
             raise MoeprepError(f"no config for a dry run: model {recipe.model.path!r} is not here and the recipe ships "
                                "no model.config")
+    check_context(recipe, load_config(config_dir))
     row = recipe_sizes(recipe, config_dir)
     source = row["source_expert_bytes"]  # what a budget's percentage is a share of (the loader's rule)
     shipped = "bfloat16" if row["shipped"] == "passthrough" else row["shipped"]

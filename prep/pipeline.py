@@ -23,8 +23,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from prep.adapters import get_adapter
-from prep.calibration import calibration_sequences, fingerprint_sequences
+from prep.adapters import get_adapter, load_config
+from prep.calibration import calibration_sequences, check_context, fingerprint_sequences
 from prep.errors import MoeprepError
 from prep.fingerprint import model_fingerprint
 from prep.recipe import Recipe
@@ -81,7 +81,7 @@ class _Sources:
 
     @cached_property
     def sequences(self) -> list:
-
+        check_context(self.recipe, load_config(self.model_dir))
         return calibration_sequences(self.recipe.calibration, self.tokenizer, self.root)
 
     @cached_property

@@ -30,8 +30,11 @@ class TraceSection:
     batch: int = 1
 
     def __post_init__(self) -> None:
-        if self.batch < 1:
-            raise MoeprepError(f"trace.batch must be at least 1 (sequences per forward), got {self.batch}")
+        if not 1 <= self.batch <= 4096:
+            raise MoeprepError(f"trace.batch is sequences per forward, from 1 to 4096; got {self.batch}")
+        if not 1 <= self.shard_tokens <= 1 << 24:
+            raise MoeprepError(f"trace.shard_tokens is tokens per trace shard, from 1 to {1 << 24}; got "
+                               f"{self.shard_tokens}")
         if self.hidden_dtype not in ("float16", "bfloat16", "float32"):
             raise MoeprepError(f"trace.hidden_dtype {self.hidden_dtype!r} unknown; use float16, bfloat16 or float32")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -16,6 +17,8 @@ from loader.errors import MoeError
 from loader.format import read_manifest, sha256_file, verify, write_manifest
 from loader.runtime import load
 from tests.tiny_models import prepare_tiny_artifact, tiny_recipe
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +118,49 @@ def test_verify_refuses_a_predictors_file_that_load_would_refuse(predicting, tmp
     assert result.exit_code != 0 and isinstance(result.exception, SystemExit), result.output  # handled
     assert "predictors.safetensors" in result.output or "first-layer gate" in result.output or "first_gate" in \
         result.output
+
+
+def test_a_prompt_past_the_context_is_an_error_or_a_stated_truncation(planned):
+    """The model's context bounds prompt + new tokens: too long is one clear error naming the sizes (not a run of
+    minutes), --truncate keeps the prompt's last tokens, and new tokens alone past the context are refused."""
+    from transformers import AutoConfig
+
+    context = AutoConfig.from_pretrained(planned).max_position_embeddings
+    long_prompt = " ".join(["a b c d"] * context)
+    result = CliRunner().invoke(moeload, ["generate", str(planned), "--prompt", long_prompt, "--max-new-tokens", "2"])
+    assert result.exit_code != 0 and isinstance(result.exception, SystemExit)
+    assert f"context is {context}" in result.output and "--truncate" in result.output
+    result = CliRunner().invoke(moeload, ["generate", str(planned), "--prompt", long_prompt, "--max-new-tokens", "2",
+                                          "--truncate", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output.strip().splitlines()[-1])["stats"]["tokens"] <= context
+    result = CliRunner().invoke(moeload, ["generate", str(planned), "--prompt", "hi", "--max-new-tokens",
+                                          str(context)])
+    assert result.exit_code != 0 and "leaves no room" in result.output
+
+
+def test_a_prompt_that_is_not_utf8_is_one_clear_error(planned):
+    result = CliRunner().invoke(moeload, ["generate", str(planned), "--prompt", "caf\udce9"])
+    assert result.exit_code != 0 and isinstance(result.exception, SystemExit) and "UTF-8" in result.output
+
+
+def test_calibration_sizes_are_bounded_in_the_recipe_and_by_the_context(tmp_path, monkeypatch):
+    """A sequence length of 99,999,999 is refused when the recipe is read (so --dry-run refuses it), and one past the
+    model's context by the dry run and by prepare, before any memory is spent."""
+    from prep.cli import main as moeprep
+    from prep.errors import MoeprepError
+    from prep.pipeline import prepare
+    from tests.tiny_models import save_tiny_model
+
+    with pytest.raises(MoeprepError, match="bounds are"):
+        tiny_recipe(calibration={"sequence_length": 99_999_999})
+    monkeypatch.chdir(REPO)  # the reference recipe names its model relative to the repository
+    result = CliRunner().invoke(moeprep, ["prepare", "--recipe", "recipes/reference.yaml", "--dry-run", "--set",
+                                          "calibration.sequence_length=99999999"])
+    assert result.exit_code != 0 and "bounds are" in result.output
+    result = CliRunner().invoke(moeprep, ["prepare", "--recipe", "recipes/reference.yaml", "--dry-run", "--set",
+                                          "calibration.sequence_length=4096"])
+    assert result.exit_code != 0 and "longer than the model's context of 1024" in result.output
+    save_tiny_model("mixtral", tmp_path / "model")
+    with pytest.raises(MoeprepError, match="model's context"):
+        prepare(tiny_recipe(calibration={"sequence_length": 100_000}), root=tmp_path)
