@@ -176,6 +176,9 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
         (out / PLAN_PLOT).parent.mkdir(exist_ok=True)
         write_bytes_atomic(out / PLAN_PLOT, operating_points_plot(report.to_json()))
 
+    for path in out.rglob("*"):  # safetensors writes 0600; every file of an artifact is readable alike
+        if path.is_file():
+            path.chmod(0o644)
     files = {p.relative_to(out).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(out.rglob("*")) if p.is_file()}
     manifest = {

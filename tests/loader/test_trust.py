@@ -164,3 +164,16 @@ def test_calibration_sizes_are_bounded_in_the_recipe_and_by_the_context(tmp_path
     save_tiny_model("mixtral", tmp_path / "model")
     with pytest.raises(MoeprepError, match="model's context"):
         prepare(tiny_recipe(calibration={"sequence_length": 100_000}), root=tmp_path)
+
+
+def test_loading_needs_no_report_and_every_file_has_one_mode(planned, tmp_path):
+    """report.json is informational: without it the artifact loads and generates (verify names it), and every file
+    of an artifact is written with the same permissions (safetensors' own writer made dense and predictors 0600)."""
+    modes = {p.name: p.stat().st_mode & 0o777 for p in planned.rglob("*") if p.is_file()}
+    assert len(set(modes.values())) == 1 and set(modes.values()) == {0o644}, modes
+    copy = tmp_path / "artifact"
+    shutil.copytree(planned, copy)
+    (copy / "report.json").unlink()
+    result = CliRunner().invoke(moeload, ["generate", str(copy), "--prompt", "hello", "--max-new-tokens", "2"])
+    assert result.exit_code == 0, result.output
+    assert [line.split(":")[0] for line in verify(copy)] == ["report.json"]
