@@ -16,6 +16,7 @@ holds its records as they are). Every one of those bytes counts against the budg
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,25 @@ def minimum_bytes(plan: Plan, sizes: ModelSizes) -> int:
     return int(math.ceil(sizes.dense_bytes + buffer_bytes(plan, sizes) + best))
 
 
+def lowest_budget(plan: Plan, sizes: ModelSizes) -> int:
+    """The smallest budget ``capacities`` accepts for ``plan``. A budget takes the pools of its operating point
+    (``Plan.for_budget``: the largest point it covers, the smallest point below them all), so each point is a
+    candidate from the budget that selects it, and the smallest candidate within its range wins. The loader's
+    refusal and ``minimum_budget`` both say this one number."""
+    points = sorted(plan.operating_points, key=lambda p: p.budget_bytes)
+    if not points:
+        return minimum_bytes(plan, sizes)
+    bare = dataclasses.replace(plan, operating_points=())
+    found = []
+    for i, point in enumerate(points):
+        lower = 0 if i == 0 else point.budget_bytes
+        upper = points[i + 1].budget_bytes if i + 1 < len(points) else math.inf
+        need = max(minimum_bytes(dataclasses.replace(bare, pools=point.pools), sizes), lower)
+        if need < upper:
+            found.append(need)
+    return min(found) if found else minimum_bytes(plan, sizes)
+
+
 def layer_weights(plan: Plan, pool: Pool) -> list[float]:
     """A per-layer pool's relative split across layers: its own, else the plan's, else equal."""
     if pool.layers is not None:
@@ -117,14 +137,14 @@ def capacities(plan: Plan, budget, sizes: ModelSizes) -> Capacities:
             raise PlanError(f"{PLAN_FILE} uses precision {p!r} but the artifact has no store for it "
                             f"(stores: {sorted(sizes.record_bytes)}); prepare the artifact again")
     limit = resolve_budget(budget, plan, sizes)
+    whole = plan
     plan = plan.for_budget(limit)
     buffers = buffer_bytes(plan, sizes)
-    minimum = minimum_bytes(plan, sizes)
-    if limit < minimum:
+    if limit < minimum_bytes(plan, sizes):
         raise PlanError(
             f"memory budget {budget if budget is not None else plan.default_budget!r} ({int(limit):,} bytes) is "
-            f"below the minimum of {minimum:,} bytes (dense weights {sizes.dense_bytes:,} + read buffers "
-            f"{buffers:,} + one expert per eviction group); raise the budget")
+            f"below the minimum of {lowest_budget(whole, sizes):,} bytes (dense weights {sizes.dense_bytes:,} + "
+            f"read buffers {buffers:,} + one expert per eviction group); raise the budget")
     share = limit - sizes.dense_bytes - buffers
     pools: dict = {}
     for pool in plan.pools:
@@ -233,10 +253,7 @@ def held_layout(manifest, stores: dict, plan: Plan, memory_budget, device: torch
     budget that cannot hold one held form per eviction group falls back to the record form (decoded per use),
     so a small budget still loads; ``smallest``: that fallback's sizes (``auto``'s minimum budget)."""
     host = sum(s.host_bytes for s in stores.values())
-    chosen = store_forms(manifest, expert_dtype, device, plan)
-    options = [chosen]
-    if expert_dtype == "auto" and any(f.staged for f in chosen.values()):
-        options.append(store_forms(manifest, "packed", device, plan))
+    options = form_options(manifest, plan, device, expert_dtype)
     if smallest:
         options = options[-1:]
     for i, forms in enumerate(options):
@@ -250,6 +267,16 @@ def held_layout(manifest, stores: dict, plan: Plan, memory_budget, device: torch
             if i == len(options) - 1:
                 raise
     raise AssertionError("unreachable")
+
+
+def form_options(manifest, plan: Plan, device: torch.device, expert_dtype: str) -> list[dict]:
+    """The held forms ``load`` tries, in order: the chosen ones, then with ``auto`` the record form (decoded per
+    use) where a chosen form is made, so a budget too small for the first still loads."""
+    chosen = store_forms(manifest, expert_dtype, device, plan)
+    options = [chosen]
+    if expert_dtype == "auto" and any(f.staged for f in chosen.values()):
+        options.append(store_forms(manifest, "packed", device, plan))
+    return options
 
 
 def _layout_of(artifact, store: str, plan: Plan | None, device: torch.device, expert_dtype: str, memory_budget,
@@ -293,10 +320,17 @@ def minimum_budget(artifact, store: str = "disk", plan: Plan | None = None, devi
                    expert_dtype: str = "auto", workers: int = 2) -> int:
     """The smallest memory budget in bytes that ``load(artifact, ...)`` accepts with the same arguments: the
     dense weights, the read and staging buffers, and one expert per eviction group (with ``store='host'`` on
-    a CPU the store counts too). With ``auto`` it is the record form's, below which nothing loads."""
-    layout, _ = _layout_of(artifact, store, plan, torch.device(device), expert_dtype, NO_BUDGET, workers,
-                           smallest=True)
-    return minimum_bytes(layout.plan, layout.sizes)
+    a CPU the store counts too); with ``auto``, the smaller of the chosen forms' and the record form's."""
+    manifest = read_manifest(artifact)
+    plan = plan or read_plan(manifest.root)
+    device = torch.device(device)
+    stores = {p: ExpertStore(manifest.path(s.file), p, mode=store) for p, s in manifest.stores.items()}
+    try:  # each form ``load`` may fall back to; its held sizes may be smaller than the record's (int4pack)
+        return min(lowest_budget(plan, artifact_sizes(manifest, stores, device, forms, workers))
+                   for forms in form_options(manifest, plan, device, expert_dtype))
+    finally:
+        for s in stores.values():
+            s.close()
 
 
 def budget_bytes(artifact, memory_budget, store: str = "disk", plan: Plan | None = None, device: str = "cpu") -> int:

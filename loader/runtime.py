@@ -20,13 +20,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from loader.budget import budget_bytes, cache_layout, dense_bytes, held_layout, minimum_budget, minimum_bytes  # noqa: F401
+from loader.budget import (  # noqa: F401
+    budget_bytes,
+    cache_layout,
+    dense_bytes,
+    held_layout,
+    lowest_budget,
+    minimum_budget,
+    minimum_bytes,
+)
 from loader.cache import ExpertCache, MemoryMeter
 from loader.codec import RecordLayout
 from loader.errors import LoaderError
@@ -58,6 +67,15 @@ from loader.transfer import link_for
 from loader.vocab import CPU_MISSES
 
 IMPLEMENTATION = "moeprep_offload"
+
+
+def process_rss_bytes() -> int | None:
+    """This process's resident set size now (Linux ``/proc``; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def compute_threads(device: torch.device, workers: int) -> int | None:
@@ -151,6 +169,9 @@ class LoadedModel:
             # the budget's expert share: the caches' capacities plus the read and staging buffers)
             "peak_expert_bytes": rt.meter.peak,
             "budget": self.budget,
+            # the whole process in RAM now, beside the budget: the budget counts the dense weights and every byte of
+            # expert data held; the interpreter, torch, the KV cache and activations are outside it
+            "process_rss_bytes": process_rss_bytes(),
             "direct_io": all(s.direct_io for s in rt.stores.values()),
             # checking the 4 KiB blocks of partial (neuron) reads against their hashes, on the reader threads
             "block_check_seconds": sum(s.check_seconds for s in rt.stores.values()),
@@ -378,7 +399,7 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
     tokenizer = AutoTokenizer.from_pretrained(artifact)
     caps, sizes = layout.capacities, layout.sizes
     budget = caps.to_json() | {"dense_bytes": dense_bytes(dense_path), "requested": memory_budget if memory_budget is not None else plan.default_budget,
-                               "minimum_bytes": minimum_bytes(plan, sizes), "host_store_bytes": host_bytes,
+                               "minimum_bytes": lowest_budget(plan, sizes), "host_store_bytes": host_bytes,
                                "record_bytes": {p: s.record_bytes for p, s in stores.items()},
                                "slot_bytes": engine.slot_bytes, "eviction": plan.eviction.name,
                                "staging_bytes": sizes.staging_bytes,

@@ -177,3 +177,32 @@ def test_loading_needs_no_report_and_every_file_has_one_mode(planned, tmp_path):
     result = CliRunner().invoke(moeload, ["generate", str(copy), "--prompt", "hello", "--max-new-tokens", "2"])
     assert result.exit_code == 0, result.output
     assert [line.split(":")[0] for line in verify(copy)] == ["report.json"]
+
+
+@pytest.mark.parametrize("expert_dtype", ["auto", "packed", "float32"])
+def test_one_minimum_budget_for_the_message_and_the_loader(planned, expert_dtype):
+    """minimum_budget is the smallest budget load accepts (found by bisection, with operating points, for each held
+    form), one byte less is refused, and the refusal names that same number. stats() reports the process's RSS
+    beside the budgeted bytes."""
+    from loader.runtime import minimum_budget
+
+    def loads(budget: int) -> bool:
+        try:
+            load(planned, memory_budget=budget, expert_dtype=expert_dtype).close()
+            return True
+        except MoeError:
+            return False
+
+    lo, hi = 1, 4 * minimum_budget(planned, expert_dtype=expert_dtype)
+    assert loads(hi)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if loads(mid) else (mid + 1, hi)
+    minimum = minimum_budget(planned, expert_dtype=expert_dtype)
+    assert minimum == lo
+    with pytest.raises(MoeError, match=f"minimum of {minimum:,} bytes"):
+        load(planned, memory_budget=minimum - 1, expert_dtype=expert_dtype)
+    loaded = load(planned, memory_budget=minimum, expert_dtype=expert_dtype)
+    stats = loaded.stats()
+    loaded.close()
+    assert stats["process_rss_bytes"] > stats["budget"]["limit_bytes"] > 0
