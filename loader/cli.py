@@ -14,7 +14,7 @@ import click
 
 from loader import __version__
 from loader.codec import RecordLayout
-from loader.errors import MoeError
+from loader.errors import MoeError, disk_error
 from loader.format import REPORT, ArtifactError, read_json, read_manifest, verify
 from loader.plan import read_plan
 from loader.vocab import EXPERT_DTYPES
@@ -26,6 +26,11 @@ class LoaderGroup(click.Group):
             return super().invoke(ctx)
         except MoeError as e:
             click.echo(f"error: {e}", err=True)
+            ctx.exit(1)
+        except OSError as e:  # a disk that is full, read-only or forbidden, wherever the write happened
+            if (mapped := disk_error(e)) is None:
+                raise
+            click.echo(f"error: {mapped}", err=True)
             ctx.exit(1)
 
 

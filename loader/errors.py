@@ -5,6 +5,8 @@ catch ``MoeError`` and print its message without a traceback. The message says w
 what to do.
 """
 
+import errno
+
 
 class MoeError(Exception):
     """A user-facing error: bad input, a damaged artifact, an impossible request."""
@@ -30,3 +32,25 @@ class LoaderError(MoeError):
 
 class BudgetError(LoaderError):
     """A memory budget too small for what must be held, or one that cannot be read; not the artifact's fault."""
+
+
+class DiskError(MoeError):
+    """A write the disk refused (full, read-only, not permitted): the message names the path and the fix."""
+
+
+_DISK_FIXES = {
+    errno.ENOSPC: "the disk is full: free space there, or write somewhere else",
+    errno.EDQUOT: "the disk quota is used up: free space there, or write somewhere else",
+    errno.EROFS: "the file system is read-only: choose a writable place",
+    errno.EACCES: "permission denied: choose a place you can write, or fix its permissions",
+    errno.EPERM: "not permitted: choose a place you can write, or fix its permissions",
+}
+
+
+def disk_error(error: OSError, path=None) -> MoeError | None:
+    """The ``DiskError`` for an OSError of a full, read-only or forbidden disk (None for any other OSError)."""
+    fix = _DISK_FIXES.get(error.errno)
+    if fix is None:
+        return None
+    where = path if path is not None else (error.filename or "a file")
+    return DiskError(f"cannot write {where}: {fix}")

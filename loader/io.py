@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from loader.errors import PREPARE_AGAIN as _PREPARE_AGAIN
-from loader.errors import ArtifactError
+from loader.errors import ArtifactError, disk_error
 
 
 @contextmanager
@@ -34,6 +34,8 @@ def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        raise (disk_error(e, path) or e) from None
     finally:
         if tmp.exists():
             tmp.unlink()

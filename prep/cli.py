@@ -12,7 +12,7 @@ import json
 
 import click
 
-from loader.errors import MoeError
+from loader.errors import MoeError, disk_error
 
 
 class MoeprepGroup(click.Group):
@@ -23,6 +23,11 @@ class MoeprepGroup(click.Group):
             return super().invoke(ctx)
         except MoeError as e:  # MoeprepError, and the loader's errors reaching us through eval and bench
             click.echo(f"error: {e}", err=True)
+            ctx.exit(1)
+        except OSError as e:  # a disk that is full, read-only or forbidden, wherever the write happened
+            if (mapped := disk_error(e)) is None:
+                raise
+            click.echo(f"error: {mapped}", err=True)
             ctx.exit(1)
 
 

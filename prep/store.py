@@ -36,6 +36,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from loader.errors import disk_error
 from loader.format import FORMAT, MANIFEST
 from loader.io import replace_directory
 from prep.errors import MoeprepError
@@ -93,8 +94,11 @@ def exclusive_lock(path: Path, what: str) -> Iterator[None]:
     The kernel drops the lock when the process ends, however it ends, so a killed run never leaves a
     stale lock behind. Raises MoeprepError at once, naming the holder's pid, when another process holds it.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # a read-only or forbidden place: say where, before any work
+        raise (disk_error(e, path.parent) or e) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import platform
 from pathlib import Path
 
 import torch
 
+from loader.errors import disk_error
 from loader.format import read_manifest
 from loader.io import write_json_atomic, write_text_atomic
 from loader.runtime import load
@@ -188,6 +190,9 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
         data = original.parent / "suites"
         if not data.is_dir():
             raise MoeprepError("no --data given and the model has no suites/ beside it; pass --data")
+    # what eval writes (its report, and the artifact's report.json unless a variant runs) must be writable
+    # before minutes of evaluation, not after
+    writable(Path(output).parent if output else None, artifact if plan is None else None)
     bench = load_benchmarks(data, tuple(suites))
     for name in bench.items:
         bench.items[name] = bench.items[name][:limit]
@@ -229,6 +234,23 @@ def eval_summary(report: dict) -> dict:
     """Per suite the headline figures of a report (what report.json and the evaluate stage keep)."""
     return {name: {k: s[k] for k in ("n", "num_fewshot", "original", "prepared", "delta", "flips", "mcnemar_p")}
             for name, s in report["suites"].items()}
+
+
+def writable(*directories) -> None:
+    """Each directory (None: skipped) can take a new file: one is created and removed there, else a DiskError (or
+    MoeprepError) naming it, before any evaluation runs."""
+    for directory in directories:
+        if directory is None:
+            continue
+        directory = Path(directory)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            probe = directory / f".moeprep-write-probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise (disk_error(e, directory) or MoeprepError(f"cannot write in {directory} ({e.strerror or e}); "
+                                                            "choose another place")) from None
 
 
 def merge_into_artifact(artifact: str | Path, report: dict, package_key: str | None = None) -> None:

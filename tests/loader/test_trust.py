@@ -206,3 +206,72 @@ def test_one_minimum_budget_for_the_message_and_the_loader(planned, expert_dtype
     stats = loaded.stats()
     loaded.close()
     assert stats["process_rss_bytes"] > stats["budget"]["limit_bytes"] > 0
+
+
+def _refuse(code: int):
+    import errno
+    import os
+
+    def refuse(*args, **kwargs):
+        raise OSError(code, os.strerror(code), str(args[0]) if args else None)
+    assert code in (errno.ENOSPC, errno.EROFS)
+    return refuse
+
+
+def test_a_full_disk_is_one_clear_error_naming_the_path(tmp_path, monkeypatch):
+    """An atomic write on a full disk is a DiskError naming the file and the fix (the temporary file is gone), and
+    any such OSError reaching either command line is printed as one error line, exit 1, no traceback."""
+    import errno
+
+    import loader.io
+    from loader.errors import DiskError
+    from prep.cli import main as moeprep
+
+    with monkeypatch.context() as m:
+        m.setattr(loader.io.os, "fsync", _refuse(errno.ENOSPC))
+        with pytest.raises(DiskError, match="cannot write .*report.json: the disk is full"):
+            loader.io.write_bytes_atomic(tmp_path / "report.json", b"{}")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr("prep.pipeline.prepare", _refuse(errno.ENOSPC))
+    result = CliRunner().invoke(moeprep, ["prepare", "--recipe", str(REPO / "recipes" / "reference.yaml")])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+    assert "the disk is full" in result.output
+
+
+def test_prepare_into_a_read_only_place_says_so_before_any_work(tmp_path, monkeypatch):
+    import errno
+    import os
+    import types
+
+    import prep.store
+    from loader.errors import DiskError
+
+    shim = types.SimpleNamespace(**{k: getattr(os, k) for k in dir(os) if not k.startswith("__")})
+    shim.open = _refuse(errno.EROFS)
+    monkeypatch.setattr(prep.store, "os", shim)
+    with pytest.raises(DiskError, match="read-only"), prep.store.exclusive_lock(tmp_path / "out" / ".lock", "out"):
+        pass
+
+
+def test_eval_checks_it_can_write_before_it_evaluates(planned, tmp_path, monkeypatch):
+    """A read-only artifact: eval refuses at once, before loading anything, instead of after the whole evaluation."""
+    import errno
+    import pathlib
+
+    from loader.errors import DiskError
+    from prep.evals.compare import evaluate_artifact
+    from tests.tiny_models import write_tiny_suites
+
+    real = pathlib.Path.write_bytes
+
+    def read_only(self, data):
+        if self.name.startswith(".moeprep-write-probe") and self.parent.resolve() == planned.resolve():
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real(self, data)
+
+    monkeypatch.setattr(pathlib.Path, "write_bytes", read_only)
+    monkeypatch.setattr("prep.evals.compare.load", lambda *a, **k: pytest.fail("evaluated before checking"))
+    write_tiny_suites(tmp_path / "suites")
+    with pytest.raises(DiskError, match="read-only"):
+        evaluate_artifact(planned, planned.parent / "model", suites=("mmlu",), data=tmp_path / "suites", limit=1,
+                          output=tmp_path / "eval.json")
