@@ -38,7 +38,7 @@ from loader.budget import (  # noqa: F401
 )
 from loader.cache import ExpertCache, MemoryMeter
 from loader.codec import RecordLayout
-from loader.errors import LoaderError
+from loader.errors import PREPARE_AGAIN, LoaderError
 from loader.format import (
     ArtifactError,
     check_model,
@@ -396,7 +396,11 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
     if leftover:
         raise ArtifactError(f"weights missing from the artifact: {leftover[:5]}")
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(artifact)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(artifact)
+    except Exception as e:  # transformers and tokenizers raise many kinds for a malformed file
+        raise ArtifactError(f"the artifact's tokenizer files (tokenizer.json, tokenizer_config.json) cannot be read "
+                            f"({type(e).__name__}: {str(e)[:200]}); {PREPARE_AGAIN}", file="tokenizer.json") from None
     caps, sizes = layout.capacities, layout.sizes
     budget = caps.to_json() | {"dense_bytes": dense_bytes(dense_path), "requested": memory_budget if memory_budget is not None else plan.default_budget,
                                "minimum_bytes": lowest_budget(plan, sizes), "host_store_bytes": host_bytes,

@@ -233,6 +233,9 @@ def prepare(recipe: Recipe, root: str | Path = ".", output: str | Path | None = 
         named = recipe.model.path if recipe.model.path is not None else recipe.model.hub_id
         raise MoeprepError(f"model {named!r} is not here (not a local directory under {root}, not in the Hugging "
                            f"Face hub cache); {recipe.missing_model_hint()}")
+    if not (model_dir / "config.json").is_file() or not any(model_dir.glob("*.safetensors")):
+        raise MoeprepError(f"model directory {model_dir} holds no config.json and *.safetensors checkpoint; "
+                           f"{recipe.missing_model_hint()}")
     work_root = root / "artifacts" / recipe.name
     default_output = output is None
     artifact = ArtifactOutput(

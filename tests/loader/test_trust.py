@@ -275,3 +275,19 @@ def test_eval_checks_it_can_write_before_it_evaluates(planned, tmp_path, monkeyp
     with pytest.raises(DiskError, match="read-only"):
         evaluate_artifact(planned, planned.parent / "model", suites=("mmlu",), data=tmp_path / "suites", limit=1,
                           output=tmp_path / "eval.json")
+
+
+def test_a_model_directory_without_its_files_is_one_clear_error(tmp_path):
+    from prep.errors import MoeprepError
+    from prep.pipeline import prepare
+
+    (tmp_path / "model").mkdir()
+    with pytest.raises(MoeprepError, match="holds no config.json"):
+        prepare(tiny_recipe(), root=tmp_path)
+
+
+def test_an_empty_tokenizer_with_hashes_recomputed_is_one_clear_error(planned, tmp_path):
+    edited = _edited_file(planned, tmp_path, "tokenizer.json", b"{}")
+    result = CliRunner().invoke(moeload, ["generate", str(edited), "--prompt", "hello", "--max-new-tokens", "2"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "tokenizer files" in result.output
