@@ -16,9 +16,13 @@ Shapes use the legend declared in ``loader/__init__.py``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
 
 from prep.errors import MoeprepError
 from prep.methods.trace import INDEX_NAME, open_trace, read_mixtral_traces
@@ -101,11 +105,18 @@ def load_replay(path: str | Path) -> Replay:
     if not path.exists():
         raise MoeprepError(f"trace {path} does not exist; pass a trace directory written by `moeprep prepare` "
                            "(stages/trace-*/trace) or the real Mixtral traces (../shared/data/traces)")
+    try:
+        return _read_replay(path)
+    except MoeprepError:
+        raise
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError, RuntimeError,
+            SafetensorError) as e:  # a damaged trace: its files are data from outside, parsed here
+        raise MoeprepError(f"trace {path} cannot be read ({type(e).__name__}: {str(e)[:200]}); record it again "
+                           "(`moeprep prepare` writes stages/trace-*/trace) or fetch the Mixtral traces again") from None
+
+
+def _read_replay(path: Path) -> Replay:
     if path.is_dir() and (path / INDEX_NAME).is_file():
-        import dataclasses
-
-        import torch
-
         trace = open_trace(path)
         replay = replay_from_routing(trace.routing(), int(trace.index["num_experts"]), str(path))
         logits = torch.stack([trace.router_logits(layer) for layer in trace.layers], dim=1)  # [N, L, E]

@@ -291,3 +291,26 @@ def test_an_empty_tokenizer_with_hashes_recomputed_is_one_clear_error(planned, t
     result = CliRunner().invoke(moeload, ["generate", str(edited), "--prompt", "hello", "--max-new-tokens", "2"])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert "tokenizer files" in result.output
+
+
+@pytest.mark.parametrize("damage", ["garbage index", "truncated shard", "missing shard", "non-utf8 jsonl"])
+def test_a_malformed_trace_is_one_clear_error_in_simulate(planned, tmp_path, damage):
+    from prep.cli import main as moeprep
+
+    trace = next((planned.parent / "artifacts" / "tiny" / "stages").glob("trace-*/trace"))
+    copy = tmp_path / "trace"
+    shutil.copytree(trace, copy)
+    shards = sorted(p for p in copy.iterdir() if p.suffix == ".safetensors")
+    if damage == "garbage index":
+        (copy / "index.json").write_bytes(b'{"format": 7, "shards": "no"')
+    elif damage == "truncated shard":
+        shards[0].write_bytes(shards[0].read_bytes()[:100])
+    elif damage == "missing shard":
+        shards[0].unlink()
+    else:
+        copy = tmp_path / "gsm8k_routing.jsonl"
+        copy.write_bytes(b'{"problem_id": 0, "layer": 0, "token_idx": 0, "experts": [1, 2], "gating_probs": '
+                         b'[0.6, 0.4]}\n\xff\xfe not text\n')
+    result = CliRunner().invoke(moeprep, ["simulate", "--trace", str(copy), "--capacity", "2"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "error:" in result.output and str(copy.name) in result.output
