@@ -111,8 +111,15 @@ def prepare_command(recipe_path: str, overrides: tuple[str, ...], output: str | 
 
     if dry_run:
         from prep.inspect import dry_run as describe
+        from prep.pipeline import preflight
 
-        click.echo(describe(load_recipe(recipe_path, overrides)), nl=False)
+        recipe = load_recipe(recipe_path, overrides)
+        click.echo(describe(recipe), nl=False)
+        problems = preflight(recipe, ".", output, overwrite)
+        for problem in problems:  # what the run would refuse, before reading a weight
+            click.echo(f"error: {problem}", err=True)
+        if problems:
+            raise SystemExit(1)
         return
 
     summary = prepare(load_recipe(recipe_path, overrides), root=".", output=output, until=until, force=force,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from loader.codec import RecordLayout
+from loader.codec import CodecError, RecordLayout
 from loader.io import write_text_atomic
 from loader.vocab import BITS
 from prep.adapters import build_skeleton, get_adapter, inspect_model, load_config
@@ -108,6 +108,24 @@ def _itemsize(config) -> int:
     return torch.empty((), dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype).element_size()
 
 
+def check_formats(recipe, config) -> None:
+    """Every precision the quantize stage writes can encode this model's experts (a group size divides their input
+    dimension), as the run's encoder would refuse."""
+    skeleton, adapter = build_skeleton(config), get_adapter(config)
+    experts = adapter.experts(skeleton, adapter.moe_layers[0])
+    transposed = bool(getattr(experts, "is_transposed", False))
+    for precision in recipe.quantize.precisions:
+        if precision == "passthrough":
+            continue
+        group, meta = recipe.quantize.format_of(precision)
+        try:
+            RecordLayout(tuple(matrix_spec(n, p[0], precision, group, transposed, meta_group=meta)
+                               for n, p in experts.named_parameters(recurse=False)))
+        except CodecError as e:
+            raise MoeprepError(f"quantize at {precision}: {e}; pick a group size that divides it "
+                               "(quantize.group_size)") from None
+
+
 def dry_run(recipe, root: str | Path = ".") -> str:
     """What ``prepare`` would do with ``recipe``, without the weights: the model (from ``model.config``, else
     the config.json of ``model.path``), the stages it would run, the sizes, and how many experts per layer
@@ -121,7 +139,9 @@ def dry_run(recipe, root: str | Path = ".") -> str:
         if not (config_dir / "config.json").is_file():
             raise MoeprepError(f"no config for a dry run: model {recipe.model.path!r} is not here and the recipe ships "
                                "no model.config")
-    check_context(recipe, load_config(config_dir))
+    config = load_config(config_dir)
+    check_context(recipe, config)
+    check_formats(recipe, config)
     row = recipe_sizes(recipe, config_dir)
     source = row["source_expert_bytes"]  # what a budget's percentage is a share of (the loader's rule)
     shipped = "bfloat16" if row["shipped"] == "passthrough" else row["shipped"]

@@ -228,19 +228,13 @@ def prepare(recipe: Recipe, root: str | Path = ".", output: str | Path | None = 
     _check_stage(until, "--until")
     _check_stage(force, "--force")
     root = Path(root)
+    problems = preflight(recipe, root, output, overwrite)
+    if problems:
+        raise problems[0]
     model_dir = Path(recipe.model_path(root))
-    if not model_dir.is_dir():
-        named = recipe.model.path if recipe.model.path is not None else recipe.model.hub_id
-        raise MoeprepError(f"model {named!r} is not here (not a local directory under {root}, not in the Hugging "
-                           f"Face hub cache); {recipe.missing_model_hint()}")
-    if not (model_dir / "config.json").is_file() or not any(model_dir.glob("*.safetensors")):
-        raise MoeprepError(f"model directory {model_dir} holds no config.json and *.safetensors checkpoint; "
-                           f"{recipe.missing_model_hint()}")
     work_root = root / "artifacts" / recipe.name
     default_output = output is None
-    artifact = ArtifactOutput(
-        work_root / "artifact" if default_output else Path(output),
-        protected=[model_dir, Path.cwd(), root, PROJECT_ROOT, work_root / "stages"], overwrite=overwrite)
+    artifact = _output(recipe, root, output, overwrite)
 
     check_device(device)  # before any lock or work
     sources = _Sources(recipe, root, model_dir, device, expert_memory)
@@ -249,6 +243,42 @@ def prepare(recipe: Recipe, root: str | Path = ".", output: str | Path | None = 
             return _run_stages(recipe, root, model_dir, work_root, artifact, until, force, sources)
         with artifact.lock():
             return _run_stages(recipe, root, model_dir, work_root, artifact, until, force, sources)
+
+
+def _output(recipe: Recipe, root: Path, output, overwrite: bool) -> ArtifactOutput:
+    work_root = root / "artifacts" / recipe.name
+    return ArtifactOutput(work_root / "artifact" if output is None else Path(output),
+                          protected=[Path(recipe.model_path(root)), Path.cwd(), root, PROJECT_ROOT, work_root / "stages"],
+                          overwrite=overwrite)
+
+
+def preflight(recipe: Recipe, root: str | Path = ".", output: str | Path | None = None,
+              overwrite: bool = False) -> list[MoeprepError]:
+    """Every refusal ``prepare`` can make before it reads a weight, in order: the model is here, the output may be
+    written and replaced, the files the recipe names (a device profile) exist. ``prepare`` raises the first;
+    ``--dry-run`` reports them all. Reads no weights and writes nothing."""
+    root = Path(root)
+    problems = []
+    model_dir = Path(recipe.model_path(root))
+    named = recipe.model.path if recipe.model.path is not None else recipe.model.hub_id
+    if not model_dir.is_dir():
+        problems.append(MoeprepError(f"model {named!r} is not here (not a local directory under {root}, not in the "
+                                     f"Hugging Face hub cache); {recipe.missing_model_hint()}"))
+    elif not (model_dir / "config.json").is_file() or not any(model_dir.glob("*.safetensors")):
+        problems.append(MoeprepError(f"model directory {model_dir} holds no config.json and *.safetensors "
+                                     f"checkpoint; {recipe.missing_model_hint()}"))
+    try:
+        _output(recipe, root, output, overwrite).check_replaceable()
+    except MoeprepError as e:
+        problems.append(e)
+    for stage in STAGES:
+        if stage.files is None or (stage.enabled is not None and not stage.enabled(recipe)):
+            continue
+        for name in stage.files(recipe):
+            if not (root / name).is_file():
+                problems.append(MoeprepError(f"{name}, which the recipe names for stage {stage.name}, is not there; "
+                                             "write it first (a device profile: `moeprep profile-device`)"))
+    return problems
 
 
 def _run_stages(recipe: Recipe, root: Path, model_dir: Path, work_root: Path, artifact: ArtifactOutput,

@@ -168,7 +168,8 @@ def test_dry_run_needs_no_weights(name, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.chdir(ROOT)  # model.config is relative to the repository root
     result = CliRunner().invoke(main, ["prepare", "--recipe", f"recipes/{name}.yaml", "--dry-run"])
-    assert result.exit_code == 0, result.output
+    # everything is estimated from the shipped config, and the run's one refusal is said: the weights are not here
+    assert result.exit_code == 1 and "is not here" in result.output and "hf download" in result.output, result.output
     config = json.loads((ROOT / "recipes" / name / "config.json").read_text())
     experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts")
     assert f"x {experts} experts" in result.output and "stages: trace, quantize" in result.output

@@ -314,3 +314,21 @@ def test_a_malformed_trace_is_one_clear_error_in_simulate(planned, tmp_path, dam
     result = CliRunner().invoke(moeprep, ["simulate", "--trace", str(copy), "--capacity", "2"])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert "error:" in result.output and str(copy.name) in result.output
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--set", "quantize.group_size=7"], "group size 7 does not divide"),
+    (["--output", "."], "refusing --output ."),
+    (["--output", "/"], "refusing --output /"),
+    (["--set", "plan.device=no-such-profile.json"], "no-such-profile.json, which the recipe names"),
+])
+def test_the_dry_run_refuses_what_the_run_refuses(monkeypatch, args, said):
+    """Each input the probe found that --dry-run accepted and the run refused: the dry run prints its estimates and
+    the refusal, and exits 1; the run refuses it before reading a weight."""
+    from prep.cli import main as moeprep
+
+    monkeypatch.chdir(REPO)
+    result = CliRunner().invoke(moeprep, ["prepare", "--recipe", "recipes/reference.yaml", "--dry-run", *args])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert said in result.output
+    assert not (REPO / "no-such-profile.json").exists()
