@@ -26,7 +26,7 @@ from prep.evals import suites as S
 from prep.evals import templates as tpl
 from prep.evals.data import SUITES, BenchmarkData, load_benchmarks
 from prep.fingerprint import model_fingerprint
-from prep.report import PENDING, update_artifact_report  # noqa: F401 (PENDING: where eval's marker lives)
+from prep.report import PENDING, current_report, update_artifact_report  # noqa: F401 (PENDING: where eval's marker lives)
 from prep.streaming import load_streamed
 
 DEFAULT_SHOTS = {"gsm8k": 8, "mmlu": 5, "truthfulqa": 0}  # gsm8k_cot uses 8, the 5-shot format 5
@@ -193,6 +193,8 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
     # what eval writes (its report, and the artifact's report.json unless a variant runs) must be writable
     # before minutes of evaluation, not after
     writable(Path(output).parent if output else None, artifact if plan is None else None)
+    if plan is None:
+        current_report(manifest)  # an altered report.json is refused now, not after the evaluation
     bench = load_benchmarks(data, tuple(suites))
     for name in bench.items:
         bench.items[name] = bench.items[name][:limit]

@@ -75,6 +75,34 @@ def report_markdown(name: str, report: dict) -> str:
     return "\n".join(lines)
 
 
+def current_report(manifest) -> dict:
+    """The artifact's report.json, refused unless it is the one the manifest lists (or the one an interrupted
+    update recorded in ``PENDING``): a report never re-blessed after an edit. {} when the artifact has none.
+    ``moeprep eval`` calls it before evaluating, so an altered report is found at once, not after the evaluation."""
+    path, pending = manifest.path(REPORT), manifest.root / PENDING
+    listed = manifest.files.get(REPORT)
+    if not path.exists():
+        if listed is not None:
+            raise ArtifactError(f"{path} is missing though the manifest lists it: the artifact is damaged. Run "
+                                "`moeload verify`, then re-run `moeprep prepare`", file=REPORT)
+        return {}
+    digest = sha256_file(path)
+    ours = listed is not None and digest == listed["sha256"]
+    if not ours and pending.is_file():
+        try:
+            ours = read_json(pending, PENDING).get("sha256") == digest
+        except (ArtifactError, AttributeError):
+            ours = False
+    if not ours:
+        raise ArtifactError(f"{path} is not the report.json the manifest lists (its sha256 differs): the "
+                            "artifact was altered, and eval will not bless a file it did not write. Run "
+                            "`moeload verify`, then re-run `moeprep prepare`", file=REPORT)
+    current = read_json(path, REPORT)
+    if not isinstance(current, dict):
+        raise ArtifactError(f"{path} must hold a JSON object; re-run `moeprep prepare`", file=REPORT)
+    return current
+
+
 def merge_section(artifact: str | Path, sections: dict, files: dict[str, bytes] | None = None,
                   package_key: str | None = None) -> dict:
     """Merge ``sections`` (report.json keys) into the artifact's report, render report.md again, write ``files``
@@ -108,27 +136,7 @@ def update_artifact_report(artifact: str | Path, sections: dict, files: dict[str
         raise MoeprepError(f"{root} was prepared again while eval ran; its report.json is left as it is. "
                            "Run `moeprep eval` again on the new artifact")
     path, pending = manifest.path(REPORT), root / PENDING
-    listed = manifest.files.get(REPORT)
-    if path.exists():
-        digest = sha256_file(path)
-        ours = listed is not None and digest == listed["sha256"]
-        if not ours and pending.is_file():
-            try:
-                ours = read_json(pending, PENDING).get("sha256") == digest
-            except (ArtifactError, AttributeError):
-                ours = False
-        if not ours:
-            raise ArtifactError(f"{path} is not the report.json the manifest lists (its sha256 differs): the "
-                                "artifact was altered, and eval will not bless a file it did not write. Run "
-                                "`moeload verify`, then re-run `moeprep prepare`", file=REPORT)
-        current = read_json(path, REPORT)
-        if not isinstance(current, dict):
-            raise ArtifactError(f"{path} must hold a JSON object; re-run `moeprep prepare`", file=REPORT)
-    elif listed is not None:
-        raise ArtifactError(f"{path} is missing though the manifest lists it: the artifact is damaged. Run "
-                            "`moeload verify`, then re-run `moeprep prepare`", file=REPORT)
-    else:
-        current = {}
+    current = current_report(manifest)
     current |= sections
     data = (json.dumps(current, indent=2) + "\n").encode()
     entry = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}

@@ -332,3 +332,18 @@ def test_the_dry_run_refuses_what_the_run_refuses(monkeypatch, args, said):
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     assert said in result.output
     assert not (REPO / "no-such-profile.json").exists()
+
+
+def test_an_altered_report_is_refused_before_the_evaluation(planned, tmp_path, monkeypatch):
+    from loader.format import ArtifactError
+    from prep.evals.compare import evaluate_artifact
+    from tests.tiny_models import write_tiny_suites
+
+    copy = tmp_path / "artifact"
+    shutil.copytree(planned, copy)
+    report = json.loads((copy / "report.json").read_text()) | {"compression": {"bfloat16": 99.0}}
+    (copy / "report.json").write_text(json.dumps(report))
+    monkeypatch.setattr("prep.evals.compare.load", lambda *a, **k: pytest.fail("evaluated before checking"))
+    write_tiny_suites(tmp_path / "suites")
+    with pytest.raises(ArtifactError, match="not the report.json the manifest lists"):
+        evaluate_artifact(copy, planned.parent / "model", suites=("mmlu",), data=tmp_path / "suites", limit=1)
