@@ -209,9 +209,16 @@ class PathStats:
             keys, counts, totals = (tensors[f"{prefix}.{n}"] for n in ("keys", "counts", "totals"))
             return {tuple(k): (c.double(), int(t)) for k, c, t in zip(keys.tolist(), counts, totals.tolist(), strict=True)}
 
-        layers = range(marginal.shape[0])
-        return cls(marginal, tensors["path.marginal.totals"], {layer: table("prev1", layer) for layer in layers if layer >= 1},
-                   {layer: table("prev2", layer) for layer in layers if layer >= 2}, min_count)
+        try:
+            if marginal.dim() != 2:
+                raise ValueError(f"path.marginal.counts is {tuple(marginal.shape)}, not [layers, experts]")
+            layers = range(marginal.shape[0])
+            return cls(marginal, tensors["path.marginal.totals"],
+                       {layer: table("prev1", layer) for layer in layers if layer >= 1},
+                       {layer: table("prev2", layer) for layer in layers if layer >= 2}, min_count)
+        except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as e:  # a table missing or misshapen
+            raise PredictorError(f"the artifact's {PREDICTORS_FILE} holds damaged path statistics ({type(e).__name__}: "
+                                 f"{e}); prepare it again") from None
 
     def probs(self, layer: int, prev2: tuple | None, prev1: tuple | None) -> tuple[torch.Tensor, str]:
         """(inclusion probabilities [E] float64, which table answered: "prev2", "prev1" or "marginal")."""

@@ -39,6 +39,11 @@ SEED = 1415
 RAW_CASES = 560
 CONSISTENT_CASES = 160
 TARGETS = ("manifest.json", "manifest.json", "plan.json", "store", "dense.safetensors")
+# the neuron layout (records read in part, each 4 KiB block hashed), the predictors file and the plan
+NEURON_TARGETS = ("manifest.json", "plan.json", "plan.json", "store", "predictors.safetensors",
+                  "predictors.safetensors", "blocks")
+NEURON_RAW_CASES = 140
+NEURON_CONSISTENT_CASES = 70
 ODD_VALUES = (None, True, False, 0, 1, -1, 2**64, 0.5, float("nan"), "", "x", [], [0], {}, {"x": 1})
 
 
@@ -54,14 +59,42 @@ def base(tmp_path_factory):
     return artifact, logits, ids
 
 
-def _forward(artifact: Path, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    loaded = load(artifact, memory_budget="unlimited")
+def _forward(artifact: Path, ids: torch.Tensor, stepwise: bool = False) -> tuple[torch.Tensor, int]:
+    """The logits of ``ids``; ``stepwise``: one token per call (decode steps: the neuron path's partial reads),
+    at a budget small enough to evict."""
+    loaded = load(artifact, memory_budget="60%" if stepwise else "unlimited")
     try:
         with torch.no_grad():
-            logits = loaded.model(input_ids=ids).logits
+            if not stepwise:
+                logits = loaded.model(input_ids=ids).logits
+            else:
+                past, steps = None, []
+                for t in range(ids.shape[1]):
+                    out = loaded.model(input_ids=ids[:, t:t + 1], past_key_values=past, use_cache=True)
+                    past = out.past_key_values
+                    steps.append(out.logits)
+                logits = torch.cat(steps, dim=1)
         return logits, loaded.stats()["misses"]
     finally:
         loaded.close()
+
+
+@pytest.fixture(scope="module")
+def neuron_base(tmp_path_factory):
+    """(artifact dir, reference logits, token ids, stepwise) of a tiny int4 mixtral in the neuron layout with
+    neuron-level loading and all three prefetch predictors: partial reads, block hashes and predictors.safetensors."""
+    from tests.tiny_models import tiny_recipe
+
+    recipe = tiny_recipe("int4", neuron={"layout": "neuron", "enabled": True, "theta": 0.2, "crossover": 1.0},
+                         predict={"predictors": ["next_gates", "path_stats", "first_gate"]})
+    _, artifact = prepare_tiny_artifact(tmp_path_factory.mktemp("fuzz-neuron"), recipe=recipe)
+    artifact = artifact.resolve()
+    assert {"predictors.safetensors", "experts-int4.blocks.safetensors"} <= set(
+        json.loads((artifact / "manifest.json").read_text())["files"])
+    ids = torch.randint(4, 60, (1, 12), generator=torch.Generator().manual_seed(SEED))
+    logits, _ = _forward(artifact, ids, stepwise=True)
+    assert verify(artifact) == []
+    return artifact, logits, ids, True
 
 
 # ------------------------------------------------------------------------------------------ mutations
@@ -199,12 +232,12 @@ def _mutate_paths(rng, artifact: Path, outside: Path) -> str:
     return what
 
 
-def _make_case(rng: random.Random, artifact: Path, outside: Path, consistent: bool) -> str:
-    target = rng.choice(TARGETS)
-    store = next(artifact.glob("experts-*.safetensors")).name
+def _make_case(rng: random.Random, artifact: Path, outside: Path, consistent: bool, targets=TARGETS) -> str:
+    target = rng.choice(targets)
+    store = next(p for p in artifact.glob("experts-*.safetensors") if not p.name.endswith(".blocks.safetensors")).name
     if target == "manifest.json" and not consistent and rng.random() < 0.25:
         return _mutate_paths(rng, artifact, outside)
-    name = store if target == "store" else target
+    name = {"store": store, "blocks": store.replace(".safetensors", ".blocks.safetensors")}.get(target, target)
     path = artifact / name
     if name.endswith(".json"):
         what = _mutate_json_file(rng, path, artifact)
@@ -226,7 +259,7 @@ def _make_case(rng: random.Random, artifact: Path, outside: Path, consistent: bo
 # ------------------------------------------------------------------------------------------ the run
 
 
-def _run_case(artifact: Path, ids: torch.Tensor, reference: torch.Tensor) -> tuple[str, str]:
+def _run_case(artifact: Path, ids: torch.Tensor, reference: torch.Tensor, stepwise: bool = False) -> tuple[str, str]:
     """('refused' | 'unchanged' | 'silent' | 'traceback', detail)."""
     try:
         verify(artifact)  # returns lines; a bad artifact never makes it raise
@@ -235,7 +268,7 @@ def _run_case(artifact: Path, ids: torch.Tensor, reference: torch.Tensor) -> tup
     try:
         open_artifact(artifact)
         read_plan(artifact)
-        logits, _ = _forward(artifact, ids)
+        logits, _ = _forward(artifact, ids, stepwise)
     except MoeError:
         return "refused", ""
     except Exception as e:  # noqa: BLE001
@@ -245,8 +278,9 @@ def _run_case(artifact: Path, ids: torch.Tensor, reference: torch.Tensor) -> tup
     return "silent", "every check passed and the logits changed"
 
 
-def _fuzz(base, tmp_path, count: int, consistent: bool, seed: int) -> dict:
-    artifact, reference, ids = base
+def _fuzz(base, tmp_path, count: int, consistent: bool, seed: int, targets=TARGETS) -> dict:
+    artifact, reference, ids, *rest = base
+    stepwise = bool(rest and rest[0])
     counts = {"refused": 0, "unchanged": 0, "silent": 0, "traceback": 0}
     failures = []
     for case in range(count):
@@ -255,8 +289,8 @@ def _fuzz(base, tmp_path, count: int, consistent: bool, seed: int) -> dict:
         copy, outside = work / "artifact", work / "outside"
         shutil.copytree(artifact, copy)
         outside.mkdir()
-        what = _make_case(rng, copy, outside, consistent)
-        outcome, detail = _run_case(copy, ids, reference)
+        what = _make_case(rng, copy, outside, consistent, targets)
+        outcome, detail = _run_case(copy, ids, reference, stepwise)
         counts[outcome] += 1
         if outcome in ("traceback", "silent"):
             failures.append(f"case {case} ({what}): {detail}")
@@ -275,6 +309,23 @@ def test_random_mutations_give_no_traceback_and_no_silent_success(base, tmp_path
 def test_consistent_mutations_give_no_traceback(base, tmp_path):
     counts = _fuzz(base, tmp_path, CONSISTENT_CASES, consistent=True, seed=SEED + 1)
     print(f"\nfuzz, {CONSISTENT_CASES} consistent (re-hashed, re-sealed) mutations: "
+          + ", ".join(f"{k} {v}" for k, v in counts.items() if k != "failures"))
+    tracebacks = [f for f in counts["failures"] if "every check passed" not in f]
+    assert not tracebacks, "\n".join(tracebacks[:20])
+
+
+def test_the_neuron_layout_predictors_and_plan_give_no_traceback_and_no_silent_success(neuron_base, tmp_path):
+    counts = _fuzz(neuron_base, tmp_path, NEURON_RAW_CASES, consistent=False, seed=SEED + 2, targets=NEURON_TARGETS)
+    print(f"\nfuzz, neuron layout + predictors + plan, {NEURON_RAW_CASES} raw mutations: "
+          + ", ".join(f"{k} {v}" for k, v in counts.items() if k != "failures"))
+    assert counts["traceback"] == 0 and counts["silent"] == 0, "\n".join(counts["failures"][:20])
+    assert counts["refused"] > NEURON_RAW_CASES * 0.8
+
+
+def test_consistent_mutations_of_the_neuron_layout_predictors_and_plan_give_no_traceback(neuron_base, tmp_path):
+    counts = _fuzz(neuron_base, tmp_path, NEURON_CONSISTENT_CASES, consistent=True, seed=SEED + 3,
+                   targets=NEURON_TARGETS)
+    print(f"\nfuzz, neuron layout + predictors + plan, {NEURON_CONSISTENT_CASES} consistent mutations: "
           + ", ".join(f"{k} {v}" for k, v in counts.items() if k != "failures"))
     tracebacks = [f for f in counts["failures"] if "every check passed" not in f]
     assert not tracebacks, "\n".join(tracebacks[:20])
