@@ -508,10 +508,11 @@ def open_artifact(artifact: str | Path) -> Manifest:
     return _check_contents(manifest)
 
 
-def _check_contents(manifest: Manifest) -> Manifest:
+def _check_contents(manifest: Manifest, informational: bool = False) -> Manifest:
     """Every JSON file parses, the MoE facts agree with config.json, the plan fits, every header is sound."""
     for name in sorted(manifest.files):
-        if name.endswith(".json") and name != PLAN_FILE and not is_informational(name):  # loading needs no report
+        # loading needs no report (``informational``: verify parses it too)
+        if name.endswith(".json") and name != PLAN_FILE and (informational or not is_informational(name)):
             value = read_json(manifest.path(name), name)
             if name == CONFIG:
                 _check_config(manifest, value)
@@ -857,7 +858,7 @@ def verify(artifact: str | Path) -> list[str]:
             bad[name] = problem
     if not bad:
         try:
-            checked = _check_contents(manifest)
+            checked = _check_contents(manifest, informational=True)
             check_predictors(checked, checked.plan)  # what load would refuse when it binds them
         except MoeError as e:
             bad[getattr(e, "file", None) or PLAN_FILE] = str(e)
