@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 import zlib
 from dataclasses import dataclass, replace
@@ -45,7 +46,7 @@ from xxhash import xxh3_64_intdigest
 from loader.codec import BITS, PAIRINGS, CodecError, NeuronLayout, RecordLayout
 from loader.errors import PREPARE_AGAIN as _PREPARE_AGAIN
 from loader.errors import ArtifactError, MoeError
-from loader.io import read_record_offsets, read_safetensors_header, write_json_atomic
+from loader.io import hold_for_reading, read_record_offsets, read_safetensors_header, write_json_atomic
 from loader.plan import PLAN_FILE, Plan, read_plan
 from loader.predict import PREDICTORS_FILE, PredictorContext, PredictorError, make_predictor
 
@@ -843,7 +844,21 @@ def verify(artifact: str | Path) -> list[str]:
     """Full check: every ``open_artifact`` check plus every sha256 and every record's crc32.
 
     Returns one line ``<file>: <problem>`` per bad file (empty when sound); never raises for a bad artifact.
+    It holds the version it reads (``hold_for_reading``), so a ``prepare`` that swaps in a new one meanwhile
+    leaves these files in place until it is done.
     """
+    try:
+        root = resolve_artifact(artifact)
+        held = hold_for_reading(root)
+    except (ArtifactError, OSError) as e:
+        return [f"{MANIFEST}: {e}"]
+    try:
+        return _verify(root)
+    finally:
+        os.close(held)
+
+
+def _verify(artifact: Path) -> list[str]:
     try:
         manifest = read_manifest(artifact)
     except ArtifactError as e:

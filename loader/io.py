@@ -9,6 +9,7 @@ an allocation.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -72,6 +73,35 @@ def replace_directory(built: str | Path, final: str | Path) -> None:
         os.rename(final, aside)
     os.rename(built, final)
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def hold_for_reading(directory: str | Path) -> int:
+    """A shared ``flock`` on an artifact's version directory for as long as the returned descriptor is open: a
+    ``prepare`` that publishes a new version removes this one only once no reader holds it. Close the
+    descriptor (``os.close``) to let go; a killed process lets go by itself."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def unread(directory: str | Path) -> bool:
+    """Whether no reader holds ``directory`` (``hold_for_reading``), tested without waiting; a directory that is
+    gone counts as unread."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
 
 
 @contextmanager

@@ -46,7 +46,9 @@ from loader.format import (
     open_artifact,
     read_block_table,
     read_predictor_tensors,
+    resolve_artifact,
 )
+from loader.io import hold_for_reading
 from loader.layer import renormalized  # noqa: F401 (part of the loader's API)
 from loader.neuron import NeuronConfig, NeuronError, TrustedPrediction
 from loader.plan import Plan, PolicySpec
@@ -201,6 +203,9 @@ class LoadedModel:
 
     def close(self) -> None:
         self.runtime.close()
+        if getattr(self, "_held", None) is not None:  # let go of the artifact version (``hold_for_reading``)
+            os.close(self._held)
+            self._held = None
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
@@ -317,7 +322,10 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    manifest = open_artifact(artifact)
+    root = resolve_artifact(artifact)
+    held = hold_for_reading(root)  # a prepare that swaps in a new version removes this one only after close
+    cleanup.callback(os.close, held)
+    manifest = open_artifact(root)
     artifact = manifest.root
     dev = parse_device(device)
     if cpu_misses not in CPU_MISSES:
@@ -411,6 +419,7 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
                                "cache_slots": {name: a.count for name, a in engine.arenas.items()},
                                "operating_point": (point.budget_bytes if (point := plan.point_for(caps.limit_bytes)) else None)}
     loaded = LoadedModel(model, tokenizer, engine, budget)
+    loaded._held = held
     if wanted_threads is not None:
         loaded._threads_before = torch.get_num_threads()
         torch.set_num_threads(wanted_threads)

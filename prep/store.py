@@ -38,7 +38,7 @@ from pathlib import Path
 
 from loader.errors import disk_error
 from loader.format import FORMAT, MANIFEST
-from loader.io import replace_directory
+from loader.io import replace_directory, unread
 from prep.errors import MoeprepError
 from prep.stages import RESULT, Stage, StageResult
 
@@ -292,7 +292,7 @@ class ArtifactOutput:
                     _fsync_dir(self.parent)
         keep = self.target()
         for p in leftovers:
-            if p.name != keep:
+            if p.name != keep and unread(p):  # a version a reader still holds goes at a later tidy
                 _remove(p)
 
     # -- building and publishing ------------------------------------------------------------------
@@ -342,8 +342,9 @@ class ArtifactOutput:
                 os.replace(link, self.path)
                 link = aside
             _fsync_dir(self.parent)
-            _remove(link)  # now the old directory
+            if unread(link):  # now the old directory; a reader that holds it keeps it until a later tidy
+                _remove(link)
         else:
             self._link(version.name)
-        if previous is not None and previous != version.name:
-            _remove(self.parent / previous)
+        if previous is not None and previous != version.name and unread(self.parent / previous):
+            _remove(self.parent / previous)  # else a reader holds it: the next tidy removes it

@@ -1,0 +1,92 @@
+"""Readers keep what they read: ``load`` and ``verify`` hold the artifact version they resolved
+(``loader.io.hold_for_reading``), and ``prepare`` removes a version it swapped out only once no reader holds it.
+Eight ``moeload generate`` processes on one artifact while ``prepare`` swaps it twice: each finishes with the
+output of one whole version or fails with a clear error; none hangs and none mixes versions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loader.format import verify
+from loader.io import hold_for_reading, unread
+from loader.runtime import load
+from prep.pipeline import prepare
+from tests.tiny_models import save_tiny_model, tiny_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPT = "the cat sat on"
+
+
+def _generate_command(artifact: Path) -> list[str]:
+    return [sys.executable, "-m", "loader.cli", "generate", str(artifact), "--prompt", PROMPT, "--max-new-tokens",
+            "6", "--json"]
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(REPO), MOEPREP_EXPERT_DTYPE="float32")
+
+
+def test_a_loaded_version_survives_a_swap_until_it_is_closed(tmp_path):
+    save_tiny_model("mixtral", tmp_path / "model")
+    output = tmp_path / "artifact"
+    prepare(tiny_recipe("int4"), root=tmp_path, output=output)
+    loaded = load(output)
+    version = output.resolve()
+    prepare(tiny_recipe("int8"), root=tmp_path, output=output)  # a new version is published
+    assert output.resolve() != version and version.is_dir() and not unread(version)
+    ids = loaded.tokenizer(PROMPT, return_tensors="pt")
+    loaded.model(**ids)  # the old version still decodes from its own files
+    loaded.close()
+    assert unread(version)
+    prepare(tiny_recipe("int8"), root=tmp_path, output=output)  # its tidy removes what nobody holds
+    assert not version.exists() and verify(output) == []
+
+
+def test_verify_holds_the_version_it_reads(tmp_path):
+    save_tiny_model("mixtral", tmp_path / "model")
+    output = tmp_path / "artifact"
+    prepare(tiny_recipe("int4"), root=tmp_path, output=output)
+    version = output.resolve()
+    fd = hold_for_reading(version)  # as verify does while it hashes
+    try:
+        prepare(tiny_recipe("int8"), root=tmp_path, output=output)
+        assert version.is_dir() and verify(version) == []
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.slow
+def test_eight_generates_while_prepare_swaps_twice(tmp_path):
+    save_tiny_model("mixtral", tmp_path / "model")
+    recipes = [tiny_recipe("int4"), tiny_recipe("int8"), tiny_recipe("int4", group_size=8)]
+    expected = set()
+    for i, recipe in enumerate(recipes):  # each version's own output, on its own copy
+        own = tmp_path / f"alone-{i}"
+        prepare(recipe, root=tmp_path, output=own)
+        done = subprocess.run(_generate_command(own), capture_output=True, text=True, env=_env(), timeout=300)
+        assert done.returncode == 0, done.stderr
+        expected.add(tuple(json.loads(done.stdout.strip().splitlines()[-1])["token_ids"]))
+    output = tmp_path / "artifact"
+    prepare(recipes[0], root=tmp_path, output=output)
+    readers = [subprocess.Popen(_generate_command(output), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=_env()) for _ in range(8)]
+    for recipe in recipes[1:]:  # two swaps while the readers load and decode
+        prepare(recipe, root=tmp_path, output=output)
+    outcomes = []
+    for reader in readers:
+        out, err = reader.communicate(timeout=600)  # none hangs
+        if reader.returncode == 0:
+            outcomes.append(tuple(json.loads(out.strip().splitlines()[-1])["token_ids"]))
+        else:
+            assert reader.returncode == 1 and err.startswith("error: ") and "Traceback" not in err, err
+            outcomes.append("clear error")
+    finished = [o for o in outcomes if o != "clear error"]
+    assert finished and all(o in expected for o in finished), (outcomes, expected)  # never a mix of versions
+    print(f"\n8 generates across two swaps: {len(finished)} finished with one version's output, "
+          f"{len(outcomes) - len(finished)} failed with a clear error")
