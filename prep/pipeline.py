@@ -17,6 +17,7 @@ The whole run holds an exclusive lock per artifact name (``artifacts/<name>/.loc
 from __future__ import annotations
 
 import hashlib
+import shutil
 import time
 from functools import cached_property
 from pathlib import Path
@@ -310,7 +311,11 @@ def _run_stages(recipe: Recipe, root: Path, model_dir: Path, work_root: Path, ar
                 stage.output_ok is None or stage.output_ok(inputs, store.load(stage, key)))
             if not cached:
                 inputs.work = store.work_dir(stage.name, key)
-                result = stage.run(inputs)
+                try:
+                    result = stage.run(inputs)
+                except Exception:  # a failure, not an interruption: a kill or Ctrl-C keeps the units to resume from
+                    shutil.rmtree(inputs.work, ignore_errors=True)
+                    raise
                 store.commit(stage.name, key, inputs.work, result, version=stage.version, config=config)
             summary[stage.name] = {"key": key[:16], "seconds": round(time.perf_counter() - started, 3),
                                    "cached": cached}

@@ -282,3 +282,15 @@ def test_calibration_sources_are_a_registry(tmp_path):
         assert [s.tolist() for s in seqs] == [[1, 2, 3, 4], [0, 1, 2, 3]]
     finally:
         del calibration.SOURCES["constant"]
+
+
+def test_a_failed_stage_leaves_no_scratch_directory(root, monkeypatch):
+    """A stage that fails (an error, not an interruption) leaves no ``.work-*`` directory in the stage cache; an
+    interruption keeps its units to resume from (``test_killed_quantize_resumes_to_identical_artifact``)."""
+    def fails(*args, **kwargs):
+        raise MoeprepError("this expert cannot be encoded")
+
+    monkeypatch.setattr(quantize_stage, "encode_expert", fails)
+    with pytest.raises(MoeprepError, match="cannot be encoded"):
+        prepare(tiny_recipe(), root=root)
+    assert not list((root / "artifacts/tiny/stages").glob(".work-*"))
