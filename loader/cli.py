@@ -14,7 +14,7 @@ import click
 
 from loader import __version__
 from loader.codec import RecordLayout
-from loader.errors import MoeError, disk_error
+from loader.errors import MoeError, user_error
 from loader.format import REPORT, ArtifactError, read_json, read_manifest, verify
 from loader.plan import read_plan
 from loader.vocab import EXPERT_DTYPES
@@ -24,13 +24,10 @@ class LoaderGroup(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except MoeError as e:
-            click.echo(f"error: {e}", err=True)
-            ctx.exit(1)
-        except OSError as e:  # a disk that is full, read-only or forbidden, wherever the write happened
-            if (mapped := disk_error(e)) is None:
+        except (MoeError, OSError) as e:  # a project error, or a full, read-only or forbidden disk anywhere
+            if (error := user_error(e)) is None:
                 raise
-            click.echo(f"error: {mapped}", err=True)
+            click.echo(f"error: {error}", err=True)
             ctx.exit(1)
 
 

@@ -54,3 +54,11 @@ def disk_error(error: OSError, path=None) -> MoeError | None:
         return None
     where = path if path is not None else (error.filename or "a file")
     return DiskError(f"cannot write {where}: {fix}")
+
+
+def user_error(error: BaseException) -> MoeError | None:
+    """What a command line prints for ``error`` instead of a traceback: a MoeError as it is, an OSError of a full,
+    read-only or forbidden disk as a DiskError; None for anything else (a bug keeps its traceback)."""
+    if isinstance(error, MoeError):
+        return error
+    return disk_error(error) if isinstance(error, OSError) else None

@@ -12,7 +12,7 @@ import json
 
 import click
 
-from loader.errors import MoeError, disk_error
+from loader.errors import MoeError, user_error
 
 
 class MoeprepGroup(click.Group):
@@ -21,13 +21,10 @@ class MoeprepGroup(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except MoeError as e:  # MoeprepError, and the loader's errors reaching us through eval and bench
-            click.echo(f"error: {e}", err=True)
-            ctx.exit(1)
-        except OSError as e:  # a disk that is full, read-only or forbidden, wherever the write happened
-            if (mapped := disk_error(e)) is None:
+        except (MoeError, OSError) as e:  # a project error, or a full, read-only or forbidden disk anywhere
+            if (error := user_error(e)) is None:
                 raise
-            click.echo(f"error: {mapped}", err=True)
+            click.echo(f"error: {error}", err=True)
             ctx.exit(1)
 
 
@@ -102,7 +99,7 @@ def inspect_model_command(models: tuple[str, ...], as_json: bool, recipes_table:
               "always load whole. Changes no result, only memory and re-reads of the checkpoint.")
 @click.option("--dry-run", is_flag=True,
               help="Read no weights: print the model (from the recipe's shipped config), the stages that would run, "
-              "the sizes and what the budgets cache, then stop.")
+              "the sizes and what the budgets cache, then every refusal the run would make (exit 1 if any).")
 def prepare_command(recipe_path: str, overrides: tuple[str, ...], output: str | None, until: str | None,
                     force: str | None, overwrite: bool, device: str, expert_memory: str, dry_run: bool) -> None:
     """Run the preparation pipeline of a recipe and write its artifact."""
