@@ -6,7 +6,8 @@ computes the key from what the stage declares (its recipe section; the keys of t
 the model fingerprint when it needs the model; the calibration section and data fingerprint when it
 needs calibration data; the recipe it records), reuses a complete cached result (and, for a stage
 whose output lives outside the stage store, only when ``output_ok`` confirms that output), and
-otherwise runs it. The model, the tokenizer and the calibration data are loaded on first use, so a
+otherwise runs it; a stage that splits its work hands its units to the run's executor (``prep/executor.py``,
+the recipe's ``executor`` section, in no key). The model, the tokenizer and the calibration data are loaded on first use, so a
 fully cached run loads none of them. ``force`` reruns the named stage and every stage after it;
 ``until`` stops after the named stage.
 
@@ -27,6 +28,7 @@ from tqdm import tqdm
 from prep.adapters import get_adapter, load_config
 from prep.calibration import calibration_sequences, check_context, fingerprint_sequences
 from prep.errors import MoeprepError
+from prep.executor import LocalExecutor, MapStats, Unit, UnitPaths, make_executor
 from prep.fingerprint import model_fingerprint
 from prep.recipe import Recipe
 from prep.stages import Stage, StageResult
@@ -131,12 +133,25 @@ class StageInputs:
     (its key would not cover it), so it raises ``TypeError``."""
 
     def __init__(self, stage: Stage, sources: _Sources, store: StageStore, keys: dict[str, str],
-                 artifact: ArtifactOutput) -> None:
+                 artifact: ArtifactOutput, executor=None) -> None:
         self.stage, self._sources, self._store, self._keys, self._artifact = stage, sources, store, keys, artifact
         self.config = getattr(sources.recipe, SECTIONS[stage.config])
         self.key = keys[stage.name]
         self.root, self.model_dir = sources.root, sources.model_dir
         self.work: Path | None = None
+        self.executor = executor or LocalExecutor()
+        self.unit_stats: MapStats | None = None
+
+    def map_units(self, units: list[Unit], desc: str | None = None) -> MapStats:
+        """Run the stage's work units with the run's executor (``prep/executor.py``): each writes its file in
+        ``self.work``; units whose file is there already are reused. In-process units use this run's model; a
+        Ray worker loads it from the model directory. Returns (and keeps, for the summary) what it did."""
+        paths = UnitPaths(model_dir=str(Path(self.model_dir).resolve()), device=self._sources.device,
+                          expert_memory=self._sources.expert_memory)
+        load_model = (lambda: self.model) if "model" in self.stage.needs else None
+        stats = self.executor.map(self.stage.name, units, Path(self.work), paths, load_model=load_model)
+        self.unit_stats = stats if self.unit_stats is None else self.unit_stats + stats
+        return stats
 
     def _need(self, what: str):
         if what not in self.stage.needs:
@@ -238,12 +253,16 @@ def prepare(recipe: Recipe, root: str | Path = ".", output: str | Path | None = 
     artifact = _output(recipe, root, output, overwrite)
 
     check_device(device)  # before any lock or work
+    executor = make_executor(recipe.executor)  # asking for Ray without it installed fails here, before any work
     sources = _Sources(recipe, root, model_dir, device, expert_memory)
-    with exclusive_lock(work_root / ".lock", f"artifact name {recipe.name!r}"):
-        if default_output:
-            return _run_stages(recipe, root, model_dir, work_root, artifact, until, force, sources)
-        with artifact.lock():
-            return _run_stages(recipe, root, model_dir, work_root, artifact, until, force, sources)
+    try:
+        with exclusive_lock(work_root / ".lock", f"artifact name {recipe.name!r}"):
+            if default_output:
+                return _run_stages(recipe, root, model_dir, work_root, artifact, until, force, sources, executor)
+            with artifact.lock():
+                return _run_stages(recipe, root, model_dir, work_root, artifact, until, force, sources, executor)
+    finally:
+        executor.close()
 
 
 def _output(recipe: Recipe, root: Path, output, overwrite: bool) -> ArtifactOutput:
@@ -283,7 +302,7 @@ def preflight(recipe: Recipe, root: str | Path = ".", output: str | Path | None 
 
 
 def _run_stages(recipe: Recipe, root: Path, model_dir: Path, work_root: Path, artifact: ArtifactOutput,
-                until: str | None, force: str | None, sources: _Sources) -> dict:
+                until: str | None, force: str | None, sources: _Sources, executor=None) -> dict:
     artifact.tidy()
     artifact.check_replaceable()
     store = StageStore(work_root / "stages")
@@ -300,7 +319,7 @@ def _run_stages(recipe: Recipe, root: Path, model_dir: Path, work_root: Path, ar
             key = stage_key(stage.name, stage.version, {"switched_off": True}, {}, {})
         keys[stage.name] = key
         forced = forced or stage.name == force
-        inputs = StageInputs(stage, sources, store, keys, artifact)
+        inputs = StageInputs(stage, sources, store, keys, artifact, executor)
         if not enabled:
             summary[stage.name] = {"key": key[:16], "seconds": 0.0, "cached": False, "skipped": True}
         else:
@@ -319,6 +338,8 @@ def _run_stages(recipe: Recipe, root: Path, model_dir: Path, work_root: Path, ar
                 store.commit(stage.name, key, inputs.work, result, version=stage.version, config=config)
             summary[stage.name] = {"key": key[:16], "seconds": round(time.perf_counter() - started, 3),
                                    "cached": cached}
+            if inputs.unit_stats is not None:  # a stage that ran work units: how many ran and how many were reused
+                summary[stage.name]["units"] = inputs.unit_stats.to_json()
             wrote_artifact = wrote_artifact or "artifact" in stage.needs
         if stage.name == until:
             break

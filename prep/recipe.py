@@ -1,6 +1,6 @@
 """Strict recipes: a YAML file maps one-to-one onto frozen dataclasses; an unknown key is an error.
 
-A recipe names the model, the calibration data and one section per pipeline stage (each stage declares its
+A recipe names the model, the calibration data, where the work runs (``executor``) and one section per pipeline stage (each stage declares its
 section, a frozen dataclass that checks its own keys; ``Recipe`` is made from the stage table). ``load_recipe``
 reads the YAML, applies ``--set section.key=value`` overrides, checks every key and type, and returns a
 ``Recipe``. ``Recipe.to_dict()`` is the resolved recipe; each stage records the sections it derives from.
@@ -24,6 +24,7 @@ import yaml
 
 from prep.calibration import CalibrationSection
 from prep.errors import MoeprepError
+from prep.executor import ExecutorSection
 from prep.stages.table import SECTIONS, STAGES
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -115,6 +116,8 @@ class _RecipeMethods:
 Recipe = dataclasses.make_dataclass(
     "Recipe",
     [("name", str), ("model", ModelSection), ("calibration", CalibrationSection, field(default_factory=CalibrationSection)),
+     # how the stages' units run (prep/executor.py): in no stage key and no record, since it changes no output
+     ("executor", ExecutorSection, field(default_factory=ExecutorSection)),
      *((name, section, field(default_factory=section)) for name, section in SECTIONS.items())],
     bases=(_RecipeMethods,), frozen=True)
 Recipe.__module__ = __name__

@@ -19,6 +19,7 @@ Shape legend: T tokens, L layers (MoE layers, by position p), E experts, K top-k
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 
@@ -120,7 +121,8 @@ def kl_sum(base: torch.Tensor, other: torch.Tensor) -> float:
     return float(terms.sum(dtype=torch.float64))
 
 
-def _check_sequences(sequences) -> list[torch.Tensor]:
+def check_sequences(sequences) -> list[torch.Tensor]:
+    """The calibration sequences as 1-D int64 tensors; one clear error for an empty, flat or non-integer set."""
     seqs = []
     for i, seq in enumerate(sequences):
         seq = torch.as_tensor(seq)
@@ -158,6 +160,9 @@ def kl_sweep(
     done: Mapping[int, Sequence[float]] | None = None,
     on_layer: Callable[[int, list[float]], None] | None = None,
     desc: str = "sensitivity",
+    positions: Sequence[int] | None = None,
+    state: dict | None = None,
+    progress: bool = True,
 ) -> list[list[float]]:
     """The damage of lowering each expert alone: drop[p][e], in nats.
 
@@ -170,26 +175,40 @@ def kl_sweep(
 
     done: rows already computed, by MoE layer position, which are skipped (resume); on_layer(p, row) is
     called as each remaining layer position finishes (so a caller can save it). Returns [L][E] floats.
+
+    positions: compute only these layer positions (one work unit of a distributed sweep) and return their
+    rows, in that order. state: a dict kept by the caller between calls on the same model, base weights and
+    sequences, in which the base pass and the cached layer input are kept (a worker running several units
+    computes the base pass once); a row is the same with or without it.
     """
-    seqs = _check_sequences(sequences)
+    seqs = check_sequences(sequences)
     moe_layers = adapter.moe_layers
     rows = _check_done(done, len(moe_layers), adapter.num_experts)
-    pending = [p for p in range(len(moe_layers)) if p not in rows]
+    wanted = range(len(moe_layers)) if positions is None else sorted(positions)
+    pending = [p for p in wanted if p not in rows]
     if not pending:
-        return [rows[p] for p in range(len(moe_layers))]
+        return [rows[p] for p in (range(len(moe_layers)) if positions is None else positions)]
     count = sum(s.numel() - 1 for s in seqs)  # predicted positions
     runner = _LayerLocal(model, adapter)
     modes = [(m, m.training) for m in model.modules()]
     model.eval()  # dropout would turn the KL into noise
     from tqdm import tqdm
 
+    state = {} if state is None else state
     try:
-        with tqdm(total=len(pending) * adapter.num_experts, desc=desc, unit="expert") as bar:
+        with tqdm(total=len(pending) * adapter.num_experts, desc=desc, unit="expert", disable=not progress) as bar:
             # The base pass: reference log-probs (kept on the CPU: T x V per sequence is the big item).
-            base = [next_token_logprobs_of(runner.run(s, None)[0]).cpu() for s in seqs]
-            cached, start = [None] * len(seqs), 0  # cached[i]: output of decoder layer start-1 for seqs[i]
+            if "base" not in state:
+                started = time.perf_counter()
+                state["base"] = [next_token_logprobs_of(runner.run(s, None)[0]).cpu() for s in seqs]
+                state["start"], state["cached"] = 0, [None] * len(seqs)
+                state["base_seconds"] = round(time.perf_counter() - started, 3)
+            base = state["base"]
+            cached, start = state["cached"], state["start"]  # cached[i]: output of decoder layer start-1 for seqs[i]
             for p in pending:
                 layer = moe_layers[p]
+                if layer < start:  # a layer before the cached one: replay from the embeddings
+                    cached, start = [None] * len(seqs), 0
                 if layer > start:  # advance the cache to the input of `layer`, running only the layers between
                     with runner.starting_at(start):
                         cached = [runner.run(s, c, capture=layer - 1, stop=True)[1]
@@ -201,12 +220,13 @@ def kl_sweep(
                         row.append(_expert_kl(runner, adapter, layer, e, low, seqs, cached, base) / count)
                         bar.update()
                 rows[p] = row
+                state["start"], state["cached"] = start, cached
                 if on_layer is not None:
                     on_layer(p, list(row))
     finally:
         for module, training in modes:
             module.training = training
-    return [rows[p] for p in range(len(moe_layers))]
+    return [rows[p] for p in (range(len(moe_layers)) if positions is None else positions)]
 
 
 def _expert_kl(runner: _LayerLocal, adapter: MoeAdapter, layer: int, expert: int, low: LowWeights,

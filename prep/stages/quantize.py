@@ -1,10 +1,11 @@
 """Stage ``quantize``: every expert packed at each precision the recipe names, one record per expert.
 
 Needs the model only (no traces, no calibration data), so its key covers the quantize section and the
-model fingerprint and nothing else. Every precision gets its own directory; work is written one MoE
-layer at a time (``<precision>/layer-<l>.safetensors``, atomically), so an interrupted run resumes at the
-first layer not yet written; HQQ on CPU is deterministic, so a resumed run yields the same bytes as an
-uninterrupted one. Which expert ships at which precision is the ``bitwidth`` stage's choice; this stage
+model fingerprint and nothing else. Every precision gets its own directory; the work units are one per
+precision and MoE layer (``<precision>/layer-<l>.safetensors``, written atomically by the executor,
+``prep/executor.py``, in this process or on Ray workers that read the layer from the checkpoint's shards), so an
+interrupted run resumes with the layers already written; HQQ on CPU is deterministic, so a resumed or
+distributed run yields the same bytes as an uninterrupted local one. Which expert ships at which precision is the ``bitwidth`` stage's choice; this stage
 writes every expert at every listed precision so that choice never needs quantizing again.
 """
 
@@ -15,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors import safe_open
-from tqdm import tqdm
 
 from loader.codec import DEFAULT_FORMATS, RecordLayout
 from loader.format import expert_key
 from loader.vocab import PRECISIONS
 from prep.errors import MoeprepError
+from prep.executor import Unit
 from prep.quant.hqq_codec import encode_expert, matrix_spec
 from prep.quant.records import write_record_file
 from prep.stages import Stage, StageResult
@@ -121,45 +122,51 @@ def expert_tensors(adapter, model, layer: int, expert: int) -> tuple[dict, bool]
     return tensors, bool(getattr(module, "is_transposed", False))
 
 
-def _encoded(model, adapter, layer: int, precision: str, group: int, meta: int, bar):
-    """The records of every expert of ``layer``, one at a time (what the layer file is written from)."""
-    for expert in range(adapter.num_experts):
-        tensors, transposed = expert_tensors(adapter, model, layer, expert)
-        yield encode_expert(tensors, precision, group, transposed, meta_group=meta)[1]
-        bar.update(1)
+def quantize_layer(context, out: Path, *, precision: str, layer: int, group: int, meta: int, record_bytes: int) -> None:
+    """One unit: every expert of model layer ``layer`` at ``precision``, written to ``out`` one record at a time (a
+    streamed model reads this layer from the shards for the block)."""
+    model, adapter = context.model, context.adapter
+
+    def records():
+        for expert in range(adapter.num_experts):
+            tensors, transposed = expert_tensors(adapter, model, layer, expert)
+            yield encode_expert(tensors, precision, group, transposed, meta_group=meta)[1]
+
+    with resident_layer(model, adapter, layer):
+        write_record_file(out, [expert_key(layer, e) for e in range(adapter.num_experts)], record_bytes, records())
 
 
-def quantize_experts(model, adapter, cfg: QuantizeSection, work: Path) -> PackedExperts:
-    """Write ``work/<precision>/layer-<l>.safetensors`` for every precision and MoE layer."""
-    stores = {}
+def quantize_units(adapter, model, cfg: QuantizeSection) -> tuple[list[Unit], dict]:
+    """(units, stores): one unit per precision and MoE layer, writing ``<precision>/layer-<l>.safetensors``; and
+    each precision's store description (its layout from the expert shapes only, so no weight is read here)."""
+    units, stores = [], {}
     for precision in cfg.precisions:
         group, meta = cfg.format_of(precision)
-        directory = work / precision
-        directory.mkdir(exist_ok=True)
         tensors, transposed = expert_tensors(adapter, model, adapter.moe_layers[0], 0)  # shapes only (meta if streamed)
         layout = RecordLayout(tuple(matrix_spec(name, t, precision, group, transposed, meta_group=meta)
                                     for name, t in tensors.items()))
-        files = []
-        bar = tqdm(total=len(adapter.moe_layers) * adapter.num_experts, desc=f"quantize {precision}", unit="expert")
-        for layer in adapter.moe_layers:
-            path = directory / f"layer-{layer}.safetensors"
-            files.append(path.name)
-            if path.is_file():  # finished before an interruption
-                bar.update(adapter.num_experts)
-                continue
-            with resident_layer(model, adapter, layer):  # a streamed model reads this layer from the shards
-                write_record_file(path, [expert_key(layer, e) for e in range(adapter.num_experts)], layout.nbytes,
-                                  _encoded(model, adapter, layer, precision, group, meta, bar))
-        bar.close()
+        files = [f"layer-{layer}.safetensors" for layer in adapter.moe_layers]
+        units += [Unit(name=f"{precision}/layer-{layer}", output=f"{precision}/{name}", fn=quantize_layer,
+                       args={"precision": precision, "layer": layer, "group": group, "meta": meta,
+                             "record_bytes": layout.nbytes})
+                  for layer, name in zip(adapter.moe_layers, files, strict=True)]
         stores[precision] = {"group_size": group, "meta_group": meta, "layout": layout.to_json(),
                              "record_bytes": layout.nbytes, "files": files}
-    return PackedExperts(precision=cfg.precision, stores=stores, layers=list(adapter.moe_layers),
+    return units, stores
+
+
+def _run(inputs) -> PackedExperts:
+    """Declare the units, let the executor run them (``prep/executor.py``), and describe what they wrote."""
+    adapter = inputs.adapter
+    units, stores = quantize_units(adapter, inputs.model, inputs.config)
+    inputs.map_units(units)
+    return PackedExperts(precision=inputs.config.precision, stores=stores, layers=list(adapter.moe_layers),
                          num_experts=adapter.num_experts)
 
 
 STAGE = Stage(
     name="quantize", version=VERSION, config=QuantizeSection, result=PackedExperts,
     needs=frozenset({"model"}),
-    run=lambda inputs: quantize_experts(inputs.model, inputs.adapter, inputs.config, inputs.work),
+    run=_run,
     section="quantize",
 )

@@ -27,10 +27,12 @@ import torch
 from loader.io import write_json_atomic
 from loader.vocab import PRECISIONS
 from prep.errors import MoeprepError
-from prep.methods.decoded import DecodedExperts, next_token_logprobs, original_experts
-from prep.methods.sensitivity import kl_sweep, spearman, trace_prerank
+from prep.executor import Unit
+from prep.methods.decoded import DecodedExperts, original_experts
+from prep.methods.sensitivity import check_sequences, kl_sweep, spearman, trace_prerank
 from prep.methods.trace import open_trace
 from prep.stages import Stage, StageResult
+from prep.stages.quantize import PackedExperts
 from prep.stages.trace import RoutingTraces
 
 VERSION = 1
@@ -76,15 +78,41 @@ class SensitivityProfile(StageResult):
     seconds: dict  # sweep, prerank, one calibration forward pass over the same sequences
 
 
-def _layer_file(work: Path, pos: int) -> Path:
-    return work / f"layer-{pos}.json"
+SEQUENCES = "sequences.safetensors"  # the sweep's calibration tokens, for the units to read (removed at the end)
 
 
-def profile_sensitivity(model, adapter, sequences, quantize_dir: Path, packed, trace_dir: Path,
-                        cfg: SensitivitySection, work: Path) -> SensitivityProfile:
+def _layer_file(pos: int) -> str:
+    return f"layer-{pos}.json"
+
+
+def sweep_layer(context, out: Path, *, position: int, quantize_dir: str, packed: dict, low: str,
+                sequences: str) -> None:
+    """One unit: the sweep's row of MoE layer position ``position`` (every expert of it alone at ``low``), written
+    to ``out`` as {"row", "base_seconds"}. Reads the quantized records and the calibration tokens from their
+    paths. A process running several units keeps the base pass (``UnitContext.cache``), which changes no row."""
+    from safetensors.torch import load_file
+
+    model, adapter = context.model, context.adapter
+    packed = PackedExperts.from_json(packed)
+    decoded = DecodedExperts(Path(quantize_dir), packed)
+    tokens = load_file(sequences)
+    seqs = [tokens[str(i)] for i in range(len(tokens))]
+    state = context.cache(f"sweep {quantize_dir} {packed.precision} {sequences}")
+    fresh = "base" not in state
+    with original_experts(model, adapter):
+        decoded.apply(model, adapter, lambda pos, e: packed.precision)
+        (row,) = kl_sweep(model, adapter, seqs, lambda layer, e: decoded.weights(adapter, low, layer, e),
+                          positions=[position], state=state, progress=False)
+    write_json_atomic(out, {"row": row, "base_seconds": state["base_seconds"] if fresh else None})
+
+
+def profile_sensitivity(inputs, quantize_dir: Path, packed, trace_dir: Path, cfg: SensitivitySection,
+                        work: Path) -> SensitivityProfile:
+    """The profile: the trace-only pre-rank here, then (method ``sweep``) one unit per MoE layer through the
+    run's executor (``inputs.map_units``), merged in layer order."""
+    adapter = inputs.adapter
     decoded = DecodedExperts(quantize_dir, packed)
     base, low = packed.precision, cfg.precision
-    seqs = list(sequences if cfg.num_sequences is None else sequences[:cfg.num_sequences])
 
     def weights_at(precision):
         return lambda layer, expert: decoded.weights(adapter, precision, layer, expert)
@@ -92,33 +120,42 @@ def profile_sensitivity(model, adapter, sequences, quantize_dir: Path, packed, t
     started = time.perf_counter()
     trace = open_trace(RoutingTraces.path(trace_dir))
     routing = trace.routing()
-    inputs, ids, gates = [], [], []
+    router_inputs, ids, gates = [], [], []
     for pos, layer in enumerate(adapter.moe_layers):
-        inputs.append(trace.router_inputs(layer))
+        router_inputs.append(trace.router_inputs(layer))
         ids.append(torch.cat([r.expert_ids[:, pos] for r in routing]))
         gates.append(torch.cat([r.expert_weights[:, pos] for r in routing]))
-    prerank = trace_prerank(adapter, weights_at(base), weights_at(low), inputs, ids, gates)
+    prerank = trace_prerank(adapter, weights_at(base), weights_at(low), router_inputs, ids, gates)
     seconds = {"prerank": round(time.perf_counter() - started, 3)}
 
-    sweep, rho = None, None
+    sweep, rho, count = None, None, 0
     if cfg.method == "sweep":
-        with original_experts(model, adapter):
-            decoded.apply(model, adapter, lambda pos, e: base)
-            started = time.perf_counter()
-            next_token_logprobs(model, seqs)
-            seconds["one_forward"] = round(time.perf_counter() - started, 3)
-            done = {pos: json.loads(_layer_file(work, pos).read_text())
-                    for pos in range(len(adapter.moe_layers)) if _layer_file(work, pos).is_file()}
-            started = time.perf_counter()
-            sweep = kl_sweep(model, adapter, seqs, weights_at(low), done=done,
-                             on_layer=lambda pos, row: write_json_atomic(_layer_file(work, pos), row),
-                             desc=f"sensitivity {base}->{low}")
-            seconds["sweep"] = round(time.perf_counter() - started, 3)
+        from safetensors.torch import save_file
+
+        sequences = inputs.sequences
+        seqs = check_sequences(sequences if cfg.num_sequences is None else sequences[:cfg.num_sequences])
+        count = len(seqs)
+        tokens = work / SEQUENCES  # the units read the tokens from here, not through the driver
+        save_file({str(i): s.contiguous() for i, s in enumerate(seqs)}, str(work / f".{SEQUENCES}.tmp"))
+        (work / f".{SEQUENCES}.tmp").replace(tokens)
+        units = [Unit(name=f"layer-{pos}", output=_layer_file(pos), fn=sweep_layer,
+                      args={"position": pos, "quantize_dir": str(Path(quantize_dir).resolve()),
+                            "packed": packed.to_json(), "low": low, "sequences": str(tokens.resolve())})
+                 for pos in range(len(adapter.moe_layers))]
+        started = time.perf_counter()
+        inputs.map_units(units, desc=f"sensitivity {base}->{low}")
+        seconds["sweep"] = round(time.perf_counter() - started, 3)
+        layers = [json.loads((work / u.output).read_text()) for u in units]
+        sweep = [layer["row"] for layer in layers]
+        base_seconds = [layer["base_seconds"] for layer in layers if layer["base_seconds"] is not None]
+        if base_seconds:
+            seconds["one_forward"] = min(base_seconds)
+        tokens.unlink(missing_ok=True)
         rho = spearman(prerank, sweep)
         rho = None if math.isnan(rho) else round(rho, 4)  # undefined when either profile is constant
     return SensitivityProfile(
         method=cfg.method, metric=METRIC if sweep is not None else "trace-only output error (sum w^2 ||f - fq||^2)",
-        base=base, precision=low, sequences=len(seqs), ranking=sweep if sweep is not None else prerank,
+        base=base, precision=low, sequences=count, ranking=sweep if sweep is not None else prerank,
         sweep=sweep, prerank=prerank, spearman=rho,
         seconds=seconds)
 
@@ -126,8 +163,7 @@ def profile_sensitivity(model, adapter, sequences, quantize_dir: Path, packed, t
 def _run(inputs) -> SensitivityProfile:
     quantize_dir, packed = inputs.upstream("quantize")
     trace_dir, _ = inputs.upstream("trace")
-    return profile_sensitivity(inputs.model, inputs.adapter, inputs.sequences, quantize_dir, packed, trace_dir,
-                               inputs.config, inputs.work)
+    return profile_sensitivity(inputs, quantize_dir, packed, trace_dir, inputs.config, inputs.work)
 
 
 STAGE = Stage(

@@ -1,0 +1,306 @@
+"""Where a stage's work units run: in this process (``local``, the default) or on a Ray cluster (``ray``).
+
+A stage that splits its work declares ``Unit``s (``prep/stages/quantize.py``: one per precision and MoE layer;
+``prep/stages/sensitivity.py``: one per MoE layer of the sweep) and hands them to ``StageInputs.map_units``;
+the executor runs each unit's function and the stage merges the files they wrote. Both executors run the same
+function through ``run_unit``, so there is one code path; they differ only in where it runs and where its
+model comes from (the pipeline's own model in-process; a worker loads it once from ``UnitPaths`` on a Ray
+node, so no weight is pickled through the driver).
+
+What keeps a cluster run's output the same bytes as a local run's and makes it resumable:
+
+- a unit writes one file in the stage's work directory, through a temporary sibling renamed into place, so a
+  file there is complete; a unit whose file exists is not run again (a killed driver resumes with them);
+- before a unit runs, torch's, numpy's and Python's generators are seeded from the unit's identity
+  (``unit_seed``), never from the order workers pick units up;
+- a unit that raises (or, on Ray, whose worker dies) is retried up to ``max_retries`` times; a
+  ``MoeprepError`` (a user's mistake, the same on every try) is not retried.
+
+How work runs is not what is computed: the recipe's ``executor`` section is in no stage key and no record.
+Ray is an optional extra, imported only when asked for (``pip install -e '.[ray]'``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from prep.errors import MoeprepError
+
+EXECUTOR_KINDS = ("local", "ray")
+RAY_EXTRA = "pip install -e '.[ray]'"
+
+
+@dataclass(frozen=True)
+class ExecutorSection:
+    """Where stage units run. ``kind``: ``local`` (this process) or ``ray``. ``address`` (ray only): ``auto``
+    (the cluster this node belongs to, e.g. after ``ray start --head``, or ``RAY_ADDRESS``), ``local`` (a
+    fresh Ray instance on this machine, for trying it), or a cluster address (``ray://head:10001``,
+    ``head:6379``). ``num_cpus_per_task``: the CPUs Ray reserves per unit (a unit's torch uses that many
+    threads). ``max_retries``: tries after the first for a unit that fails or whose worker is lost."""
+
+    kind: str = "local"
+    address: str = "auto"
+    num_cpus_per_task: float = 1.0
+    max_retries: int = 2
+
+    def __post_init__(self) -> None:
+        if self.kind not in EXECUTOR_KINDS:
+            raise MoeprepError(f"executor.kind {self.kind!r} unknown; use one of {EXECUTOR_KINDS}")
+        if not self.num_cpus_per_task > 0:
+            raise MoeprepError(f"executor.num_cpus_per_task must be positive, got {self.num_cpus_per_task}")
+        if self.max_retries < 0:
+            raise MoeprepError(f"executor.max_retries must be 0 or more, got {self.max_retries}")
+        if not self.address:
+            raise MoeprepError("executor.address must name a cluster (auto, local, ray://host:port or host:port)")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One piece of a stage's work: ``fn(context, out, **args)`` writes the file ``out``, which the executor then
+    renames to ``work / output``. ``fn`` is a module-level function (a Ray worker imports it by name); ``args``
+    are small plain values (indices, paths), never tensors: large inputs are read from paths."""
+
+    name: str  # unique within the stage; the unit's seed derives from it
+    output: str  # the file it writes, relative to the stage's work directory
+    fn: Callable
+    args: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class UnitPaths:
+    """What a worker reads its model from: a path every node sees, and how the pipeline was asked to load it."""
+
+    model_dir: str
+    device: str = "cpu"
+    expert_memory: int | str | None = "auto"
+
+
+_MODELS: dict = {}  # one streamed model per worker process, keyed by its UnitPaths
+
+
+class UnitContext:
+    """What a unit may use. ``model``/``adapter``: the pipeline's own model in-process, else the model loaded
+    once per worker process from ``paths`` (``prep.streaming.load_streamed``). ``cache``: a per-process
+    dict a unit may keep derived state in between units (e.g. the sweep's base pass); it must not change
+    a unit's output, only its cost."""
+
+    caches: dict = {}
+
+    def __init__(self, paths: UnitPaths, load_model: Callable | None = None) -> None:
+        self.paths, self._load_model = paths, load_model
+
+    @property
+    def model(self):
+        if self._load_model is not None:
+            return self._load_model()
+        if self.paths not in _MODELS:
+            from prep.streaming import load_streamed
+
+            _MODELS.clear()  # a worker holds one model at a time
+            _MODELS[self.paths] = load_streamed(self.paths.model_dir, device=self.paths.device,
+                                                resident_bytes=self.paths.expert_memory)
+        return _MODELS[self.paths]
+
+    @property
+    def adapter(self):
+        from prep.adapters import get_adapter
+
+        return get_adapter(self.model)
+
+    def cache(self, key: str) -> dict:
+        """A dict kept for this process under ``key`` (only the latest key is kept)."""
+        if key not in UnitContext.caches:
+            UnitContext.caches.clear()
+            UnitContext.caches[key] = {}
+        return UnitContext.caches[key]
+
+
+def unit_seed(stage: str, name: str) -> int:
+    """The seed of unit ``name`` of ``stage``: from its identity, so it is the same whichever worker runs it."""
+    return int.from_bytes(hashlib.sha256(f"{stage}/{name}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def _seed_all(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def run_unit(stage: str, unit: Unit, work: str | Path, context: UnitContext) -> bool:
+    """Run ``unit`` unless its file exists; write its file atomically. Returns whether it ran."""
+    out = Path(work) / unit.output
+    if out.is_file():  # finished earlier (before a driver was killed, or by a lost worker's first try)
+        return False
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.unit-{os.getpid()}")
+    try:
+        _seed_all(unit_seed(stage, unit.name))
+        unit.fn(context, tmp, **unit.args)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return True
+
+
+def _tidy(work: Path) -> None:
+    """Remove the temporary files of units killed mid-write (they would otherwise end up in the stage directory)."""
+    for tmp in work.rglob(".*.unit-*"):
+        tmp.unlink(missing_ok=True)
+
+
+@dataclass
+class MapStats:
+    """What one map did: units run, units reused from the work directory, tries repeated after a failure."""
+
+    ran: int = 0
+    reused: int = 0
+    retried: int = 0
+    seconds: float = 0.0
+
+    def __add__(self, other: MapStats) -> MapStats:
+        return MapStats(self.ran + other.ran, self.reused + other.reused, self.retried + other.retried,
+                        self.seconds + other.seconds)
+
+    def to_json(self) -> dict:
+        return {"ran": self.ran, "reused": self.reused, "retried": self.retried, "seconds": round(self.seconds, 3)}
+
+
+class LocalExecutor:
+    """Runs units one after another in this process, with the pipeline's loaded model."""
+
+    kind = "local"
+
+    def __init__(self, cfg: ExecutorSection | None = None) -> None:
+        self.cfg = cfg or ExecutorSection()
+
+    def map(self, stage: str, units: list[Unit], work: Path, paths: UnitPaths, load_model: Callable | None = None,
+            desc: str | None = None) -> MapStats:
+        work = Path(work)
+        _tidy(work)
+        stats, started = MapStats(), time.perf_counter()
+        context = UnitContext(paths, load_model)
+        todo = [u for u in units if not (work / u.output).is_file()]
+        stats.reused = len(units) - len(todo)
+        with tqdm(total=len(units), initial=stats.reused, desc=desc or stage, unit="unit", leave=False) as bar:
+            for unit in todo:
+                for attempt in range(self.cfg.max_retries + 1):
+                    try:
+                        run_unit(stage, unit, work, context)
+                        break
+                    except MoeprepError:
+                        raise
+                    except Exception:
+                        if attempt == self.cfg.max_retries:
+                            raise
+                        stats.retried += 1
+                stats.ran += 1
+                bar.update(1)
+        stats.seconds = time.perf_counter() - started
+        return stats
+
+    def close(self) -> None:
+        pass
+
+
+def import_ray():
+    """The ``ray`` module, or one clear error naming the extra to install."""
+    try:
+        import ray
+    except ImportError:
+        raise MoeprepError(f"executor kind 'ray' (--executor ray) needs Ray, which is not installed here; install "
+                           f"the extra with `{RAY_EXTRA}` (on the driver and every node of the cluster), or use "
+                           "--executor local") from None
+    return ray
+
+
+def _ray_unit(stage: str, unit: Unit, work: str, paths: UnitPaths):
+    """A Ray task: one unit on a worker. A user's error comes back as a value, so Ray does not retry it."""
+    try:
+        return ("ran" if run_unit(stage, unit, work, UnitContext(paths)) else "reused", None)
+    except MoeprepError as e:
+        return ("error", str(e))
+
+
+class RayExecutor:
+    """Runs units as Ray tasks on the cluster at ``cfg.address``; connects on the first map (a fully cached run
+    never does). Workers must see the same paths as the driver (the model and the stage cache)."""
+
+    kind = "ray"
+
+    def __init__(self, cfg: ExecutorSection) -> None:
+        self.cfg = cfg
+        self.ray = import_ray()
+        self._started = False
+        self._remote = None
+
+    def _connect(self):
+        ray = self.ray
+        if not ray.is_initialized():
+            address = None if self.cfg.address == "local" else self.cfg.address
+            try:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            except ConnectionError as e:
+                raise MoeprepError(f"no Ray cluster at executor.address {self.cfg.address!r} ({e}); start one "
+                                   "(`ray start --head` on this machine, `ray up cluster.yaml`, or KubeRay) or "
+                                   "pass --ray-address local for a Ray instance on this machine only") from None
+            self._started = True
+        if self._remote is None:
+            self._remote = ray.remote(_ray_unit).options(
+                num_cpus=self.cfg.num_cpus_per_task, max_retries=self.cfg.max_retries, retry_exceptions=True)
+        return self._remote
+
+    def map(self, stage: str, units: list[Unit], work: Path, paths: UnitPaths, load_model: Callable | None = None,
+            desc: str | None = None) -> MapStats:
+        work = Path(work).resolve()
+        _tidy(work)
+        stats, started = MapStats(), time.perf_counter()
+        todo = [u for u in units if not (work / u.output).is_file()]
+        stats.reused = len(units) - len(todo)
+        if todo:
+            remote = self._connect()
+            pending = {remote.remote(stage, u, str(work), paths): u for u in todo}
+            with tqdm(total=len(units), initial=stats.reused, desc=desc or stage, unit="unit", leave=False) as bar:
+                try:
+                    while pending:
+                        done, _ = self.ray.wait(list(pending), num_returns=1)
+                        for ref in done:
+                            unit = pending.pop(ref)
+                            try:
+                                state, error = self.ray.get(ref)
+                            except self.ray.exceptions.RayError as e:
+                                raise MoeprepError(f"unit {unit.name} of stage {stage} failed on Ray after "
+                                                   f"{self.cfg.max_retries + 1} tries: {e}") from None
+                            if state == "error":
+                                raise MoeprepError(error)
+                            stats.ran += state == "ran"
+                            stats.reused += state == "reused"
+                            bar.update(1)
+                finally:
+                    for ref in pending:  # queued units; running ones finish and their files are reused
+                        self.ray.cancel(ref)
+        stats.seconds = time.perf_counter() - started
+        return stats
+
+    def close(self) -> None:
+        if self._started:
+            self.ray.shutdown()
+            self._started = False
+
+
+def make_executor(cfg: ExecutorSection):
+    """The executor ``cfg`` asks for (Ray imported only here, and only for ``kind: ray``)."""
+    return RayExecutor(cfg) if cfg.kind == "ray" else LocalExecutor(cfg)
