@@ -97,14 +97,24 @@ def inspect_model_command(models: tuple[str, ...], as_json: bool, recipes_table:
               help="Routed-expert bytes kept in memory between uses (e.g. 8GiB); 0: one MoE layer at a time; "
               "all: every layer once read; auto: what fits in half the memory available. The dense weights "
               "always load whole. Changes no result, only memory and re-reads of the checkpoint.")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default=None,
+              help="Where the stages' work units run: in this process, or on a Ray cluster (the recipe's executor.kind; "
+              "needs `pip install -e '.[ray]'`). Changes no output.")
+@click.option("--ray-address", default=None, metavar="ADDR",
+              help="With --executor ray: auto (the cluster of `ray start`), local (a Ray instance on this machine only) "
+              "or ray://head:10001 (the recipe's executor.address).")
 @click.option("--dry-run", is_flag=True,
               help="Read no weights: print the model (from the recipe's shipped config), the stages that would run, "
               "the sizes and what the budgets cache, then every refusal the run would make (exit 1 if any).")
 def prepare_command(recipe_path: str, overrides: tuple[str, ...], output: str | None, until: str | None,
-                    force: str | None, overwrite: bool, device: str, expert_memory: str, dry_run: bool) -> None:
+                    force: str | None, overwrite: bool, device: str, expert_memory: str, executor: str | None,
+                    ray_address: str | None, dry_run: bool) -> None:
     """Run the preparation pipeline of a recipe and write its artifact."""
     from prep.pipeline import prepare
     from prep.recipe import load_recipe
+
+    overrides += tuple(f"executor.{key}={value}" for key, value in (("kind", executor), ("address", ray_address))
+                       if value is not None)
 
     if dry_run:
         from prep.inspect import dry_run as describe

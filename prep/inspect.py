@@ -154,7 +154,10 @@ def dry_run(recipe, root: str | Path = ".") -> str:
              f"  dense {_gb(row['dense_bytes'])} (bfloat16); experts {_gb(source)} as the checkpoint stores them, "
              f"{_gb(row['expert_bytes'][shipped])} "
              f"at {shipped}; memory to prepare (streamed, --expert-memory 0) {_gb(row['prepare_bytes'])}; artifact "
-             f"{'<= ' if row['artifact_mixed'] else ''}{_gb(row['artifact_bytes'])}"]
+             f"{'<= ' if row['artifact_mixed'] else ''}{_gb(row['artifact_bytes'])}",
+             f"  executor: {executor_line(recipe.executor)}; work units: " + ", ".join(
+                 f"{s.name} {s.units(recipe, row['num_moe_layers'])}" for s in STAGES
+                 if s.units is not None and (s.enabled is None or s.enabled(recipe))) + " (every other stage: 1)"]
     shares = sorted({recipe.package.cache_fraction, *recipe.plan.points})
     for share in shares:
         cached = int(share * source // (per_expert * row["num_moe_layers"]))
@@ -162,6 +165,14 @@ def dry_run(recipe, root: str | Path = ".") -> str:
                      f"{min(cached, row['num_experts'])} of {row['num_experts']} experts per layer cached at {shipped} "
                      "(records; a held compute form takes more, loader/README.md)")
     return "\n".join(lines) + "\n"
+
+
+def executor_line(cfg) -> str:
+    """The recipe's executor section in words (``--dry-run``)."""
+    if cfg.kind == "local":
+        return "local (units run one after another in this process)"
+    return (f"ray at {cfg.address} ({cfg.num_cpus_per_task:g} CPU per unit, up to {cfg.max_retries} retries; "
+            "the model and the stage cache must be on a path every node sees)")
 
 
 def real_model_recipes(recipe_paths: list[str | Path]) -> list[str | Path]:

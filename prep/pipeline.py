@@ -28,7 +28,7 @@ from tqdm import tqdm
 from prep.adapters import get_adapter, load_config
 from prep.calibration import calibration_sequences, check_context, fingerprint_sequences
 from prep.errors import MoeprepError
-from prep.executor import LocalExecutor, MapStats, Unit, UnitPaths, make_executor
+from prep.executor import LocalExecutor, MapStats, Unit, UnitPaths, import_ray, make_executor
 from prep.fingerprint import model_fingerprint
 from prep.recipe import Recipe
 from prep.stages import Stage, StageResult
@@ -275,7 +275,8 @@ def _output(recipe: Recipe, root: Path, output, overwrite: bool) -> ArtifactOutp
 def preflight(recipe: Recipe, root: str | Path = ".", output: str | Path | None = None,
               overwrite: bool = False) -> list[MoeprepError]:
     """Every refusal ``prepare`` can make before it reads a weight, in order: the model is here, the output may be
-    written and replaced, the files the recipe names (a device profile) exist. ``prepare`` raises the first;
+    written and replaced, Ray is installed when the recipe's executor asks for it, the files the recipe names (a device
+    profile) exist. ``prepare`` raises the first;
     ``--dry-run`` reports them all. Reads no weights and writes nothing."""
     root = Path(root)
     problems = []
@@ -291,6 +292,11 @@ def preflight(recipe: Recipe, root: str | Path = ".", output: str | Path | None 
         _output(recipe, root, output, overwrite).check_replaceable()
     except MoeprepError as e:
         problems.append(e)
+    if recipe.executor.kind == "ray":
+        try:
+            import_ray()
+        except MoeprepError as e:
+            problems.append(e)
     for stage in STAGES:
         if stage.files is None or (stage.enabled is not None and not stage.enabled(recipe)):
             continue

@@ -19,7 +19,6 @@ Shape legend: T tokens, L layers (MoE layers, by position p), E experts, K top-k
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 
@@ -199,10 +198,8 @@ def kl_sweep(
         with tqdm(total=len(pending) * adapter.num_experts, desc=desc, unit="expert", disable=not progress) as bar:
             # The base pass: reference log-probs (kept on the CPU: T x V per sequence is the big item).
             if "base" not in state:
-                started = time.perf_counter()
                 state["base"] = [next_token_logprobs_of(runner.run(s, None)[0]).cpu() for s in seqs]
                 state["start"], state["cached"] = 0, [None] * len(seqs)
-                state["base_seconds"] = round(time.perf_counter() - started, 3)
             base = state["base"]
             cached, start = state["cached"], state["start"]  # cached[i]: output of decoder layer start-1 for seqs[i]
             for p in pending:

@@ -21,6 +21,8 @@ A stage declares
   declared;
 - optionally ``files(recipe)``: input files the recipe names (a device profile), whose content the key
   covers (so measuring the file again reruns the stage);
+- optionally ``units(recipe, num_moe_layers)``: how many work units it hands the executor
+  (``prep/executor.py``, ``StageInputs.map_units``), for ``--dry-run``; a stage without it runs whole in the driver;
 - optionally ``enabled(recipe)`` (a stage the recipe can switch off, e.g. the sensitivity sweep only
   the ``edgemoe`` bit-width method reads; the key does not depend on it) and ``output_ok(inputs, result)``
   (for a stage whose real output lives outside the stage store: a cached result is reused only when
@@ -105,6 +107,8 @@ class Stage:
     output_ok: Callable[[Any, StageResult], bool] | None = None
     section: str = ""  # the recipe key of ``config`` (a section two stages share has one name)
     check: Callable[[Any], None] | None = None  # the stage's rules across recipe sections; raises MoeprepError
+    # how many work units (prep/executor.py) it splits into for (recipe, number of MoE layers); None: it runs whole
+    units: Callable[[Any, int], int] | None = None
 
     def __post_init__(self) -> None:
         if not self.section.isidentifier():

@@ -168,5 +168,6 @@ STAGE = Stage(
     name="quantize", version=VERSION, config=QuantizeSection, result=PackedExperts,
     needs=frozenset({"model"}),
     run=_run,
+    units=lambda recipe, num_layers: len(recipe.quantize.precisions) * num_layers,
     section="quantize",
 )

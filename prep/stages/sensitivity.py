@@ -88,7 +88,7 @@ def _layer_file(pos: int) -> str:
 def sweep_layer(context, out: Path, *, position: int, quantize_dir: str, packed: dict, low: str,
                 sequences: str) -> None:
     """One unit: the sweep's row of MoE layer position ``position`` (every expert of it alone at ``low``), written
-    to ``out`` as {"row", "base_seconds"}. Reads the quantized records and the calibration tokens from their
+    to ``out`` (the row only: no timing, so a unit's file is the same bytes wherever it ran). Reads the quantized records and the calibration tokens from their
     paths. A process running several units keeps the base pass (``UnitContext.cache``), which changes no row."""
     from safetensors.torch import load_file
 
@@ -98,12 +98,11 @@ def sweep_layer(context, out: Path, *, position: int, quantize_dir: str, packed:
     tokens = load_file(sequences)
     seqs = [tokens[str(i)] for i in range(len(tokens))]
     state = context.cache(f"sweep {quantize_dir} {packed.precision} {sequences}")
-    fresh = "base" not in state
     with original_experts(model, adapter):
         decoded.apply(model, adapter, lambda pos, e: packed.precision)
         (row,) = kl_sweep(model, adapter, seqs, lambda layer, e: decoded.weights(adapter, low, layer, e),
                           positions=[position], state=state, progress=False)
-    write_json_atomic(out, {"row": row, "base_seconds": state["base_seconds"] if fresh else None})
+    write_json_atomic(out, row)
 
 
 def profile_sensitivity(inputs, quantize_dir: Path, packed, trace_dir: Path, cfg: SensitivitySection,
@@ -145,11 +144,7 @@ def profile_sensitivity(inputs, quantize_dir: Path, packed, trace_dir: Path, cfg
         started = time.perf_counter()
         inputs.map_units(units, desc=f"sensitivity {base}->{low}")
         seconds["sweep"] = round(time.perf_counter() - started, 3)
-        layers = [json.loads((work / u.output).read_text()) for u in units]
-        sweep = [layer["row"] for layer in layers]
-        base_seconds = [layer["base_seconds"] for layer in layers if layer["base_seconds"] is not None]
-        if base_seconds:
-            seconds["one_forward"] = min(base_seconds)
+        sweep = [json.loads((work / u.output).read_text()) for u in units]
         tokens.unlink(missing_ok=True)
         rho = spearman(prerank, sweep)
         rho = None if math.isnan(rho) else round(rho, 4)  # undefined when either profile is constant
@@ -171,5 +166,6 @@ STAGE = Stage(
     reads=("trace", "quantize"), needs=frozenset({"model", "calibration"}),
     run=_run,
     enabled=lambda recipe: recipe.bitwidth.method == "edgemoe",
+    units=lambda recipe, num_layers: num_layers if recipe.sensitivity.method == "sweep" else 0,
     section="sensitivity",
 )

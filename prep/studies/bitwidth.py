@@ -196,10 +196,11 @@ def study_markdown(study: dict) -> str:
                          + ", ".join(f"{p} {v:.4g}" for p, v in bw.get("bounds", {}).items()))
     if s := study.get("sensitivity"):
         sec = s["seconds"]
-        ratio = f" = {sec['sweep'] / sec['one_forward']:.0f}x one forward" if sec.get("one_forward") else ""
+        # one_forward: recorded by sweeps before the executor's units (issue 35), which no longer time it
+        against = (f" against {sec['one_forward']:.2f} s for one calibration forward = "
+                   f"{sec['sweep'] / sec['one_forward']:.0f}x one forward") if sec.get("one_forward") else ""
         lines.append(f"- Sensitivity sweep ({s['method']}, {s['sequences']} sequences, to {s['precision']}): "
-                     f"{sec.get('sweep', 0):.1f} s against {sec.get('one_forward', 0):.2f} s for one calibration "
-                     f"forward{ratio}; the trace pre-rank took {sec['prerank']:.2f} s and its Spearman "
+                     f"{sec.get('sweep', 0):.1f} s{against}; the trace pre-rank took {sec['prerank']:.2f} s and its Spearman "
                      f"correlation with the sweep is {s['spearman']}.")
     if best := study.get("best"):
         lines.append(f"- Best within one point (the random control excluded): **{best['label']}** ({best['compression_bfloat16']:.2f}x bfloat16; "

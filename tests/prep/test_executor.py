@@ -1,0 +1,211 @@
+"""The executor (issue 35): stage units run in-process or on Ray and give the same bytes; a failed or lost unit is
+retried; a killed driver resumes with the units it has; without Ray, asking for it is one clear error.
+
+The Ray tests start a 2-CPU Ray instance on this machine (``ray.init(num_cpus=2)``, Ray's local mode for tests).
+A unit that must fail inside a Ray worker is a function of this module, which Ray is told to send by value (the
+workers cannot import the tests)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import prep.stages.quantize as quantize_stage
+import prep.stages.sensitivity as sensitivity_stage
+from prep.cli import main as moeprep
+from prep.errors import MoeprepError
+from prep.executor import ExecutorSection, LocalExecutor, Unit, UnitPaths, unit_seed
+from prep.pipeline import prepare
+from prep.recipe import load_recipe
+from tests.tiny_models import tiny_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+REAL_QUANTIZE_LAYER = quantize_stage.quantize_layer
+REAL_SWEEP_LAYER = sensitivity_stage.sweep_layer
+
+
+# --- units --------------------------------------------------------------------------------------------------
+
+
+def draw(context, out: Path, *, marker: str | None = None) -> None:
+    """A unit writing a random draw (so its seed shows); with ``marker``, it fails on its first try."""
+    import torch
+
+    if marker is not None and not Path(marker).exists():
+        Path(marker).write_text("failed once")
+        raise RuntimeError("a flaky unit")
+    out.write_text(json.dumps(torch.rand(3).tolist()))
+
+
+def test_units_are_seeded_by_identity_retried_and_reused(tmp_path):
+    units = [Unit(name=f"u{i}", output=f"u{i}.json", fn=draw) for i in range(4)]
+    units.append(Unit(name="flaky", output="flaky.json", fn=draw, args={"marker": str(tmp_path / "marker")}))
+    paths = UnitPaths(model_dir=str(tmp_path))
+    first = LocalExecutor().map("demo", units, tmp_path / "a", paths)
+    assert (first.ran, first.reused, first.retried) == (5, 0, 1)
+    second = LocalExecutor().map("demo", list(reversed(units)), tmp_path / "b", paths)  # another order, same bytes
+    assert all((tmp_path / "a" / u.output).read_bytes() == (tmp_path / "b" / u.output).read_bytes() for u in units)
+    assert len({(tmp_path / "a" / u.output).read_text() for u in units}) == 5  # one seed per unit
+    assert second.retried == 0  # the marker is there: no failure this time
+    again = LocalExecutor().map("demo", units, tmp_path / "a", paths)
+    assert (again.ran, again.reused) == (0, 5)
+    assert unit_seed("demo", "u0") != unit_seed("demo", "u1") and unit_seed("demo", "u0") == unit_seed("demo", "u0")
+    assert not list((tmp_path / "a").glob(".*"))  # no temporary file left
+
+
+def test_a_unit_failing_every_try_fails_the_map_and_a_user_error_is_not_retried(tmp_path):
+    calls = []
+
+    def broken(context, out):
+        calls.append(1)
+        raise MoeprepError("a user's mistake")
+
+    with pytest.raises(MoeprepError, match="mistake"):
+        LocalExecutor(ExecutorSection(max_retries=3)).map("demo", [Unit("u", "u.json", broken)], tmp_path,
+                                                          UnitPaths(model_dir=str(tmp_path)))
+    assert len(calls) == 1
+
+
+def test_executor_section_is_checked_and_changes_no_key(tmp_path):
+    with pytest.raises(MoeprepError, match="unknown key 'workers' in executor"):
+        load_recipe(REPO / "recipes/reference.yaml", ("executor.workers=2",))
+    with pytest.raises(MoeprepError, match="executor.kind 'slurm' unknown"):
+        load_recipe(REPO / "recipes/reference.yaml", ("executor.kind=slurm",))
+    recipe = load_recipe(REPO / "recipes/reference.yaml", ("executor.kind=ray", "executor.address=ray://head:10001"))
+    assert recipe.executor == ExecutorSection(kind="ray", address="ray://head:10001")
+    from prep.pipeline import _Sources
+    from prep.stages.table import STAGES
+
+    local = _Sources(load_recipe(REPO / "recipes/reference.yaml"), REPO, tmp_path)
+    ray = _Sources(recipe, REPO, tmp_path)
+    for stage in STAGES:  # no stage's key or recorded recipe sees the executor
+        if "model" not in stage.needs and "calibration" not in stage.needs:
+            assert local.key_inputs(stage) == ray.key_inputs(stage)
+        if "recipe" in stage.needs:
+            assert "executor" not in ray.recipe_of(stage)
+
+
+def test_dry_run_shows_the_executor_and_units():
+    result = CliRunner().invoke(moeprep, ["prepare", "--recipe", str(REPO / "recipes/reference.yaml"), "--dry-run",
+                                          "--set", f"model.path={REPO / 'recipes/reference/model'}"])
+    assert "executor: local" in result.output and "work units: quantize 16, sensitivity 4" in result.output
+
+
+# --- without Ray ------------------------------------------------------------------------------------------
+
+
+def test_without_ray_executor_ray_is_a_clear_error(root, monkeypatch):
+    """Ray may be installed here: its import is made to fail, as on a machine without the extra."""
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    monkeypatch.chdir(root)
+    for extra in ([], ["--dry-run"]):
+        result = CliRunner().invoke(moeprep, ["prepare", "--recipe", str(REPO / "recipes/reference.yaml"), "--set",
+                                              f"model.path={REPO / 'recipes/reference/model'}", "--executor", "ray",
+                                              *extra])
+        assert result.exit_code == 1, result.output
+        assert "needs Ray, which is not installed" in result.output and "pip install -e '.[ray]'" in result.output
+        assert "Traceback" not in result.output
+    assert not (root / "artifacts").exists()  # refused before any work
+
+
+# --- a killed driver resumes -------------------------------------------------------------------------------
+
+
+def sweep_recipe(**executor):
+    return tiny_recipe("int4", quantize={"also": ["int2"]}, bitwidth={"method": "edgemoe", "tolerance": 0.02},
+                       **({"executor": executor} if executor else {}))
+
+
+def stage_files(root: Path) -> dict[str, str]:
+    """{stage dir/file: sha256} of every file of every stage directory, result.json without its timings."""
+    out = {}
+    for path in sorted((root / "artifacts").rglob("*")):
+        if not path.is_file() or path.parent.name.startswith(".") or path.name == ".lock":
+            continue
+        data = path.read_bytes()
+        if path.name == "result.json":
+            raw = json.loads(data)
+            raw["result"].pop("seconds", None)
+            data = json.dumps(raw, sort_keys=True).encode()
+        out[str(path.relative_to(root / "artifacts"))] = hashlib.sha256(data).hexdigest()
+    return out
+
+
+def test_a_driver_killed_during_sensitivity_resumes_with_the_finished_units(root, tmp_path_factory, monkeypatch):
+    from tests.tiny_models import save_tiny_model
+
+    clean = tmp_path_factory.mktemp("clean")
+    save_tiny_model("qwen3_moe", clean / "model")
+    prepare(sweep_recipe(), root=clean, until="sensitivity")
+
+    calls = {"n": 0}
+
+    def interrupted_after_one(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt  # Ctrl-C (or a kill) of the driver while the second unit runs
+        return REAL_SWEEP_LAYER(*args, **kwargs)
+
+    monkeypatch.setattr(sensitivity_stage, "sweep_layer", interrupted_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(sweep_recipe(), root=root, until="sensitivity")
+    work = next((root / "artifacts/tiny/stages").glob(".work-sensitivity-*"))
+    assert sorted(p.name for p in work.glob("layer-*.json")) == ["layer-0.json"]
+
+    monkeypatch.setattr(sensitivity_stage, "sweep_layer", REAL_SWEEP_LAYER)
+    resumed = prepare(sweep_recipe(), root=root, until="sensitivity")
+    assert resumed["quantize"]["cached"] and not resumed["sensitivity"]["cached"]
+    assert resumed["sensitivity"]["units"] | {"seconds": 0} == {"ran": 1, "reused": 1, "retried": 0, "seconds": 0}
+    assert stage_files(root) == stage_files(clean)
+
+
+# --- Ray ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import tests/
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+MARKER = {"path": ""}  # sent with dies_once (by value) to the workers
+
+
+def dies_once(context, out: Path, **args) -> None:
+    """A quantize unit whose worker process dies on the first try of layer 1 at int2 (a lost node)."""
+    marker = Path(MARKER["path"])
+    if args["layer"] == 1 and args["precision"] == "int2" and not marker.exists():
+        marker.write_text(str(os.getpid()))
+        os._exit(1)
+    REAL_QUANTIZE_LAYER(context, out, **args)
+
+
+@pytest.mark.slow
+def test_reference_recipe_on_ray_is_byte_identical_to_local_even_when_a_worker_dies(ray_local, tmp_path,
+                                                                                     monkeypatch):
+    """The reference recipe through trace, quantize and the sensitivity sweep, locally and on 2 Ray workers, one of
+    which is killed inside a quantize unit: every stage key and every file is the same."""
+    overrides = (f"model.path={REPO / 'recipes/reference/model'}", "calibration.num_sequences=8")
+    local_root, ray_root = tmp_path / "local", tmp_path / "ray"
+    local = prepare(load_recipe(REPO / "recipes/reference.yaml", overrides), root=local_root, until="sensitivity")
+
+    marker = tmp_path / "worker-died"
+    monkeypatch.setitem(MARKER, "path", str(marker))
+    monkeypatch.setattr(quantize_stage, "quantize_layer", dies_once)
+    recipe = load_recipe(REPO / "recipes/reference.yaml", (*overrides, "executor.kind=ray"))
+    on_ray = prepare(recipe, root=ray_root, until="sensitivity")
+    assert marker.exists()  # a worker really died inside a unit, and its unit was run again
+    assert on_ray["quantize"]["units"]["ran"] == 16 and on_ray["sensitivity"]["units"]["ran"] == 4
+    assert {s: v["key"] for s, v in on_ray.items() if s != "artifact"} == \
+        {s: v["key"] for s, v in local.items() if s != "artifact"}
+    assert stage_files(ray_root) == stage_files(local_root)
