@@ -13,6 +13,9 @@ What keeps a cluster run's output the same bytes as a local run's and makes it r
   file there is complete; a unit whose file exists is not run again (a killed driver resumes with them);
 - before a unit runs, torch's, numpy's and Python's generators are seeded from the unit's identity
   (``unit_seed``), never from the order workers pick units up;
+- a unit computes with ``UNIT_THREADS`` torch thread(s) wherever it runs: a float reduction's result depends on
+  how many threads split it, so a unit run on a 2-core laptop and on a 64-core node gives the same bytes only
+  at one fixed thread count (parallelism comes from running units side by side);
 - a unit that raises (or, on Ray, whose worker dies) is retried up to ``max_retries`` times; a
   ``MoeprepError`` (a user's mistake, the same on every try) is not retried.
 
@@ -35,6 +38,7 @@ from tqdm import tqdm
 from prep.errors import MoeprepError
 
 EXECUTOR_KINDS = ("local", "ray")
+UNIT_THREADS = 1  # torch threads per unit, everywhere (see the module docstring)
 RAY_EXTRA = "pip install -e '.[ray]'"
 
 
@@ -43,8 +47,8 @@ class ExecutorSection:
     """Where stage units run. ``kind``: ``local`` (this process) or ``ray``. ``address`` (ray only): ``auto``
     (the cluster this node belongs to, e.g. after ``ray start --head``, or ``RAY_ADDRESS``), ``local`` (a
     fresh Ray instance on this machine, for trying it), or a cluster address (``ray://head:10001``,
-    ``head:6379``). ``num_cpus_per_task``: the CPUs Ray reserves per unit (a unit's torch uses that many
-    threads). ``max_retries``: tries after the first for a unit that fails or whose worker is lost."""
+    ``head:6379``). ``num_cpus_per_task``: the CPUs Ray reserves per unit (a unit computes with one torch
+    thread wherever it runs; reserve more to run fewer units per node, e.g. when each needs much memory). ``max_retries``: tries after the first for a unit that fails or whose worker is lost."""
 
     kind: str = "local"
     address: str = "auto"
@@ -143,14 +147,19 @@ def run_unit(stage: str, unit: Unit, work: str | Path, context: UnitContext) -> 
     if out.is_file():  # finished earlier (before a driver was killed, or by a lost worker's first try)
         return False
     out.parent.mkdir(parents=True, exist_ok=True)
+    import torch
+
     tmp = out.with_name(f".{out.name}.unit-{os.getpid()}")
+    threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(UNIT_THREADS)
         _seed_all(unit_seed(stage, unit.name))
         unit.fn(context, tmp, **unit.args)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, out)
     finally:
+        torch.set_num_threads(threads)
         if tmp.exists():
             tmp.unlink()
     return True

@@ -195,7 +195,8 @@ def test_reference_recipe_on_ray_is_byte_identical_to_local_even_when_a_worker_d
                                                                                      monkeypatch):
     """The reference recipe through trace, quantize and the sensitivity sweep, locally and on 2 Ray workers, one of
     which is killed inside a quantize unit: every stage key and every file is the same."""
-    overrides = (f"model.path={REPO / 'recipes/reference/model'}", "calibration.num_sequences=8")
+    overrides = (f"model.path={REPO / 'recipes/reference/model'}", "calibration.num_sequences=8",
+                 f"plan.device={REPO / 'recipes/reference/device.json'}")
     local_root, ray_root = tmp_path / "local", tmp_path / "ray"
     local = prepare(load_recipe(REPO / "recipes/reference.yaml", overrides), root=local_root, until="sensitivity")
 
