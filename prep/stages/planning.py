@@ -45,12 +45,21 @@ class TuneKnobs:
     """HOBBIT's cache weights (w_lru, w_lfu, w_lhu, w_fld on the simplex), the pools' eviction group, the
     prefetch depth and (with dynamic precision and no allocation) the low pool's share, searched by Optuna
     over the simulator for ``trials`` trials (trial 0: HOBBIT's equal weights) at the budget holding
-    ``share`` of the shipped experts."""
+    ``share`` of the shipped experts.
+
+    ``storage``: where the Optuna study lives: None (a journal file in the stage's work directory), a journal
+    file path on a filesystem every worker sees, or an RDB URL (``sqlite:///…``, ``postgresql://…``); a killed
+    search resumes from it, and every process given the same storage and recipe adds its trials to one study
+    until ``trials`` are complete. ``workers``: Optuna workers in this process (``n_jobs``). With more than
+    one worker (or process) the trial order depends on timing, so the result is no longer reproducible
+    byte for byte; 1 (the default) is."""
 
     enabled: bool = False
     trials: int = 24
     seed: int = 0
     share: float = 0.5
+    storage: str | None = None
+    workers: int = 1
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,8 @@ class PlanSection:
         if self.tune.trials < 1:
             raise MoeprepError(f"plan.tune.trials must be at least 1 (trial 0 is HOBBIT's equal weights), got "
                                f"{self.tune.trials}")
+        if self.tune.workers < 1:
+            raise MoeprepError(f"plan.tune.workers must be at least 1, got {self.tune.workers}")
         if self.tolerance is not None and self.tolerance < 0:
             raise MoeprepError(f"plan.tolerance is points of accuracy a plan may lose, >= 0 (or null); got "
                                f"{self.tolerance}")

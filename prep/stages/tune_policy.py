@@ -16,8 +16,10 @@ the simulator predicts it saves time on the device (a calibrated profile charges
 prefetches where the disk is the bottleneck). Without a profile the objective is demand bytes, which a
 prefetch always lowers without saying whether it saves time, so the recipe's set is kept.
 
-The study lives in a journal file in the stage's work directory (``study.journal``), so a killed run
-resumes with its finished trials, and several processes could share it. The sampler is seeded. LRU,
+The study lives in a journal file in the stage's work directory (``study.journal``), or in the storage
+``plan.tune.storage`` names (a journal file on a shared filesystem, or an RDB URL), so a killed run resumes
+with its finished trials, and several workers (``plan.tune.workers`` in one process, or processes on several
+nodes given the same storage) share one study until ``trials`` trials are complete. The sampler is seeded. LRU,
 LFU and EdgeMoE's policy are scored at the same budget; the plan takes whichever of them and the trials
 scores best, so the tuned plan is never worse than its default. It runs after ``allocate_cache`` on the
 allocated plan (the pools of the operating point for the budget), and scores every operating point
@@ -98,12 +100,36 @@ def weights_of(x: dict) -> dict:
     return {w: (r / total if total > 0 else 0.25) for w, r in zip(WEIGHTS, raw, strict=True)}
 
 
-def tune(draft, cfg: PlanSection, work: Path, allocation=None, progress: bool = True) -> TunedPolicy:
-    """Run (or resume) the study in ``work`` and return the best plan settings it found; with ``allocation``
-    (the draft's plan carries it), its operating points are scored again with the chosen policy."""
+def open_storage(spec: str | None, work: Path):
+    """The Optuna storage of ``plan.tune.storage``: None -> ``work/study.journal``; an RDB URL (``scheme://…``) ->
+    ``RDBStorage``; any other text -> a journal file at that path (its directory must exist)."""
     import optuna
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
+
+    if spec is not None and "://" in spec:
+        try:
+            return optuna.storages.RDBStorage(spec)
+        except ImportError as e:
+            raise MoeprepError(f"plan.tune.storage {spec!r} is a database URL, which needs {e.name} "
+                               "(pip install sqlalchemy, and the database's driver); or give a journal file path") from None
+    path = Path(work) / JOURNAL if spec is None else Path(spec)
+    if not path.parent.is_dir():
+        raise MoeprepError(f"plan.tune.storage {spec!r}: directory {path.parent} does not exist; create it (on a "
+                           "filesystem every worker sees) or leave storage out for a journal in the stage's work directory")
+    return JournalStorage(JournalFileBackend(str(path)))
+
+
+def tune(draft, cfg: PlanSection, work: Path, allocation=None, progress: bool = True,
+         study_name: str = STUDY) -> TunedPolicy:
+    """Run (or resume, or join) the study ``study_name`` in ``plan.tune.storage`` (default: a journal in ``work``)
+    and return the best plan settings it found; with ``allocation`` (the draft's plan carries it), its operating
+    points are scored again with the chosen policy."""
+    import os
+    import socket
+
+    import optuna
+    from optuna.study import MaxTrialsCallback
     from tqdm import tqdm
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -129,6 +155,7 @@ def tune(draft, cfg: PlanSection, work: Path, allocation=None, progress: bool = 
             share=knobs.share, objective={}, trials=[], points=[])
 
     def objective(trial) -> float:
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")  # which process ran it
         params = {f"x_{w[2:]}": trial.suggest_float(f"x_{w[2:]}", 1e-6, 1.0) for w in WEIGHTS}
         params["group"] = trial.suggest_categorical("group", ["global", "layer"])
         if gates is not None and max_depth >= 1:
@@ -137,8 +164,8 @@ def tune(draft, cfg: PlanSection, work: Path, allocation=None, progress: bool = 
             params["low_share"] = trial.suggest_float("low_share", *LOW_SHARE)
         return score(settings(params).apply(plan))
 
-    storage = JournalStorage(JournalFileBackend(str(Path(work) / JOURNAL)))
-    study = optuna.create_study(study_name=STUDY, storage=storage, direction="minimize", load_if_exists=True,
+    storage = open_storage(knobs.storage, work)
+    study = optuna.create_study(study_name=study_name, storage=storage, direction="minimize", load_if_exists=True,
                                 sampler=optuna.samplers.TPESampler(seed=knobs.seed))
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     # trial 0: HOBBIT's equal weights, global pools, the plan's own depth and low share
@@ -160,7 +187,10 @@ def tune(draft, cfg: PlanSection, work: Path, allocation=None, progress: bool = 
                 bar.set_postfix(best=f"{study_.best_value:.4g}")
 
         try:
-            study.optimize(objective, n_trials=remaining, callbacks=[report])
+            # every worker (thread here, or process sharing the storage) stops once the study has `trials` complete
+            complete = (optuna.trial.TrialState.COMPLETE,)
+            study.optimize(objective, n_trials=remaining, n_jobs=knobs.workers,
+                           callbacks=[report, MaxTrialsCallback(knobs.trials, states=complete)])
         finally:
             bar.close()
     finished = sorted((t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE), key=lambda t: t.number)
@@ -218,7 +248,9 @@ def _run(inputs) -> TunedPolicy:
     cfg = inputs.config
     found = inputs.upstream("allocate_cache", optional=True)
     allocation = found[1] if found is not None else None
-    return tune(draft_from_inputs(inputs, cfg.device), cfg, inputs.work, allocation)
+    # a storage shared by runs of several recipes holds one study per stage key
+    name = STUDY if cfg.tune.storage is None else f"{STUDY}-{inputs.key[:16]}"
+    return tune(draft_from_inputs(inputs, cfg.device), cfg, inputs.work, allocation, study_name=name)
 
 
 STAGE = Stage(

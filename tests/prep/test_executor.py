@@ -210,3 +210,55 @@ def test_reference_recipe_on_ray_is_byte_identical_to_local_even_when_a_worker_d
     assert {s: v["key"] for s, v in on_ray.items() if s != "artifact"} == \
         {s: v["key"] for s, v in local.items() if s != "artifact"}
     assert stage_files(ray_root) == stage_files(local_root)
+
+
+# --- Optuna workers sharing one storage ----------------------------------------------------------------------
+
+
+def _tune_worker(storage: str, trials: int, die_after: int | None) -> None:
+    """One Optuna worker process on the shared journal; with ``die_after``, killed (os._exit) in that simulation."""
+    import time
+
+    from prep.stages.tune_policy import tune
+    from tests.prep.test_planning import _cfg, _draft, _replay
+
+    draft = _draft(_replay(seed=2))
+    real, calls = draft.simulate, {"n": 0}
+
+    def slow(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == die_after:
+            os._exit(1)
+        time.sleep(0.05)  # so the two workers' trials interleave
+        return real(*args, **kwargs)
+
+    draft.simulate = slow
+    tune(draft, _cfg(trials, storage=storage), Path(storage).parent, progress=False, study_name="shared")
+    os._exit(0)
+
+
+def test_two_optuna_workers_share_one_journal_and_a_killed_one_is_resumed(tmp_path):
+    import multiprocessing
+
+    import optuna
+
+    from prep.stages.tune_policy import open_storage, tune
+    from tests.prep.test_planning import _cfg, _draft, _replay
+
+    storage = str(tmp_path / "shared.journal")
+    fork = multiprocessing.get_context("fork")
+    workers = [fork.Process(target=_tune_worker, args=(storage, 12, die)) for die in (5, None)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+    assert [w.exitcode for w in workers] == [1, 0]  # the first was killed in its fifth simulation
+    study = optuna.load_study(study_name="shared", storage=open_storage(storage, tmp_path))
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    by_worker = {t.user_attrs["worker"] for t in complete}
+    assert len(complete) >= 12 and len(by_worker) == 2  # one study holds the trials of both
+    # the study resumes: a later run finds its trials finished and runs none, whatever the killed worker left
+    tuned = tune(_draft(_replay(seed=2)), _cfg(12, storage=storage), tmp_path, progress=False, study_name="shared")
+    assert sorted(t[0] for t in tuned.trials) == sorted(t.number for t in complete)
+    with pytest.raises(MoeprepError, match="does not exist"):
+        tune(_draft(_replay(seed=2)), _cfg(2, storage=str(tmp_path / "no/such/dir/j")), tmp_path, progress=False)
