@@ -17,6 +17,11 @@ Systems (DESIGN.md section 7, "Speed"):
   neurons buys at the same budget.
 - ``moeprep``: the loader with the artifact's plan (``plan.json``: its pools, eviction policy, predictors,
   routing and miss policies), scaled to the budget.
+- ``int4`` and ``int4+<technique>`` (the ``mixtral-shape-techniques`` subject only): the loader on the artifact
+  of that one technique (gating, dynamic_precision, path_stats, allocation) prepared on uniform int4 from
+  Mixtral's recorded decisions (``prep/studies/bench/subjects.py``); its ``moeprep`` is all of them together.
+  A replayed routing goes through each plan's own routing policy (``load(replay=...)``), so gating decides on
+  Mixtral's weights; each row records what the routing and miss policies decided in its decode steps.
 - every system runs with torch's own intra-op threads (the loader's ``threads`` option is left off), so
   ratios compare systems, not threads.
 - ``naive@unlimited`` and ``moeprep@unlimited``: that loader system at the budget ``unlimited``, every expert
