@@ -271,11 +271,16 @@ def held_layout(manifest, stores: dict, plan: Plan, memory_budget, device: torch
 
 def form_options(manifest, plan: Plan, device: torch.device, expert_dtype: str) -> list[dict]:
     """The held forms ``load`` tries, in order: the chosen ones, then with ``auto`` the record form (decoded per
-    use) where a chosen form is made, so a budget too small for the first still loads."""
+    use) for one made form after another, the one that takes most memory over its record first, so a budget too
+    small for the first still loads and a store that fits keeps its fast form (dynamic precision's low pool
+    falling back to records leaves the main pool's int4pack alone); the last option is every store's record."""
     chosen = store_forms(manifest, expert_dtype, device, plan)
     options = [chosen]
-    if expert_dtype == "auto" and any(f.staged for f in chosen.values()):
-        options.append(store_forms(manifest, "packed", device, plan))
+    if expert_dtype == "auto":
+        record = store_forms(manifest, "packed", device, plan)
+        staged = sorted((p for p, f in chosen.items() if f.staged), key=lambda p: -chosen[p].nbytes / record[p].nbytes)
+        for p in staged:
+            options.append(options[-1] | {p: record[p]})
     return options
 
 

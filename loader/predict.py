@@ -347,6 +347,8 @@ class NeuronGates(NextGates):
 
 PREDICTORS: dict[str, type[Predictor]] = {p.name: p for p in (NextGates, PathStatsPredictor, FirstGatePredictor,
                                                              NeuronGates)}
+# predictors that read only the routing decisions, never a hidden state: they run on a replay of recorded decisions
+ROUTING_ONLY = ("path_stats",)
 
 
 def make_predictor(name: str, params: dict | None = None) -> Predictor:

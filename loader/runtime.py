@@ -253,7 +253,8 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
          policy: str | None = None, workers: int = 2, routing: RoutingPolicy | None = None,
          predictors: list[Predictor] | None = None, miss_policy: MissPolicy | None = None,
          plan: Plan | None = None, neuron: NeuronConfig | bool | None = None,
-         expert_dtype: str = "auto", cpu_misses: str = "auto", threads=None) -> LoadedModel:
+         expert_dtype: str = "auto", cpu_misses: str = "auto", threads=None,
+         replay: RoutingPolicy | None = None) -> LoadedModel:
     """Open ``artifact`` and return a runnable model with its experts offloaded.
 
     memory_budget: None (the plan's default budget), bytes, a size string ("1.5GiB"), a percentage
@@ -261,7 +262,9 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     policy: an eviction policy name overriding the plan's. routing / predictors / miss_policy: objects
     overriding the plan's (``loader.routing``, ``loader.predict``); predictors may also be names
     (``loader.predict.PREDICTORS``), which take the plan's knobs for that name, and ``[]`` turns them
-    off. plan: a whole ``Plan`` instead of the artifact's ``plan.json``. neuron: neuron-level loading
+    off. replay: recorded decisions (``loader.routing.ReplayRouting``) taken before the routing policy, which
+    then decides on them as on the router's own (the bench replays the real Mixtral traces through the plan's
+    adaptive gating). plan: a whole ``Plan`` instead of the artifact's ``plan.json``. neuron: neuron-level loading
     (``loader/neuron.py``) on with the plan's knobs (True), off (False), these knobs (a ``NeuronConfig``),
     or as the plan says (None); it needs an artifact whose stores are in the neuron layout. expert_dtype:
     the held form of a cached expert (``loader/forms.py``): "auto" (fixed before the run: the environment's
@@ -279,7 +282,7 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     """
     args = dict(device=device, memory_budget=memory_budget, store=store, policy=policy, workers=workers,
                 routing=routing, predictors=predictors, miss_policy=miss_policy, plan=plan, neuron=neuron,
-                expert_dtype=expert_dtype, cpu_misses=cpu_misses, threads=threads)
+                expert_dtype=expert_dtype, cpu_misses=cpu_misses, threads=threads, replay=replay)
     resolved = Path(artifact).resolve()
     try:
         return _load(artifact, **args)
@@ -318,7 +321,7 @@ def _load(artifact, **options) -> LoadedModel:
 
 
 def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, store, policy, workers, routing,
-           predictors, miss_policy, plan, neuron, expert_dtype, cpu_misses, threads) -> LoadedModel:
+           predictors, miss_policy, plan, neuron, expert_dtype, cpu_misses, threads, replay) -> LoadedModel:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -424,6 +427,8 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
         loaded._threads_before = torch.get_num_threads()
         torch.set_num_threads(wanted_threads)
     policy = routing if routing is not None else _named(ROUTING_POLICIES, plan.routing, "routing policy", RoutingPolicy)
+    if replay is not None:
+        policy = ChainedRouting(replay, policy)
     trusted = _trusted_prediction(engine, moe)
     loaded.routing = install_routing(
         model, moe["experts_modules"], ChainedRouting(policy, trusted) if trusted is not None else policy,

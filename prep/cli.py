@@ -393,6 +393,27 @@ def reference_model_command(out: str, device: str) -> None:
     click.echo(f"trained in {report['train_seconds']} s on {report['device']}; wrote {out}/model")
 
 
+@main.command("reference-suites")
+@click.option("--dir", "ref_dir", default="recipes/reference", show_default=True,
+              type=click.Path(file_okay=False, exists=True), help="Directory holding training.json and suites/.")
+@click.option("--out", required=True, type=click.Path(file_okay=False),
+              help="Where the extended suites go (then `moeprep eval --data OUT`).")
+@click.option("--seed", default=2026, show_default=True, type=int, help="The generator's seed (not the training seed).")
+@click.option("--gsm8k", default=700, show_default=True, type=click.IntRange(0), help="GSM8K items to add.")
+@click.option("--mmlu", default=600, show_default=True, type=click.IntRange(0), help="MMLU items to add.")
+@click.option("--truthfulqa", default=300, show_default=True, type=click.IntRange(0), help="TruthfulQA items to add.")
+def reference_suites_command(ref_dir: str, out: str, seed: int, gsm8k: int, mmlu: int, truthfulqa: int) -> None:
+    """Extend the reference model's held-out suites with items from its own generator that are in neither its
+    training corpus nor the shipped suites, so a paired check can resolve smaller differences."""
+    from prep.reference.train import write_extended_suites
+
+    stats = write_extended_suites(ref_dir, out, seed, {"gsm8k": gsm8k, "mmlu": mmlu, "truthfulqa": truthfulqa})
+    for name, s in stats.items():
+        click.echo(f"{name:10s} added {s['made']} of {s['asked']} (rejected: {s['in_training']} in the training "
+                   f"corpus, {s['duplicate']} already in the suites)")
+    click.echo(f"wrote {out}; score with `moeprep eval --data {out}`")
+
+
 @main.command("reference-metrics")
 @click.option("--dir", "ref_dir", default="recipes/reference", show_default=True,
               type=click.Path(file_okay=False, exists=True), help="Directory holding model/ and suites/.")
@@ -412,9 +433,9 @@ def reference_metrics_command(ref_dir: str) -> None:
 
 
 @main.command("bench")
-@click.option("--subject", type=click.Choice(["reference", "reference-lossless", "reference-neuron", "mixtral-shape",
-                                              "mixtral-shape-own", "all"]),
-              default="all", show_default=True, help="What to measure.")
+@click.option("--subject", default="all", show_default=True,
+              help="What to measure: all, or a comma-separated subset of reference, reference-lossless, "
+                   "reference-neuron, mixtral-shape, mixtral-shape-own, mixtral-shape-techniques.")
 @click.option("--budgets", default=None,
               help="Comma-separated shares of the source model's expert bytes, and 4bit-25% (dense + 25% of the "
                    "experts at 4 bits). [default: 100%,50%,25%,12.5%,4bit-25%; with --quick: 25%]")
@@ -445,7 +466,7 @@ def bench_command(subject, budgets, repeats, quick, device, store, only, output,
         speed = (f"{r['decode_tokens_per_s']:.3g} tok/s (min {r['decode_tokens_per_s_min']:.3g}, max "
                  f"{r['decode_tokens_per_s_max']:.3g}, {r['repeats']} runs)") if r.get("decode_tokens_per_s") \
             else r.get("error")
-        click.echo(f"{r['subject']:14s} {r['budget']:>8s} {r['system']:10s} {speed}")
+        click.echo(f"{r['subject']:24s} {r['budget']:>8s} {r['system']:22s} {speed}")
     for line in goal_check(report):
         click.echo(f"goal: {line}")
     out = Path(output)

@@ -302,8 +302,9 @@ def preflight(recipe: Recipe, root: str | Path = ".", output: str | Path | None 
             continue
         for name in stage.files(recipe):
             if not (root / name).is_file():
-                problems.append(MoeprepError(f"{name}, which the recipe names for stage {stage.name}, is not there; "
-                                             "write it first (a device profile: `moeprep profile-device`)"))
+                problems.append(MoeprepError(
+                    f"{name}, which the recipe names for stage {stage.name}, is not there; write or fetch it first (a "
+                    "device profile: `moeprep profile-device`; recorded routing or sensitivity: ../shared/data/traces)"))
     return problems
 
 

@@ -25,6 +25,7 @@ from prep.errors import MoeprepError
 from prep.evals import suites as S
 from prep.evals import templates as tpl
 from prep.evals.data import SUITES, BenchmarkData, load_benchmarks
+from prep.evals.power import paired_verdict
 from prep.fingerprint import model_fingerprint
 from prep.report import PENDING, current_report, update_artifact_report  # noqa: F401 (PENDING: where eval's marker lives)
 from prep.streaming import load_streamed
@@ -174,9 +175,11 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
     import transformers
 
 
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-        raise MoeprepError(f"limit must be a whole number >= 1 (the first N items of each suite), got {limit!r}; "
-                           "leave it out to use every item")
+    per_suite = limit if isinstance(limit, dict) else dict.fromkeys(SUITES, limit)
+    for n in per_suite.values():
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise MoeprepError(f"limit must be a whole number >= 1 (the first N items of each suite, or N per suite), "
+                               f"got {limit!r}; leave it out to use every item")
     if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
         raise MoeprepError(f"num_fewshot must be a whole number >= 0, got {num_fewshot!r}")
     if gsm8k_format not in ("cot", "plain"):
@@ -197,7 +200,7 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
         current_report(manifest)  # an altered report.json is refused now, not after the evaluation
     bench = load_benchmarks(data, tuple(suites))
     for name in bench.items:
-        bench.items[name] = bench.items[name][:limit]
+        bench.items[name] = bench.items[name][:per_suite.get(name)]
     prepared = load(artifact, memory_budget=memory_budget, plan=plan)
     # the original with its experts read from the shards as its layers run (prep/streaming.py): a real model
     # is scored without holding it whole when expert_memory says so
@@ -256,19 +259,24 @@ def writable(*directories) -> None:
 
 
 def merge_into_artifact(artifact: str | Path, report: dict, package_key: str | None = None) -> None:
-    """Put the eval summary into the artifact's report.json (``update_artifact_report``)."""
+    """Put the eval summary into the artifact's report.json (``update_artifact_report``: the artifact verifies at
+    every step; report.md is rendered again by the next stage or study that writes a section)."""
     update_artifact_report(artifact, {"eval": {"suites": eval_summary(report), "data": report["data"],
                                                "memory_budget": report["memory_budget"]}}, package_key=package_key)
 
 
 def summary_markdown(report: dict) -> str:
-    lines = ["| suite | n | shots | original | prepared | delta | right->wrong | wrong->right | McNemar p |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """The eval report's table: per suite the paired figures and what the suite can resolve (``prep.evals.power``)."""
+    lines = ["| suite | n | shots | points per item | original | prepared | delta | right->wrong | wrong->right | "
+             "McNemar p | items to resolve 1 point |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, s in report["suites"].items():
         key = "strict_match" if name == "gsm8k" else "acc"
-        lines.append(f"| {name} | {s['n']} | {s['num_fewshot']} | {s['original'][key]:.4f} | "
-                     f"{s['prepared'][key]:.4f} | {s['delta']:+.4f} | {s['flips']['right_to_wrong']} | "
-                     f"{s['flips']['wrong_to_right']} | {s['mcnemar_p']:.3g} |")
+        test = paired_verdict(s["delta"], s["flips"], s["n"], s["mcnemar_p"], None)
+        need = test["items_for_one_point"]
+        lines.append(f"| {name} | {s['n']} | {s['num_fewshot']} | {test['resolution_points']:.2f} | "
+                     f"{s['original'][key]:.4f} | {s['prepared'][key]:.4f} | {s['delta']:+.4f} | "
+                     f"{s['flips']['right_to_wrong']} | {s['flips']['wrong_to_right']} | {s['mcnemar_p']:.3g} | "
+                     f"{need if need is not None else 'no flips seen'} |")
     return "\n".join(lines) + "\n"
 
 

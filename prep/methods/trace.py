@@ -320,6 +320,40 @@ def record_traces(
     return out_dir
 
 
+def write_routing_trace(traces: list[RoutingTrace], out_dir: str | Path, *, layers: list[int], num_experts: int,
+                        architecture: str, source: dict, fingerprint: str | None = None,
+                        shard_tokens: int = 4096) -> Path:
+    """A trace directory holding only routing (``layers.{l}.expert_ids`` / ``expert_weights``), one sequence per
+    RoutingTrace: recorded decisions imported instead of a forward pass (the real Mixtral traces on a model of
+    Mixtral's shape whose random weights do not decide its routing). ``source`` (what was imported) goes into the
+    index; readers of hidden states or logits get ``RecordedTrace``'s clear error, since none are recorded."""
+    out_dir = Path(out_dir)
+    if not traces:
+        raise MoeprepError("no recorded sequences to write")
+    with building_directory(out_dir) as tmp:
+        writer = _ShardWriter(tmp, shard_tokens)
+        for trace in traces:
+            if trace.num_layers != len(layers):
+                raise MoeprepError(f"a recorded sequence has {trace.num_layers} layers, the trace {len(layers)}")
+            ids, weights = canonical_order(trace.expert_ids, trace.expert_weights)
+            rows = {}
+            for i, layer in enumerate(layers):
+                rows[f"layers.{layer}.expert_ids"] = ids[:, i].contiguous()
+                rows[f"layers.{layer}.expert_weights"] = weights[:, i].contiguous()
+            writer.add(rows)
+        tensors = {name: {"shape": list(t.shape[1:]), "dtype": str(t.dtype).removeprefix("torch.")}
+                   for name, t in rows.items()}
+        shards = writer.finish()
+        lengths = [t.num_tokens for t in traces]
+        _write_json_atomic(tmp / INDEX_NAME, {
+            "format": TRACE_FORMAT, "version": TRACE_VERSION, "model_fingerprint": fingerprint,
+            "architecture": architecture, "layers": list(layers), "num_experts": num_experts,
+            "top_k": traces[0].top_k, "hidden_size": None, "hidden_dtype": None, "last_hidden": None,
+            "tensors": tensors, "sequence_tokens": lengths, "total_tokens": sum(lengths), "shards": shards,
+            "recorded": source})
+    return out_dir
+
+
 # --- reading ---------------------------------------------------------------------------------
 
 

@@ -279,6 +279,64 @@ def make_suites(seed: int, sizes: dict[str, int]) -> tuple[dict[str, list[dict]]
     return suites, split
 
 
+def truthfulqa_identity(item: dict) -> str:
+    """What makes two TruthfulQA items the same: the question and its set of MC1 statements."""
+    return item["question"] + "|" + "|".join(sorted(item["mc1_targets"]["choices"]))
+
+
+def extend_suites(training_seed: int, suite_sizes: dict[str, int], docs: dict[str, int], seed: int,
+                  sizes: dict[str, int], max_draws: int = 200_000) -> tuple[dict[str, list[dict]], dict]:
+    """More held-out items, from the generator with ``seed`` (not the training seed), none of them in the training
+    corpus (regenerated from ``training_seed`` and ``docs``: ``training_documents``) nor in the shipped suites
+    (``make_suites(training_seed, suite_sizes)``): word problems whose question the corpus does not hold; exam and
+    TruthfulQA items on the reserved facts (never asked in training) with new choices; generic exam items whose
+    identity the corpus does not hold (a sum: nor its ``a + b`` in any drill). Returns (suites, counts of what was
+    made and rejected); a suite gets fewer than asked when the generator runs out of unseen items."""
+    if seed == training_seed:
+        raise ValueError(f"seed {seed} is the training seed; held-out items need another")
+    shipped, split = make_suites(training_seed, suite_sizes)
+    seen: set = set()
+    corpus = "\n".join(text for _, text in training_documents(training_seed, split, docs, seen))
+    rng = random.Random(seed * 7919 + 3)
+    reserved = [f for f in all_facts() if f.key in split.suite_facts]
+    taken = {"gsm8k": {i["question"] for i in shipped["gsm8k"]}, "mmlu": {item_identity(i) for i in shipped["mmlu"]},
+             "truthfulqa": {truthfulqa_identity(i) for i in shipped["truthfulqa"]}}
+    stats = {name: {"asked": sizes.get(name, 0), "made": 0, "in_training": 0, "duplicate": 0} for name in taken}
+    out: dict[str, list[dict]] = {name: [] for name in taken}
+
+    def held_out(name: str, item: dict) -> bool:
+        if name == "gsm8k":
+            identity, texts = item["question"], [item["question"]]
+        elif name == "truthfulqa":
+            identity, texts = truthfulqa_identity(item), [item["question"]]
+        else:
+            identity = item_identity(item)
+            texts = [] if item["question"].startswith("Which of the following") else [item["question"]]
+            if m := _SUITE_SUM.fullmatch(item["question"]):
+                texts.append(f"{m[1]} + {m[2]} =")
+        if identity in taken[name]:
+            stats[name]["duplicate"] += 1
+            return False
+        if identity in seen or any(t in corpus for t in texts):
+            stats[name]["in_training"] += 1
+            return False
+        taken[name].add(identity)
+        return True
+
+    makers = {"gsm8k": lambda: {k: v for k, v in word_problem(rng).items() if k != "cot"},
+              "mmlu": lambda: fact_item(rng, rng.choice(reserved)) if rng.random() < 1 / 3 else generic_item(rng),
+              "truthfulqa": lambda: truthfulqa_item(rng, rng.choice(reserved))}
+    for name, make in makers.items():
+        draws = 0
+        while len(out[name]) < sizes.get(name, 0) and draws < max_draws:
+            draws += 1
+            item = make()
+            if held_out(name, item):
+                out[name].append(item)
+        stats[name]["made"] = len(out[name])
+    return out, stats
+
+
 def fewshot_pools(seed: int, split: Split) -> dict[str, list[dict]]:
     """Solved examples the few-shot prompts draw from, taken from the training distribution (never a
     suite item), as the harness draws gsm8k shots from train and MMLU shots from dev:
@@ -310,23 +368,27 @@ def fewshot_pools(seed: int, split: Split) -> dict[str, list[dict]]:
 # ------------------------------------------------------------------------------------------ training
 
 
-def _math_doc(rng: random.Random, split: Split) -> str:
+def _math_doc(rng: random.Random, split: Split, seen: set | None = None) -> str:
     problems = []
     while len(problems) < rng.randint(2, 6):
         p = word_problem(rng)
         if p["question"] not in split.suite_problems:
             problems.append(p)
+            if seen is not None:
+                seen.add(p["question"])
     if rng.random() < 0.7:
         return "\n\n".join(tpl.gsm8k_example(p["question"], p["answer"]) for p in problems)
     return "\n\n".join(f"{tpl.gsm8k_cot_prompt(p['question'])} {p['cot']}" for p in problems)
 
 
-def _exam_doc(rng: random.Random, split: Split, trainable: list[Fact]) -> str:
+def _exam_doc(rng: random.Random, split: Split, trainable: list[Fact], seen: set | None = None) -> str:
     items = []
     while len(items) < rng.randint(2, 8):
         item = fact_item(rng, rng.choice(trainable)) if rng.random() < 0.5 else generic_item(rng)
         if item_identity(item) not in split.suite_items:
             items.append(item)
+            if seen is not None:
+                seen.add(item_identity(item))
     return tpl.mmlu_header(items[0]["subject"]) + "\n\n".join(mmlu_text(i) for i in items)
 
 
@@ -430,14 +492,16 @@ def code_chunks(max_chars: int, chunk_chars: int = 1500) -> list[str]:
     return chunks
 
 
-def training_documents(seed: int, split: Split, counts: dict[str, int]) -> list[tuple[str, str]]:
-    """(domain, text) training documents, ``counts[domain]`` of each, shuffled with the seed."""
+def training_documents(seed: int, split: Split, counts: dict[str, int], seen: set | None = None
+                       ) -> list[tuple[str, str]]:
+    """(domain, text) training documents, ``counts[domain]`` of each, shuffled with the seed; ``seen`` collects
+    the word problems' questions and the exam items' identities the documents hold (what held-out must avoid)."""
     rng = random.Random(seed)
     facts = all_facts()
     trainable = [f for f in facts if f.key not in split.suite_facts]
     docs: list[tuple[str, str]] = []
-    docs += [("math", _math_doc(rng, split)) for _ in range(counts["math"])]
-    docs += [("exam", _exam_doc(rng, split, trainable)) for _ in range(counts["exam"])]
+    docs += [("math", _math_doc(rng, split, seen)) for _ in range(counts["math"])]
+    docs += [("exam", _exam_doc(rng, split, trainable, seen)) for _ in range(counts["exam"])]
     docs += [("qa", _qa_doc(rng, trainable)) for _ in range(counts["qa"])]
     docs += [("facts", _facts_doc(rng, facts)) for _ in range(counts["facts"])]
     suite_sums = {(int(m[1]), int(m[2])) for m in map(_SUITE_SUM.fullmatch, split.suite_items) if m}

@@ -70,7 +70,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from loader.io import replace_directory, write_json_atomic
+from loader.io import building_directory, replace_directory, write_json_atomic
 from prep.errors import MoeprepError
 from prep.reference import data as D
 
@@ -383,6 +383,32 @@ def write_suites(out_dir: str | Path, spec: ReferenceSpec) -> None:
     for name, rows in (suites | D.fewshot_pools(spec.seed, split)).items():
         _write_jsonl(tmp / f"{name}.jsonl", rows)
     replace_directory(tmp, out_dir / "suites")
+
+
+def write_extended_suites(ref_dir: str | Path, out_dir: str | Path, seed: int, sizes: dict[str, int]) -> dict:
+    """Write ``out_dir``: the shipped suites of ``ref_dir/suites`` with ``sizes[name]`` more held-out items appended
+    to each (``data.extend_suites`` against the corpus of the spec in ``ref_dir/training.json``), the few-shot pools
+    as shipped, and ``extension.json`` saying what was made and rejected. For ``moeprep eval --data out_dir``: the
+    first items are the shipped ones, so ``--limit`` below the shipped sizes scores the shipped suites."""
+    ref_dir, out_dir = Path(ref_dir), Path(out_dir)
+    try:
+        spec = json.loads((ref_dir / "training.json").read_text())["spec"]
+        shipped = {p.stem: [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+                   for p in sorted((ref_dir / "suites").glob("*.jsonl"))}
+    except (OSError, ValueError, KeyError) as e:
+        raise MoeprepError(f"{ref_dir} holds no readable training.json and suites/ ({type(e).__name__}: {e}); "
+                           "pass --dir with the reference model's directory") from None
+    if seed == spec["seed"]:
+        raise MoeprepError(f"--seed {seed} is the reference model's training seed; held-out items need another")
+    made, stats = D.extend_suites(spec["seed"], spec["suites"], spec["docs"], seed, sizes)
+    with building_directory(out_dir) as tmp:
+        for name, rows in shipped.items():
+            _write_jsonl(tmp / f"{name}.jsonl", rows + made.get(name, []))
+        (tmp / "extension.json").write_text(json.dumps(
+            {"seed": seed, "training_seed": spec["seed"], "shipped": {k: len(shipped.get(k, [])) for k in made},
+             "added": stats, "rule": "no added item is in the training corpus or the shipped suites "
+                                     "(prep.reference.data.extend_suites)"}, indent=2) + "\n")
+    return stats
 
 
 def build_reference(out_dir: str | Path, spec: ReferenceSpec | None = None, device: str = "auto") -> dict:

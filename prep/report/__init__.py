@@ -24,7 +24,13 @@ from loader.format import (
     write_manifest,
 )
 from prep.errors import MoeprepError
-from prep.report.sections import PLAN_PLOT, neuron_markdown, operating_points_markdown, prediction_markdown
+from prep.report.sections import (
+    PLAN_PLOT,
+    accuracy_markdown,
+    neuron_markdown,
+    operating_points_markdown,
+    prediction_markdown,
+)
 
 BITWIDTH_PLOT = f"{REPORTS_DIR}report.png"
 ROUTING_PLOT = f"{REPORTS_DIR}report-routing.png"
@@ -49,6 +55,10 @@ def _prediction(report: dict) -> list[str]:
     return [prediction_markdown(report["prediction"]), ""] if report.get("prediction") else []
 
 
+def _accuracy(report: dict) -> list[str]:
+    return [accuracy_markdown(report), ""] if (report.get("eval") or {}).get("suites") else []
+
+
 def _operating_points(report: dict) -> list[str]:
     if not report.get("operating_points"):
         return []
@@ -56,7 +66,7 @@ def _operating_points(report: dict) -> list[str]:
 
 
 # report.md's sections, in this order: (report.json key, renderer)
-ORDER = (("bitwidth_study", _study("bitwidth_study", BITWIDTH_PLOT, "accuracy delta against expert bytes")), ("prediction", _prediction),
+ORDER = (("eval", _accuracy), ("bitwidth_study", _study("bitwidth_study", BITWIDTH_PLOT, "accuracy delta against expert bytes")), ("prediction", _prediction),
          ("prediction_study", _study("prediction_study")), ("operating_points", _operating_points),
          ("routing_study", _study("routing_study", ROUTING_PLOT, "accuracy delta against miss rate")), ("neuron", _neuron))
 

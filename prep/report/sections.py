@@ -122,6 +122,31 @@ def operating_points_plot(report: dict) -> bytes:
     return png.getvalue()
 
 
+def accuracy_markdown(report: dict) -> str:
+    """The accuracy check (report.json ``eval``) as a paired test per suite: the delta, McNemar's p on the flips,
+    the tolerance (the plan's, points per suite) and what the suite can resolve (``prep.evals.power``)."""
+    from prep.evals.power import paired_verdict
+
+    check = report["eval"]
+    tolerance = (report.get("planning") or {}).get("tolerance")
+    lines = ["## Accuracy check", "",
+             f"The prepared model through the loader (budget {check.get('memory_budget') or 'the plan default'}) "
+             "against its original, item by item on the same prompts. A suite of n items moves 100/n points per "
+             "item; McNemar's exact test on the flips says whether a delta is more than noise; the last column is "
+             "how many items would resolve a one-point difference (alpha 0.05, power 0.8) at the flip rate measured "
+             "here. " + (f"Tolerance: |delta| <= {tolerance:g} points per suite." if tolerance is not None
+                         else "No tolerance is stated (plan.tolerance)."), "",
+             "| suite | n | points per item | delta (points) | right->wrong | wrong->right | McNemar p | within "
+             "tolerance | items to resolve 1 point |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    for name, s in check["suites"].items():
+        t = paired_verdict(s["delta"], s["flips"], s["n"], s["mcnemar_p"], tolerance)
+        within = "-" if t["within_tolerance"] is None else ("yes" if t["within_tolerance"] else "**no**")
+        lines.append(f"| {name} | {s['n']} | {t['resolution_points']:.2f} | {t['delta_points']:+.2f} | "
+                     f"{s['flips']['right_to_wrong']} | {s['flips']['wrong_to_right']} | {s['mcnemar_p']:.3g} | "
+                     f"{within} | {t['items_for_one_point'] if t['items_for_one_point'] is not None else 'no flips'} |")
+    return "\n".join(lines)
+
+
 def operating_points_markdown(report: dict) -> str:
     """The operating points table (and the tuned policy) of report.md."""
     planning = report.get("planning") or {}
@@ -143,8 +168,9 @@ def operating_points_markdown(report: dict) -> str:
     for p in report["operating_points"]:
         tps = f"{p['modeled_tokens_per_s']:.1f}" if p.get("modeled_tokens_per_s") else "-"
         miss = f"{p['miss_rate']:.3f}" if p.get("miss_rate") is not None else "-"
-        delta = p.get("accuracy_delta")
-        acc = ", ".join(f"{s} {d * 100:+.1f} pt" for s, d in delta.items()) if delta else "not measured"
+        delta, tests = p.get("accuracy_delta"), p.get("accuracy_test") or {}
+        acc = ", ".join(f"{s} {d * 100:+.1f} pt" + (f" (p {tests[s]['mcnemar_p']:.2g})" if s in tests else "")
+                        for s, d in delta.items()) if delta else "not measured"
         if p.get("within_tolerance") is not None:
             acc += " (within tolerance)" if p["within_tolerance"] else " (**beyond tolerance**)"
         lines.append(f"| {p['budget_bytes'] / 2**20:.2f} MiB | {p['share']:.0%} | {p['slots']} | {tps} | {miss} | "

@@ -119,6 +119,8 @@ def _read_replay(path: Path) -> Replay:
     if path.is_dir() and (path / INDEX_NAME).is_file():
         trace = open_trace(path)
         replay = replay_from_routing(trace.routing(), int(trace.index["num_experts"]), str(path))
+        if f"layers.{trace.layers[0]}.router_logits" not in trace.index["tensors"]:
+            return replay  # an imported routing trace (trace.recorded): decisions and weights only
         logits = torch.stack([trace.router_logits(layer) for layer in trace.layers], dim=1)  # [N, L, E]
         per_sequence = tuple(logits[s] for s in trace.sequence_slices() if s.stop > s.start)
         return dataclasses.replace(replay, logits=per_sequence) if len(per_sequence) == len(replay.sequences) else replay

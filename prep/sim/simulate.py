@@ -39,7 +39,7 @@ from loader.codec import BITS, MatrixSpec, RecordLayout
 from loader.format import read_manifest
 from loader.plan import Plan, read_plan_file
 from loader.policies import POLICIES, policy_factory
-from loader.predict import PREDICTORS, PREDICTORS_FILE, PredictorContext, make_predictor
+from loader.predict import PREDICTORS, PREDICTORS_FILE, ROUTING_ONLY, PredictorContext, make_predictor
 from loader.routing import MISS_POLICIES, ROUTING_POLICIES, RoutingError
 from loader.schedule import LayerSchedule
 from prep.errors import MoeprepError
@@ -279,11 +279,12 @@ def _factory(policy: str, params: dict | None, future: FutureUses | None):
 
 @dataclass(frozen=True)
 class PredictionFeed:
-    """What the loader's predictors read, per replayed sequence: router inputs [T, L, H] and the LM head's
-    input [T, H] (None: the trace lacks it, and ``first_gate`` cannot be replayed); plus each MoE layer's
-    router (weight [E, H], bias [E] or None) and the artifact's predictor tensors."""
+    """What the loader's predictors read, per replayed sequence: router inputs [T, L, H] (None: routing only, for
+    the predictors that read nothing else, ``loader.predict.ROUTING_ONLY``) and the LM head's input [T, H] (None:
+    the trace lacks it, and ``first_gate`` cannot be replayed); plus each MoE layer's router (weight [E, H], bias
+    [E] or None) and the artifact's predictor tensors."""
 
-    router_inputs: list
+    router_inputs: list | None
     head_inputs: list | None
     routers: list
     tensors: dict
@@ -362,7 +363,8 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
                     experts, idx, w = _route(routing, replay.weights[s][t][layer], experts, layer, cache, logits)
                 if predictors:  # the router has decided: its experts are protected, then the predictors run
                     schedule.routed(layer, experts)
-                    x, chosen = feed.router_inputs[s][t, layer][None].float(), torch.tensor([list(experts)])
+                    x = feed.router_inputs[s][t, layer][None].float() if feed.router_inputs is not None else None
+                    chosen = torch.tensor([list(experts)])
                     for p in predictors:
                         prefetch(p.after_router(layer, x, chosen))
                 decisions, skipped = schedule.begin(layer, [experts], idx, w)
@@ -449,7 +451,11 @@ def _bind_predictors(predictors: list, cache: ExpertCache, spec: CacheSpec, repl
     if feed is None:
         raise MoeprepError("predictors need what they read: simulate a project trace (router inputs) with an "
                            "artifact (routers and predictors.safetensors)")
-    if len(feed.router_inputs) != len(replay.sequences):
+    if feed.router_inputs is None:
+        if reading := [p.name for p in predictors if p.name not in ROUTING_ONLY]:
+            raise MoeprepError(f"the predictors {reading} read router inputs, which this replay (routing only) "
+                               f"lacks; replay only {list(ROUTING_ONLY)}, or trace the model itself")
+    elif len(feed.router_inputs) != len(replay.sequences):
         raise MoeprepError(f"the prediction feed has {len(feed.router_inputs)} sequences, the replay "
                            f"{len(replay.sequences)}; build both from one trace")
     if feed.head_inputs is None and any(p.name == "first_gate" for p in predictors):
@@ -488,6 +494,8 @@ def trace_feed(trace_dir, routers: list, tensors: dict) -> PredictionFeed:
 
     trace = open_trace(trace_dir)
     if f"layers.{trace.layers[0]}.router_input" not in trace.index["tensors"]:
+        if "recorded" in trace.index:  # imported routing: only the predictors that read nothing else replay
+            return PredictionFeed(None, None, routers, tensors)
         raise MoeprepError(f"{trace_dir} holds no router inputs; record it with hidden states (record_hidden)")
     inputs = torch.stack([trace.router_inputs(layer) for layer in trace.layers], dim=1)  # [N, L, H]
     head = trace.tensor("head_input") if "head_input" in trace.index["tensors"] else None

@@ -14,6 +14,7 @@ report.md is written again with the points.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,21 +24,38 @@ from loader.plan import read_plan
 from prep.errors import MoeprepError
 from prep.evals.compare import eval_summary, evaluate_artifact
 from prep.evals.data import SUITES
+from prep.evals.power import paired_verdict
 from prep.report import merge_section
 from prep.report.sections import PLAN_PLOT, operating_points_plot
 from prep.stages import Stage, StageResult
 
-VERSION = 3
+VERSION = 4  # 4: per-suite limits; each operating point's delta as a paired test per suite
+
+
+@dataclass(frozen=True)
+class SuiteLimits:
+    """Items per suite (the first N; null: every item): a stated smaller n where the full suite costs too long."""
+
+    gsm8k: int | None = None
+    mmlu: int | None = None
+    truthfulqa: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, n in dataclasses.asdict(self).items():
+            if n is not None and n < 1:
+                raise MoeprepError(f"evaluate.limit.{name} must be at least 1 item (or null for the whole suite), "
+                                   f"got {n}")
 
 
 @dataclass(frozen=True)
 class EvaluateSection:
-    """The accuracy check as the last stage of prepare (``moeprep eval`` with these settings)."""
+    """The accuracy check as the last stage of prepare (``moeprep eval`` with these settings). ``limit``: the first
+    N items of every suite, or per suite (``{gsm8k: 100, mmlu: 400, truthfulqa: 200}``), or null for all."""
 
     enabled: bool = False
     suites: tuple[str, ...] = SUITES
     data: str | None = None  # default: suites/ beside the model
-    limit: int | None = 20
+    limit: int | SuiteLimits | None = 20
     num_fewshot: int | None = None
     gsm8k_format: str = "cot"
     memory_budget: str | None = "50%"
@@ -47,6 +65,12 @@ class EvaluateSection:
             raise MoeprepError("evaluate.gsm8k_format must be cot or plain")
         if unknown := sorted(set(self.suites) - set(SUITES)):
             raise MoeprepError(f"evaluate.suites: unknown suite(s) {unknown}; use {', '.join(SUITES)}")
+        if isinstance(self.limit, int) and self.limit < 1:
+            raise MoeprepError(f"evaluate.limit must be at least 1 item (or null for every item), got {self.limit}")
+
+    def limits(self) -> int | dict | None:
+        """What ``evaluate_artifact`` takes: one N for every suite, or N per suite."""
+        return dataclasses.asdict(self.limit) if isinstance(self.limit, SuiteLimits) else self.limit
 
 
 @dataclass(frozen=True)
@@ -69,7 +93,7 @@ def check_accuracy(artifact: Path, model_dir: Path, cfg: EvaluateSection, work: 
         data = root / data
 
     def run(budget, output: Path, plan=None) -> dict:
-        return evaluate_artifact(artifact, model_dir, cfg.suites, data, cfg.limit, cfg.num_fewshot, budget,
+        return evaluate_artifact(artifact, model_dir, cfg.suites, data, cfg.limits(), cfg.num_fewshot, budget,
                                  cfg.gsm8k_format, output=output, plan=plan)
 
     report = run(cfg.memory_budget, work / "eval.json")
@@ -78,8 +102,10 @@ def check_accuracy(artifact: Path, model_dir: Path, cfg: EvaluateSection, work: 
     manifest = read_manifest(artifact)
     artifact_report = read_json(manifest.path("report.json"), "report.json")
     if not artifact_report.get("operating_points"):
+        merge_section(manifest.root, {}, package_key=manifest.raw["package_key"])  # report.md with the check
         return check
     plan = read_plan(manifest.root)
+    tolerance = (artifact_report.get("planning") or {}).get("tolerance")
     points = []
     for point in artifact_report["operating_points"]:
         if plan.routing.name == "cache_routing":  # outputs depend on the cache: measure at the point's budget
@@ -88,11 +114,13 @@ def check_accuracy(artifact: Path, model_dir: Path, cfg: EvaluateSection, work: 
         else:
             summary, where = check.suites, report["memory_budget"]
         points.append({"budget_bytes": point["budget_bytes"], "measured_at": where,
-                       "accuracy_delta": {suite: s["delta"] for suite, s in summary.items()}})
-    tolerance = (artifact_report.get("planning") or {}).get("tolerance")
-    updated = [p | {"accuracy_delta": q["accuracy_delta"], "accuracy_measured_at": q["measured_at"],
+                       "accuracy_delta": {suite: s["delta"] for suite, s in summary.items()},
+                       "accuracy_test": {suite: paired_verdict(s["delta"], s["flips"], s["n"], s["mcnemar_p"], tolerance)
+                                         for suite, s in summary.items()}})
+    updated = [p | {"accuracy_delta": q["accuracy_delta"], "accuracy_test": q["accuracy_test"],
+                    "accuracy_measured_at": q["measured_at"],
                     "within_tolerance": (None if tolerance is None else
-                                         all(abs(d) * 100 <= tolerance + 1e-9 for d in q["accuracy_delta"].values()))}
+                                         all(t["within_tolerance"] for t in q["accuracy_test"].values()))}
                for p, q in zip(artifact_report["operating_points"], points, strict=True)]
     artifact_report |= {"operating_points": updated}
     merge_section(manifest.root, {"operating_points": updated}, files={PLAN_PLOT: operating_points_plot(artifact_report)},

@@ -2,7 +2,9 @@
 MoE layer and the threshold T of the rule (1 - alpha)^2 * S_l <= T.
 
 Runs when ``gating.enabled``. S comes from ``prep.methods.fisher`` on the first ``num_sequences`` calibration
-sequences. T is ``threshold`` when given; else the T whose rule leaves ``target_single`` of the (token,
+sequences, or from ``sensitivity_file`` (a JSON file with ``S``, one value per MoE layer, and ``source``: the
+values AdapMoE's own code sets for Mixtral-8x7B, ``../shared/data/traces/mixtral-8x7b/adapmoe_sensitivity.json``),
+whose source the result records. T is ``threshold`` when given; else the T whose rule leaves ``target_single`` of the (token,
 layer) decisions of the calibration routing (trace stage) with one expert, found by bisection on log T
 without a forward pass. With ``tolerance``, T is bisected down to the largest value whose gated model (the
 source model with the policy installed) stays within that mean next-token KL on the last ``num_sequences``
@@ -13,8 +15,10 @@ what the DP allocator will (alpha_l: the per-layer single-expert shares).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -50,6 +54,7 @@ class GatingSection:
     tolerance: float | None = None
     decode_only: bool = False
     num_sequences: int | None = 8
+    sensitivity_file: str | None = None  # S from this JSON file ({"S": [...], "source": ...}) instead of Fisher
 
     def __post_init__(self) -> None:
         if not 0 <= self.target_single <= 1:
@@ -113,14 +118,34 @@ def gated_loss(model, adapter, sensitivity: list[float], held: list, decode_only
     return loss
 
 
-def choose_gating(model, adapter, sequences: list, trace_dir, cfg: GatingSection) -> GatingChoice:
+def read_sensitivity(path: Path, layers: int) -> tuple[list[float], dict]:
+    """(S [layers], what the file says of itself) from a sensitivity file; a model with fewer MoE layers than the
+    file (the bench's quick Mixtral shape) takes the first ones."""
+    try:
+        raw = json.loads(Path(path).read_text())
+        values = [float(v) for v in raw["S"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise MoeprepError(f"gating.sensitivity_file {path}: not a sensitivity file ({type(e).__name__}: {e}); it "
+                           'needs {"S": [one value per MoE layer], "source": "..."}') from None
+    if len(values) < layers or any(not math.isfinite(v) or v < 0 for v in values):
+        raise MoeprepError(f"gating.sensitivity_file {path}: needs {layers} finite values >= 0 in S, got "
+                           f"{len(values)}")
+    about = {k: raw[k] for k in ("model", "quantity", "source", "threshold_T") if k in raw}
+    return values[:layers], about | {"file": str(path), "layers_used": layers}
 
-    fit = list(sequences if cfg.num_sequences is None else sequences[:cfg.num_sequences])
-    with tqdm(total=len(fit), desc="fisher sensitivity", unit="seq", leave=False) as bar:
-        fisher = fisher_sensitivity(model, adapter, fit, progress=lambda done, _n: bar.update(1))
-    s = fisher.sensitivity
+
+def choose_gating(model, adapter, sequences: list, trace_dir, cfg: GatingSection, root: Path = Path(".")) -> GatingChoice:
+
     weights = torch.cat([r.expert_weights for r in open_trace(trace_dir).routing()])  # [N, L, K]
-    details: dict = {"fisher": {"convention": fisher.convention, "positions": fisher.positions}}
+    if cfg.sensitivity_file is not None:
+        s, about = read_sensitivity(Path(root) / cfg.sensitivity_file, weights.shape[1])
+        details: dict = {"sensitivity_file": about}
+    else:
+        fit = list(sequences if cfg.num_sequences is None else sequences[:cfg.num_sequences])
+        with tqdm(total=len(fit), desc="fisher sensitivity", unit="seq", leave=False) as bar:
+            fisher = fisher_sensitivity(model, adapter, fit, progress=lambda done, _n: bar.update(1))
+        s = fisher.sensitivity
+        details = {"fisher": {"convention": fisher.convention, "positions": fisher.positions}}
     if cfg.threshold is not None:
         threshold = cfg.threshold
     else:
@@ -150,7 +175,11 @@ def choose_gating(model, adapter, sequences: list, trace_dir, cfg: GatingSection
 def _run(inputs) -> GatingChoice:
 
     trace_dir, _ = inputs.upstream("trace")
-    return choose_gating(inputs.model, inputs.adapter, inputs.sequences, RoutingTraces.path(trace_dir), inputs.config)
+    cfg = inputs.config
+    if cfg.sensitivity_file is not None and cfg.tolerance is None:  # no forward pass: neither model nor data
+        return choose_gating(None, None, [], RoutingTraces.path(trace_dir), cfg, inputs.root)
+    return choose_gating(inputs.model, inputs.adapter, inputs.sequences, RoutingTraces.path(trace_dir), cfg,
+                         inputs.root)
 
 
 STAGE = Stage(
@@ -158,5 +187,6 @@ STAGE = Stage(
     reads=("trace",), needs=frozenset({"model", "calibration"}),
     enabled=lambda recipe: recipe.gating.enabled,
     run=_run,
+    files=lambda recipe: [recipe.gating.sensitivity_file] if recipe.gating.sensitivity_file else [],
     section="gating",
 )

@@ -151,7 +151,8 @@ class Draft:
                                          weights=replay.weights[sequences] if replay.weights is not None else None,
                                          logits=replay.logits[sequences] if replay.logits is not None else None)
             if feed is not None:
-                feed = dataclasses.replace(feed, router_inputs=feed.router_inputs[sequences],
+                feed = dataclasses.replace(feed, router_inputs=feed.router_inputs[sequences]
+                                           if feed.router_inputs is not None else None,
                                            head_inputs=feed.head_inputs[sequences] if feed.head_inputs is not None else None)
         spec = capacities_spec(plan, caps, self.read_bytes, self.sizes.record_bytes)
         predictors = [make_predictor(p.name, p.params) for p in plan.predictors]

@@ -179,20 +179,33 @@ def fit_predictors(model, adapter, sequences: list, trace_dir, cfg: PredictSecti
     started = time.perf_counter()
     trace = open_trace(trace_dir)
     routing = trace.routing()
+    if len(routing) == 1 and "recorded" in trace.index:
+        # one imported problem: its decode tokens are independent decisions, so the last share of them is held out
+        whole = routing[0]
+        cut = whole.num_tokens - max(1, round(whole.num_tokens * cfg.held_out))
+        routing = [type(whole)(whole.expert_ids[a:b], whole.expert_weights[a:b], whole.layers)
+                   for a, b in ((0, cut), (cut, whole.num_tokens))]
     n_held = split(len(routing), cfg.held_out)
     n_fit = len(routing) - n_held
     fit_ids = [r.expert_ids for r in routing[:n_fit]]
     held = routing[n_fit:]
     held_ids = [r.expert_ids for r in held]
     held_weights = [r.expert_weights for r in held]
-    rows = slice(trace.sequence_slices()[n_fit].start, None)
+    rows = slice(sum(r.num_tokens for r in routing[:n_fit]), None)
     tensors = fit_path_stats(fit_ids, adapter.num_experts)
     path = path_stats_recall(tensors, held_ids, held_weights, fit_ids, adapter.num_experts, cfg.path_stats.min_count)
-    routers = [adapter.router(model, layer) for layer in adapter.moe_layers]
-    gates = next_gate_recall([trace.router_inputs(layer)[rows] for layer in trace.layers],
-                             [(r.weight.cpu(), b.cpu() if (b := getattr(r, "bias", None)) is not None else None)
-                              for r in routers],  # the traces are on the CPU
-                             torch.cat(held_ids), torch.cat(held_weights), fit_ids, cfg.distances)
+    if f"layers.{trace.layers[0]}.router_input" in trace.index["tensors"]:
+        routers = [adapter.router(model, layer) for layer in adapter.moe_layers]
+        gates = next_gate_recall([trace.router_inputs(layer)[rows] for layer in trace.layers],
+                                 [(r.weight.cpu(), b.cpu() if (b := getattr(r, "bias", None)) is not None else None)
+                                  for r in routers],  # the traces are on the CPU
+                                 torch.cat(held_ids), torch.cat(held_weights), fit_ids, cfg.distances)
+    elif "next_gates" in cfg.predictors or "first_gate" in cfg.predictors:
+        raise MoeprepError("predict: next_gates and first_gate read hidden states, which an imported routing trace "
+                           "(trace.recorded) does not hold; use path_stats only, or trace the model itself")
+    else:
+        gates = {"layers": [], "by_distance": {},
+                 "skipped": "the trace holds routing only (trace.recorded): no router inputs to measure gates on"}
     first = None
     if "first_gate" in cfg.predictors:
         if len(sequences) != len(routing):
@@ -228,7 +241,7 @@ def _run(inputs) -> PredictionStats:
 def check(recipe) -> None:
     """Held-out sequences to measure recall on, and a prefetch precision the quantize stage writes."""
     p = recipe.predict
-    if p.predictors and recipe.calibration.num_sequences < 2:
+    if p.predictors and recipe.calibration.num_sequences < 2 and recipe.trace.recorded is None:
         raise MoeprepError("predict needs calibration.num_sequences >= 2: the last ones are held out to measure "
                            "the predictors' recall")
     precisions = recipe.quantize.precisions

@@ -3,6 +3,13 @@
 Needs the model and the calibration data; reads no other stage. The traces go to ``trace/`` in the
 stage directory (``prep.methods.trace.open_trace`` reads them); the result holds the token count and each MoE
 layer's expert shares.
+
+With ``trace.recorded`` the routing is imported instead: the real Mixtral-8x7B GSM8K decode decisions
+(``gsm8k_routing.jsonl``), for a model of Mixtral's shape whose random weights do not decide its routing (the
+bench's ``mixtral-shape-techniques``). Such a trace holds the routing only (expert ids and weights), so every
+stage that needs no more (gating with a given sensitivity, dynamic precision, path statistics, the cache
+allocation and the policy search) makes the decision Mixtral would make on those tokens; a stage that needs
+hidden states or logits says so when it runs.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from pathlib import Path
 import torch
 
 from prep.errors import MoeprepError
-from prep.methods.trace import open_trace, record_traces
+from prep.methods.trace import open_trace, read_mixtral_traces, record_traces, write_routing_trace
 from prep.stages import Stage, StageResult
 
 VERSION = 2  # 2: the trace holds head_input
@@ -28,6 +35,8 @@ class TraceSection:
     hidden_dtype: str = "float16"
     shard_tokens: int = 4096
     batch: int = 1
+    recorded: str | None = None  # a recorded routing file (gsm8k_routing.jsonl) imported instead of a forward pass
+    problems: tuple[int, ...] | None = None  # which recorded problems (positions in problem-id order); null: all
 
     def __post_init__(self) -> None:
         if not 1 <= self.batch <= 4096:
@@ -37,6 +46,13 @@ class TraceSection:
                                f"{self.shard_tokens}")
         if self.hidden_dtype not in ("float16", "bfloat16", "float32"):
             raise MoeprepError(f"trace.hidden_dtype {self.hidden_dtype!r} unknown; use float16, bfloat16 or float32")
+        if self.problems is not None:
+            if self.recorded is None:
+                raise MoeprepError("trace.problems picks recorded problems; it needs trace.recorded (a "
+                                   "gsm8k_routing.jsonl file)")
+            if not self.problems or any(isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in self.problems):
+                raise MoeprepError(f"trace.problems is a non-empty list of problem positions (0, 1, ...), got "
+                                   f"{list(self.problems)}")
 
 
 @dataclass(frozen=True)
@@ -51,13 +67,46 @@ class RoutingTraces(StageResult):
         return Path(directory) / "trace"
 
 
+def import_recorded(adapter, cfg: TraceSection, root: Path, work: Path, fingerprint: str) -> Path:
+    """Write the recorded problems ``cfg.problems`` of ``cfg.recorded`` as this model's trace: its first L layers
+    (a model with fewer MoE layers than Mixtral's 32 takes the first ones), checked against its experts and top-k."""
+    file = root / cfg.recorded
+    if not file.is_file():
+        raise MoeprepError(f"trace.recorded: {file} is not a file; name the recorded routing file "
+                           "(../shared/data/traces/mixtral-8x7b/gsm8k_routing.jsonl)")
+    recorded = read_mixtral_traces(file)
+    picked = list(cfg.problems) if cfg.problems is not None else list(range(len(recorded)))
+    if bad := [p for p in picked if p >= len(recorded)]:
+        raise MoeprepError(f"trace.problems {bad}: {file} holds {len(recorded)} problems (positions 0-"
+                           f"{len(recorded) - 1})")
+    layers = list(adapter.moe_layers)
+    first = recorded[0]
+    if first.num_layers < len(layers) or first.top_k != adapter.top_k:
+        raise MoeprepError(f"{file} records {first.num_layers} layers of top-{first.top_k} routing; the model has "
+                           f"{len(layers)} MoE layers of top-{adapter.top_k}")
+    chosen = [recorded[p] for p in picked]
+    if (most := max(int(t.expert_ids.max()) for t in chosen)) >= adapter.num_experts:
+        raise MoeprepError(f"{file} names expert {most}; the model has {adapter.num_experts} per layer")
+    chosen = [type(t)(t.expert_ids[:, :len(layers)].contiguous(), t.expert_weights[:, :len(layers)].contiguous(),
+                      tuple(layers)) for t in chosen]
+    return write_routing_trace(chosen, RoutingTraces.path(work), layers=layers, num_experts=adapter.num_experts,
+                               architecture=adapter.model_type, fingerprint=fingerprint,
+                               shard_tokens=cfg.shard_tokens,
+                               source={"file": str(cfg.recorded), "problems": picked,
+                                       "tokens": [t.num_tokens for t in chosen]})
+
+
 def record_routing(model, adapter, sequences: list[torch.Tensor], cfg: TraceSection, work: Path,
-                   fingerprint: str) -> RoutingTraces:
-    """Trace ``sequences`` into ``work/trace``; returns the token count and expert shares."""
-    dtype = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.hidden_dtype]
-    path = record_traces(model, sequences, RoutingTraces.path(work), adapter=adapter, shard_tokens=cfg.shard_tokens,
-                         hidden_dtype=dtype, fingerprint=fingerprint, overwrite=True, progress=True,
-                         batch=cfg.batch)
+                   fingerprint: str, root: Path = Path(".")) -> RoutingTraces:
+    """Trace ``sequences`` into ``work/trace`` (or import ``cfg.recorded``); returns the token count and expert
+    shares."""
+    if cfg.recorded is not None:
+        path = import_recorded(adapter, cfg, Path(root), work, fingerprint)
+    else:
+        dtype = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.hidden_dtype]
+        path = record_traces(model, sequences, RoutingTraces.path(work), adapter=adapter,
+                             shard_tokens=cfg.shard_tokens, hidden_dtype=dtype, fingerprint=fingerprint,
+                             overwrite=True, progress=True, batch=cfg.batch)
     routing = open_trace(path).routing()
     ids = torch.cat([r.expert_ids for r in routing])  # [T, L, K]
     shares = [
@@ -72,6 +121,7 @@ STAGE = Stage(
     name="trace", version=VERSION, config=TraceSection, result=RoutingTraces,
     needs=frozenset({"model", "calibration"}),
     run=lambda inputs: record_routing(inputs.model, inputs.adapter, inputs.sequences, inputs.config, inputs.work,
-                                      inputs.model_fingerprint),
+                                      inputs.model_fingerprint, inputs.root),
+    files=lambda recipe: [recipe.trace.recorded] if recipe.trace.recorded else [],
     section="trace",
 )

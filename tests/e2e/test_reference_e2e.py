@@ -76,6 +76,15 @@ def test_reference_recipe_end_to_end(tmp_path):
     checked = report["eval"]["suites"]
     assert set(checked) == {"gsm8k", "mmlu", "truthfulqa_mc1", "truthfulqa_mc2"}
     assert all(0 <= s["mcnemar_p"] <= 1 for s in checked.values())
+    # the tolerance as a paired test per suite and operating point, and the resolution of each suite in report.md
+    for point in points:
+        assert set(point["accuracy_test"]) == set(checked)
+        for suite, test in point["accuracy_test"].items():
+            assert test["mcnemar_p"] == checked[suite]["mcnemar_p"] and test["resolution_points"] == 100 / 8
+            assert test["within_tolerance"] == (abs(test["delta_points"]) <= recipe.plan.tolerance + 1e-9)
+        assert point["within_tolerance"] == all(t["within_tolerance"] for t in point["accuracy_test"].values())
+    md = (artifact / "report.md").read_text()
+    assert "## Accuracy check" in md and "| gsm8k | 8 | 12.50 |" in md
     result = CliRunner().invoke(moeload, ["generate", str(artifact), "--prompt", "Q: What is the capital of France?\nA:",
                                           "--max-new-tokens", "8", "--memory-budget", "9%", "--json"])
     assert result.exit_code == 0, result.output

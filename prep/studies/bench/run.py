@@ -17,6 +17,11 @@ Systems (DESIGN.md section 7, "Speed"):
   neurons buys at the same budget.
 - ``moeprep``: the loader with the artifact's plan (``plan.json``: its pools, eviction policy, predictors,
   routing and miss policies), scaled to the budget.
+- ``int4`` and ``int4+<technique>`` (the ``mixtral-shape-techniques`` subject only): the loader on the artifact
+  of that one technique (gating, dynamic_precision, path_stats, allocation) prepared on uniform int4 from
+  Mixtral's recorded decisions (``prep/studies/bench/subjects.py``); its ``moeprep`` is all of them together.
+  A replayed routing goes through each plan's own routing policy (``load(replay=...)``), so gating decides on
+  Mixtral's weights; each row records what the routing and miss policies decided in its decode steps.
 - every system runs with torch's own intra-op threads (the loader's ``threads`` option is left off), so
   ratios compare systems, not threads.
 - ``naive@unlimited`` and ``moeprep@unlimited``: that loader system at the budget ``unlimited``, every expert
@@ -70,7 +75,7 @@ from loader.codec import DEFAULT_FORMATS, MatrixSpec
 from loader.errors import MoeError
 from loader.io import write_bytes_atomic
 from loader.plan import PolicySpec, read_plan
-from loader.predict import PREDICTORS_FILE, make_predictor
+from loader.predict import PREDICTORS_FILE, ROUTING_ONLY, make_predictor
 from loader.runtime import budget_bytes
 from loader.vocab import PREDICTOR_NAMES
 from prep.errors import MoeprepError
@@ -81,8 +86,14 @@ from prep.sim.simulate import PredictionFeed, artifact_spec, simulate
 from prep.studies.bench.llama import QUANT, logit_check, prepare_gguf
 from prep.studies.bench.llama import missing as llama_missing
 from prep.studies.bench.report import write_markdown, write_plot
-from prep.studies.bench.subjects import Subject, mixtral_shape_subject, reference_subject
-from prep.studies.bench.worker import loader_plan
+from prep.studies.bench.subjects import (
+    TECHNIQUES,
+    Subject,
+    mixtral_shape_subject,
+    mixtral_shape_techniques_subject,
+    reference_subject,
+)
+from prep.studies.bench.worker import loader_plan, runs_loader
 
 SYSTEMS = ("resident", "accelerate", "naive", "moeprep")
 UNLIMITED = "unlimited"
@@ -90,7 +101,8 @@ RESIDENT_DTYPES = ("float32", "bfloat16")  # the resident candidates' dtypes, an
 CUDA_RESIDENT_DTYPES = ("float16",)
 EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")  # transformers' (integrations/moe.py)
 PREDICTOR_SYSTEMS = tuple(f"naive+{name}" for name in PREDICTOR_NAMES)
-SUBJECTS = ("reference", "reference-lossless", "reference-neuron", "mixtral-shape", "mixtral-shape-own")
+SUBJECTS = ("reference", "reference-lossless", "reference-neuron", "mixtral-shape", "mixtral-shape-own",
+            "mixtral-shape-techniques")
 LLAMA = "llama.cpp"
 LLAMA_MAX_LOGIT_ERROR = 1e-3  # llama.cpp's float32 logits against transformers', checked before timing
 BELOW_4BIT = "4bit-25%"  # the dense weights + 25% of the model's expert bytes at 4 bits: below a 4-bit model's size
@@ -506,8 +518,9 @@ def _prediction_feed(artifact: Path, routing: dict, plan, tokens: int):
     """(the simulator's ``PredictionFeed`` for the first ``tokens`` tokens, a factory of fresh predictors): the
     artifact's routers and predictor tensors, the recorded router and LM-head inputs."""
     names = [s.name for s in plan.predictors]
-    if "router_inputs" not in routing:
-        raise NotModelled(f"the predictors ({', '.join(names)}) need the router inputs, which a routing replayed "
+    reading = [n for n in names if n not in ROUTING_ONLY]
+    if "router_inputs" not in routing and reading:
+        raise NotModelled(f"the predictors ({', '.join(reading)}) need the router inputs, which a routing replayed "
                           "from a trace does not have")
     if "first_gate" in names and "head_inputs" not in routing:
         raise NotModelled("first_gate needs the LM head's inputs, which the resident run did not record")
@@ -524,7 +537,7 @@ def _prediction_feed(artifact: Path, routing: dict, plan, tokens: int):
             routers.append((f.get_tensor(f"{path}.weight").float(), f.get_tensor(bias).float() if bias in keys else None))
     tensors = load_file(str(Path(artifact) / PREDICTORS_FILE)) if PREDICTORS_FILE in manifest.get("files", {}) else {}
     head = routing.get("head_inputs")
-    feed = PredictionFeed([routing["router_inputs"][:tokens].float()],
+    feed = PredictionFeed([routing["router_inputs"][:tokens].float()] if "router_inputs" in routing else None,
                           [head[:tokens].float()] if head is not None else None, routers, tensors)
     return feed, lambda: [make_predictor(s.name, dict(s.params)) for s in plan.predictors]
 
@@ -532,11 +545,8 @@ def _prediction_feed(artifact: Path, routing: dict, plan, tokens: int):
 def _sim_plan(subject: Subject, system: str):
     """(artifact, plan) the loader row ``system`` ran, as the simulator replays it."""
 
-    artifact = subject.naive_artifact if system.startswith("naive") else subject.artifact
-    plan = loader_plan(artifact, system) or read_plan(artifact)
-    if subject.replay is not None:  # the worker's ReplayRouting replaced the plan's routing policy
-        plan = dataclasses.replace(plan, routing=PolicySpec("topk"))
-    return artifact, plan
+    artifact = subject.artifact_for(system)
+    return artifact, loader_plan(artifact, system) or read_plan(artifact)  # a replay goes through the plan's routing
 
 
 def modelled(subject: Subject, system: str, memory_budget, routing: dict | None, profile, device: str) -> dict:
@@ -573,7 +583,8 @@ def _modelled(subject: Subject, system: str, memory_budget, routing: dict, profi
 
     def run(n: int):
         fed = None if feed is None else dataclasses.replace(
-            feed, router_inputs=[feed.router_inputs[0][:m] for m in [*lengths, n]],
+            feed, router_inputs=[feed.router_inputs[0][:m] for m in [*lengths, n]]
+            if feed.router_inputs is not None else None,
             head_inputs=[feed.head_inputs[0][:m] for m in [*lengths, n]] if feed.head_inputs is not None else None)
         return simulate(_replay(routing, num_experts, n, f"{subject.name} {system}", warm), spec, profile=profile,
                         predictors=make() or None, feed=fed, cold_start=not warm)
@@ -629,7 +640,7 @@ def _only_systems(only: str | None) -> set[str] | None:
     if only is None:
         return None
     chosen = {x.strip() for x in only.split(",") if x.strip()}
-    known = {*SYSTEMS, *PREDICTOR_SYSTEMS, "naive+neuron", LLAMA}
+    known = {*SYSTEMS, *PREDICTOR_SYSTEMS, *TECHNIQUES, "naive+neuron", LLAMA}
     if not chosen or chosen - known:
         raise MoeprepError(f"--systems {only!r}: unknown {sorted(chosen - known)}; use a comma-separated subset of "
                            f"{', '.join(sorted(known))}")
@@ -677,14 +688,13 @@ def physical_bounds(subject: Subject, budgets: list[str], results: list[dict], r
 def _neuron_loading(subject: Subject, system: str) -> bool:
     """Whether the loader row ``system`` reads and computes parts of experts (neuron-level loading)."""
 
-    artifact = subject.naive_artifact if system.startswith("naive") else subject.artifact
+    artifact = subject.artifact_for(system)
     plan = loader_plan(artifact, system) or read_plan(artifact)
     return plan.neuron.name != "off"
 
 
 def is_loader(system: str) -> bool:
-    base = system.split("@", 1)[0]
-    return base == "moeprep" or base.startswith("naive")
+    return runs_loader(system)
 
 
 def _prepare_llama(subject: Subject, output: Path, echo) -> str | None:
@@ -725,8 +735,10 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
         raise MoeprepError(f"--store {store!r} unknown; use auto, disk or host")
     store = store if store != "auto" else ("host" if device == "cuda" else "disk")
     chosen_systems = _only_systems(only)  # checked before anything is built
-    if subject not in (*SUBJECTS, "all"):
-        raise MoeprepError(f"--subject {subject!r} unknown; use {', '.join(SUBJECTS)} or all")
+    wanted = SUBJECTS if subject == "all" else tuple(x.strip() for x in subject.split(",") if x.strip())
+    if not wanted or set(wanted) - set(SUBJECTS):
+        raise MoeprepError(f"--subject {subject!r} unknown; use all, or a comma-separated subset of "
+                           f"{', '.join(SUBJECTS)}")
     budget_list = parse_budgets(budgets or (QUICK_BUDGETS if quick else DEFAULT_BUDGETS))
     repeats = repeats or (QUICK_REPEATS if quick else DEFAULT_REPEATS)
     if repeats < 1:
@@ -736,7 +748,6 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
     output.mkdir(parents=True, exist_ok=True)
     work = output / "work"
     work.mkdir(exist_ok=True)
-    wanted = SUBJECTS if subject == "all" else (subject,)
     started = time.time()
 
     notes, subjects = [], []
@@ -749,6 +760,20 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
                  "changed)")
             subjects.append(reference_subject(root, sizes.reference_prompt, sizes.reference_decode, name,
                                               evaluate=not quick))
+            continue
+        if name == "mixtral-shape-techniques":
+            if not have_traces:
+                message = (f"mixtral-shape-techniques skipped: the real Mixtral traces are not in {traces_dir} "
+                           "(pass --traces DIR holding mixtral-8x7b/gsm8k_routing.jsonl and adapmoe_sensitivity.json)")
+                if subject == name:
+                    raise MoeprepError(message)
+                echo(message)
+                notes.append(message)
+                continue
+            echo("preparing subject mixtral-shape-techniques (one artifact per technique, fitted on the problems "
+                 "not replayed; built once, then reused)")
+            subjects.append(mixtral_shape_techniques_subject(output, traces_dir, quick, sizes.shape_prompt,
+                                                             sizes.shape_decode, echo))
             continue
         if name == "mixtral-shape-own":
             echo("preparing subject mixtral-shape-own (the mixtral-shape model with its own routers)")
@@ -786,6 +811,8 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
     bandwidth = read_bandwidth(Path(largest.facts["store_file"]), sizes.bandwidth_bytes)
 
     def systems(subj: Subject) -> list[str]:
+        if subj.variants:  # each technique alone (its own artifact), then all together
+            return ["naive", *TECHNIQUES]
         if subj.name == "mixtral-shape-own":  # against llama.cpp, which cannot replay routing
             return ["naive", "moeprep"] + ([LLAMA] if "llama_cpp" in subj.facts else [])
         if subj.lossless is not None:  # naive on the lossless artifact, moeprep on the recipe's
@@ -805,7 +832,7 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
                 "memory_budget": limit if budget == BELOW_4BIT else budget,
                 "budget_bytes": limit, "host_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2,
                 "model_dir": str(subj.model_dir),
-                "artifact": str(subj.naive_artifact if system.startswith("naive") else subj.artifact),
+                "artifact": str(subj.artifact_for(system)),
                 "experts_modules": subj.manifest["moe"]["experts_modules"],
                 "prompt_ids": subj.prompt_ids, "decode_ids": subj.decode_ids,
                 "replay": str(subj.replay) if subj.replay else None, "offload_dir": str(work / "offload"),

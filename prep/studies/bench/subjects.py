@@ -18,6 +18,17 @@ the router decisions replayed from
 the real Mixtral-8x7B GSM8K decode traces: the weights are fake, but which experts each token needs,
 and so the compute and the I/O, are real. Built once under ``<output>/mixtral-shape/`` and reused while
 its shape is unchanged.
+
+``mixtral-shape-techniques``: the same model, replayed tokens and lossless artifact (``naive``), and one artifact
+per technique, each prepared through the real pipeline stages fed by the recorded routing (``trace.recorded``) of
+the *other* GSM8K problems than the one replayed (the decisions are cross-fitted): ``int4`` (uniform int4, no
+technique: the mixtral-shape subject's plan), ``int4+gating`` (AdapMoE's rule with the per-layer sensitivity and
+threshold AdapMoE's own code sets for Mixtral-8x7B), ``int4+dynamic_precision`` (HOBBIT: int4 high, int2 low,
+skip, thresholds from quantiles of the fitted weights), ``int4+path_stats`` (EdgeMoE's path statistics),
+``int4+allocation`` (AdapMoE's DP allocation and HOBBIT's tuned eviction on the fitted miss curves, with this
+machine's device profile) and ``moeprep`` (all of them). Which experts each token needs, and so what each
+technique decides, is what Mixtral decides on those tokens; the outputs are random, so accuracy is cited
+(``bench.md``), not measured here.
 """
 
 from __future__ import annotations
@@ -70,10 +81,18 @@ class Subject:
     routing: str  # one line saying whose routing it is
     facts: dict = field(default_factory=dict)
     lossless: Path | None = None  # the experts as they are (naive); None: the artifact itself
+    variants: dict = field(default_factory=dict)  # system -> its own artifact (mixtral-shape-techniques)
 
     @property
     def naive_artifact(self) -> Path:
         return self.lossless or self.artifact
+
+    def artifact_for(self, system: str) -> Path:
+        """The artifact a loader system runs: a variant's own, naive's lossless one, else the recipe's."""
+        base = system.split("@", 1)[0]
+        if base in self.variants:
+            return self.variants[base]
+        return self.naive_artifact if base.startswith("naive") else self.artifact
 
     @property
     def manifest(self) -> dict:
@@ -173,7 +192,8 @@ def _replay_file(work: Path, traces: Path, layers: int, tokens: int) -> tuple[Pa
     from safetensors.torch import save_file
 
 
-    recorded = max(read_mixtral_traces(traces), key=lambda t: t.num_tokens)
+    everything = read_mixtral_traces(traces)
+    recorded = everything[_replay_index(everything)]
     if recorded.num_tokens < tokens:
         raise MoeprepError(f"the longest recorded Mixtral problem has {recorded.num_tokens} tokens, the bench "
                            f"needs {tokens}; run fewer prompt or decode tokens")
@@ -188,10 +208,16 @@ def _replay_file(work: Path, traces: Path, layers: int, tokens: int) -> tuple[Pa
                   f"{tokens} of {recorded.num_tokens} recorded tokens of one problem, layers 0-{layers - 1}")
 
 
+def _replay_index(recorded: list) -> int:
+    """The replayed problem: the longest recorded one (the others fit what the techniques decide)."""
+    return max(range(len(recorded)), key=lambda i: recorded[i].num_tokens)
+
+
 def mixtral_shape_subject(output: Path, traces: Path | None, quick: bool, prompt_tokens: int,
-                          decode_tokens: int, own: bool = False) -> Subject:
+                          decode_tokens: int, own: bool = False, int4: bool = True) -> Subject:
     """Build (or reuse) the mixtral-shape model and its passthrough and int4 artifacts under ``output``;
-    ``own``: the subject ``mixtral-shape-own``, routed by the model's own routers (what llama.cpp can run)."""
+    ``own``: the subject ``mixtral-shape-own``, routed by the model's own routers (what llama.cpp can run);
+    ``int4`` off: the passthrough artifact only (mixtral-shape-techniques prepares its own int4)."""
 
     shape = QUICK_SHAPE if quick else MIXTRAL_SHAPE
     name = "mixtral-shape"
@@ -201,7 +227,7 @@ def mixtral_shape_subject(output: Path, traces: Path | None, quick: bool, prompt
     marker = model_dir / "bench-shape.json"
     if not marker.is_file() or json.loads(marker.read_text()) != shape | {"seed": SEED}:
         _build_mixtral_shape(model_dir, shape)
-    for out, precision in ((lossless, "passthrough"), (artifact, "int4")):
+    for out, precision in ((lossless, "passthrough"), (artifact, "int4"))[:2 if int4 else 1]:
         if _artifact_is_current(out, model_dir):
             continue
         # a one-sequence calibration is enough for a trace nobody reads (the routing is replayed)
@@ -221,6 +247,75 @@ def mixtral_shape_subject(output: Path, traces: Path | None, quick: bool, prompt
         replay, routing = _replay_file(home, traces, shape["num_hidden_layers"], need)
     else:
         replay, routing = None, "the model's own routers (random weights): the real traces are absent"
-    facts = _store_facts(artifact) | {"shape": shape, "lossless": _store_facts(lossless)}
-    return Subject(name, model_dir, artifact, ids[:prompt_tokens], ids[prompt_tokens:], replay, routing, facts,
-                   lossless)
+    facts = (_store_facts(artifact) if int4 else {}) | {"shape": shape, "lossless": _store_facts(lossless)}
+    return Subject(name, model_dir, artifact if int4 else lossless, ids[:prompt_tokens], ids[prompt_tokens:], replay,
+                   routing, facts, lossless)
+
+
+SENSITIVITY_FILE = "adapmoe_sensitivity.json"  # beside gsm8k_routing.jsonl: AdapMoE's S_l and T for Mixtral-8x7B
+# HOBBIT's split, stated: 67% of selected experts at int4 (every top-1 and the heavier second experts), 30% at
+# int2, the 3% least important skipped (quantiles of the fitted problems' weights; HOBBIT leaves the split open)
+DYNAMIC_SPLIT = {"high_share": 0.67, "skip_share": 0.03}
+TECHNIQUES = ("int4", "int4+gating", "int4+dynamic_precision", "int4+path_stats", "int4+allocation", "moeprep")
+
+
+def technique_recipes(file: Path, sensitivity: Path, fit: list[int], profile: Path, tune_trials: int) -> dict:
+    """System -> recipe dict of each technique artifact; one recipe name, so their stages (the quantization
+    above all) are shared in one stage cache and prepared once."""
+    threshold = json.loads(sensitivity.read_text()).get("threshold_T", 0.005)
+    base = {"name": "mixtral-shape-techniques", "model": {"path": "model"},
+            "calibration": {"num_sequences": 1, "sequence_length": 8},  # unread: the routing is imported
+            "trace": {"recorded": str(file), "problems": fit},
+            "quantize": {"precision": "int4", "also": ["int2"]},
+            "package": {"cache_fraction": 0.25}}
+    gating = {"gating": {"enabled": True, "sensitivity_file": str(sensitivity), "threshold": threshold}}
+    dynamic = {"dynamic_precision": {"enabled": True, "low": "int2", **DYNAMIC_SPLIT}}
+    path = {"predict": {"predictors": ["path_stats"], "held_out": 0.25}}
+    plan = {"plan": {"device": str(profile), "allocate": {"enabled": True, "cost": "measured"},
+                     "tune": {"enabled": True, "trials": tune_trials, "seed": 0, "share": 0.25}}}
+    return {"int4": base, "int4+gating": base | gating, "int4+dynamic_precision": base | dynamic,
+            "int4+path_stats": base | path, "int4+allocation": base | plan,
+            "moeprep": base | gating | dynamic | path | plan}
+
+
+def mixtral_shape_techniques_subject(output: Path, traces: Path, quick: bool, prompt_tokens: int,
+                                     decode_tokens: int, echo=print) -> Subject:
+    """The mixtral-shape model and replay, with one artifact per technique (module docstring); ``traces`` must
+    hold ``mixtral-8x7b/gsm8k_routing.jsonl`` and ``adapmoe_sensitivity.json`` beside it."""
+    from prep.methods.trace import _find_mixtral_file
+    from prep.sim.device import measure_device, write_profile
+
+    file = _find_mixtral_file(Path(traces)).resolve()
+    sensitivity = file.parent / SENSITIVITY_FILE
+    if not sensitivity.is_file():
+        raise MoeprepError(f"mixtral-shape-techniques needs AdapMoE's sensitivity file {sensitivity} beside the "
+                           "routing traces")
+    plain = mixtral_shape_subject(output, traces, quick, prompt_tokens, decode_tokens, int4=False)
+    home = plain.model_dir.parent
+    recorded = read_mixtral_traces(file)
+    replayed = _replay_index(recorded)
+    fit = [i for i in range(len(recorded)) if i != replayed]
+    if not fit:
+        raise MoeprepError(f"{file} holds one problem; the techniques are fitted on the others, so it needs two")
+    shape = json.loads((plain.model_dir / "bench-shape.json").read_text())
+    profile = home / "device.json"  # measured once: the planning stages' key covers it, so it is kept
+    if not profile.is_file():
+        echo("mixtral-shape-techniques: measuring this machine's device profile for the planning stages")
+        # timed on the shape rounded up to what measure_compute takes; the planning stages scale it to these experts
+        rounded = tuple(-(-n // 256) * 256 for n in (shape["hidden_size"], shape["intermediate_size"]))
+        write_profile(measure_device(home, file_bytes=(16 if quick else 256) << 20, expert_shape=rounded), profile)
+    variants = {}
+    for system, raw in technique_recipes(file, sensitivity, fit, profile.resolve(), 4 if quick else 16).items():
+        out = home / "techniques" / system.replace("+", "-")
+        echo(f"mixtral-shape-techniques: preparing {system} (the stage cache shares what the artifacts share)")
+        prepare(recipe_from_dict(raw), root=home, output=out, until="package")
+        gc.collect()
+        variants[system] = out
+    facts = _store_facts(variants["moeprep"]) | {
+        "shape": shape, "lossless": plain.facts["lossless"],
+        "techniques": {"fitted_problems": fit, "replayed_problem": replayed, "routing_file": str(file),
+                       "sensitivity_file": str(sensitivity), "dynamic_split": DYNAMIC_SPLIT,
+                       "stores": {s: _store_facts(a) for s, a in variants.items()}}}
+    return Subject("mixtral-shape-techniques", plain.model_dir, variants["moeprep"], plain.prompt_ids,
+                   plain.decode_ids, plain.replay, plain.routing + "; the techniques fitted on the other problems",
+                   facts, plain.lossless, {s: a for s, a in variants.items() if s != "moeprep"})

@@ -182,17 +182,32 @@ def loader_plan(artifact: str | Path, system: str):
     return plan
 
 
+def _count_delta(before: dict | None, after: dict | None) -> dict | None:
+    """The integer counts of a policy's ``stats()`` that grew between two readings; None for a policy without."""
+    if not after:
+        return None
+    return {k: v - (before or {}).get(k, 0) for k, v in after.items()
+            if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def runs_loader(system: str) -> bool:
+    """Whether a bench system runs the loader: naive and its variants, moeprep, and the technique systems
+    (``int4``, ``int4+<technique>``) of mixtral-shape-techniques."""
+    base = system.split("@", 1)[0]
+    return base == "moeprep" or base.startswith(("naive", "int4"))
+
+
 def _load(spec: dict, routing):
     """(model, loaded-or-None, accelerate probe-or-None, files whose page cache to drop before each step)."""
     system, device = spec["system"].split("@", 1)[0], spec["device"]  # naive@unlimited: naive's plan, unlimited
     model_dir = Path(spec["model_dir"])
-    if system == "moeprep" or system.startswith("naive"):
+    if runs_loader(system):
         from loader.runtime import load
 
         loaded = load(spec["artifact"], device=device, memory_budget=spec.get("memory_budget", spec["budget"]),
                       store=spec.get("store") or ("host" if device == "cuda" else "disk"),
                       plan=loader_plan(spec["artifact"], system),
-                      routing=routing)
+                      replay=routing)  # the plan's routing policy (adaptive gating) decides on the replayed decisions
         return loaded.model, loaded, None, []
 
     from transformers import AutoModelForCausalLM
@@ -330,6 +345,10 @@ def measure(spec: dict) -> dict:
                    "prefetch": {k: after["prefetch"][k] - before["prefetch"][k]  # decode steps only
                                 for k in ("issued", "used", "wasted", "cancelled", "saved_seconds")}}
         result |= overhead(before, after, decode_seconds, n)
+        # what the routing and miss policies decided in the decode steps (gating: single-expert decisions and expert
+        # runs; dynamic precision: misses read high, low, skipped)
+        result["decisions"] = {what: _count_delta(before.get(what), after.get(what))
+                               for what in ("routing", "miss_policy")}
         # a GPU with the store in host RAM: each miss copied, or computed on the CPU where the costs measured at
         # load say that is cheaper (both costs per precision, and how many misses the CPU took)
         result["miss_costs"] = after["compute"]["miss_costs"]
