@@ -35,7 +35,7 @@ from prep.stages import Stage, StageResult
 from prep.stages.quantize import PackedExperts
 from prep.stages.trace import RoutingTraces
 
-VERSION = 1
+VERSION = 2  # 2: units (one per MoE layer) computed with one torch thread: the KL rows change in the 6th digit
 METRIC = "mean next-token KL(base || one expert low), nats, calibration sequences"
 
 
