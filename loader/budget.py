@@ -94,6 +94,23 @@ def minimum_bytes(plan: Plan, sizes: ModelSizes) -> int:
     return int(math.ceil(sizes.dense_bytes + buffer_bytes(plan, sizes) + best))
 
 
+def _flat(plan: Plan) -> Plan:
+    """``plan`` with every per-layer pool split equally across layers (no allocation)."""
+    return dataclasses.replace(plan, pools=tuple(dataclasses.replace(p, layers=None) for p in plan.pools),
+                               layer_capacity=None)
+
+
+def plan_for(plan: Plan, limit: float, sizes: ModelSizes) -> Plan:
+    """The plan a budget of ``limit`` bytes runs: its operating point's pools (``Plan.for_budget``); where they do
+    not fit (a budget below the smallest point, whose DP allocation gives some layers several records), the same
+    pools split equally across layers, so an allocated plan runs wherever the plain one does."""
+    chosen = plan.for_budget(limit)
+    if not plan.operating_points or limit >= minimum_bytes(chosen, sizes):
+        return chosen
+    flat = _flat(chosen)
+    return flat if limit >= minimum_bytes(flat, sizes) else chosen
+
+
 def lowest_budget(plan: Plan, sizes: ModelSizes) -> int:
     """The smallest budget ``capacities`` accepts for ``plan``. A budget takes the pools of its operating point
     (``Plan.for_budget``: the largest point it covers, the smallest point below them all), so each point is a
@@ -107,7 +124,9 @@ def lowest_budget(plan: Plan, sizes: ModelSizes) -> int:
     for i, point in enumerate(points):
         lower = 0 if i == 0 else point.budget_bytes
         upper = points[i + 1].budget_bytes if i + 1 < len(points) else math.inf
-        need = max(minimum_bytes(dataclasses.replace(bare, pools=point.pools), sizes), lower)
+        own = dataclasses.replace(bare, pools=point.pools)
+        need = minimum_bytes(own, sizes) if i else min(minimum_bytes(own, sizes), minimum_bytes(_flat(own), sizes))
+        need = max(need, lower)
         if need < upper:
             found.append(need)
     return min(found) if found else minimum_bytes(plan, sizes)
@@ -138,7 +157,7 @@ def capacities(plan: Plan, budget, sizes: ModelSizes) -> Capacities:
                             f"(stores: {sorted(sizes.record_bytes)}); prepare the artifact again")
     limit = resolve_budget(budget, plan, sizes)
     whole = plan
-    plan = plan.for_budget(limit)
+    plan = plan_for(plan, limit, sizes)
     buffers = buffer_bytes(plan, sizes)
     if limit < minimum_bytes(plan, sizes):
         raise PlanError(
@@ -262,7 +281,7 @@ def held_layout(manifest, stores: dict, plan: Plan, memory_budget, device: torch
             return HeldLayout(forms, sizes, None, plan)
         try:
             caps = _capacities(plan, sizes, memory_budget, host, device)
-            return HeldLayout(forms, sizes, caps, plan.for_budget(caps.limit_bytes))
+            return HeldLayout(forms, sizes, caps, plan_for(plan, caps.limit_bytes, sizes))
         except LoaderError:
             if i == len(options) - 1:
                 raise

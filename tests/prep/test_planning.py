@@ -113,6 +113,25 @@ def test_operating_points_round_trip_and_are_picked_by_budget():
     assert caps.pools["main"] == {0: 100, 1: 200}
 
 
+def test_a_budget_below_the_smallest_allocation_runs_its_pools_split_equally():
+    """The smallest point gives layer 1 three times layer 0 (it needs 4 records to give layer 0 one): a budget
+    with room for 2 records runs those pools split equally instead of being refused, and the minimum the loader
+    states is that of the equal split."""
+    from loader.budget import lowest_budget
+
+    pools = (Pool("main", "int4", 1.0, "layer"),)
+    small = OperatingPoint(1600, (Pool("main", "int4", 1.0, "layer", (1.0, 3.0)),))
+    plan = Plan(2, 4, (("int4",) * 4,) * 2, pools, operating_points=(small,))
+    sizes = _sizes()
+    assert minimum_bytes(dataclasses.replace(plan, pools=small.pools), sizes) == 1200 + 400
+    assert lowest_budget(plan, sizes) == 1200 + 200  # one record per layer, split equally
+    caps = capacities(plan, 1200 + 200, sizes)
+    assert caps.pools["main"] == {0: 100, 1: 100}
+    assert capacities(plan, 1200 + 400, sizes).pools["main"] == {0: 100, 1: 300}  # the point's own split
+    with pytest.raises(PlanError, match="below the minimum of 1,400 bytes"):
+        capacities(plan, 1200 + 199, sizes)
+
+
 @pytest.mark.parametrize("edit, match", [
     (lambda raw: raw["operating_points"][0].update(pools=[{"name": "other", "precision": "int4", "share": 1.0,
                                                            "group": "layer"}]), "names, precisions, groups"),
