@@ -118,3 +118,14 @@ def test_dynamic_precision_on_mixtrals_decisions_the_loader_and_the_simulator_de
         mine = stats["layers"][str(layer)]
         assert (row["hits"], row["misses"], row["skipped"], row["bytes_read"]) == (
             mine["hits"], mine["misses"], mine["skipped"], mine["bytes_read"]), layer
+
+
+def test_a_subject_asked_for_by_name_without_its_traces_is_one_clear_error(tmp_path):
+    """Named (alone or in a list), a subject the traces are missing for stops the run before anything is built."""
+    from prep.errors import MoeprepError
+
+    for subjects in ("mixtral-shape-techniques", "mixtral-shape-techniques,mixtral-shape-own", "mixtral-shape"):
+        with pytest.raises(MoeprepError, match="skipped: the real Mixtral traces are not in .*--traces DIR"):
+            bench_run.run_bench(subjects, "25%", output=tmp_path / "bench", traces=tmp_path / "none",
+                                echo=lambda m: None)
+    assert not (tmp_path / "bench" / "mixtral-shape").exists()

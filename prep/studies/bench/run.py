@@ -754,6 +754,13 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
     traces_dir = Path(traces) if traces else None
     have_traces = traces_dir is not None and any(
         p.is_file() for p in (traces_dir, traces_dir / MIXTRAL_TRACE_FILE, traces_dir / "mixtral-8x7b" / MIXTRAL_TRACE_FILE))
+    def skip(message: str) -> None:
+        """A subject that cannot run: an error when it was asked for by name, else a note."""
+        if subject != "all":
+            raise MoeprepError(message)
+        echo(message)
+        notes.append(message)
+
     for name in wanted:
         if name.startswith("reference"):
             echo(f"preparing subject {name} with its accuracy check (the stage cache makes this free when nothing "
@@ -763,12 +770,8 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
             continue
         if name == "mixtral-shape-techniques":
             if not have_traces:
-                message = (f"mixtral-shape-techniques skipped: the real Mixtral traces are not in {traces_dir} "
-                           "(pass --traces DIR holding mixtral-8x7b/gsm8k_routing.jsonl and adapmoe_sensitivity.json)")
-                if subject == name:
-                    raise MoeprepError(message)
-                echo(message)
-                notes.append(message)
+                skip(f"mixtral-shape-techniques skipped: the real Mixtral traces are not in {traces_dir} (pass "
+                     "--traces DIR holding mixtral-8x7b/gsm8k_routing.jsonl and adapmoe_sensitivity.json)")
                 continue
             echo("preparing subject mixtral-shape-techniques (one artifact per technique, fitted on the problems "
                  "not replayed; built once, then reused)")
@@ -787,12 +790,8 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
             subjects.append(subj)
             continue
         if not have_traces and not quick:
-            message = (f"mixtral-shape skipped: the real Mixtral traces are not in {traces_dir} "
-                       "(pass --traces DIR holding mixtral-8x7b/gsm8k_routing.jsonl)")
-            if subject == name:
-                raise MoeprepError(message)
-            echo(message)
-            notes.append(message)
+            skip(f"mixtral-shape skipped: the real Mixtral traces are not in {traces_dir} "
+                 "(pass --traces DIR holding mixtral-8x7b/gsm8k_routing.jsonl)")
             continue
         if not have_traces:
             message = (f"mixtral-shape routes with its own (random) routers: the real traces are not in "
