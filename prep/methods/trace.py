@@ -10,7 +10,9 @@ inputs; the first-layer predictive gate (AdapMoE) needs each token's last-layer 
 - `record_traces`: runs a model over token sequences and streams the captures to a trace
   directory: safetensors shards of a fixed number of token rows plus `index.json`. The directory is
   built under a temporary name and renamed when complete; the index is written last, so a trace
-  directory with an index is complete.
+  directory with an index is complete. Its two halves serve the stage's work units too: `capture_batch`
+  (one forward's rows; a unit per forward, split by `batch_ranges`) and `write_trace` (the rows, in
+  sequence order, cut into shards).
 - `RecordedTrace` (`open_trace`): reads a trace directory back, the routing as RoutingTrace
   objects, hidden states and logits one layer at a time.
 - `read_mixtral_traces`: the real Mixtral-8x7B GSM8K decode traces of `../shared/data/traces` as
@@ -234,8 +236,10 @@ def _batches(sequences: Iterable[torch.Tensor], batch: int):
     if batch < 1:
         raise MoeprepError(f"trace.batch must be at least 1, got {batch}")
     group: list[torch.Tensor] = []
-    for seq in sequences:
+    for i, seq in enumerate(sequences):
         seq = torch.as_tensor(seq, dtype=torch.long).reshape(-1)
+        if seq.numel() == 0:
+            raise MoeprepError(f"sequence {i} is empty")
         if group and (len(group) == batch or seq.numel() != group[0].numel()):
             yield group
             group = []
@@ -244,55 +248,48 @@ def _batches(sequences: Iterable[torch.Tensor], batch: int):
         yield group
 
 
-def record_traces(
-    model: nn.Module,
-    sequences: Iterable[torch.Tensor],
-    out_dir: str | Path,
-    *,
-    adapter: MoeAdapter | None = None,
-    shard_tokens: int = 4096,
-    record_hidden: bool = True,
-    hidden_dtype: torch.dtype = torch.float16,
-    fingerprint: str | None = None,
-    overwrite: bool = False,
-    progress: bool = False,
-    batch: int = 1,
-) -> Path:
-    """Run `model` over token sequences and write their routing traces to `out_dir`.
+def batch_ranges(sequences: list[torch.Tensor], batch: int) -> list[tuple[int, int]]:
+    """The [start, stop) of each forward ``record_traces`` runs over ``sequences`` (its batching rule), so work
+    split by these ranges runs the very forwards one ``record_traces`` call runs."""
+    ranges, start = [], 0
+    for group in _batches(sequences, batch):
+        ranges.append((start, start + len(group)))
+        start += len(group)
+    return ranges
 
-    model: a loaded MoE `*ForCausalLM` (eval mode is enforced). sequences: 1-D LongTensors of token
-    ids, run ``batch`` at a time (no KV cache); consecutive sequences of one length share a forward. A
-    streamed model (``prep/streaming.py``) reads each MoE layer once per forward, so a batch of every
-    sequence runs the model layer by layer with the activations held between layers. shard_tokens: token rows per shard, which bounds
-    memory. record_hidden: also store router inputs and last-layer hidden states (in hidden_dtype).
-    fingerprint: an identifier of the model, copied into the index. Returns the trace directory.
-    """
-    from tqdm import tqdm
 
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise MoeprepError(f"trace directory {out_dir} already exists; remove it or pass overwrite=True")
-    if shard_tokens < 1:
-        raise MoeprepError(f"shard_tokens must be positive, got {shard_tokens}")
-    adapter = adapter or get_adapter(model)
+@torch.no_grad()
+def capture_batch(model: nn.Module, adapter: MoeAdapter, group: list[torch.Tensor], *, record_hidden: bool = True,
+                  hidden_dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
+    """One forward of ``group`` (sequences of one length): the shard tensors of its token rows, in (sequence,
+    position) order, ``token_ids`` last."""
     model.eval()
     device = next(model.parameters()).device
+    recorder = RoutingRecorder(model, adapter, record_hidden=record_hidden, hidden_dtype=hidden_dtype)
+    with recorder:
+        # logits over the vocabulary ([batch, T, V] float32, GBs for a big batch) are not traced
+        skip_logits = {"logits_to_keep": 1} if recorder.final_norm is not None else {}
+        model(input_ids=torch.stack(group).to(device), use_cache=False, **skip_logits)
+        rows = recorder.pop()  # (batch, position) order: the sequences one after another
+    rows["token_ids"] = torch.cat(group).cpu()
+    return rows
+
+
+def write_trace(out_dir: str | Path, captures: Iterable[tuple[list[int], dict[str, torch.Tensor]]], *,
+                adapter: MoeAdapter, shard_tokens: int = 4096, record_hidden: bool = True,
+                hidden_dtype: torch.dtype = torch.float16, fingerprint: str | None = None) -> Path:
+    """Write a trace directory from ``captures``: (the sequence lengths, ``capture_batch``'s rows) per forward,
+    in sequence order. The shards cut the concatenated rows every ``shard_tokens`` rows wherever the forwards
+    ended, so the files depend on the rows only, not on how the forwards were split or where they ran."""
+    out_dir = Path(out_dir)
+    if shard_tokens < 1:
+        raise MoeprepError(f"shard_tokens must be positive, got {shard_tokens}")
     with building_directory(out_dir) as tmp:
         writer = _ShardWriter(tmp, shard_tokens)
-        lengths = []
-        recorder = RoutingRecorder(model, adapter, record_hidden=record_hidden, hidden_dtype=hidden_dtype)
-        with recorder, torch.no_grad():
-            for group in tqdm(_batches(sequences, batch), desc="trace", unit="batch", disable=not progress):
-                for seq in group:
-                    if seq.numel() == 0:
-                        raise MoeprepError(f"sequence {len(lengths)} is empty")
-                    lengths.append(seq.numel())
-                # logits over the vocabulary ([batch, T, V] float32, GBs for a big batch) are not traced
-                skip_logits = {"logits_to_keep": 1} if recorder.final_norm is not None else {}
-                model(input_ids=torch.stack(group).to(device), use_cache=False, **skip_logits)
-                rows = recorder.pop()  # (batch, position) order: the sequences one after another
-                rows["token_ids"] = torch.cat(group).cpu()
-                writer.add(rows)
+        lengths: list[int] = []
+        for group_lengths, rows in captures:
+            lengths += group_lengths
+            writer.add(rows)
         if not lengths:
             raise MoeprepError("no sequences to trace")
         tensors = {
@@ -318,6 +315,43 @@ def record_traces(
         }
         _write_json_atomic(tmp / INDEX_NAME, index)  # last: its presence marks a complete trace
     return out_dir
+
+
+def record_traces(
+    model: nn.Module,
+    sequences: Iterable[torch.Tensor],
+    out_dir: str | Path,
+    *,
+    adapter: MoeAdapter | None = None,
+    shard_tokens: int = 4096,
+    record_hidden: bool = True,
+    hidden_dtype: torch.dtype = torch.float16,
+    fingerprint: str | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+    batch: int = 1,
+) -> Path:
+    """Run `model` over token sequences and write their routing traces to `out_dir`.
+
+    model: a loaded MoE `*ForCausalLM` (eval mode is enforced). sequences: 1-D LongTensors of token
+    ids, run ``batch`` at a time (no KV cache); consecutive sequences of one length share a forward. A
+    streamed model (``prep/streaming.py``) reads each MoE layer once per forward, so a batch of every
+    sequence runs the model layer by layer with the activations held between layers. shard_tokens: token rows per shard, which bounds
+    memory. record_hidden: also store router inputs and last-layer hidden states (in hidden_dtype).
+    fingerprint: an identifier of the model, copied into the index. Returns the trace directory.
+    The stage ``trace`` runs the same forwards as work units (``capture_batch`` each, ``write_trace`` merging).
+    """
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise MoeprepError(f"trace directory {out_dir} already exists; remove it or pass overwrite=True")
+    adapter = adapter or get_adapter(model)
+    groups = tqdm(_batches(sequences, batch), desc="trace", unit="batch", disable=not progress)
+    captures = (([seq.numel() for seq in group], capture_batch(model, adapter, group, record_hidden=record_hidden,
+                                                              hidden_dtype=hidden_dtype)) for group in groups)
+    return write_trace(out_dir, captures, adapter=adapter, shard_tokens=shard_tokens, record_hidden=record_hidden,
+                       hidden_dtype=hidden_dtype, fingerprint=fingerprint)
 
 
 def write_routing_trace(traces: list[RoutingTrace], out_dir: str | Path, *, layers: list[int], num_experts: int,

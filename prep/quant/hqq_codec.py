@@ -125,12 +125,8 @@ def encode_rows(spec: MatrixSpec, weight: torch.Tensor) -> dict[str, torch.Tenso
     return {f"{spec.name}.rows": torch.cat(slices, 1).reshape(-1)}
 
 
-def encode_neuron_expert(weights, precision: str, group_size: int, meta_group: int = 0
-                         ) -> tuple[RecordLayout, torch.Tensor]:
-    """One expert (``prep.adapters.base.ExpertWeights``) -> (its neuron layout, record): see
-    ``loader.codec.NeuronLayout``. Groups run along the hidden dimension for W1, W3 and W2 alike (W2 is
-    stored transposed, one down column per neuron row); with a meta group, the gate matrix keeps the
-    store's meta group and each neuron row gets one meta group of its own."""
+def _neuron_matrices(weights, precision: str, group_size: int, meta_group: int) -> tuple[RecordLayout, dict]:
+    """(the neuron layout, {matrix name: tensor}) of one expert; the layout reads shapes and dtypes only."""
     hidden = weights.gate.shape[1]
     quantized = precision != "passthrough"
     if quantized and hidden % group_size:
@@ -147,9 +143,25 @@ def encode_neuron_expert(weights, precision: str, group_size: int, meta_group: i
                       dtype_name(neurons.dtype), group_size if quantized else 0, False,
                       per_row if quantized and meta_group else 0, rows=True)
     rows.check()
-    layout = RecordLayout((*specs, rows))
+    return RecordLayout((*specs, rows)), {**tensors, "neurons": neurons}
+
+
+def neuron_layout(weights, precision: str, group_size: int, meta_group: int = 0) -> RecordLayout:
+    """The neuron layout of an expert of these shapes and dtypes, without encoding it: views on the meta device
+    (a streamed model's experts) do, so a stage can describe its store before any record is written."""
+    return _neuron_matrices(weights, precision, group_size, meta_group)[0]
+
+
+def encode_neuron_expert(weights, precision: str, group_size: int, meta_group: int = 0
+                         ) -> tuple[RecordLayout, torch.Tensor]:
+    """One expert (``prep.adapters.base.ExpertWeights``) -> (its neuron layout, record): see
+    ``loader.codec.NeuronLayout``. Groups run along the hidden dimension for W1, W3 and W2 alike (W2 is
+    stored transposed, one down column per neuron row); with a meta group, the gate matrix keeps the
+    store's meta group and each neuron row gets one meta group of its own."""
+    layout, tensors = _neuron_matrices(weights, precision, group_size, meta_group)
+    *specs, rows = layout.matrices
     parts: dict[str, torch.Tensor] = {}
     for spec in specs:
         parts.update(encode_matrix(spec, tensors[spec.name]))
-    parts.update(encode_rows(rows, neurons))
+    parts.update(encode_rows(rows, tensors["neurons"]))
     return layout, join_record(layout, parts)

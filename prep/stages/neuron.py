@@ -2,7 +2,9 @@
 is ``neuron``.
 
 1. Packs every expert at every precision of the quantize stage in the neuron layout
-   (``loader.codec.NeuronLayout``), one file per MoE layer as quantize does, so an interrupted run resumes.
+   (``loader.codec.NeuronLayout``): work units as quantize's, one per precision and MoE layer
+   (``<precision>/layer-<l>.safetensors``, run by the executor in this process or on Ray workers), so an
+   interrupted run resumes with the layers written and a distributed run writes the same bytes.
 2. The activation profile: per layer, the share of the selected experts' neurons active against theta, on
    the calibration traces (router inputs and selections).
 3. The read-cost crossover: partial against whole neuron reads timed on this machine's disk
@@ -22,22 +24,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors.torch import save
-from tqdm import tqdm
 
 from loader.codec import RecordLayout
 from loader.format import expert_key
-from loader.io import write_bytes_atomic
 from loader.neuron import COMPUTE
 from loader.plan import PolicySpec
 from prep.errors import MoeprepError
+from prep.executor import Unit
 from prep.methods.decoded import mean_kl, next_token_logprobs
 from prep.methods.neuron import activity_profile, dropped_neurons, measure_crossover, pairing_of
 from prep.methods.trace import open_trace
-from prep.quant.hqq_codec import encode_neuron_expert
+from prep.quant.hqq_codec import encode_neuron_expert, neuron_layout
 from prep.stages import Stage, StageResult
 from prep.stages.bitwidth import held_out
 from prep.stages.quantize import PackedExperts
 from prep.stages.trace import RoutingTraces
+from prep.streaming import resident_layer
 
 VERSION = 2
 CROSSOVER_FRACTIONS = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
@@ -111,34 +113,34 @@ class NeuronChoice(StageResult):
         return PackedExperts.from_json(self.packed)
 
 
-def pack_neuron_experts(model, adapter, quantize: PackedExperts, work: Path) -> PackedExperts:
-    """Every expert at every precision of ``quantize`` in the neuron layout: ``work/<precision>/layer-<l>``."""
-    stores = {}
+def pack_neuron_layer(context, out: Path, *, precision: str, layer: int, group: int, meta: int) -> None:
+    """One unit: every expert of model layer ``layer`` at ``precision`` in the neuron layout, written to ``out`` (a
+    streamed model reads this layer from the shards for the block)."""
+    model, adapter = context.model, context.adapter
+    with resident_layer(model, adapter, layer):
+        records = {expert_key(layer, e): encode_neuron_expert(adapter.get_expert(model, layer, e), precision, group,
+                                                              meta)[1]
+                   for e in range(adapter.num_experts)}
+    Path(out).write_bytes(save(records))
+
+
+def neuron_units(adapter, model, quantize: PackedExperts) -> tuple[list[Unit], PackedExperts]:
+    """(units, packed): one unit per precision of ``quantize`` and MoE layer, writing
+    ``<precision>/layer-<l>.safetensors``; and the stores they make, each layout from the expert shapes only
+    (``neuron_layout`` on the experts module's views, meta for a streamed model: no weight is read here)."""
+    views = adapter.module_views(adapter.experts(model, adapter.moe_layers[0]), 0)
+    units, stores = [], {}
     for precision, info in quantize.stores.items():
         group, meta = info["group_size"], info["meta_group"]
-        directory = work / precision
-        directory.mkdir(parents=True, exist_ok=True)
-        files, layout = [], None
-        bar = tqdm(total=len(adapter.moe_layers) * adapter.num_experts, desc=f"neuron layout {precision}",
-                   unit="expert", leave=False)
-        for layer in adapter.moe_layers:
-            path = directory / f"layer-{layer}.safetensors"
-            files.append(path.name)
-            if path.is_file() and layout is not None:
-                bar.update(adapter.num_experts)
-                continue
-            records = {}
-            for expert in range(adapter.num_experts):
-                layout, record = encode_neuron_expert(adapter.get_expert(model, layer, expert), precision, group, meta)
-                records[expert_key(layer, expert)] = record
-                bar.update(1)
-            if not path.is_file():
-                write_bytes_atomic(path, save(records))
-        bar.close()
+        layout = neuron_layout(views, precision, group, meta)
+        files = [f"layer-{layer}.safetensors" for layer in adapter.moe_layers]
+        units += [Unit(name=f"{precision}/layer-{layer}", output=f"{precision}/{name}", fn=pack_neuron_layer,
+                       args={"precision": precision, "layer": layer, "group": group, "meta": meta})
+                  for layer, name in zip(adapter.moe_layers, files, strict=True)]
         stores[precision] = {"group_size": group, "meta_group": meta, "layout": layout.to_json(),
                              "record_bytes": layout.nbytes, "files": files}
-    return PackedExperts(precision=quantize.precision, stores=stores, layers=list(quantize.layers),
-                         num_experts=quantize.num_experts)
+    return units, PackedExperts(precision=quantize.precision, stores=stores, layers=list(quantize.layers),
+                                num_experts=quantize.num_experts)
 
 
 def choose_theta(model, adapter, sequences: list, cfg: NeuronSection) -> tuple[float, list]:
@@ -163,7 +165,8 @@ def _run(inputs) -> NeuronChoice:
     quantize_dir, quantize = inputs.upstream("quantize")
     trace_dir, _ = inputs.upstream("trace")
     model, adapter = inputs.model, inputs.adapter
-    packed = pack_neuron_experts(model, adapter, quantize, inputs.work)
+    units, packed = neuron_units(adapter, model, quantize)
+    inputs.map_units(units, desc="neuron layout")
     trace = open_trace(RoutingTraces.path(trace_dir))
     profile = activity_profile(model, adapter, trace, sorted(set(cfg.thetas) | {cfg.theta}))
     measured = None
@@ -187,5 +190,6 @@ STAGE = Stage(
     reads=("trace", "quantize"), needs=frozenset({"model", "calibration"}),
     enabled=lambda recipe: recipe.neuron.layout == "neuron",
     run=_run,
+    units=lambda recipe, num_layers: len(recipe.quantize.precisions) * num_layers,
     section="neuron",
 )

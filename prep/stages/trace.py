@@ -4,6 +4,12 @@ Needs the model and the calibration data; reads no other stage. The traces go to
 stage directory (``prep.methods.trace.open_trace`` reads them); the result holds the token count and each MoE
 layer's expert shares.
 
+The work units are the forwards: one per batch of ``trace.batch`` calibration sequences (``batches/batch-<i>``,
+the captured rows of that forward, written by the executor in this process or on Ray workers that read the
+tokens from ``batches/sequences.safetensors``); the stage then cuts their rows, in sequence order, into the
+trace's shards and removes them. So an interrupted trace resumes with the forwards already written, and the
+trace is the same bytes however the forwards were spread (each computed with one torch thread).
+
 With ``trace.recorded`` the routing is imported instead: the real Mixtral-8x7B GSM8K decode decisions
 (``gsm8k_routing.jsonl``), for a model of Mixtral's shape whose random weights do not decide its routing (the
 bench's ``mixtral-shape-techniques``). Such a trace holds the routing only (expert ids and weights), so every
@@ -14,16 +20,25 @@ hidden states or logits says so when it runs.
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from prep.errors import MoeprepError
-from prep.methods.trace import open_trace, read_mixtral_traces, record_traces, write_routing_trace
+from prep.executor import Unit
+from prep.methods.trace import (INDEX_NAME, batch_ranges, capture_batch, open_trace, read_mixtral_traces,
+                                write_routing_trace, write_trace)
 from prep.stages import Stage, StageResult
 
-VERSION = 2  # 2: the trace holds head_input
+VERSION = 3  # 2: the trace holds head_input; 3: its forwards are units computed with one torch thread
+HIDDEN_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
+UNITS = "batches"  # the units' files and the tokens they read, in the work directory until merged
+SEQUENCES = "sequences.safetensors"
 
 
 @dataclass(frozen=True)
@@ -96,17 +111,54 @@ def import_recorded(adapter, cfg: TraceSection, root: Path, work: Path, fingerpr
                                        "tokens": [t.num_tokens for t in chosen]})
 
 
-def record_routing(model, adapter, sequences: list[torch.Tensor], cfg: TraceSection, work: Path,
-                   fingerprint: str, root: Path = Path(".")) -> RoutingTraces:
-    """Trace ``sequences`` into ``work/trace`` (or import ``cfg.recorded``); returns the token count and expert
-    shares."""
+def trace_batch(context, out: Path, *, sequences: str, start: int, stop: int, hidden_dtype: str) -> None:
+    """One unit: the forward over calibration sequences [start, stop) (read from the file ``sequences``), its
+    captured rows written to ``out`` with the sequence lengths and the tensor names in capture order (the
+    trace's index lists them in that order; safetensors keeps its own)."""
+    with safe_open(sequences, "pt") as f:
+        group = [f.get_tensor(str(i)) for i in range(start, stop)]
+    rows = capture_batch(context.model, context.adapter, group, hidden_dtype=HIDDEN_DTYPES[hidden_dtype])
+    save_file(rows, str(out), metadata={"names": json.dumps(list(rows)),
+                                        "lengths": json.dumps([s.numel() for s in group])})
+
+
+def _read_batch(path: Path) -> tuple[list[int], dict]:
+    """(sequence lengths, rows in capture order) of a unit's file: what ``write_trace`` takes per forward."""
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        return json.loads(meta["lengths"]), {name: f.get_tensor(name) for name in json.loads(meta["names"])}
+
+
+def trace_units(sequences: list[torch.Tensor], cfg: TraceSection, work: Path) -> list[Unit]:
+    """One unit per forward ``record_traces`` would run (``batch_ranges``), writing ``batches/batch-<i>``; the
+    tokens go to ``batches/sequences.safetensors`` for the units to read (a worker gets paths, not tensors)."""
+    ranges = batch_ranges(sequences, cfg.batch)  # refuses an empty sequence before any unit runs
+    directory = work / UNITS
+    directory.mkdir(parents=True, exist_ok=True)
+    tokens, tmp = directory / SEQUENCES, directory / f".{SEQUENCES}.tmp"
+    save_file({str(i): torch.as_tensor(s, dtype=torch.long).reshape(-1).contiguous() for i, s in enumerate(sequences)},
+              str(tmp))
+    tmp.replace(tokens)
+    return [Unit(name=f"batch-{i}", output=f"{UNITS}/batch-{i:05d}.safetensors", fn=trace_batch,
+                 args={"sequences": str(tokens.resolve()), "start": start, "stop": stop,
+                       "hidden_dtype": cfg.hidden_dtype})
+            for i, (start, stop) in enumerate(ranges)]
+
+
+def record_routing(inputs) -> RoutingTraces:
+    """Trace the calibration sequences into ``work/trace`` through the run's executor (or import
+    ``trace.recorded``); returns the token count and expert shares."""
+    cfg, work, adapter = inputs.config, Path(inputs.work), inputs.adapter
+    path = RoutingTraces.path(work)
     if cfg.recorded is not None:
-        path = import_recorded(adapter, cfg, Path(root), work, fingerprint)
-    else:
-        dtype = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.hidden_dtype]
-        path = record_traces(model, sequences, RoutingTraces.path(work), adapter=adapter,
-                             shard_tokens=cfg.shard_tokens, hidden_dtype=dtype, fingerprint=fingerprint,
-                             overwrite=True, progress=True, batch=cfg.batch)
+        import_recorded(adapter, cfg, Path(inputs.root), work, inputs.model_fingerprint)
+    elif not (path / INDEX_NAME).is_file():  # else merged before an interruption: this key's trace is complete
+        units = trace_units(inputs.sequences, cfg, work)
+        inputs.map_units(units, desc="trace")
+        write_trace(path, (_read_batch(work / u.output) for u in units), adapter=adapter,
+                    shard_tokens=cfg.shard_tokens, hidden_dtype=HIDDEN_DTYPES[cfg.hidden_dtype],
+                    fingerprint=inputs.model_fingerprint)
+    shutil.rmtree(work / UNITS, ignore_errors=True)
     routing = open_trace(path).routing()
     ids = torch.cat([r.expert_ids for r in routing])  # [T, L, K]
     shares = [
@@ -120,8 +172,9 @@ def record_routing(model, adapter, sequences: list[torch.Tensor], cfg: TraceSect
 STAGE = Stage(
     name="trace", version=VERSION, config=TraceSection, result=RoutingTraces,
     needs=frozenset({"model", "calibration"}),
-    run=lambda inputs: record_routing(inputs.model, inputs.adapter, inputs.sequences, inputs.config, inputs.work,
-                                      inputs.model_fingerprint, inputs.root),
+    run=record_routing,
     files=lambda recipe: [recipe.trace.recorded] if recipe.trace.recorded else [],
+    units=lambda recipe, num_layers: 0 if recipe.trace.recorded else -(-recipe.calibration.num_sequences
+                                                                        // recipe.trace.batch),
     section="trace",
 )

@@ -94,7 +94,7 @@ def test_executor_section_is_checked_and_changes_no_key(tmp_path):
 def test_dry_run_shows_the_executor_and_units():
     result = CliRunner().invoke(moeprep, ["prepare", "--recipe", str(REPO / "recipes/reference.yaml"), "--dry-run",
                                           "--set", f"model.path={REPO / 'recipes/reference/model'}"])
-    assert "executor: local" in result.output and "work units: quantize 16, sensitivity 4" in result.output
+    assert "executor: local" in result.output and "work units: trace 16, quantize 16, sensitivity 4" in result.output
 
 
 # --- without Ray ------------------------------------------------------------------------------------------
