@@ -31,8 +31,15 @@ from safetensors.torch import save_file
 
 from prep.errors import MoeprepError
 from prep.executor import Unit
-from prep.methods.trace import (INDEX_NAME, batch_ranges, capture_batch, open_trace, read_mixtral_traces,
-                                write_routing_trace, write_trace)
+from prep.methods.trace import (
+    INDEX_NAME,
+    batch_ranges,
+    capture_batch,
+    open_trace,
+    read_mixtral_traces,
+    write_routing_trace,
+    write_trace,
+)
 from prep.stages import Stage, StageResult
 
 VERSION = 3  # 2: the trace holds head_input; 3: its forwards are units computed with one torch thread
@@ -45,7 +52,7 @@ SEQUENCES = "sequences.safetensors"
 class TraceSection:
     """``batch``: calibration sequences per forward. With the model streamed a layer at a time (a model
     bigger than ``--expert-memory``), one batch of all sequences reads every layer once; 1 reads it once
-    per sequence. Batching changes float rounding, so it is part of the key."""
+    per sequence. Each forward is one work unit. Batching changes float rounding, so it is part of the key."""
 
     hidden_dtype: str = "float16"
     shard_tokens: int = 4096
