@@ -160,6 +160,8 @@ def record_routing(inputs) -> RoutingTraces:
     if cfg.recorded is not None:
         import_recorded(adapter, cfg, Path(inputs.root), work, inputs.model_fingerprint)
     elif not (path / INDEX_NAME).is_file():  # else merged before an interruption: this key's trace is complete
+        for stale in work.glob(f".{path.name}.tmp-*"):  # a merge a killed driver left half built
+            shutil.rmtree(stale, ignore_errors=True)
         units = trace_units(inputs.sequences, cfg, work)
         inputs.map_units(units, desc="trace")
         write_trace(path, (_read_batch(work / u.output) for u in units), adapter=adapter,

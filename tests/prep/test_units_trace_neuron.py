@@ -128,6 +128,8 @@ def test_a_trace_interrupted_after_one_forward_resumes_with_it(gpt_oss_root, tmp
         prepare(recipe(), root=gpt_oss_root, until="trace")
     work = next((gpt_oss_root / "artifacts/tiny/stages").glob(".work-trace-*"))
     assert sorted(p.name for p in (work / "batches").glob("batch-*")) == ["batch-00000.safetensors"]
+    (work / ".trace.tmp-99999").mkdir()  # what a driver killed in the middle of the merge leaves
+    (work / ".trace.tmp-99999" / "shard-00000.safetensors").write_bytes(b"half")
 
     monkeypatch.setattr(trace_stage, "trace_batch", REAL_TRACE_BATCH)
     resumed = prepare(recipe(), root=gpt_oss_root, until="trace")
