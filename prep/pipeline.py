@@ -149,7 +149,7 @@ class StageInputs:
         paths = UnitPaths(model_dir=str(Path(self.model_dir).resolve()), device=self._sources.device,
                           expert_memory=self._sources.expert_memory)
         load_model = (lambda: self.model) if "model" in self.stage.needs else None
-        stats = self.executor.map(self.stage.name, units, Path(self.work), paths, load_model=load_model)
+        stats = self.executor.map(self.stage.name, units, Path(self.work), paths, load_model=load_model, desc=desc)
         self.unit_stats = stats if self.unit_stats is None else self.unit_stats + stats
         return stats
 
