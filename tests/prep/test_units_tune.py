@@ -157,7 +157,8 @@ def test_two_worker_units_side_by_side_fill_one_study_and_a_killed_one_is_run_ag
 
     def search() -> None:
         fork = multiprocessing.get_context("fork")
-        workers = [fork.Process(target=_side_by_side, args=(u, str(work), die)) for u, die in zip(units, (4, None), strict=True)]
+        workers = [fork.Process(target=_side_by_side, args=(u, str(work), die))
+                   for u, die in zip(units, (4, None), strict=True)]
         for w in workers:
             w.start()
         for w in workers:
