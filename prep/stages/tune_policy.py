@@ -40,6 +40,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,9 +163,6 @@ class Search:
             budget_bytes=self.budget, share=self.knobs.share, objective={}, trials=[], points=[])
 
     def objective(self, trial) -> float:
-        import os
-        import socket
-
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")  # which process ran it
         params = {f"x_{w[2:]}": trial.suggest_float(f"x_{w[2:]}", 1e-6, 1.0) for w in WEIGHTS}
         params["group"] = trial.suggest_categorical("group", ["global", "layer"])
@@ -281,13 +280,15 @@ def tune(draft, cfg: PlanSection, work: Path, allocation=None, progress: bool = 
 
 def save_draft(draft, trace: Path, work: Path) -> None:
     """Write what a worker unit rebuilds ``draft`` from (``load_draft``) into ``work``: ``draft.json`` (the plan,
-    the sizes, the trace directory ``trace``, the scaled device profile) and ``draft.safetensors`` (the routers
-    and predictor tensors of the prefetch feed). The replay and the router inputs are read from the trace again
-    (they are the bulk, and already on the shared filesystem)."""
+    the sizes, the trace directory ``trace`` relative to ``work``, the scaled device profile) and
+    ``draft.safetensors`` (the routers and predictor tensors of the prefetch feed). The replay and the router
+    inputs are read from the trace again (they are the bulk, and already on the shared filesystem); the relative
+    path holds in the stage directory too (both are in the stage cache), and names no machine's root."""
     from safetensors.torch import save_file
 
     raw = {"plan": draft.plan.to_json(), "sizes": dataclasses.asdict(draft.sizes), "read_bytes": draft.read_bytes,
-           "shipped_expert_bytes": draft.shipped_expert_bytes, "trace": str(Path(trace).resolve()),
+           "shipped_expert_bytes": draft.shipped_expert_bytes,
+           "trace": os.path.relpath(Path(trace).resolve(), Path(work).resolve()),
            "profile": draft.profile.to_json() if draft.profile is not None else None,
            "routers": len(draft.feed.routers) if draft.feed is not None else None}
     if Plan.from_json(raw["plan"]) != draft.plan:  # a worker would search another plan than the driver scores
@@ -316,15 +317,16 @@ def load_draft(work: Path):
     from prep.stages.planning import Draft
 
     raw = json.loads((Path(work) / DRAFT).read_text())
+    trace = Path(work) / raw["trace"]
     feed = None
     if raw["routers"] is not None:
         tensors = load_file(str(Path(work) / DRAFT_TENSORS))
         routers = [(tensors[f"routers.{i}.weight"], tensors.get(f"routers.{i}.bias")) for i in range(raw["routers"])]
-        feed = trace_feed(raw["trace"], routers, {name.removeprefix("predictors."): t for name, t in tensors.items()
+        feed = trace_feed(trace, routers, {name.removeprefix("predictors."): t for name, t in tensors.items()
                                                   if name.startswith("predictors.")})
     profile = DeviceProfile.from_json(raw["profile"]) if raw["profile"] is not None else None
     return Draft(Plan.from_json(raw["plan"]), ModelSizes(**raw["sizes"]), raw["read_bytes"],
-                 load_replay(raw["trace"]), feed, profile, raw["shipped_expert_bytes"])
+                 load_replay(trace), feed, profile, raw["shipped_expert_bytes"])
 
 
 def _plan_section(raw: dict) -> PlanSection:

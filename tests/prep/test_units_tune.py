@@ -144,12 +144,12 @@ def _side_by_side(unit, work: str, die_after: int | None) -> None:
     os._exit(0)
 
 
-def test_two_worker_units_side_by_side_fill_one_study_and_a_killed_one_is_run_again(root, tmp_path):
+def test_two_worker_units_side_by_side_fill_one_study_and_a_killed_one_is_run_again(root):
     """The units of a finished stage, run again in a fresh work directory by two processes at once (as two Ray
     workers would), one of them killed in its fourth trial; the executor then runs the killed unit again."""
     recipe = tuned_recipe(2, trials=10)
     final = stage_dir(root, prepare(recipe, root=root, until="tune_policy"))
-    work = tmp_path / "work"
+    work = final.parent / ".work-side-by-side"  # in the stage cache, where draft.json's trace path holds
     work.mkdir()
     for name in (DRAFT, DRAFT_TENSORS):  # kept in the stage directory: what the units rebuilt the draft from
         shutil.copy(final / name, work / name)
