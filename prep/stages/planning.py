@@ -50,9 +50,10 @@ class TuneKnobs:
     ``storage``: where the Optuna study lives: None (a journal file in the stage's work directory), a journal
     file path on a filesystem every worker sees, or an RDB URL (``sqlite:///…``, ``postgresql://…``); a killed
     search resumes from it, and every process given the same storage and recipe adds its trials to one study
-    until ``trials`` are complete. ``workers``: Optuna workers in this process (``n_jobs``). With more than
-    one worker (or process) the trial order depends on timing, so the result is no longer reproducible
-    byte for byte; 1 (the default) is."""
+    until ``trials`` are complete. ``workers``: Optuna workers; more than 1 runs them as that many work units
+    of the run's executor (``prep/stages/tune_policy.py``; without a storage they share a journal in the
+    stage's work directory). With more than one worker (or process) the trial order depends on timing, so
+    the result is no longer reproducible byte for byte; 1 (the default) is."""
 
     enabled: bool = False
     trials: int = 24
