@@ -13,11 +13,10 @@ from them (the source model's log-probabilities, kept in ``UnitContext.cache``).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-
-import hashlib
 
 import torch
 from safetensors import safe_open
