@@ -251,3 +251,35 @@ def test_a_killed_study_resumes_with_its_finished_rows(tmp_path, monkeypatch):
     assert evaluated == [] and again["rows"] == study["rows"]
     changed = bitwidth_study.run_study(tmp_path / "tiny.yaml", tmp_path / "out", **kwargs | {"limit": 2})
     assert len(evaluated) == 6 and all(r["settings"]["limit"] == 2 for r in changed["rows"])  # new settings: new rows
+
+
+# --- Ray -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_on_ray_the_losses_and_the_study_rows_are_the_bytes_of_a_local_run(tmp_path):
+    """A 2-CPU Ray instance on this machine (``executor.address: local``): the bit-width units' files and the study's
+    rows are the same bytes as in-process; two rows prepare in turn (one recipe name) and evaluate side by side."""
+    pytest.importorskip("ray")
+    local, on_ray = tmp_path / "local", tmp_path / "ray"
+    for where, executor in ((local, {}), (on_ray, {"executor": {"kind": "ray", "address": "local"}})):
+        save_tiny_model("qwen3_moe", where / "model")
+        summary = prepare(edgemoe_recipe(**executor), root=where, until="bitwidth")
+        assert summary["bitwidth"]["units"]["ran"] == 3 + len(result_of(where)["details"]["trail"])
+    units = [{p.name: p.read_bytes() for p in stage_dir(where, "bitwidth").glob("*.json") if p.name != "result.json"}
+             for where in (local, on_ray)]
+    assert units[0] == units[1] and len(units[0]) > 3
+    results = [result_of(where) for where in (local, on_ray)]
+    for result in results:
+        result["details"]["sensitivity"].pop("seconds")  # the sensitivity stage's own timings
+    assert results[0] == results[1]
+
+    studies = {}
+    for where, executor in ((local / "study", {}), (on_ray / "study", {"executor": "ray", "ray_address": "local"})):
+        kwargs = study_root(where) | executor
+        studies[where] = bitwidth_study.run_study(where / "tiny.yaml", where / "out", **kwargs)
+    for study in studies.values():
+        for row in study["rows"]:  # where the suites lie; the sensitivity stage's own timings
+            row["settings"].pop("data"), row["bitwidth"].pop("sensitivity", None)
+    assert [r["label"] for r in studies[local / "study"]["rows"]][-1].startswith("random")
+    assert studies[local / "study"]["rows"] == studies[on_ray / "study"]["rows"]
