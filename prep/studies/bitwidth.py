@@ -155,6 +155,7 @@ def _set_aside(output: Path, rows: list[Row], study_rows: dict) -> None:
         if (directory / ROW).is_file():
             (directory / ROW).replace(directory / PREVIOUS)
         elif row.label in study_rows and not (directory / PREVIOUS).is_file():
+            directory.mkdir(parents=True, exist_ok=True)
             write_json_atomic(directory / PREVIOUS, study_rows[row.label])
 
 

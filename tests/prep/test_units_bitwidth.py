@@ -7,6 +7,7 @@ wrote; the search with ``fanout`` 1 is the bisection it replaced, and a wider on
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -249,8 +250,21 @@ def test_a_killed_study_resumes_with_its_finished_rows(tmp_path, monkeypatch):
     evaluated.clear()
     again = bitwidth_study.run_study(tmp_path / "tiny.yaml", tmp_path / "out", **kwargs)
     assert evaluated == [] and again["rows"] == study["rows"]
+    for row in (tmp_path / "out/rows").glob("*/row.json"):  # a study made before rows were units: study.json only
+        row.unlink()
+    again = bitwidth_study.run_study(tmp_path / "tiny.yaml", tmp_path / "out", **kwargs)
+    assert evaluated == [] and again["rows"] == study["rows"]
     changed = bitwidth_study.run_study(tmp_path / "tiny.yaml", tmp_path / "out", **kwargs | {"limit": 2})
     assert len(evaluated) == 6 and all(r["settings"]["limit"] == 2 for r in changed["rows"])  # new settings: new rows
+
+
+def test_study_on_ray_without_ray_is_one_clear_error_before_any_work(tmp_path, monkeypatch):
+    study_root(tmp_path)
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails, as on a machine without the extra
+    result = CliRunner().invoke(moeprep, ["bitwidth-study", "--recipe", str(tmp_path / "tiny.yaml"), "--output",
+                                          str(tmp_path / "out"), "--executor", "ray", "--tolerances", "0.02"])
+    assert result.exit_code == 1 and "needs Ray, which is not installed" in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
 
 
 # --- Ray -----------------------------------------------------------------------------------------------------
