@@ -64,10 +64,10 @@ class BitwidthSection:
 
     ``uniform``: every expert at ``quantize.precision``. ``edgemoe``: bounds from uniform precisions, then
     bisection on K, the number of least sensitive experts moved down, under ``tolerance`` (mean KL in nats
-    against the source model on held-out calibration tokens); ``fanout`` candidate Ks per search round
-    (1: bisection; more: a wider search in fewer rounds, for a cluster to evaluate side by side). ``frequency`` (CORM): per layer the least used
-    ``share`` of experts (calibration routing counts) at ``low``. ``random``: ``share`` of all experts, drawn
-    with ``seed``, at ``low`` (the control that shows whether a ranking matters).
+    against the source model on held-out calibration tokens); ``fanout`` candidate Ks per search round (1:
+    bisection; more: a wider search in fewer rounds, for a cluster to evaluate side by side). ``frequency``
+    (CORM): per layer the least used ``share`` of experts (calibration routing counts) at ``low``. ``random``:
+    ``share`` of all experts, drawn with ``seed``, at ``low`` (the control that shows whether a ranking matters).
     """
 
     method: str = "uniform"
