@@ -225,7 +225,14 @@ def _floats(text: str, what: str) -> tuple[float, ...]:
 @click.option("--memory-budget", default=None, help="Loader budget for every row (default: each plan's).")
 @click.option("--into", default=None, type=click.Path(file_okay=False),
               help="Also put the study into this artifact: report.json's bitwidth_study, report.md and report.png.")
-def bitwidth_study_command(recipe_path, output, tolerances, shares, suites, data, limit, memory_budget, into):
+@click.option("--executor", type=click.Choice(["local", "ray"]), default=None,
+              help="Where the rows run, one work unit each: one after another in this process, or side by side on a "
+              "Ray cluster (the recipe's executor.kind; needs `pip install -e '.[ray]'`). Changes no output.")
+@click.option("--ray-address", default=None, metavar="ADDR",
+              help="With --executor ray: auto (the cluster of `ray start`), local (a Ray instance on this machine only) "
+              "or ray://head:10001 (the recipe's executor.address).")
+def bitwidth_study_command(recipe_path, output, tolerances, shares, suites, data, limit, memory_budget, into,
+                           executor, ray_address):
     """Prepare and evaluate every bit-width configuration: uniform int8/int4/int3/int2, edgemoe at each
     tolerance, frequency at each share, and a random control with the middle edgemoe row's bytes."""
     from pathlib import Path
@@ -234,7 +241,8 @@ def bitwidth_study_command(recipe_path, output, tolerances, shares, suites, data
 
     study = run_study(recipe_path, output, tolerances=_floats(tolerances, "--tolerances"),
                       shares=_floats(shares, "--shares"), suites=_names(suites),
-                      limit=limit, data=data, memory_budget=memory_budget, echo=lambda m: click.echo(m, err=True))
+                      limit=limit, data=data, memory_budget=memory_budget, executor=executor,
+                      ray_address=ray_address, echo=lambda m: click.echo(m, err=True))
     if into:
         merge_study_into(into, study)
     click.echo((Path(output) / "study.md").read_text())

@@ -5,10 +5,15 @@ the source model with each expert's weights replaced by the decoded record the a
 which is exactly what the loader computes with (the parity tests pin that). The pipeline shares one
 model object between stages, so every change is made inside ``original_experts``, which puts the
 source weights back however the block ends.
+
+Work units (``prep/executor.py``) read their token sequences from a file rather than through the driver:
+``save_sequences`` writes it, ``load_sequences`` reads it back with a digest that keys what a worker derives
+from them (the source model's log-probabilities, kept in ``UnitContext.cache``).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -92,3 +97,24 @@ def mean_kl(reference: list[torch.Tensor], model, sequences: list[torch.Tensor])
     got = next_token_logprobs(model, sequences)
     total = sum(kl_sum(ref, g) for ref, g in zip(reference, got, strict=True))
     return total / max(sum(ref.shape[0] for ref in reference), 1)
+
+
+def save_sequences(path: str | Path, sequences: list[torch.Tensor]) -> None:
+    """Token sequences (1-D int64) to ``path`` as safetensors ``"0"``, ``"1"``, ..., written through a temporary
+    sibling renamed into place, so a file there is complete."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({str(i): s.contiguous() for i, s in enumerate(sequences)}, str(tmp))
+    tmp.replace(path)
+
+
+def load_sequences(path: str | Path) -> tuple[list[torch.Tensor], str]:
+    """(the sequences ``save_sequences`` wrote, sha256 of the file): the digest names their content, so state a
+    process derives from them is never reused for other tokens."""
+    from safetensors.torch import load
+
+    data = Path(path).read_bytes()
+    tokens = load(data)
+    return [tokens[str(i)] for i in range(len(tokens))], hashlib.sha256(data).hexdigest()

@@ -18,21 +18,40 @@ Methods (``recipe.bitwidth.method``):
 
 Every other method also reports the final configuration's loss (``details.loss``) on the held-out sequences,
 so rows of different methods compare.
+
+Each loss is one work unit (``prep/executor.py``), ``evaluate_candidate``, named after its candidate
+(``bound-int4``, ``k-37``, ``chosen``) and writing ``<name>.json``; the driver only searches. The bounds are one
+map (independent units side by side); each search round is one map, since a round's candidates depend on
+the previous round's losses. ``fanout`` candidates per round make the bisection a (fanout+1)-ary search
+(1: plain bisection; more: fewer rounds on a cluster, the same K for a loss monotone in K). A killed run
+resumes with the evaluations already written; the held-out tokens go to ``sequences.safetensors`` in the
+work directory for the units to read (removed at the end).
 """
 
 from __future__ import annotations
 
+import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-from tqdm import tqdm
-
+from loader.io import write_json_atomic
 from loader.vocab import PRECISIONS
 from prep.errors import MoeprepError
-from prep.methods.decoded import DecodedExperts, mean_kl, next_token_logprobs, original_experts
+from prep.executor import Unit
+from prep.methods.decoded import (
+    DecodedExperts,
+    load_sequences,
+    mean_kl,
+    next_token_logprobs,
+    original_experts,
+    save_sequences,
+)
 from prep.stages import Stage, StageResult
+from prep.stages.quantize import PackedExperts
 
-VERSION = 1
+VERSION = 2  # 2: every loss is a unit computed with one torch thread: the losses change in the 6th digit or so
 METRIC = "mean next-token KL(source || configuration), nats, held-out calibration sequences"
 
 
@@ -45,9 +64,10 @@ class BitwidthSection:
 
     ``uniform``: every expert at ``quantize.precision``. ``edgemoe``: bounds from uniform precisions, then
     bisection on K, the number of least sensitive experts moved down, under ``tolerance`` (mean KL in nats
-    against the source model on held-out calibration tokens). ``frequency`` (CORM): per layer the least used
-    ``share`` of experts (calibration routing counts) at ``low``. ``random``: ``share`` of all experts, drawn
-    with ``seed``, at ``low`` (the control that shows whether a ranking matters).
+    against the source model on held-out calibration tokens); ``fanout`` candidate Ks per search round (1:
+    bisection; more: a wider search in fewer rounds, for a cluster to evaluate side by side). ``frequency``
+    (CORM): per layer the least used ``share`` of experts (calibration routing counts) at ``low``. ``random``:
+    ``share`` of all experts, drawn with ``seed``, at ``low`` (the control that shows whether a ranking matters).
     """
 
     method: str = "uniform"
@@ -56,6 +76,7 @@ class BitwidthSection:
     low: str = "int2"
     seed: int = 0
     num_sequences: int | None = 8  # calibration sequences the tolerance is measured on (None: all)
+    fanout: int = 1  # edgemoe: candidate Ks evaluated per search round
 
     def __post_init__(self) -> None:
         if self.low not in PRECISIONS:
@@ -66,6 +87,8 @@ class BitwidthSection:
             raise MoeprepError("bitwidth.share must be in [0, 1] and bitwidth.tolerance >= 0")
         if self.num_sequences is not None and self.num_sequences <= 0:
             raise MoeprepError("bitwidth.num_sequences must be positive (or null for all)")
+        if isinstance(self.fanout, bool) or not isinstance(self.fanout, int) or self.fanout < 1:
+            raise MoeprepError(f"bitwidth.fanout must be a whole number >= 1 (1: bisection), got {self.fanout!r}")
 
 
 @dataclass(frozen=True)
@@ -102,12 +125,32 @@ def flat_order(scores: list[list[float]]) -> list[int]:
     return [i for _v, i in sorted(flat)]
 
 
-def edgemoe_search(loss, order: list[int], precisions: list[str], tolerance: float, num_layers: int,
-                   num_experts: int) -> tuple[list[list[str]], dict]:
-    """EdgeMoE's bounds and bisection on K. ``loss(grid) -> float``; ``precisions`` highest first."""
-    bounds: dict[str, float] = {}
-    for p in tqdm(precisions, desc="bitwidth bounds", unit="precision", leave=False):
-        bounds[p] = loss(_uniform(num_layers, num_experts, p))
+# evaluate(candidates {name: [L][E] grid}, desc) -> {name: loss}: one map of units (or any function, in tests)
+Evaluate = Callable[[dict, str], dict]
+
+
+def _inside(lo: int, hi: int, parts: int) -> list[int]:
+    """The integers that cut the open interval (lo, hi) into ``parts`` near-equal parts (fewer when it is short)."""
+    return sorted({lo + i * (hi - lo) // parts for i in range(1, parts)} - {lo, hi})
+
+
+def _round(good: int, bad: int, fanout: int, guess: int | None) -> list[int]:
+    """One search round's candidate Ks, strictly between ``good`` and ``bad``: with ``guess`` (the first round),
+    the guess and the rest split around it; else ``fanout`` points splitting the interval evenly (fanout 1: the
+    midpoint, so the search is EdgeMoE's bisection)."""
+    if guess is None:
+        return _inside(good, bad, fanout + 1)
+    left = (fanout - 1) // 2
+    return sorted({*_inside(good, guess, left + 1), guess, *_inside(guess, bad, fanout - left)})
+
+
+def edgemoe_search(evaluate: Evaluate, order: list[int], precisions: list[str], tolerance: float, num_layers: int,
+                   num_experts: int, fanout: int = 1) -> tuple[list[list[str]], dict]:
+    """EdgeMoE's bounds and the search on K. ``precisions`` highest first. The bounds are one call of
+    ``evaluate`` (units ``bound-<precision>``), each search round another (units ``k-<K>``): the largest K
+    found within the tolerance, keeping loss(good) <= tolerance < loss(bad) after every round."""
+    bounds = evaluate({f"bound-{p}": _uniform(num_layers, num_experts, p) for p in precisions}, "bitwidth bounds")
+    bounds = {p: bounds[f"bound-{p}"] for p in precisions}
     passing = [p for p in precisions if bounds[p] <= tolerance]
     details = {"bounds": bounds, "tolerance": tolerance, "trail": []}
     if not passing:  # even the highest quantized precision misses: ship it, and say so
@@ -123,17 +166,17 @@ def edgemoe_search(loss, order: list[int], precisions: list[str], tolerance: flo
     n = len(order)
     good, bad = (0, bounds[hi]), (n, bounds[lo])  # loss(0) <= P < loss(n)
     k = round(n * (tolerance - bounds[hi]) / (bounds[lo] - bounds[hi])) if bounds[lo] > bounds[hi] else 0
-    k = min(max(k, 1), n - 1)
-    with tqdm(desc="bitwidth search", unit="eval", leave=False) as bar:
-        while bad[0] - good[0] > 1:
-            value = loss(_moved_down(order, k, num_experts, hi, lo, num_layers))
-            details["trail"].append([k, value])
-            bar.update(1)
-            if value <= tolerance:
-                good = (k, value)
-            else:
-                bad = (k, value)
-            k = (good[0] + bad[0]) // 2
+    guess = min(max(k, 1), n - 1)  # the first round starts at the linear interpolation of the bounds
+    rounds = 0
+    while bad[0] - good[0] > 1:
+        ks = _round(good[0], bad[0], fanout, guess)
+        rounds, guess = rounds + 1, None
+        losses = evaluate({f"k-{k}": _moved_down(order, k, num_experts, hi, lo, num_layers) for k in ks},
+                          f"bitwidth search {rounds}")
+        found = [(k, losses[f"k-{k}"]) for k in ks]
+        details["trail"] += [[k, value] for k, value in found]
+        bad = min((f for f in found if f[1] > tolerance), default=bad)
+        good = max((f for f in found if f[1] <= tolerance and f[0] < bad[0]), default=good)
     grid = _moved_down(order, good[0], num_experts, hi, lo, num_layers)
     return grid, details | {"b_hi": hi, "b_lo": lo, "K": good[0], "loss": good[1], "met": True}
 
@@ -147,45 +190,40 @@ def uniform_choice(packed) -> BitwidthChoice:
                           * packed.num_experts, details={})
 
 
-def choose_bitwidths(model, adapter, sequences, quantize_dir, packed, sensitivity, trace, cfg: BitwidthSection
+def choose_bitwidths(packed, sensitivity, trace, cfg: BitwidthSection, evaluate: Evaluate, sequences: int
                      ) -> BitwidthChoice:
-    """The precision map of ``cfg.method``, with its loss measured on the held-out sequences."""
+    """The precision map of ``cfg.method``, with its loss on the ``sequences`` held-out sequences measured by
+    ``evaluate`` (the stage: one unit per candidate, ``evaluate_candidate``)."""
     num_layers, num_experts = len(packed.layers), packed.num_experts
     base = packed.precision
-    knobs: dict = {"tolerance": cfg.tolerance} if cfg.method == "edgemoe" else (
-        {"share": cfg.share, "low": cfg.low} | ({"seed": cfg.seed} if cfg.method == "random" else {})
-        if cfg.method in ("frequency", "random") else {})
-    decoded = DecodedExperts(quantize_dir, packed)
-    held = held_out(sequences, cfg.num_sequences)
-    details: dict = {"metric": METRIC, "sequences": len(held)}
-    with original_experts(model, adapter):
-        reference = next_token_logprobs(model, held)
-
-        def loss(grid: list[list[str]]) -> float:
-            decoded.apply(model, adapter, lambda pos, e: grid[pos][e])
-            return mean_kl(reference, model, held)
-
-        if cfg.method == "edgemoe":
-            order = flat_order(sensitivity["ranking"])
-            precisions = [p for p in PRECISIONS if p in packed.stores]
-            grid, found = edgemoe_search(loss, order, precisions, cfg.tolerance, num_layers, num_experts)
-            details |= found | {"ranking": sensitivity["method"], "sensitivity": {
-                k: sensitivity[k] for k in ("method", "precision", "sequences", "spearman", "seconds")}}
-        elif cfg.method == "frequency":
-            grid = _uniform(num_layers, num_experts, base)
-            moved = round(cfg.share * num_experts)
-            for pos, shares in enumerate(trace.expert_share):
-                for e in sorted(range(num_experts), key=lambda e: (shares[e], e))[:moved]:
-                    grid[pos][e] = cfg.low
-            details["per_layer"] = moved
-        elif cfg.method == "random":
-            flat = list(range(num_layers * num_experts))
-            random.Random(cfg.seed).shuffle(flat)
-            grid = _moved_down(flat, round(cfg.share * len(flat)), num_experts, base, cfg.low, num_layers)
-        else:  # the recipe validates the method; a new one must be added here
-            raise MoeprepError(f"bitwidth.method {cfg.method!r} has no implementation")
-        if "loss" not in details:
-            details["loss"] = loss(grid)
+    knobs: dict = {}
+    if cfg.method == "edgemoe":  # fanout recorded only where it is not the plain bisection
+        knobs = {"tolerance": cfg.tolerance} | ({"fanout": cfg.fanout} if cfg.fanout != 1 else {})
+    elif cfg.method in ("frequency", "random"):
+        knobs = {"share": cfg.share, "low": cfg.low} | ({"seed": cfg.seed} if cfg.method == "random" else {})
+    details: dict = {"metric": METRIC, "sequences": sequences}
+    if cfg.method == "edgemoe":
+        order = flat_order(sensitivity["ranking"])
+        precisions = [p for p in PRECISIONS if p in packed.stores]
+        grid, found = edgemoe_search(evaluate, order, precisions, cfg.tolerance, num_layers, num_experts,
+                                     cfg.fanout)
+        details |= found | {"ranking": sensitivity["method"], "sensitivity": {
+            k: sensitivity[k] for k in ("method", "precision", "sequences", "spearman", "seconds")}}
+    elif cfg.method == "frequency":
+        grid = _uniform(num_layers, num_experts, base)
+        moved = round(cfg.share * num_experts)
+        for pos, shares in enumerate(trace.expert_share):
+            for e in sorted(range(num_experts), key=lambda e: (shares[e], e))[:moved]:
+                grid[pos][e] = cfg.low
+        details["per_layer"] = moved
+    elif cfg.method == "random":
+        flat = list(range(num_layers * num_experts))
+        random.Random(cfg.seed).shuffle(flat)
+        grid = _moved_down(flat, round(cfg.share * len(flat)), num_experts, base, cfg.low, num_layers)
+    else:  # the recipe validates the method; a new one must be added here
+        raise MoeprepError(f"bitwidth.method {cfg.method!r} has no implementation")
+    if "loss" not in details:
+        details["loss"] = evaluate({"chosen": grid}, "bitwidth loss")["chosen"]
     counts: dict[str, int] = {}
     for row in grid:
         for p in row:
@@ -195,12 +233,59 @@ def choose_bitwidths(model, adapter, sequences, quantize_dir, packed, sensitivit
                           expert_bytes=expert_bytes, details=details)
 
 
+SEQUENCES = "sequences.safetensors"  # the held-out tokens, for the units to read (removed at the end)
+
+
+def evaluate_candidate(context, out: Path, *, grid: list, quantize_dir: str, packed: dict, sequences: str,
+                       source: str) -> None:
+    """One unit: the loss of configuration ``grid`` ([L][E] precision names), the mean next-token KL of the
+    model with its experts decoded at those precisions against the source model on the held-out tokens in
+    ``sequences``, written to ``out`` as {"loss": ...}. The source model's log-probabilities are computed once
+    per process and kept in ``UnitContext.cache`` under the model (``source``: its fingerprint; the device) and
+    the tokens' digest, so another model or other tokens never reuse them; they are the same bytes whichever
+    unit computed them (one thread in every unit), so the cache changes no loss."""
+    model, adapter = context.model, context.adapter
+    decoded = DecodedExperts(Path(quantize_dir), PackedExperts.from_json(packed))
+    held, digest = load_sequences(sequences)
+    state = context.cache(f"bitwidth reference {source} {context.paths.device} {digest}")
+    with original_experts(model, adapter):
+        if "reference" not in state:
+            state["reference"] = next_token_logprobs(model, held)
+        decoded.apply(model, adapter, lambda pos, e: grid[pos][e])
+        loss = mean_kl(state["reference"], model, held)
+    write_json_atomic(out, {"loss": loss})
+
+
 def _run(inputs) -> BitwidthChoice:
+    """Write the held-out tokens for the units, search in the driver, evaluate every candidate as a unit."""
+    cfg, work = inputs.config, Path(inputs.work)
     quantize_dir, packed = inputs.upstream("quantize")
     _, trace = inputs.upstream("trace")
-    sensitivity = inputs.upstream("sensitivity")[1].to_json() if inputs.config.method == "edgemoe" else None
-    return choose_bitwidths(inputs.model, inputs.adapter, inputs.sequences, quantize_dir, packed, sensitivity,
-                            trace, inputs.config)
+    sensitivity = inputs.upstream("sensitivity")[1].to_json() if cfg.method == "edgemoe" else None
+    held = held_out(inputs.sequences, cfg.num_sequences)
+    tokens = work / SEQUENCES
+    save_sequences(tokens, held)
+    shared = {"quantize_dir": str(Path(quantize_dir).resolve()), "packed": packed.to_json(),
+              "sequences": str(tokens.resolve()), "source": inputs.model_fingerprint}
+
+    def evaluate(candidates: dict, desc: str) -> dict:
+        units = [Unit(name=name, output=f"{name}.json", fn=evaluate_candidate, args={"grid": grid, **shared})
+                 for name, grid in candidates.items()]
+        inputs.map_units(units, desc=desc)
+        return {u.name: json.loads((work / u.output).read_text())["loss"] for u in units}
+
+    choice = choose_bitwidths(packed, sensitivity, trace, cfg, evaluate, len(held))
+    tokens.unlink(missing_ok=True)
+    return choice
+
+
+def bound_units(recipe) -> int:
+    """For ``--dry-run``: the units whose count the recipe fixes. ``edgemoe``: the bounds, one per quantized
+    precision (the search's rounds come on top, ``fanout`` units each, as many as the search needs);
+    ``frequency`` and ``random``: the one loss."""
+    if recipe.bitwidth.method == "edgemoe":
+        return sum(p in recipe.quantize.precisions for p in PRECISIONS)
+    return 1
 
 
 def check(recipe) -> None:
@@ -219,5 +304,6 @@ STAGE = Stage(
     reads=("trace", "quantize", "sensitivity"), needs=frozenset({"model", "calibration"}),
     run=_run,
     enabled=lambda recipe: recipe.bitwidth.method != "uniform",  # uniform needs no search: package does it
+    units=lambda recipe, num_layers: bound_units(recipe),
     section="bitwidth", check=check,
 )

@@ -4,15 +4,25 @@ expert bytes.
 
 Rows share the recipe's stage cache, so the trace, the quantized stores and the sensitivity sweep are
 computed once; the original model's per-item results are computed once too (``reuse_original``).
-``study.json`` is rewritten after every row, and a rerun skips the rows whose artifact and eval
-settings are unchanged, so an interrupted study resumes.
+
+Each row (its ``prepare``, with the local executor, then its evaluation) is one work unit (``study_row``,
+``prep/executor.py``) writing its result to ``rows/<slug>/row.json``, so rows run side by side on a Ray
+cluster (``--executor ray``); the random control, whose share depends on the middle ``edgemoe`` row's result,
+is a second map after the first. Rows share one recipe name, whose lock admits one ``prepare`` at a time, so
+a row waits for its turn to prepare (``rows/.prepare.lock``) and evaluates in parallel with the others. A
+rerun keeps a row evaluated before with the same package key and eval settings (its row file is moved
+to ``previous.json`` first, since only the row's ``prepare`` knows its package key), so an interrupted
+study resumes; ``study.json`` is written after each map.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +31,7 @@ from loader.vocab import BITS
 from prep.errors import MoeprepError
 from prep.evals.compare import evaluate_artifact
 from prep.evals.data import SUITES
+from prep.executor import Unit, UnitPaths, make_executor
 from prep.pipeline import prepare
 from prep.recipe import load_recipe, recipe_from_dict
 from prep.report import BITWIDTH_PLOT, merge_section
@@ -96,52 +107,116 @@ def _row_result(row: Row, artifact: Path, report: dict, evaluation: dict, settin
     return row_result | {"meets_goal": meets_goal(row_result)}
 
 
+STUDY = "bitwidth-study"  # the executor's name for the row units (their seeds derive from it)
+ROW = "row.json"  # a row's result, written by its unit
+PREVIOUS = "previous.json"  # a row's result from the run before, kept when its package key and settings still match
+
+
+@contextmanager
+def _prepare_turn(output: Path) -> Iterator[None]:
+    """Hold the study's prepare lock: rows share the recipe's stage cache, whose own lock refuses a second
+    ``prepare`` at once, so rows running side by side wait here for their turn (a blocking ``flock``)."""
+    path = Path(output) / "rows" / ".prepare.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def study_row(context, out: Path, *, label: str, overrides: list, base: dict, root: str, output: str,
+              settings: dict, data: str | None) -> None:
+    """One unit: prepare the row's artifact (``rows/<slug>/artifact``, local executor) and write its result to
+    ``out``: the previous result (``rows/<slug>/previous.json``) when its package key and eval settings match,
+    else a new evaluation against the original model."""
+    row = Row(label, tuple(overrides))
+    recipe = recipe_from_dict(base, ("evaluate.enabled=false", *row.overrides))
+    directory = Path(output) / "rows" / row.slug
+    artifact = directory / "artifact"
+    with _prepare_turn(output):
+        prepare(recipe, root=root, output=artifact)
+    report = json.loads((artifact / "report.json").read_text())
+    key = json.loads((artifact / "manifest.json").read_text())["package_key"]
+    done = json.loads((directory / PREVIOUS).read_text()) if (directory / PREVIOUS).is_file() else None
+    if done is not None and done["package_key"] == key and done["settings"] == settings:
+        result = done | {"meets_goal": meets_goal(done)}
+    else:
+        evaluation = evaluate_artifact(artifact, recipe.model_path(Path(root)), suites=tuple(settings["suites"]),
+                                       data=data, limit=settings["limit"], memory_budget=settings["memory_budget"],
+                                       reuse_original=Path(output) / "original", output=directory / "eval.json")
+        result = _row_result(row, artifact, report, evaluation, settings)
+    write_json_atomic(out, result)
+
+
+def _set_aside(output: Path, rows: list[Row], study_rows: dict) -> None:
+    """Before a map: each row's result from the run before becomes its ``previous.json`` (its ``row.json``, or for a
+    study made before rows were units, its entry of ``study.json``), so its unit runs and decides whether to keep it."""
+    for row in rows:
+        directory = output / "rows" / row.slug
+        if (directory / ROW).is_file():
+            (directory / ROW).replace(directory / PREVIOUS)
+        elif row.label in study_rows and not (directory / PREVIOUS).is_file():
+            directory.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(directory / PREVIOUS, study_rows[row.label])
+
+
 def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".", *,
               tolerances: tuple[float, ...], shares: tuple[float, ...] = (0.25, 0.5), middle: int | None = None,
               suites: tuple[str, ...] = SUITES, limit: int | None = None,
-              data: str | Path | None = None, memory_budget: str | None = None, echo=print) -> dict:
-    """Prepare and evaluate every row; writes ``study.json``, ``study.md`` and ``study.png`` under ``output``."""
+              data: str | Path | None = None, memory_budget: str | None = None, executor: str | None = None,
+              ray_address: str | None = None, echo=print) -> dict:
+    """Prepare and evaluate every row, one unit each; writes ``study.json``, ``study.md`` and ``study.png`` under
+    ``output``. ``executor``/``ray_address``: where the rows run (``local``, one after another in this process,
+    or ``ray``), over the recipe's ``executor`` section like ``moeprep prepare --executor``."""
 
     if not tolerances:
         raise MoeprepError("the study needs at least one edgemoe tolerance (--tolerances 0.01,0.03,0.1)")
-    output, root = Path(output), Path(root)
-    base = load_recipe(recipe_path).to_dict()
+    output, root = Path(output).resolve(), Path(root).resolve()
+    chosen = tuple(f"executor.{k}={v}" for k, v in (("kind", executor), ("address", ray_address)) if v is not None)
+    loaded = load_recipe(recipe_path, chosen)
+    base = loaded.to_dict()
     base.pop("bitwidth")  # each row sets its method; the recipe's own choice (and knobs) must not leak in
+    base.pop("executor")  # a row's own prepare runs in its unit, with the local executor
     path = output / "study.json"
     previous = {r["label"]: r for r in json.loads(path.read_text())["rows"]} if path.is_file() else {}
     settings = {"suites": list(suites), "limit": limit, "data": str(data) if data else None,
                 "memory_budget": memory_budget}
     rows = study_rows(tuple(tolerances), tuple(shares))
     middle_label = f"edgemoe P={sorted(tolerances)[len(tolerances) // 2 if middle is None else middle]:g}"
-    results: list[dict] = []
     study = {"recipe": str(recipe_path), "settings": settings, "goal": {"compression_bfloat16": GOAL_COMPRESSION,
-                                                                         "abs_delta": GOAL_DELTA}, "rows": results}
+                                                                         "abs_delta": GOAL_DELTA}, "rows": []}
+    shared = {"base": base, "root": str(root), "output": str(output), "settings": settings,
+              "data": str(Path(data).resolve()) if data else None}
+    paths = UnitPaths(model_dir=str(Path(loaded.model_path(root)).resolve()))
+    runner = make_executor(loaded.executor)
     started = time.perf_counter()
-    i = 0
-    while i < len(rows):
-        row = rows[i]
-        recipe = recipe_from_dict(base, ("evaluate.enabled=false", *row.overrides))
-        artifact = output / "rows" / row.slug / "artifact"
-        echo(f"[{i + 1}/{len(rows)}] {row.label}: prepare")
-        prepare(recipe, root=root, output=artifact)
-        report = json.loads((artifact / "report.json").read_text())
-        key = json.loads((artifact / "manifest.json").read_text())["package_key"]
-        done = previous.get(row.label)
-        if done is not None and done["package_key"] == key and done["settings"] == settings:
-            echo(f"[{i + 1}/{len(rows)}] {row.label}: evaluated before, kept")
-            results.append(done | {"meets_goal": meets_goal(done)})
-        else:
-            echo(f"[{i + 1}/{len(rows)}] {row.label}: eval")
-            evaluation = evaluate_artifact(artifact, recipe.model_path(root), suites=tuple(suites), data=data,
-                                           limit=limit, memory_budget=memory_budget,
-                                           reuse_original=output / "original",
-                                           output=output / "rows" / row.slug / "eval.json")
-            results.append(_row_result(row, artifact, report, evaluation, settings))
+
+    def run_rows(batch: list[Row]) -> list[dict]:
+        """One map: every row of ``batch`` as a unit; their results, in order."""
+        _set_aside(output, batch, previous)
+        echo(f"{len(batch)} row(s) on the {runner.kind} executor: " + ", ".join(r.label for r in batch))
+        units = [Unit(name=row.slug, output=f"rows/{row.slug}/{ROW}", fn=study_row,
+                      args={"label": row.label, "overrides": list(row.overrides), **shared}) for row in batch]
+        runner.map(STUDY, units, output, paths, desc="bitwidth study")
+        results = []
+        for row in batch:
+            directory = output / "rows" / row.slug
+            result = json.loads((directory / ROW).read_text())
+            kept = (directory / PREVIOUS).is_file() and json.loads((directory / PREVIOUS).read_text()) == result
+            echo(f"{row.label}: {'evaluated before, kept' if kept else 'prepared and evaluated'}")
+            (directory / PREVIOUS).unlink(missing_ok=True)
+            results.append(result)
+        return results
+
+    try:
+        study["rows"] = run_rows(rows)
         write_json_atomic(path, study)
-        if row.label == middle_label:
-            total = sum(results[-1]["experts"].values())
-            rows.insert(i + 1, random_control(results[-1], total))
-        i += 1
+        at = next(i for i, r in enumerate(study["rows"]) if r["label"] == middle_label)
+        middle_row = study["rows"][at]
+        control = random_control(middle_row, sum(middle_row["experts"].values()))
+        study["rows"].insert(at + 1, run_rows([control])[0])
+    finally:
+        runner.close()
+    results = study["rows"]
     study["best"] = best_row(results)
     study["sensitivity"] = next((r["bitwidth"]["sensitivity"] for r in results
                                  if r["bitwidth"].get("sensitivity")), None)

@@ -99,7 +99,8 @@ def test_edgemoe_search_finds_the_largest_k_within_the_tolerance(tolerance):
         return sum(damage[p] * (0.5 + weight[i][e]) for i, row in enumerate(grid) for e, p in enumerate(row))
 
     order = flat_order(weight)  # least damaging first
-    grid, details = edgemoe_search(loss, order, ["int8", "int4", "int3", "int2"], tolerance, n_layers, n_experts)
+    grid, details = edgemoe_search(lambda grids, desc: {name: loss(g) for name, g in grids.items()}, order,
+                                   ["int8", "int4", "int3", "int2"], tolerance, n_layers, n_experts)
     bounds = details["bounds"]
     passing = [p for p in ["int8", "int4", "int3", "int2"] if bounds[p] <= tolerance]
     if not passing:
