@@ -155,9 +155,7 @@ def dry_run(recipe, root: str | Path = ".") -> str:
              f"{_gb(row['expert_bytes'][shipped])} "
              f"at {shipped}; memory to prepare (streamed, --expert-memory 0) {_gb(row['prepare_bytes'])}; artifact "
              f"{'<= ' if row['artifact_mixed'] else ''}{_gb(row['artifact_bytes'])}",
-             f"  executor: {executor_line(recipe.executor)}; work units: " + ", ".join(
-                 f"{s.name} {s.units(recipe, row['num_moe_layers'])}" for s in STAGES
-                 if s.units is not None and (s.enabled is None or s.enabled(recipe))) + " (every other stage: 1)"]
+             f"  executor: {executor_line(recipe.executor)}; work units: {units_line(recipe, row['num_moe_layers'])}"]
     shares = sorted({recipe.package.cache_fraction, *recipe.plan.points})
     for share in shares:
         cached = int(share * source // (per_expert * row["num_moe_layers"]))
@@ -165,6 +163,18 @@ def dry_run(recipe, root: str | Path = ".") -> str:
                      f"{min(cached, row['num_experts'])} of {row['num_experts']} experts per layer cached at {shipped} "
                      "(records; a held compute form takes more, loader/README.md)")
     return "\n".join(lines) + "\n"
+
+
+def units_line(recipe, num_moe_layers: int) -> str:
+    """The work units of each enabled stage that splits (``--dry-run``); the others run whole in the driver."""
+    counts = []
+    for stage in STAGES:
+        if stage.units is None or (stage.enabled is not None and not stage.enabled(recipe)):
+            continue
+        if n := stage.units(recipe, num_moe_layers):
+            rounds = stage.units_per_round is not None and stage.units_per_round(recipe)
+            counts.append(f"{stage.name} {n}" + (" + one map per search round" if rounds else ""))
+    return ", ".join(counts or ["none"]) + " (every other stage runs whole in the driver)"
 
 
 def executor_line(cfg) -> str:

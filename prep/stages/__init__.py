@@ -107,8 +107,10 @@ class Stage:
     output_ok: Callable[[Any, StageResult], bool] | None = None
     section: str = ""  # the recipe key of ``config`` (a section two stages share has one name)
     check: Callable[[Any], None] | None = None  # the stage's rules across recipe sections; raises MoeprepError
-    # how many work units (prep/executor.py) it splits into for (recipe, number of MoE layers); None: it runs whole
+    # how many work units (prep/executor.py) it splits into for (recipe, number of MoE layers); None or 0: it runs
+    # whole in the driver; where ``units_per_round(recipe)`` holds, the first map's count, more following round by round
     units: Callable[[Any, int], int] | None = None
+    units_per_round: Callable[[Any], bool] | None = None
 
     def __post_init__(self) -> None:
         if not self.section.isidentifier():

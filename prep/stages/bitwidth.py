@@ -305,5 +305,6 @@ STAGE = Stage(
     run=_run,
     enabled=lambda recipe: recipe.bitwidth.method != "uniform",  # uniform needs no search: package does it
     units=lambda recipe, num_layers: bound_units(recipe),
+    units_per_round=lambda recipe: recipe.bitwidth.method == "edgemoe",  # the bounds, then a map per round
     section="bitwidth", check=check,
 )

@@ -94,7 +94,9 @@ def test_executor_section_is_checked_and_changes_no_key(tmp_path):
 def test_dry_run_shows_the_executor_and_units():
     result = CliRunner().invoke(moeprep, ["prepare", "--recipe", str(REPO / "recipes/reference.yaml"), "--dry-run",
                                           "--set", f"model.path={REPO / 'recipes/reference/model'}"])
-    assert "executor: local" in result.output and "work units: trace 16, quantize 16, sensitivity 4" in result.output
+    assert "executor: local" in result.output
+    assert ("work units: trace 16, quantize 16, sensitivity 4, bitwidth 4 + one map per search round (every other "
+            "stage runs whole in the driver)") in result.output, result.output
 
 
 # --- without Ray ------------------------------------------------------------------------------------------
@@ -122,18 +124,39 @@ def sweep_recipe(**executor):
                        **({"executor": executor} if executor else {}))
 
 
+TIMINGS = ("seconds", "crossover_measured")  # measured on this machine's clock and disk, never the same twice
+
+
+def _untimed(value):
+    """A JSON value without its timings, at any depth."""
+    if isinstance(value, dict):
+        return {k: _untimed(v) for k, v in value.items() if k not in TIMINGS}
+    if isinstance(value, list):
+        return [_untimed(v) for v in value]
+    return value
+
+
 def stage_files(root: Path) -> dict[str, str]:
-    """{stage dir/file: sha256} of every file of every stage directory, result.json without its timings."""
+    """{path: sha256} of every file of every stage directory and of the artifact (``artifact`` links to its
+    versioned directory), JSON without its timings: report.json, and so the manifest's digests of it, hold the
+    sweep's seconds, so for the manifest its other fields (package_key, record stores, files) are compared."""
     out = {}
-    for path in sorted((root / "artifacts").rglob("*")):
-        if not path.is_file() or path.parent.name.startswith(".") or path.name == ".lock":
-            continue
+    artifacts = root / "artifacts"
+    files = [(p, str(p.relative_to(artifacts))) for p in sorted(artifacts.rglob("*"))
+             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(artifacts).parts)]
+    for link in sorted(artifacts.glob("*/artifact")):
+        files += [(p, str(link.relative_to(artifacts) / p.relative_to(link.resolve())))
+                  for p in sorted(link.resolve().rglob("*")) if p.is_file()]
+    for path, name in files:
         data = path.read_bytes()
-        if path.name == "result.json":
-            raw = json.loads(data)
-            raw["result"].pop("seconds", None)
+        if path.suffix == ".json":
+            raw = _untimed(json.loads(data))
+            if path.name == "manifest.json":
+                raw.pop("digest")
+                for timed in ("report.json", "report.md"):
+                    raw["files"].pop(timed)
             data = json.dumps(raw, sort_keys=True).encode()
-        out[str(path.relative_to(root / "artifacts"))] = hashlib.sha256(data).hexdigest()
+        out[name] = hashlib.sha256(data).hexdigest()
     return out
 
 
@@ -193,23 +216,28 @@ def dies_once(context, out: Path, **args) -> None:
 @pytest.mark.slow
 def test_reference_recipe_on_ray_is_byte_identical_to_local_even_when_a_worker_dies(ray_local, tmp_path,
                                                                                      monkeypatch):
-    """The reference recipe through trace, quantize and the sensitivity sweep, locally and on 2 Ray workers, one of
-    which is killed inside a quantize unit: every stage key and every file is the same."""
+    """The reference recipe prepared whole (the accuracy check aside), locally and on 2 Ray workers, one of which is
+    killed inside a quantize unit: every stage key, every stage file and every file of the artifact is the same."""
     overrides = (f"model.path={REPO / 'recipes/reference/model'}", "calibration.num_sequences=8",
-                 f"plan.device={REPO / 'recipes/reference/device.json'}")
+                 f"plan.device={REPO / 'recipes/reference/device.json'}", "evaluate.enabled=false",
+                 "plan.num_sequences=1", "plan.tune.trials=4")  # the planning stages run in the driver: keep them short
     local_root, ray_root = tmp_path / "local", tmp_path / "ray"
-    local = prepare(load_recipe(REPO / "recipes/reference.yaml", overrides), root=local_root, until="sensitivity")
+    local = prepare(load_recipe(REPO / "recipes/reference.yaml", overrides), root=local_root)
 
     marker = tmp_path / "worker-died"
     monkeypatch.setitem(MARKER, "path", str(marker))
     monkeypatch.setattr(quantize_stage, "quantize_layer", dies_once)
     recipe = load_recipe(REPO / "recipes/reference.yaml", (*overrides, "executor.kind=ray"))
-    on_ray = prepare(recipe, root=ray_root, until="sensitivity")
+    on_ray = prepare(recipe, root=ray_root)
     assert marker.exists()  # a worker really died inside a unit, and its unit was run again
-    assert on_ray["quantize"]["units"]["ran"] == 16 and on_ray["sensitivity"]["units"]["ran"] == 4
+    ran = {s: v["units"]["ran"] for s, v in on_ray.items() if isinstance(v, dict) and "units" in v}
+    assert ran["trace"] == 8 and ran["quantize"] == 16 and ran["sensitivity"] == 4 and ran["bitwidth"] >= 4
     assert {s: v["key"] for s, v in on_ray.items() if s != "artifact"} == \
         {s: v["key"] for s, v in local.items() if s != "artifact"}
-    assert stage_files(ray_root) == stage_files(local_root)
+    local_files, ray_files = stage_files(local_root), stage_files(ray_root)
+    assert {"reference/artifact/experts-int4.safetensors", "reference/artifact/plan.json",
+            "reference/artifact/report.md"} <= set(local_files)  # the artifact is compared too
+    assert ray_files == local_files
 
 
 # --- Optuna workers sharing one storage ----------------------------------------------------------------------

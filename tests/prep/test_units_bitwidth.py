@@ -188,7 +188,7 @@ def test_fanout_is_checked_and_dry_run_counts_the_bound_units():
                                                   bitwidth={"method": "random"}), 2) == 1
     result = CliRunner().invoke(moeprep, ["prepare", "--recipe", str(REPO / "recipes/reference.yaml"), "--dry-run",
                                           "--set", f"model.path={REPO / 'recipes/reference/model'}"])
-    assert "work units: quantize 16, sensitivity 4, bitwidth 4 " in result.output, result.output
+    assert "work units: trace 16, quantize 16, sensitivity 4, bitwidth 4 + one map per search round " in result.output, result.output
 
 
 # --- the study -----------------------------------------------------------------------------------------------
