@@ -148,6 +148,8 @@ def stage_files(root: Path) -> dict[str, str]:
         files += [(p, str(link.relative_to(artifacts) / p.relative_to(link.resolve())))
                   for p in sorted(link.resolve().rglob("*")) if p.is_file()]
     for path, name in files:
+        if path.suffix == ".journal":  # Optuna's log of the search: when each trial ran, and in which process
+            continue  # (its trials, their values and the choice are in tune_policy's result.json, compared)
         data = path.read_bytes()
         if path.suffix == ".json":
             raw = _untimed(json.loads(data))
