@@ -333,8 +333,14 @@ def policy_study_command(trace, capacity, trials, seed, output):
 @click.option("--low", default="int4", show_default=True, help="Precision of dynamic precision's low copies.")
 @click.option("--into", default=None, type=click.Path(file_okay=False),
               help="Also put the curves into this artifact: report.json routing_curves, report.md, report-routing.png.")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default=None,
+              help="Where the points run, one work unit each: one after another in this process, or side by side on a "
+              "Ray cluster (the recipe's executor.kind; needs `pip install -e '.[ray]'`). Changes no output.")
+@click.option("--ray-address", default=None, metavar="ADDR",
+              help="With --executor ray: auto (the cluster of `ray start`), local (a Ray instance on this machine only) "
+              "or ray://head:10001 (the recipe's executor.address).")
 def routing_study_command(recipe_path, output, budgets, gating, dynamic, lambdas, max_rank, suites, data, limit, low,
-                          into):
+                          into, executor, ray_address):
     """Accuracy against miss rate and bytes per token for adaptive gating, dynamic precision and
     cache-conditional routing, each swept across its knob, at each budget."""
     from pathlib import Path
@@ -350,7 +356,8 @@ def routing_study_command(recipe_path, output, budgets, gating, dynamic, lambdas
         raise click.BadParameter("--dynamic is high/skip pairs like 0.67/0.03, --max-rank whole numbers") from None
     study = run_study(recipe_path, output, budgets=_names(budgets),
                       knobs=knobs, suites=_names(suites), limit=limit,
-                      data=data, low=low, echo=lambda m: click.echo(m, err=True))
+                      data=data, low=low, executor=executor, ray_address=ray_address,
+                      echo=lambda m: click.echo(m, err=True))
     if into:
         merge_into(into, study, (Path(output) / "study.png").read_bytes())
     click.echo((Path(output) / "study.md").read_text())

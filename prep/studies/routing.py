@@ -16,14 +16,20 @@ that artifact run with one plan variant:
 Accuracy per suite comes from ``moeprep eval`` with that plan (paired against the original model, which
 for a lossless artifact is exact routing; flips and McNemar's p). Miss rate and bytes read per token come
 from the simulator, which runs the loader's own cache and policies (the tests hold them to identical
-decisions), on fresh text (another calibration seed) one token per call, as decode reads. ``study.json`` is
-rewritten after every point and a rerun keeps the points already measured with the same settings.
+decisions), on fresh text (another calibration seed) one token per call, as decode reads.
+
+Each (budget, point) is one work unit (``study_point``, ``prep/executor.py``) writing its dict to
+``points/<slug>.json``, so points run side by side on a Ray cluster (``--executor ray``) and an interrupted
+study resumes with the points written. A rerun keeps a point file measured with the same package key and
+settings; one that is not is set aside (``points/set-aside/``) and measured again. study.json, study.md and
+study.png are assembled from the point files, in order.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from pathlib import Path
 
@@ -32,6 +38,7 @@ from loader.plan import Plan, PolicySpec, read_plan
 from prep.errors import MoeprepError
 from prep.evals.compare import evaluate_artifact
 from prep.evals.data import SUITES
+from prep.executor import Unit, UnitPaths, make_executor
 from prep.methods.routing_stats import split_thresholds
 from prep.methods.trace import open_trace
 from prep.pipeline import prepare
@@ -87,17 +94,72 @@ def _plans(artifact: Path, weights, routing: dict, knobs: dict) -> list[tuple[st
 
 
 
+STUDY = "routing-study"  # the executor's name for the point units (their seeds derive from it)
+POINTS = "points"  # one file per (budget, point), written by its unit
+SET_ASIDE = "set-aside"  # under POINTS: point files measured with another package key or other settings
+
+
+def point_slug(budget: str, method: str, knob) -> str:
+    """A filesystem-safe name for one (budget, point): ``25pct-cache_prior-0.5``."""
+    text = f"{budget}-{method}-{knob}".replace("%", "pct")
+    return re.sub(r"[^A-Za-z0-9._]+", "-", text).strip("-.") or "point"
+
+
+def study_point(context, out: Path, *, artifact: str, model: str, trace: str, output: str, plan: dict, budget: str,
+                method: str, knob_name: str, knob, package_key: str, settings: dict, data: str | None) -> None:
+    """One unit: simulate the point's plan on the fresh trace and evaluate the artifact with it at ``budget``;
+    writes the point's dict (its entry of study.json) to ``out``. The plan comes as its JSON (``Plan.to_json``)."""
+    plan = Plan.from_json(plan)
+    replays = context.cache(f"{STUDY}:{trace}")  # one load of the trace per process, not per point
+    if "replay" not in replays:
+        replays["replay"] = load_replay(trace)
+    sim = simulate(replays["replay"], artifact_spec(artifact, budget, plan=plan)).to_json()
+    evaluation = evaluate_artifact(artifact, model, suites=tuple(settings["suites"]), data=data,
+                                   limit=settings["limit"], memory_budget=budget,
+                                   reuse_original=Path(output) / "original", plan=plan)
+    write_json_atomic(out, {
+        "budget": budget, "method": method, "knob_name": knob_name, "knob": knob, "package_key": package_key,
+        "settings": settings, "miss_rate": sim["miss_rate"], "bytes_per_token": sim["bytes_read_per_token"],
+        "skipped": sum(x["skipped"] for x in sim["layers"]), "tokens": sim["tokens"],
+        "suites": {name: {"n": s["n"], "original": s["original"][SUITE_METRIC.get(name, "acc")],
+                          "prepared": s["prepared"][SUITE_METRIC.get(name, "acc")], "delta": s["delta"],
+                          "flips": s["flips"], "mcnemar_p": s["mcnemar_p"]}
+                   for name, s in evaluation["suites"].items()},
+        "routing": evaluation["loader_stats"].get("routing"),
+        "miss_policy": evaluation["loader_stats"].get("miss_policy")})
+
+
+def _kept(done: dict | None, budget: str, method: str, knob, key: str, settings: dict) -> bool:
+    """Whether a point measured before still stands: the same point, package key and settings."""
+    return (done is not None and (done.get("budget"), done.get("method"), str(done.get("knob"))) == (budget, method, str(knob))
+            and done.get("package_key") == key and done.get("settings") == settings)
+
+
 def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".", *, budgets=("25%", "50%"),
               knobs: dict | None = None, suites=SUITES, limit: int | None = None,
-              data=None, seed: int = 1, sequences: int = 8, low: str | None = None, echo=print) -> dict:
-    """Prepare the artifact, then measure every (budget, point); writes study.json, study.md, study.png.
+              data=None, seed: int = 1, sequences: int = 8, low: str | None = None, executor: str | None = None,
+              ray_address: str | None = None, echo=print) -> dict:
+    """Prepare the artifact, then measure every (budget, point), one executor unit each (``study_point``, writing
+    ``points/<slug>.json``); writes study.json, study.md, study.png from the point files, in order.
 
     low: the precision of dynamic precision's low copies (default: the recipe's ``dynamic_precision.low``),
-    added to what quantize writes."""
+    added to what quantize writes. executor/ray_address: where the points run (``local``, one after another in
+    this process, or ``ray``), over the recipe's ``executor`` section; the artifact's own prepare is unchanged."""
 
-    output, root = Path(output), Path(root)
+    output, root = Path(output).resolve(), Path(root).resolve()
     knobs = DEFAULT_KNOBS if knobs is None else knobs
-    base = load_recipe(recipe_path)
+    chosen = tuple(f"executor.{k}={v}" for k, v in (("kind", executor), ("address", ray_address)) if v is not None)
+    base = load_recipe(recipe_path, chosen)
+    runner = make_executor(base.executor)  # before any work: --executor ray without Ray is one clear error
+    try:
+        return _run(recipe_path, output, root, base, runner, budgets=budgets, knobs=knobs, suites=suites,
+                    limit=limit, data=data, seed=seed, sequences=sequences, low=low, echo=echo)
+    finally:
+        runner.close()
+
+
+def _run(recipe_path, output: Path, root: Path, base, runner, *, budgets, knobs, suites, limit, data, seed, sequences,
+         low, echo) -> dict:
     low = low or base.dynamic_precision.low
     also = ", ".join(dict.fromkeys([*base.quantize.also, low]))
     recipe = load_recipe(recipe_path, (*PREPARE_OVERRIDES, f"dynamic_precision.low={low}", f"quantize.also=[{also}]"))
@@ -112,44 +174,50 @@ def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".
     import torch
 
     weights = torch.cat([r.expert_weights for r in open_trace(trace_dir).routing()])
-    trace = load_replay(fresh_trace(recipe_path, root, output, seed, sequences))
+    trace = fresh_trace(recipe_path, root, output, seed, sequences)
     settings = {"suites": list(suites), "limit": limit, "data": str(data) if data else None, "seed": seed,
                 "sequences": sequences}
     path = output / "study.json"
+    # a study made before points were units has its points in study.json only
     previous = {(p["budget"], p["method"], str(p["knob"])): p for p in json.loads(path.read_text())["points"]} \
         if path.is_file() else {}
-    key = json.loads((artifact / "manifest.json").read_text())["package_key"]
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    key = manifest["package_key"]
     study = {"recipe": str(recipe_path), "settings": settings, "budgets": list(budgets), "points": []}
 
-    routing = measure_ranges(trace_dir, recipe.cache_routing).knobs | {
-        "weights": json.loads((artifact / "manifest.json").read_text())["moe"]["routing_weights"]}
+    routing = measure_ranges(trace_dir, recipe.cache_routing).knobs | {"weights": manifest["moe"]["routing_weights"]}
     points = _plans(artifact, weights, routing, knobs)
+    shared = {"artifact": str(artifact), "model": str(Path(recipe.model_path(root)).resolve()), "trace": str(trace),
+              "output": str(output), "package_key": key, "settings": settings,
+              "data": str(Path(data).resolve()) if data else None}
     started = time.perf_counter()
     total = len(points) * len(budgets)
+    units, seen = [], set()
     for b, budget in enumerate(budgets):
         for i, (method, knob_name, knob, plan) in enumerate(points):
             n = b * len(points) + i + 1
-            done = previous.get((budget, method, str(knob)))
-            if done is not None and done["package_key"] == key and done["settings"] == settings:
-                echo(f"[{n}/{total}] {budget} {method} {knob}: measured before, kept")
-                study["points"].append(done)
-                continue
-            echo(f"[{n}/{total}] {budget} {method} {knob_name} {knob}: simulate, eval")
-            sim = simulate(trace, artifact_spec(artifact, budget, plan=plan)).to_json()
-            evaluation = evaluate_artifact(artifact, recipe.model_path(root), suites=tuple(suites), data=data,
-                                           limit=limit, memory_budget=budget, reuse_original=output / "original",
-                                           plan=plan)
-            study["points"].append({
-                "budget": budget, "method": method, "knob_name": knob_name, "knob": knob, "package_key": key,
-                "settings": settings, "miss_rate": sim["miss_rate"], "bytes_per_token": sim["bytes_read_per_token"],
-                "skipped": sum(x["skipped"] for x in sim["layers"]), "tokens": sim["tokens"],
-                "suites": {name: {"n": s["n"], "original": s["original"][SUITE_METRIC.get(name, "acc")],
-                                  "prepared": s["prepared"][SUITE_METRIC.get(name, "acc")], "delta": s["delta"],
-                                  "flips": s["flips"], "mcnemar_p": s["mcnemar_p"]}
-                           for name, s in evaluation["suites"].items()},
-                "routing": evaluation["loader_stats"].get("routing"),
-                "miss_policy": evaluation["loader_stats"].get("miss_policy")})
-            write_json_atomic(path, study)
+            slug = point_slug(budget, method, knob)
+            if slug in seen:
+                raise MoeprepError(f"two points of the routing study share the file name {slug!r}; give each budget "
+                                   "and knob once")
+            seen.add(slug)
+            file = output / POINTS / f"{slug}.json"
+            done = json.loads(file.read_text()) if file.is_file() else None
+            if done is not None and not _kept(done, budget, method, knob, key, settings):
+                (file.parent / SET_ASIDE).mkdir(parents=True, exist_ok=True)
+                file.replace(file.parent / SET_ASIDE / file.name)  # measured with other settings: measure again
+                done = None
+            if done is None and _kept(previous.get((budget, method, str(knob))), budget, method, knob, key, settings):
+                done = previous[(budget, method, str(knob))]
+                write_json_atomic(file, done)
+            echo(f"[{n}/{total}] {budget} {method} {knob_name} {knob}: "
+                 + ("measured before, kept" if done is not None else "simulate, eval"))
+            units.append(Unit(name=slug, output=f"{POINTS}/{slug}.json", fn=study_point,
+                              args={"plan": plan.to_json(), "budget": budget, "method": method, "knob_name": knob_name,
+                                    "knob": knob, **shared}))
+    stats = runner.map(STUDY, units, output, UnitPaths(model_dir=shared["model"]), desc="routing study")
+    echo(f"{stats.ran} point(s) measured, {stats.reused} kept, on the {runner.kind} executor")
+    study["points"] = [json.loads((output / u.output).read_text()) for u in units]
     study["seconds"] = round(time.perf_counter() - started, 1)
     study["goals"] = goals(study)
     write_outputs(output, study, study_markdown(study), study_plot(study))
