@@ -79,6 +79,19 @@ def inspect_model_command(models: tuple[str, ...], as_json: bool, recipes_table:
     click.echo(json.dumps(info, indent=2) if as_json else _format_table(info))
 
 
+def _executor_options(what: str):
+    """--executor and --ray-address (the recipe's executor section) for a command whose ``what`` runs as work units."""
+    def decorate(command):
+        command = click.option("--ray-address", default=None, metavar="ADDR",
+                               help="With --executor ray: auto (the cluster of `ray start`), local (a Ray instance on "
+                               "this machine only) or ray://head:10001 (the recipe's executor.address).")(command)
+        return click.option("--executor", type=click.Choice(["local", "ray"]), default=None,
+                            help=f"Where {what} run: one after another in this process, or side by side on a Ray "
+                            "cluster (the recipe's executor.kind; needs `pip install -e '.[ray]'`). Changes no "
+                            "output.")(command)
+    return decorate
+
+
 @main.command("prepare")
 @click.option("--recipe", "recipe_path", required=True, type=click.Path(dir_okay=False),
               help="Recipe YAML, e.g. recipes/reference.yaml.")
@@ -97,12 +110,7 @@ def inspect_model_command(models: tuple[str, ...], as_json: bool, recipes_table:
               help="Routed-expert bytes kept in memory between uses (e.g. 8GiB); 0: one MoE layer at a time; "
               "all: every layer once read; auto: what fits in half the memory available. The dense weights "
               "always load whole. Changes no result, only memory and re-reads of the checkpoint.")
-@click.option("--executor", type=click.Choice(["local", "ray"]), default=None,
-              help="Where the stages' work units run: in this process, or on a Ray cluster (the recipe's executor.kind; "
-              "needs `pip install -e '.[ray]'`). Changes no output.")
-@click.option("--ray-address", default=None, metavar="ADDR",
-              help="With --executor ray: auto (the cluster of `ray start`), local (a Ray instance on this machine only) "
-              "or ray://head:10001 (the recipe's executor.address).")
+@_executor_options("the stages' work units")
 @click.option("--dry-run", is_flag=True,
               help="Read no weights: print the model (from the recipe's shipped config), the stages that would run, "
               "the sizes and what the budgets cache, then every refusal the run would make (exit 1 if any).")
@@ -110,11 +118,11 @@ def prepare_command(recipe_path: str, overrides: tuple[str, ...], output: str | 
                     force: str | None, overwrite: bool, device: str, expert_memory: str, executor: str | None,
                     ray_address: str | None, dry_run: bool) -> None:
     """Run the preparation pipeline of a recipe and write its artifact."""
+    from prep.executor import executor_overrides
     from prep.pipeline import prepare
     from prep.recipe import load_recipe
 
-    overrides += tuple(f"executor.{key}={value}" for key, value in (("kind", executor), ("address", ray_address))
-                       if value is not None)
+    overrides += executor_overrides(executor, ray_address)
 
     if dry_run:
         from prep.inspect import dry_run as describe
@@ -225,12 +233,7 @@ def _floats(text: str, what: str) -> tuple[float, ...]:
 @click.option("--memory-budget", default=None, help="Loader budget for every row (default: each plan's).")
 @click.option("--into", default=None, type=click.Path(file_okay=False),
               help="Also put the study into this artifact: report.json's bitwidth_study, report.md and report.png.")
-@click.option("--executor", type=click.Choice(["local", "ray"]), default=None,
-              help="Where the rows run, one work unit each: one after another in this process, or side by side on a "
-              "Ray cluster (the recipe's executor.kind; needs `pip install -e '.[ray]'`). Changes no output.")
-@click.option("--ray-address", default=None, metavar="ADDR",
-              help="With --executor ray: auto (the cluster of `ray start`), local (a Ray instance on this machine only) "
-              "or ray://head:10001 (the recipe's executor.address).")
+@_executor_options("the rows, one work unit each,")
 def bitwidth_study_command(recipe_path, output, tolerances, shares, suites, data, limit, memory_budget, into,
                            executor, ray_address):
     """Prepare and evaluate every bit-width configuration: uniform int8/int4/int3/int2, edgemoe at each
@@ -333,12 +336,7 @@ def policy_study_command(trace, capacity, trials, seed, output):
 @click.option("--low", default="int4", show_default=True, help="Precision of dynamic precision's low copies.")
 @click.option("--into", default=None, type=click.Path(file_okay=False),
               help="Also put the curves into this artifact: report.json routing_curves, report.md, report-routing.png.")
-@click.option("--executor", type=click.Choice(["local", "ray"]), default=None,
-              help="Where the points run, one work unit each: one after another in this process, or side by side on a "
-              "Ray cluster (the recipe's executor.kind; needs `pip install -e '.[ray]'`). Changes no output.")
-@click.option("--ray-address", default=None, metavar="ADDR",
-              help="With --executor ray: auto (the cluster of `ray start`), local (a Ray instance on this machine only) "
-              "or ray://head:10001 (the recipe's executor.address).")
+@_executor_options("the points, one work unit each,")
 def routing_study_command(recipe_path, output, budgets, gating, dynamic, lambdas, max_rank, suites, data, limit, low,
                           into, executor, ray_address):
     """Accuracy against miss rate and bytes per token for adaptive gating, dynamic precision and

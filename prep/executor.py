@@ -310,6 +310,12 @@ class RayExecutor:
             self._started = False
 
 
+def executor_overrides(kind: str | None, address: str | None) -> tuple[str, ...]:
+    """The recipe overrides ``--executor KIND --ray-address ADDR`` stand for (a flag left out keeps the recipe's)."""
+    return tuple(f"executor.{key}={value}" for key, value in (("kind", kind), ("address", address))
+                 if value is not None)
+
+
 def make_executor(cfg: ExecutorSection):
     """The executor ``cfg`` asks for (Ray imported only here, and only for ``kind: ray``)."""
     return RayExecutor(cfg) if cfg.kind == "ray" else LocalExecutor(cfg)

@@ -28,7 +28,7 @@ from loader.io import write_json_atomic
 from loader.vocab import PRECISIONS
 from prep.errors import MoeprepError
 from prep.executor import Unit
-from prep.methods.decoded import DecodedExperts, original_experts
+from prep.methods.decoded import DecodedExperts, original_experts, save_sequences
 from prep.methods.sensitivity import check_sequences, kl_sweep, spearman, trace_prerank
 from prep.methods.trace import open_trace
 from prep.stages import Stage, StageResult
@@ -129,14 +129,11 @@ def profile_sensitivity(inputs, quantize_dir: Path, packed, trace_dir: Path, cfg
 
     sweep, rho, count = None, None, 0
     if cfg.method == "sweep":
-        from safetensors.torch import save_file
-
         sequences = inputs.sequences
         seqs = check_sequences(sequences if cfg.num_sequences is None else sequences[:cfg.num_sequences])
         count = len(seqs)
         tokens = work / SEQUENCES  # the units read the tokens from here, not through the driver
-        save_file({str(i): s.contiguous() for i, s in enumerate(seqs)}, str(work / f".{SEQUENCES}.tmp"))
-        (work / f".{SEQUENCES}.tmp").replace(tokens)
+        save_sequences(tokens, seqs)
         units = [Unit(name=f"layer-{pos}", output=_layer_file(pos), fn=sweep_layer,
                       args={"position": pos, "quantize_dir": str(Path(quantize_dir).resolve()),
                             "packed": packed.to_json(), "low": low, "sequences": str(tokens.resolve())})

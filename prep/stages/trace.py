@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from prep.errors import MoeprepError
 from prep.executor import Unit
+from prep.methods.decoded import save_sequences
 from prep.methods.trace import (
     INDEX_NAME,
     batch_ranges,
@@ -142,10 +143,8 @@ def trace_units(sequences: list[torch.Tensor], cfg: TraceSection, work: Path) ->
     ranges = batch_ranges(sequences, cfg.batch)  # refuses an empty sequence before any unit runs
     directory = work / UNITS
     directory.mkdir(parents=True, exist_ok=True)
-    tokens, tmp = directory / SEQUENCES, directory / f".{SEQUENCES}.tmp"
-    save_file({str(i): torch.as_tensor(s, dtype=torch.long).reshape(-1).contiguous() for i, s in enumerate(sequences)},
-              str(tmp))
-    tmp.replace(tokens)
+    tokens = directory / SEQUENCES
+    save_sequences(tokens, [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in sequences])
     return [Unit(name=f"batch-{i}", output=f"{UNITS}/batch-{i:05d}.safetensors", fn=trace_batch,
                  args={"sequences": str(tokens.resolve()), "start": start, "stop": stop,
                        "hidden_dtype": cfg.hidden_dtype})

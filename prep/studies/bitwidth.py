@@ -31,7 +31,7 @@ from loader.vocab import BITS
 from prep.errors import MoeprepError
 from prep.evals.compare import evaluate_artifact
 from prep.evals.data import SUITES
-from prep.executor import Unit, UnitPaths, make_executor
+from prep.executor import Unit, UnitPaths, executor_overrides, make_executor
 from prep.pipeline import prepare
 from prep.recipe import load_recipe, recipe_from_dict
 from prep.report import BITWIDTH_PLOT, merge_section
@@ -171,7 +171,7 @@ def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".
     if not tolerances:
         raise MoeprepError("the study needs at least one edgemoe tolerance (--tolerances 0.01,0.03,0.1)")
     output, root = Path(output).resolve(), Path(root).resolve()
-    chosen = tuple(f"executor.{k}={v}" for k, v in (("kind", executor), ("address", ray_address)) if v is not None)
+    chosen = executor_overrides(executor, ray_address)
     loaded = load_recipe(recipe_path, chosen)
     base = loaded.to_dict()
     base.pop("bitwidth")  # each row sets its method; the recipe's own choice (and knobs) must not leak in

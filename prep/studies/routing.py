@@ -38,7 +38,7 @@ from loader.plan import Plan, PolicySpec, read_plan
 from prep.errors import MoeprepError
 from prep.evals.compare import evaluate_artifact
 from prep.evals.data import SUITES
-from prep.executor import Unit, UnitPaths, make_executor
+from prep.executor import Unit, UnitPaths, executor_overrides, make_executor
 from prep.methods.routing_stats import split_thresholds
 from prep.methods.trace import open_trace
 from prep.pipeline import prepare
@@ -148,7 +148,7 @@ def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".
 
     output, root = Path(output).resolve(), Path(root).resolve()
     knobs = DEFAULT_KNOBS if knobs is None else knobs
-    chosen = tuple(f"executor.{k}={v}" for k, v in (("kind", executor), ("address", ray_address)) if v is not None)
+    chosen = executor_overrides(executor, ray_address)
     base = load_recipe(recipe_path, chosen)
     runner = make_executor(base.executor)  # before any work: --executor ray without Ray is one clear error
     try:
