@@ -94,7 +94,7 @@ def _store_summary(manifest) -> dict:
     out = {}
     for precision, store in manifest.stores.items():
         experts = planned.count(precision)
-        out[precision] = {"file": store.file, "experts": experts, "records": len(store.crc32),
+        out[precision] = {"file": store.file, "experts": experts, "records": len(store.xxh3),
                           "record_bytes": store.record_bytes, "expert_bytes": experts * store.record_bytes,
                           "bits_per_weight": round(RecordLayout.from_json(store.layout).bits_per_weight, 4),
                           "layout": "neuron" if store.neuron is not None else "expert"}

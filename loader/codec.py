@@ -9,6 +9,15 @@ the last meta group may be partial): ``scale = q * step + offset``. The offset f
 ``(q - zero) * step``) keeps float16 exact enough when the values' range is small next to their size.
 Passthrough matrices are stored as their raw bytes.
 
+A matrix with ``kernel`` set is stored in the layout a compute kernel reads as it is, so a record read from
+disk is ready to compute with no decode on any thread. ``int4pack`` (``KERNELS``) is torch's CPU int4
+weight-only kernel (``_weight_int4pack_mm_for_cpu``): codes of an [N, K] int4 matrix, N a multiple of 64,
+as ``pack_int4pack`` lays them out (per block of 64 rows and per input column k, 32 bytes: row j's code in
+the low nibble, row j + 32's in the high one), then per group a bfloat16 (scale, zero') pair laid out
+[K/g, N, 2], with ``W = (code - 8) * scale + zero'``. ``kernel_parts`` converts a plain int4 matrix's parts
+into it (``zero' = (8 - zero) * scale``), so the kernel form computes exactly what the loader's made
+``int4pack`` form of the plain record computes.
+
 A matrix with ``rows`` set is *row-interleaved*: row j's codes, scale and zero (and, with meta
 quantization, its one meta group) are contiguous, so any set of rows is a set of byte ranges. The neuron
 layout (CORM) uses it: see ``NeuronLayout``.
@@ -22,7 +31,7 @@ The encoding side (packing codes, joining parts into a record, writing stores) l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,6 +41,8 @@ from loader.vocab import BITS
 # (group_size, meta_group) per precision, as mixtral-offloading/CORM configure hqq: 2 bits needs small
 # groups to stay usable, and 8-bit metadata then keeps them from costing 2 bits per weight.
 DEFAULT_FORMATS = {"int8": (64, 256), "int4": (64, 256), "int3": (64, 256), "int2": (16, 128)}
+KERNELS = ("int4pack",)  # record layouts a compute kernel reads in place (``MatrixSpec.kernel``)
+INT4PACK_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel takes
 META_BITS = 8
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
 
@@ -83,6 +94,40 @@ def packed_nbytes(count: int, bits: int) -> int:
     return count * bits // 8
 
 
+def pack_int4pack(codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """4-bit codes [N, K] (uint8 < 16, N a multiple of 64) -> the int4pack kernel layout [N, K/2]: per block of
+    64 rows and per column k, 32 bytes, byte j holding row j's code (low nibble) and row j + 32's (high)."""
+    n, k = codes.shape
+    out = torch.empty(n, k // 2, dtype=torch.uint8, device=codes.device) if out is None else out
+    rows = codes.view(n // 64, 2, 32, k)
+    torch.bitwise_or(rows[:, 0].transpose(1, 2), rows[:, 1].transpose(1, 2) << 4, out=out.view(n // 64, k, 32))
+    return out
+
+
+def pack_int4pack_nibbles(packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``pack_int4pack`` of codes still packed two per byte along a row (``packed`` [N, K/2], the codec's int4
+    packing) into ``out`` [N, K/2], by byte shuffles without unpacking (the loader's int4pack form of a plain
+    int4 record makes it on every miss)."""
+    n, half = packed.shape
+    blocks = packed.view(n // 64, 2, 32, half)
+    low_rows, high_rows = blocks[:, 0], blocks[:, 1]  # [B, 32, K/2]: rows j and j + 32 of each block
+    target = out.view(n // 64, half, 2, 32)  # [B, K/2, (even k, odd k), j]
+    torch.bitwise_or(low_rows & 15, high_rows << 4, out=target[:, :, 0, :].transpose(1, 2))
+    torch.bitwise_or(low_rows >> 4, high_rows & 0xF0, out=target[:, :, 1, :].transpose(1, 2))
+    return out
+
+
+def unpack_int4pack(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_int4pack``: [N, K/2] in the kernel layout -> codes [N, K] uint8."""
+    n, half = packed.shape
+    k = half * 2
+    blocks = packed.reshape(n // 64, k, 32)
+    codes = torch.empty(n // 64, 2, 32, k, dtype=torch.uint8, device=packed.device)
+    codes[:, 0] = (blocks & 15).transpose(1, 2)
+    codes[:, 1] = (blocks >> 4).transpose(1, 2)
+    return codes.view(n, k)
+
+
 # ---------------------------------------------------------------------------------------- matrices
 
 
@@ -98,6 +143,7 @@ class MatrixSpec:
     transposed: bool = False  # stored as its transpose, so groups run along the input dimension
     meta_group: int = 0  # 0: float16 scale and zero; >0: 8-bit, float16 step and offset per this many groups
     rows: bool = False  # row-interleaved: each row's parts contiguous (meta_group 0 or one meta group per row)
+    kernel: str = ""  # "int4pack": stored in that kernel's layout (``KERNELS``); "": the codec's own parts
 
     @property
     def numel(self) -> int:
@@ -127,6 +173,10 @@ class MatrixSpec:
             return [(f"{self.name}.rows", "uint8", self.shape[0] * self.row_bytes)]
         if self.precision == "passthrough":
             return [(self.name, self.dtype, self.numel * dtype_of(self.dtype).itemsize)]
+        if self.kernel == "int4pack":
+            n, k = self.shape
+            return [(f"{self.name}.packed", "uint8", n * k // 2),
+                    (f"{self.name}.scales_zeros", "bfloat16", k // self.group_size * n * 2 * 2)]
         codes = (f"{self.name}.codes", "uint8", packed_nbytes(self.numel, BITS[self.precision]))
         groups = self.numel // self.group_size
         if not self.meta_group:
@@ -138,6 +188,14 @@ class MatrixSpec:
         )]
 
     def check(self) -> None:
+        if self.kernel:
+            if self.kernel not in KERNELS:
+                raise CodecError(f"{self.name}: kernel layout {self.kernel!r} unknown; known: {KERNELS}")
+            if (self.precision != "int4" or len(self.shape) != 2 or self.rows or self.meta_group
+                    or self.group_size not in INT4PACK_GROUPS or self.shape[0] % 64 or self.shape[1] % self.group_size):
+                raise CodecError(f"{self.name}: the int4pack layout holds int4 2-D matrices with group size in "
+                                 f"{INT4PACK_GROUPS} dividing the input, output rows a multiple of 64, float scales "
+                                 "(meta group 0), not row-interleaved")
         if self.meta_group < 0 or (self.meta_group and self.precision == "passthrough"):
             raise CodecError(f"{self.name}: meta group {self.meta_group} must be 0, or > 0 when quantized")
         if self.rows:
@@ -191,6 +249,18 @@ def decode_matrix(spec: MatrixSpec, parts: dict[str, torch.Tensor], out: torch.T
     if spec.precision == "passthrough":
         w = parts[spec.name].view(out_dtype).reshape(spec.shape)
         return w if out is None else out.copy_(w)
+    if spec.kernel == "int4pack":
+        n, k = spec.shape
+        groups = k // spec.group_size
+        codes = unpack_int4pack(parts[f"{spec.name}.packed"].view(n, k // 2))
+        scale_zero = parts[f"{spec.name}.scales_zeros"].view(torch.bfloat16).view(groups, n, 2).float()
+        w = codes.view(n, groups, spec.group_size).to(torch.float32).sub_(8)
+        w.mul_(scale_zero[..., 0].T[..., None]).add_(scale_zero[..., 1].T[..., None])
+        w = w.view(spec.shape)
+        w = w.T if spec.transposed else w
+        if out is not None:
+            return out.copy_(w)
+        return w if out_dtype == torch.float32 else w.to(out_dtype)
     codes = unpack_codes(parts[f"{spec.name}.codes"], BITS[spec.precision], spec.numel)
     scale, zero = (group_params(spec, parts, kind)[:, None] for kind in ("scale", "zero"))
     w = codes.view(-1, spec.group_size).to(torch.float32)  # in place from here: one float32 buffer
@@ -200,6 +270,29 @@ def decode_matrix(spec: MatrixSpec, parts: dict[str, torch.Tensor], out: torch.T
     if out is not None:
         return out.copy_(w)
     return w if out_dtype == torch.float32 else w.to(out_dtype)
+
+
+def int4pack_applies(spec: MatrixSpec) -> bool:
+    """Whether ``spec`` (plain parts) can be stored in, or made into, the int4pack layout: a quantized 2-D matrix
+    of at most 4 bits, a kernel group size, output rows a multiple of 64 (the layout's blocks)."""
+    return (spec.precision in BITS and BITS[spec.precision] <= 4 and len(spec.shape) == 2 and not spec.rows
+            and not spec.kernel and spec.group_size in INT4PACK_GROUPS and spec.shape[0] % 64 == 0
+            and spec.shape[1] % spec.group_size == 0)
+
+
+def kernel_parts(spec: MatrixSpec, parts: dict[str, torch.Tensor], packed: torch.Tensor,
+                 scales_zeros: torch.Tensor) -> None:
+    """The int4pack parts of the plain quantized matrix ``spec`` written into ``packed`` (uint8 [N, K/2]) and
+    ``scales_zeros`` (bfloat16 [K/g, N, 2]): the one conversion the packager and the loader's made form share."""
+    n, k = spec.shape
+    groups = k // spec.group_size
+    if BITS[spec.precision] == 4:
+        pack_int4pack_nibbles(parts[f"{spec.name}.codes"].view(n, k // 2), packed)
+    else:
+        pack_int4pack(unpack_codes(parts[f"{spec.name}.codes"], BITS[spec.precision], spec.numel).view(n, k), packed)
+    scale = group_params(spec, parts, "scale").view(n, groups)
+    zero = (8 - group_params(spec, parts, "zero").view(n, groups)) * scale
+    scales_zeros.copy_(torch.stack([scale.T, zero.T], -1))
 
 
 # ---------------------------------------------------------------------------------------- records
@@ -244,14 +337,45 @@ class RecordLayout:
     def to_json(self) -> list[dict]:
         return [{"name": s.name, "shape": list(s.shape), "precision": s.precision, "dtype": s.dtype,
                  "group_size": s.group_size, "transposed": s.transposed, "meta_group": s.meta_group}
-                | ({"rows": True} if s.rows else {}) for s in self.matrices]
+                | ({"rows": True} if s.rows else {}) | ({"kernel": s.kernel} if s.kernel else {})
+                for s in self.matrices]
 
     @classmethod
     def from_json(cls, data: list[dict]) -> RecordLayout:
         """Accepts layouts written before ``meta_group`` existed (they mean 0)."""
         return cls(tuple(MatrixSpec(d["name"], tuple(d["shape"]), d["precision"], d["dtype"], d["group_size"],
-                                    d.get("transposed", False), d.get("meta_group", 0), d.get("rows", False))
+                                    d.get("transposed", False), d.get("meta_group", 0), d.get("rows", False),
+                                    d.get("kernel", ""))
                          for d in data))
+
+    @property
+    def kernel(self) -> str:
+        """The kernel layout its quantized matrices are stored in ("" for the codec's own parts)."""
+        return next((spec.kernel for spec in self.matrices if spec.kernel), "")
+
+    def in_kernel_layout(self, kernel: str = "int4pack") -> RecordLayout | None:
+        """This layout with every quantized matrix in ``kernel``'s layout (biases as they are), or None where a
+        matrix does not fit it (only int4 is stored that way: a lower precision would grow to 4 bits)."""
+        quantized = [s for s in self.matrices if s.precision != "passthrough"]
+        if kernel != "int4pack" or not quantized or any(s.precision != "int4" or not int4pack_applies(s)
+                                                         for s in quantized):
+            return None
+        return RecordLayout(tuple(replace(s, kernel=kernel, meta_group=0) if s.precision != "passthrough" else s
+                                  for s in self.matrices))
+
+    def to_kernel(self, kernel_layout: RecordLayout, record: torch.Tensor) -> torch.Tensor:
+        """One record of this layout -> the same expert's record in ``kernel_layout`` (``in_kernel_layout``)."""
+        parts = self.split(record)
+        out = torch.zeros(kernel_layout.nbytes, dtype=torch.uint8)
+        target = kernel_layout.split(out)
+        for spec, kspec in zip(self.matrices, kernel_layout.matrices, strict=True):
+            if not kspec.kernel:
+                target[spec.name].copy_(parts[spec.name])
+                continue
+            n, k = spec.shape
+            kernel_parts(spec, parts, target[f"{spec.name}.packed"].view(n, k // 2),
+                         target[f"{spec.name}.scales_zeros"].view(torch.bfloat16).view(k // spec.group_size, n, 2))
+        return out
 
 
 # ---------------------------------------------------------------------------------------- neuron layout

@@ -1,11 +1,11 @@
-"""The artifact schema (schema_version 2): what a prepared-model directory holds and how it is checked.
+"""The artifact schema (schema_version 5): what a prepared-model directory holds and how it is checked.
 
 This module is the one owner of the format; ``prep`` imports it to write artifacts. An artifact is a
 directory of JSON and safetensors files only (``loader/README.md`` has the full spec):
 
 - ``manifest.json`` (written last: a directory with a manifest is complete): format name, integer
   schema version, producer versions, source model, resolved recipe, the package stage's key, the MoE
-  geometry and module paths, the expert stores (record layout and a crc32 per record), a plan summary,
+  geometry and module paths, the expert stores (record layout and an xxh3_64 per record), a plan summary,
   and every other file with its size and sha256;
 - ``config.json`` + tokenizer files of the source model; ``dense.safetensors`` (all non-expert weights);
 - ``experts-<precision>.safetensors``: one uint8 tensor ``layers.{l}.experts.{e}`` per expert, each a
@@ -25,8 +25,11 @@ Trust, in three layers, each raising ``ArtifactError`` (a ``MoeError``) that nam
   with ``config.json``; ``plan.json`` parses and fits the manifest; every safetensors header is bounded
   by its file and the store headers hold exactly the offsets the manifest implies. ``check_model``
   then checks the manifest's module paths, layouts and the dense weights against the model skeleton,
-  and ``check_record`` checks each record's crc32 as it is read.
-- ``verify``: all of that plus every sha256 and every record's crc32; one line per bad file.
+  and ``check_record`` checks each record's xxh3_64 as it is read.
+- ``verify``: all of that plus every sha256 and every record's xxh3_64; one line per bad file.
+
+Records are checked with xxh3_64 (schema 5; crc32 before): it runs at memory speed, so checking a miss costs a
+small share of reading it.
 """
 
 from __future__ import annotations
@@ -36,14 +39,13 @@ import json
 import math
 import os
 import re
-import zlib
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path, PurePosixPath
 
-from xxhash import xxh3_64_intdigest
+from xxhash import xxh3_64, xxh3_64_intdigest
 
-from loader.codec import BITS, PAIRINGS, CodecError, NeuronLayout, RecordLayout
+from loader.codec import BITS, KERNELS, PAIRINGS, CodecError, NeuronLayout, RecordLayout
 from loader.errors import PREPARE_AGAIN as _PREPARE_AGAIN
 from loader.errors import ArtifactError, MoeError
 from loader.io import hold_for_reading, read_record_offsets, read_safetensors_header, write_json_atomic
@@ -51,10 +53,10 @@ from loader.plan import PLAN_FILE, Plan, read_plan
 from loader.predict import PREDICTORS_FILE, PredictorContext, PredictorError, make_predictor
 
 FORMAT = "moeprep-artifact"
-SCHEMA_VERSION = 4  # 3: a store may hold neuron-layout records (its "neuron" key); 4: with per-block hashes
-READABLE_SCHEMAS = (2, 3, 4)
+SCHEMA_VERSION = 5  # 3: neuron-layout stores; 4: their per-block hashes; 5: xxh3_64 per record, kernel layouts
+READABLE_SCHEMAS = (5,)  # an older artifact has crc32 checks: prepare it again
 ALIGN = 4096
-BLOCK = ALIGN  # the unit of a partial read of a neuron record, each with its own crc32
+BLOCK = ALIGN  # the unit of a partial read of a neuron record, each with its own hash
 MANIFEST = "manifest.json"
 DIGEST = "digest"  # the manifest's own sha256 (``manifest_digest``): the manifest protects itself too
 DIGEST_REQUIRED = True  # every writer seals the manifest through write_manifest
@@ -168,7 +170,7 @@ class StoreInfo:
     file: str
     record_bytes: int
     layout: list  # RecordLayout.to_json()
-    crc32: dict  # expert key -> zlib.crc32 of the record's record_bytes
+    xxh3: dict  # expert key -> xxh3_64 of the record's record_bytes
     neuron: dict | None = None  # neuron layout: {"pairing": "halves" | "interleaved"} (codec.NeuronLayout)
     blocks: str | None = None  # a neuron store's per-block hash file (``block_file``): it is read in part
 
@@ -204,7 +206,7 @@ class Manifest:
 
     @cached_property
     def stores(self) -> dict[str, StoreInfo]:
-        return {p: StoreInfo(p, s["file"], s["record_bytes"], s["layout"], s["crc32"], s.get("neuron"),
+        return {p: StoreInfo(p, s["file"], s["record_bytes"], s["layout"], s["xxh3"], s.get("neuron"),
                              s.get("blocks"))
                 for p, s in self.raw["stores"].items()}
 
@@ -218,7 +220,7 @@ class Manifest:
 
     def store_keys(self, precision: str) -> list[str]:
         """The record keys of one store, in store order (a store may hold only the experts planned at it)."""
-        held = self.stores[precision].crc32
+        held = self.stores[precision].xxh3
         return [key for key in self.expert_keys() if key in held]
 
 
@@ -326,14 +328,14 @@ def _validate(raw, root: Path) -> None:
     stores = c.get(raw, "stores", "", "dict")
     if not stores:
         raise c.fail("stores is empty: an artifact needs at least one expert store")
-    keys = None  # built once a crc32 table shows the count is real (num_experts may claim 2**60)
+    keys = None  # built once a checksum table shows the count is real (num_experts may claim 2**60)
     for precision, store in stores.items():
         where = f"stores.{precision}."
         if precision not in PRECISIONS:
             raise c.fail(f"stores has an unknown precision {precision!r}; known: {PRECISIONS}")
         if not isinstance(store, dict):
             raise c.fail(f"stores.{precision} must be dict")
-        c.only(store, {"file", "record_bytes", "layout", "crc32", "neuron", "blocks"}, f"stores.{precision}")
+        c.only(store, {"file", "record_bytes", "layout", "xxh3", "neuron", "blocks"}, f"stores.{precision}")
         if c.get(store, "file", where, "str") != f"experts-{precision}.safetensors":
             raise c.fail(f"{where}file must be 'experts-{precision}.safetensors', got {store['file']!r}")
         record_bytes = c.get(store, "record_bytes", where, "int")
@@ -365,15 +367,15 @@ def _validate(raw, root: Path) -> None:
         names = {f"{module}.{name}" for module in modules for name in layout_params(layout, neuron is not None)}
         if names != set(params) or len(params) != len(names):
             raise c.fail(f"moe.expert_params do not match the experts modules and the {precision} layout")
-        crc = c.get(store, "crc32", where, "dict")
+        crc = c.get(store, "xxh3", where, "dict")
         if 0 < len(crc) <= len(layers) * n_experts and keys is None:
             keys = {expert_key(layer, e) for layer in layers for e in range(n_experts)}
         if not 0 < len(crc) <= len(layers) * n_experts or not set(crc) <= keys:
-            raise c.fail(f"{where}crc32 must hold one checksum per expert of the store (some of the "
+            raise c.fail(f"{where}xxh3 must hold one checksum per expert of the store (some of the "
                          f"{len(layers) * n_experts}: layers {layers} x {n_experts} experts), it holds {len(crc)} "
                          "that do not match")
-        if not all(_is_int(v) and 0 <= v < 2**32 for v in crc.values()):
-            raise c.fail(f"{where}crc32 values must be unsigned 32-bit integers")
+        if not all(_is_int(v) and 0 <= v < 2**64 for v in crc.values()):
+            raise c.fail(f"{where}xxh3 values must be unsigned 64-bit integers")
 
     files = c.get(raw, "files", "", "dict")
     if not files:
@@ -430,7 +432,9 @@ def _layout(c: _Checker, raw: list, where: str, precision: str, dtype: str) -> R
     for i, d in enumerate(raw):
         if isinstance(d, dict) and d.get("rows") is not True and "rows" in d:
             raise c.fail(f"{where}layout[{i}].rows must be true when present")
-        if (not isinstance(d, dict) or set(d) - {"rows"} != fields or not isinstance(d["name"], str) or not d["name"]
+        if isinstance(d, dict) and "kernel" in d and d["kernel"] not in KERNELS:
+            raise c.fail(f"{where}layout[{i}].kernel must be one of {list(KERNELS)} when present")
+        if (not isinstance(d, dict) or set(d) - {"rows", "kernel"} != fields or not isinstance(d["name"], str) or not d["name"]
                 or not _is_int(d["meta_group"]) or d["meta_group"] < 0
                 or not isinstance(d["shape"], list) or not d["shape"]
                 or not all(_is_int(s) and s > 0 for s in d["shape"])
@@ -565,7 +569,7 @@ def _check_plan(manifest: Manifest, plan: Plan) -> None:
                             f"store for (stores: {sorted(manifest.stores)}); {_PREPARE_AGAIN}", file=PLAN_FILE)
     for pos, (layer, row) in enumerate(zip(moe["layers"], plan.expert_precision, strict=True)):
         for e, precision in enumerate(row):
-            if expert_key(layer, e) not in manifest.stores[precision].crc32:
+            if expert_key(layer, e) not in manifest.stores[precision].xxh3:
                 raise ArtifactError(f"{manifest.root / PLAN_FILE} plans expert {e} of MoE layer {pos} at {precision}, "
                                     f"but the {precision} store has no record of it; {_PREPARE_AGAIN}", file=PLAN_FILE)
 
@@ -683,9 +687,9 @@ def check_predictors(manifest: Manifest, plan: Plan) -> None:
 
 def check_record(manifest: Manifest, precision: str, key: str, data) -> None:
     """Check one record as read (bytes, memoryview, mmap, numpy array or CPU tensor; at least
-    record_bytes long, only the first record_bytes count) against the manifest's crc32."""
+    record_bytes long, only the first record_bytes count) against the manifest's xxh3_64."""
     info = manifest.stores[precision]
-    expected = info.crc32.get(key)
+    expected = info.xxh3.get(key)
     if expected is None:
         raise ArtifactError(f"{info.file} has no record {key} in the manifest; {_PREPARE_AGAIN}", file=info.file)
     if hasattr(data, "numpy"):
@@ -696,10 +700,10 @@ def check_record(manifest: Manifest, precision: str, key: str, data) -> None:
     if view.nbytes < info.record_bytes:
         raise ArtifactError(f"record {key} of {manifest.root / info.file}: {view.nbytes} bytes read, "
                             f"{info.record_bytes} expected (the file is truncated); {_PREPARE_AGAIN}", file=info.file)
-    crc = zlib.crc32(view[: info.record_bytes])
-    if crc != expected:
-        raise ArtifactError(f"record {key} of {manifest.root / info.file} is damaged (crc32 {crc:08x}, the "
-                            f"manifest says {expected:08x}); {_PREPARE_AGAIN}", file=info.file)
+    got = xxh3_64_intdigest(view[: info.record_bytes])
+    if got != expected:
+        raise ArtifactError(f"record {key} of {manifest.root / info.file} is damaged (xxh3_64 {got:016x}, the "
+                            f"manifest says {expected:016x}); {_PREPARE_AGAIN}", file=info.file)
 
 
 def _check_neuron_store(info: StoreInfo, experts, num_experts: int, path: str, fail) -> None:
@@ -788,52 +792,52 @@ def check_model(manifest: Manifest, model) -> None:
 
 
 def _hash_store(manifest: Manifest, precision: str, chunk: int = 1 << 24) -> str | None:
-    """One pass over a store: its sha256 and every record's crc32; the first problem, or None."""
+    """One pass over a store: its sha256 and every record's xxh3_64; the first problem, or None."""
     info = manifest.stores[precision]
     try:
         offsets = store_offsets(manifest, precision)
     except ArtifactError as e:
         return str(e)
     digest = hashlib.sha256()
-    crcs = {}
+    hashes = {}
     blocks = None
     if info.blocks is not None:
         try:
             rows, blocks = read_block_table(manifest, precision)
         except ArtifactError as e:
             return str(e)
-    chunk = -(-chunk // BLOCK) * BLOCK  # whole blocks per read, so each block's crc32 is one call
+    chunk = -(-chunk // BLOCK) * BLOCK  # whole blocks per read, so each block's hash is one call
     bad_blocks = []
     try:
         with open(manifest.path(info.file), "rb") as f:
             start = min(offsets.values())
             digest.update(f.read(start))
             for key in manifest.store_keys(precision):  # records lie in this order, one stride apart
-                crc, left, crc_left, done = 0, info.stride, info.record_bytes, 0
+                record, left, useful_left, done = xxh3_64(), info.stride, info.record_bytes, 0
                 while left:
                     block = f.read(min(chunk, left))
                     if not block:
                         return "truncated"
                     digest.update(block)
-                    if crc_left:
-                        useful = memoryview(block)[:crc_left]
-                        crc = zlib.crc32(useful, crc)
+                    if useful_left:
+                        useful = memoryview(block)[:useful_left]
+                        record.update(useful)
                         if blocks is not None:
                             got = block_hashes(useful)
                             first = done // BLOCK
                             if got != blocks[rows[key], first:first + len(got)].tolist():
                                 bad_blocks.append(key)
-                        crc_left -= len(useful)
+                        useful_left -= len(useful)
                         done += len(useful)
                     left -= len(block)
-                crcs[key] = crc
+                hashes[key] = record.intdigest()
             digest.update(f.read())
     except OSError as e:  # e.g. removed by a concurrent prepare that swapped in a new version
         return f"cannot be read ({e.strerror or e})"
+    if bad := [k for k, v in hashes.items() if v != info.xxh3[k]]:  # first: it names the damaged records
+        return f"xxh3_64 of records {bad[:4]} differ from the manifest (the manifest or the records changed)"
     if digest.hexdigest() != manifest.files[info.file]["sha256"]:
         return "sha256 mismatch (content changed)"
-    if bad := [k for k, v in crcs.items() if v != info.crc32[k]]:
-        return f"crc32 of records {bad[:4]} differ from the manifest (the manifest or the records changed)"
     if bad_blocks:
         return (f"block hashes of records {sorted(set(bad_blocks))[:4]} differ from {info.blocks} (the records or "
                 "the block table changed)")
@@ -841,7 +845,7 @@ def _hash_store(manifest: Manifest, precision: str, chunk: int = 1 << 24) -> str
 
 
 def verify(artifact: str | Path) -> list[str]:
-    """Full check: every ``open_artifact`` check plus every sha256 and every record's crc32.
+    """Full check: every ``open_artifact`` check plus every sha256 and every record's xxh3_64.
 
     Returns one line ``<file>: <problem>`` per bad file (empty when sound); never raises for a bad artifact.
     It holds the version it reads (``hold_for_reading``), so a ``prepare`` that swaps in a new one meanwhile

@@ -10,10 +10,12 @@ The forms (``FORMS``: name -> factory(layout, device) -> form, or None where it 
 - ``record``: the record as stored. Plain matrices (passthrough) compute from views of it; a quantized
   record is decoded on every use (``packed``: the smallest slot, the slowest compute);
 - ``float32`` / ``bfloat16`` / ``float16`` (``DecodedForm``): the matrices decoded once, in that dtype;
-- ``int4pack`` (``Int4PackForm``): the codes repacked for torch's CPU int4 weight-only kernel
-  (``_weight_int4pack_mm_for_cpu``), which reads them packed; scale and zero per group in bfloat16 and
-  activations in bfloat16. It takes records of at most 4 bits with groups of 32-256 and output sizes that
-  are multiples of 16. The codec's ``(code - zero) * scale`` is the kernel's ``(code - 8) * scale + zero'``
+- ``int4pack``: torch's CPU int4 weight-only kernel (``_weight_int4pack_mm_for_cpu``), which reads the codes
+  packed; scale and zero' per group in bfloat16 and activations in bfloat16. A record stored in the kernel
+  layout (``loader/codec.py``, the packager's choice for int4 on a CPU target) is the form itself
+  (``Int4KernelForm``: a read lands in the slot ready to compute, nothing is made); from a plain record of at
+  most 4 bits with groups of 32-256 and output sizes that are multiples of 16 the reader makes it
+  (``Int4PackForm``). The codec's ``(code - zero) * scale`` is the kernel's ``(code - 8) * scale + zero'``
   with ``zero' = (8 - zero) * scale``.
 
 The form is fixed before the run (``choose_form``): from ``load(expert_dtype=...)``, else the environment
@@ -37,13 +39,20 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from loader.codec import RecordLayout, decode_matrix, group_params, unpack_codes
+from loader.codec import (
+    INT4PACK_GROUPS,
+    RecordLayout,
+    decode_matrix,
+    group_params,
+    kernel_parts,
+    pack_int4pack,
+    unpack_codes,
+)
 from loader.errors import LoaderError
 from loader.vocab import BITS, EXPERT_DTYPES
 
 ENV = "MOEPREP_EXPERT_DTYPE"
 ALIGN = 64
-INT4PACK_GROUPS = (32, 64, 128, 256)
 
 
 class KernelError(LoaderError):
@@ -212,46 +221,36 @@ def _int4pack_works() -> bool:
 
 
 def int4pack_fits(layout: RecordLayout) -> bool:
-    """Whether every matrix of the layout can take the int4 form: quantized 2-D matrices of at most 4 bits
-    with a supported group and an output size that is a multiple of 16, and 1-D biases."""
+    """Whether every matrix of the layout can take the int4 form: stored in the int4pack kernel layout, or
+    quantized 2-D matrices of at most 4 bits with a supported group and an output size that is a multiple of
+    16; and 1-D biases."""
     for spec in layout.matrices:
         if len(spec.shape) == 1 and spec.precision == "passthrough":
             continue
+        if spec.kernel == "int4pack":
+            continue
         if spec.precision not in BITS or BITS[spec.precision] > 4 or spec.rows or len(spec.shape) != 2 \
-                or spec.group_size not in INT4PACK_GROUPS or spec.shape[0] % 16 or spec.shape[1] % spec.group_size:
+                or spec.kernel or spec.group_size not in INT4PACK_GROUPS or spec.shape[0] % 16 \
+                or spec.shape[1] % spec.group_size:
             return False
     return True
 
 
-def repack_nibbles(codes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """4-bit codes packed two per byte along a row (``codes`` [N, K/2], N a multiple of 64) -> torch's CPU
-    int4pack layout in ``out`` [N, K/2], without unpacking: per block of 64 rows and per input column k, byte
-    j holds row j's code (low nibble) and row j+32's (high). Byte shuffles on the packed bytes replace the
-    unpack, the int32 copy and the convert op of the general path (the repack runs on every miss)."""
-    n, half = codes.shape
-    blocks = codes.view(n // 64, 2, 32, half)
-    low_rows, high_rows = blocks[:, 0], blocks[:, 1]  # [B, 32, K/2]: rows j and j + 32 of each block
-    target = out.view(n // 64, half, 2, 32)  # [B, K/2, (even k, odd k), j]
-    torch.bitwise_or(low_rows & 15, high_rows << 4, out=target[:, :, 0, :].transpose(1, 2))
-    torch.bitwise_or(low_rows >> 4, high_rows & 0xF0, out=target[:, :, 1, :].transpose(1, 2))
-    return out
-
-
 @functools.cache
 def _nibble_repack_matches() -> bool:
-    """Whether this torch build's int4pack layout is the one ``repack_nibbles`` writes (checked once against
-    the convert op on a random 128 x 64 matrix; a build with another layout takes the general path)."""
+    """Whether this torch build's int4pack layout is the codec's (``loader.codec.pack_int4pack``), checked once
+    against the convert op on a random 128 x 64 matrix. A build with another layout makes the form with the
+    convert op, and computes a kernel-layout record from its decoded matrices."""
     if not _int4pack_works():
         return False
     codes = torch.randint(0, 16, (128, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
     want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
-    return torch.equal(repack_nibbles(packed, torch.empty_like(packed)), want)
+    return torch.equal(pack_int4pack(codes), want)
 
 
 @dataclass(frozen=True)
 class Int4PackForm:
-    """Where each matrix's int4 form lives inside the slot."""
+    """Where each matrix's int4 form lives inside the slot; made from a plain record on a reader thread."""
 
     layout: RecordLayout
     name = "int4pack"
@@ -290,23 +289,67 @@ class Int4PackForm:
             n, k = spec.shape
             groups = k // spec.group_size
             packed = region[offset:offset + packed_bytes].view(n, k // 2)
-            if BITS[spec.precision] == 4 and n % 64 == 0 and _nibble_repack_matches():
-                repack_nibbles(parts[f"{name}.codes"].view(n, k // 2), packed)
+            start = offset + _aligned(packed_bytes)
+            scales_zeros = region[start:start + scale_bytes].view(torch.bfloat16).view(groups, n, 2)
+            if n % 64 == 0 and _nibble_repack_matches():
+                kernel_parts(spec, parts, packed, scales_zeros)
             else:
                 codes = unpack_codes(parts[f"{name}.codes"], BITS[spec.precision], spec.numel).view(n, k)
                 packed.copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2))
-            scale = group_params(spec, parts, "scale").view(n, groups)
-            zero = (8 - group_params(spec, parts, "zero").view(n, groups)) * scale
-            start = offset + _aligned(packed_bytes)
-            scales_zeros = region[start:start + scale_bytes].view(torch.bfloat16).view(groups, n, 2)
-            scales_zeros.copy_(torch.stack([scale.T, zero.T], -1))
+                scale = group_params(spec, parts, "scale").view(n, groups)
+                zero = (8 - group_params(spec, parts, "zero").view(n, groups)) * scale
+                scales_zeros.copy_(torch.stack([scale.T, zero.T], -1))
             matrices[name] = (packed, scales_zeros, spec.group_size)
         return Int4Weights(matrices, vectors)
 
     def forward(self, module, weights: Int4Weights, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.bfloat16)
-        gate_up = weights.linear("gate_up_proj", x)
-        return weights.linear("down_proj", module._apply_gate(gate_up))
+        return int4_forward(module, weights, x)
+
+
+def int4_forward(module, weights: Int4Weights, x: torch.Tensor) -> torch.Tensor:
+    x = x.to(torch.bfloat16)
+    gate_up = weights.linear("gate_up_proj", x)
+    return weights.linear("down_proj", module._apply_gate(gate_up))
+
+
+@dataclass(frozen=True)
+class Int4KernelForm:
+    """A record stored in the int4pack kernel layout (``loader/codec.py``): the record is the form. A read lands
+    in the slot ready to compute; ``make`` only takes views of it (no decode, no copy), on the reader thread."""
+
+    layout: RecordLayout
+    name = "int4pack"
+    staged = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+    def make(self, record: torch.Tensor, region: torch.Tensor | None = None) -> Int4Weights:
+        parts = self.layout.split(record)
+        matrices, vectors = {}, {}
+        for spec in self.layout.matrices:
+            if not spec.kernel:  # a bias: bfloat16 like the kernel's output (a copy of one row)
+                vectors[spec.name] = decode_matrix(spec, parts).to(torch.bfloat16)
+                continue
+            n, k = spec.shape
+            matrices[spec.name] = (parts[f"{spec.name}.packed"].view(n, k // 2),
+                                   parts[f"{spec.name}.scales_zeros"].view(torch.bfloat16).view(
+                                       k // spec.group_size, n, 2), spec.group_size)
+        return Int4Weights(matrices, vectors)
+
+    def forward(self, module, weights: Int4Weights, x: torch.Tensor) -> torch.Tensor:
+        return int4_forward(module, weights, x)
+
+
+def _int4pack(layout: RecordLayout, device: torch.device):
+    """The int4 form where the kernel runs here: the record itself when stored in the kernel layout (and this
+    torch build reads that layout), else made from the record; None where it does not apply."""
+    if not int4pack_available(device) or not int4pack_fits(layout):
+        return None
+    if layout.kernel == "int4pack":
+        return Int4KernelForm(layout) if _nibble_repack_matches() else None
+    return Int4PackForm(layout)
 
 
 # ------------------------------------------------------------------------------------------ registry
@@ -321,8 +364,7 @@ FORMS = {
     "float32": _decoded(torch.float32),
     "bfloat16": _decoded(torch.bfloat16),
     "float16": _decoded(torch.float16),
-    "int4pack": lambda layout, device: Int4PackForm(layout) if int4pack_available(device) and int4pack_fits(layout)
-    else None,
+    "int4pack": _int4pack,
 }
 
 

@@ -196,6 +196,12 @@ class LoadedModel:
                         "decode_seconds": rt.counters.make_seconds, "cpu_misses": rt.cpu_misses,
                         "cpu_computed": rt.counters.cpu_computed,
                         "miss_costs": rt.miss_costs.to_json() if rt.miss_costs else None},
+            # whole records read from the disk, and the reader threads' seconds per part of a miss: the read call,
+            # checking its xxh3_64, making its held form (0 where the record is stored in the form's layout)
+            "reads": {"records": sum(s.records_read for s in rt.stores.values()),
+                      "read_seconds": sum(s.read_seconds for s in rt.stores.values()),
+                      "check_seconds": sum(s.record_check_seconds for s in rt.stores.values()),
+                      "make_seconds": rt.counters.make_seconds, "forms_made": rt.counters.decodes},
             # decode steps: MoE layer calls and the seconds in them, in expert compute, waiting for reads, and
             # the rest (the loader's own overhead)
             "decode_timing": rt.counters.timing.to_json(),

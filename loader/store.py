@@ -4,7 +4,7 @@ One ``ExpertStore`` per precision (``experts-<precision>.safetensors``). ``disk`
 artifact file with positioned reads that bypass the page cache (O_DIRECT when the filesystem allows
 it, else plain reads followed by ``posix_fadvise(DONTNEED)``), so a miss costs what it costs on a
 device reading from flash; ``host`` mode reads the whole store into RAM once at load (pinned memory on
-a GPU, so a miss is one asynchronous copy straight from it) and checks each record's crc32 the first time
+a GPU, so a miss is one asynchronous copy straight from it) and checks each record's xxh3_64 the first time
 it is used; the runtime reports those bytes beside the budget.
 
 Records land in memory allocated once (``SlotArena``: page-aligned, so O_DIRECT reads straight into
@@ -18,7 +18,7 @@ no host synchronization per expert.
 
 ``Reader`` runs the reads on worker threads from one priority queue: demand reads before queued
 prefetch reads; a queued prefetch can be cancelled, and a demand for a queued prefetch promotes it.
-Every full-record read is checked against the record's crc32 from the manifest (``check``).
+Every full-record read is checked against the record's xxh3_64 from the manifest (``check``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class ExpertStore:
     def __init__(self, path: str | Path, precision: str, mode: str = "disk",
                  check: Callable[[str, memoryview], None] | None = None, pinned: bool = False,
                  blocks: tuple[dict, object] | None = None) -> None:
-        """check(key, data): raises when a full record read does not match the manifest (its crc32).
+        """check(key, data): raises when a full record read does not match the manifest (its xxh3_64).
         pinned: host mode holds the store in page-locked memory (a GPU's copies then run asynchronously).
         blocks: a neuron store's (record key -> row, uint64 [records, blocks]) xxh3 hash of every 4 KiB block
         (``loader.format.read_block_table``): its partial reads cover whole blocks, each checked."""
@@ -67,9 +67,14 @@ class ExpertStore:
                                 "Copy the artifact again or rerun `moeprep prepare`")
         self.direct_io = False
         self._host: torch.Tensor | None = None
-        self._checked: set = set()  # host mode: records (and blocks) whose crc32 matched (private RAM: once is enough)
+        self._checked: set = set()  # host mode: records (and blocks) whose hash matched (private RAM: once is enough)
         self.block_rows, self.blocks = blocks if blocks is not None else (None, None)
         self.check_seconds = 0.0  # spent checking the blocks of partial reads
+        # whole-record reads from the disk: how many, the seconds in the read calls and in checking their hashes
+        # (the reader threads add to them; a float add under the GIL loses nothing)
+        self.records_read = 0
+        self.read_seconds = 0.0
+        self.record_check_seconds = 0.0
         self._fd = -1
         self._plain_fd = -1
         if mode == "host":
@@ -140,7 +145,7 @@ class ExpertStore:
 
     def read_into(self, key: str, dest: memoryview, start: int = 0, length: int | None = None) -> int:
         """Read bytes [start, start + length) of record ``key`` into ``dest`` (host memory); returns the
-        number of useful bytes. A full-record read is checked against the manifest's crc32."""
+        number of useful bytes. A full-record read is checked against the manifest's xxh3_64."""
         length = self.record_bytes - start if length is None else length
         if start < 0 or length <= 0 or start + length > self.record_bytes:
             raise ArtifactError(f"byte range [{start}, {start + length}) is outside the {self.record_bytes}-byte "
@@ -153,6 +158,7 @@ class ExpertStore:
                 self._check_blocks(key, memoryview(self._host.numpy())[offset:offset + length], start, once=True)
             dest[:length] = memoryview(self._host.numpy())[offset:offset + length]
             return length
+        began = time.perf_counter()
         aligned = self.direct_io and start % 4096 == 0 and len(dest) >= -(-length // 4096) * 4096
         if aligned:
             span = -(-length // 4096) * 4096
@@ -165,8 +171,12 @@ class ExpertStore:
             raise ArtifactError(f"{self.path.name}: short read at {key}; the file is truncated. "
                                 "Copy the artifact again or rerun `moeprep prepare`")
         if start == 0 and length == self.record_bytes:
+            read = time.perf_counter()
             if self.check is not None:
                 self.check(key, dest[:length])
+            self.records_read += 1
+            self.read_seconds += read - began
+            self.record_check_seconds += time.perf_counter() - read
         else:
             self._check_blocks(key, dest[:length], start)
         return length
@@ -196,7 +206,7 @@ class ExpertStore:
         self.check_seconds += time.perf_counter() - began
 
     def host_record(self, key: str) -> torch.Tensor | None:
-        """Record ``key`` as a view of the host copy (host mode; None on disk), checked against its crc32 the
+        """Record ``key`` as a view of the host copy (host mode; None on disk), checked against its xxh3_64 the
         first time."""
         if self._host is None:
             return None
@@ -209,7 +219,7 @@ class ExpertStore:
 
     def host_slice(self, key: str, start: int = 0, length: int | None = None) -> torch.Tensor | None:
         """Bytes [start, start + length) of record ``key`` in the host copy (host mode; None on disk); a whole
-        record is checked against its crc32 the first time."""
+        record is checked against its xxh3_64 the first time."""
         if self._host is None:
             return None
         length = self.record_bytes - start if length is None else length

@@ -6,8 +6,8 @@ stores (``loader/format.py``: ``read_record_offsets``); everything that produces
 A store is uint8 records in a safetensors file whose every tensor starts on a 4 KiB boundary. Each
 record is padded to a multiple of 4 KiB and the JSON header is padded with spaces (allowed by the
 safetensors format) so the data section starts on a boundary too; O_DIRECT can then read a record
-without a bounce copy. The crc32 of each record goes into the manifest, so the loader can check every
-record it reads.
+without a bounce copy. The xxh3_64 of each record goes into the manifest, so the loader can check every
+record it reads at memory speed.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import os
 import struct
-import zlib
 from pathlib import Path
 
 import torch
 
 from loader.codec import CodecError, RecordLayout
+from xxhash import xxh3_64_intdigest
+
 from loader.format import ALIGN, block_hashes
 from loader.io import atomic_file
 from prep.errors import MoeprepError
@@ -68,7 +69,7 @@ def join_record(layout: RecordLayout, parts: dict[str, torch.Tensor]) -> torch.T
 
 def write_aligned_records(path: Path, records: dict[str, bytes | memoryview], record_bytes: int,
                           blocks: list | None = None) -> dict[str, int]:
-    """Write ``records`` (name -> exactly ``record_bytes`` bytes) to ``path``; returns {name: crc32}. ``blocks``:
+    """Write ``records`` (name -> exactly ``record_bytes`` bytes) to ``path``; returns {name: xxh3_64}. ``blocks``:
     a list to append each record's per-4 KiB-block hashes to (``loader.format.block_hashes``), in record order."""
     stride = -(-record_bytes // ALIGN) * ALIGN
     header: dict = {"__metadata__": {"record_bytes": str(record_bytes), "stride": str(stride)}}
@@ -86,7 +87,7 @@ def write_aligned_records(path: Path, records: dict[str, bytes | memoryview], re
             if len(record) != record_bytes:
                 raise MoeprepError(f"record {key} has {len(record)} bytes in a store of {record_bytes}-byte "
                                    "records; the quantize stage result is damaged, rerun with --force quantize")
-            crcs[key] = zlib.crc32(record)
+            crcs[key] = xxh3_64_intdigest(record)
             if blocks is not None:
                 blocks.append(block_hashes(record))
             f.write(record)

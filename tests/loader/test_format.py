@@ -101,7 +101,7 @@ def _store(artifact: Path) -> Path:
 def test_the_sound_artifact_passes_every_check(built):
     manifest = open_artifact(built)
     assert verify(built) == [] and manifest.plan is not None
-    assert manifest.raw["schema_version"] == SCHEMA_VERSION == 4 and manifest.root == built
+    assert manifest.raw["schema_version"] == SCHEMA_VERSION == 5 and manifest.root == built
     config = AutoConfig.from_pretrained(manifest.root)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -197,7 +197,7 @@ def test_flipped_record_bytes_are_caught_at_read(artifact):
     check_record(manifest, precision, key, data)  # sound: nothing raised
     check_record(manifest, precision, key, torch.frombuffer(bytearray(data), dtype=torch.uint8))
     data[17] ^= 0x10
-    with pytest.raises(ArtifactError, match=rf"record {key} of .* is damaged \(crc32"):
+    with pytest.raises(ArtifactError, match=rf"record {key} of .* is damaged \(xxh3_64"):
         check_record(manifest, precision, key, data)
     with pytest.raises(ArtifactError, match="truncated"):
         check_record(manifest, precision, key, bytes(info.record_bytes - 1))
@@ -205,20 +205,21 @@ def test_flipped_record_bytes_are_caught_at_read(artifact):
     store[offsets[key] + 17] ^= 0x10
     _store(artifact).write_bytes(bytes(store))
     open_artifact(artifact)  # the store is not hashed at load: each record is checked as it is read
-    assert verify(artifact) == [f"{_store(artifact).name}: sha256 mismatch (content changed)"]
+    assert verify(artifact) == [f"{_store(artifact).name}: xxh3_64 of records ['{key}'] differ from the manifest "
+                                "(the manifest or the records changed)"]
     # the reproduction: generate used to print text from flipped expert bytes and exit 0
     for offset in offsets.values():  # one flipped byte in every record: whichever is read first fails
         store[offset + 5] ^= 0x01
     _store(artifact).write_bytes(bytes(store))
     result = CliRunner().invoke(moeload, ["generate", str(artifact), "--prompt", "abc", "--max-new-tokens", "2"])
-    assert result.exit_code == 1 and "error: record layers." in result.output and "crc32" in result.output
+    assert result.exit_code == 1 and "error: record layers." in result.output and "xxh3_64" in result.output
 
 
 def test_an_edited_crc_is_caught_by_verify(artifact):
     key = "layers.1.experts.2"
-    _edit(artifact, lambda raw: raw["stores"]["int4"]["crc32"].update({key: (raw["stores"]["int4"]["crc32"][key] + 1)
+    _edit(artifact, lambda raw: raw["stores"]["int4"]["xxh3"].update({key: (raw["stores"]["int4"]["xxh3"][key] + 1)
                                                                       % 2**32}))
-    assert verify(artifact) == [f"{_store(artifact).name}: crc32 of records ['{key}'] differ from the manifest "
+    assert verify(artifact) == [f"{_store(artifact).name}: xxh3_64 of records ['{key}'] differ from the manifest "
                                 "(the manifest or the records changed)"]
 
 
@@ -273,11 +274,11 @@ def test_a_hand_edited_manifest_is_refused_by_its_digest(artifact):
     _edit(artifact, lambda raw: None)  # sealed, as package writes it
     raw = _manifest(artifact)
     key = "layers.0.experts.1"
-    raw["stores"]["int4"]["crc32"][key] ^= 1
+    raw["stores"]["int4"]["xxh3"][key] ^= 1
     (artifact / "manifest.json").write_text(json.dumps(raw, indent=4, sort_keys=True))
     bad = _refused(artifact, "does not match its digest")
     assert bad[0].startswith("manifest.json:")
-    raw["stores"]["int4"]["crc32"][key] ^= 1
+    raw["stores"]["int4"]["xxh3"][key] ^= 1
     (artifact / "manifest.json").write_text(json.dumps(raw))  # any formatting of the same content is fine
     assert verify(artifact) == []
     if DIGEST_REQUIRED:  # once package seals every manifest, an unsealed one is refused too
@@ -289,7 +290,7 @@ def test_a_hand_edited_manifest_is_refused_by_its_digest(artifact):
 # ------------------------------------------------------------------------------ malformed input (item 7)
 
 
-@pytest.mark.parametrize("value", [True, 1, "3", 3.0, None, 5])
+@pytest.mark.parametrize("value", [True, 1, "3", 5.0, None, 6])
 def test_schema_version_must_be_a_readable_integer(artifact, value):
     _edit(artifact, lambda raw: raw.update(schema_version=value))
     with pytest.raises(ArtifactError, match="schema_version") as err:
@@ -305,9 +306,9 @@ def test_schema_version_must_be_a_readable_integer(artifact, value):
     (lambda raw: raw["moe"].update(layers=[True, 1]), "moe.layers must be"),
     (lambda raw: raw.pop("package_key"), "package_key is missing"),
     (lambda raw: raw["files"]["config.json"].update(bytes=True), r"files\['config.json'\].bytes must be int"),
-    (lambda raw: raw["stores"]["int4"]["crc32"].update({"layers.9.experts.0": 1}), "one checksum per expert"),
-    (lambda raw: raw["stores"]["int4"].update(crc32={}), "one checksum per expert"),
-    (lambda raw: raw["stores"]["int4"]["crc32"].update({"layers.0.experts.0": -1}), "unsigned 32-bit"),
+    (lambda raw: raw["stores"]["int4"]["xxh3"].update({"layers.9.experts.0": 1}), "one checksum per expert"),
+    (lambda raw: raw["stores"]["int4"].update(xxh3={}), "one checksum per expert"),
+    (lambda raw: raw["stores"]["int4"]["xxh3"].update({"layers.0.experts.0": -1}), "unsigned 64-bit"),
     (lambda raw: raw.update(extra=1), r"unknown keys \['extra'\]"),
     (lambda raw: raw["moe"].update(experts_modules=raw["moe"]["experts_modules"][::-1]), "not a module of layer"),
 ])
@@ -320,7 +321,7 @@ def test_missing_and_mistyped_keys_are_named(artifact, change, named):
 
 def test_an_expert_the_plan_needs_but_its_store_lacks_is_refused_at_open(artifact):
     """A store may hold a subset of the experts (mixed precisions), but never fewer than the plan reads."""
-    _edit(artifact, lambda raw: raw["stores"]["int4"]["crc32"].pop("layers.0.experts.0"))
+    _edit(artifact, lambda raw: raw["stores"]["int4"]["xxh3"].pop("layers.0.experts.0"))
     with pytest.raises(ArtifactError, match="plans expert 0 of MoE layer 0 at int4, but the int4 store has no record"):
         open_artifact(artifact)
 
@@ -380,11 +381,13 @@ def test_invalid_json_gets_one_error_naming_the_file(artifact, name):
         assert result.exit_code == 1 and "report.json" in result.output and "not valid JSON" in result.output
 
 
-def test_schema_2_artifacts_still_open(artifact):
-    """Schema 3 only adds neuron stores: an artifact written as schema 2 (no neuron store) still loads."""
-    _edit(artifact, lambda raw: raw.update(schema_version=2))
-    assert read_manifest(artifact).raw["schema_version"] == 2
-    assert verify(artifact) == []
+@pytest.mark.parametrize("version", [2, 3, 4])
+def test_artifacts_of_an_older_schema_are_refused_with_the_fix(artifact, version):
+    """Schema 5 checks records with xxh3_64 where 2-4 had crc32: an older artifact is prepared again."""
+    _edit(artifact, lambda raw: raw.update(schema_version=version))
+    with pytest.raises(ArtifactError, match="re-run `moeprep prepare`"):
+        read_manifest(artifact)
+    assert verify(artifact)[0].startswith("manifest.json:")
 
 
 def test_version_1_artifacts_are_refused_with_the_fix(artifact):
@@ -409,10 +412,12 @@ def test_generate_input_edges(built, args, message):
     assert result.exit_code == 1 and result.output.startswith("error: ") and message in result.output
 
 
-def test_crc_is_the_zlib_crc_of_the_record_bytes(built):
-    """The manifest's crc32 is plain zlib.crc32 over record_bytes (what prep.quant.records writes)."""
+def test_the_record_hash_is_the_xxh3_64_of_the_record_bytes(built):
+    """The manifest's xxh3 is plain xxh3_64 over record_bytes (what prep.quant.records writes)."""
+    from xxhash import xxh3_64_intdigest
+
     manifest = open_artifact(built)
     (precision, info), = manifest.stores.items()
     raw = _store(built).read_bytes()
     for key, offset in store_offsets(manifest, precision).items():
-        assert zlib.crc32(raw[offset:offset + info.record_bytes]) == info.crc32[key]
+        assert xxh3_64_intdigest(raw[offset:offset + info.record_bytes]) == info.xxh3[key]

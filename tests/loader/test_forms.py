@@ -425,7 +425,8 @@ def test_cuda_held_forms_and_cpu_misses_give_the_decoded_models_logits(tmp_path_
 def test_the_nibble_repack_writes_torchs_int4pack_layout():
     """The repack from packed codes equals torch's convert op from the unpacked codes (on this build)."""
     from loader.codec import unpack_codes
-    from loader.forms import _nibble_repack_matches, repack_nibbles
+    from loader.codec import pack_int4pack, pack_int4pack_nibbles, unpack_int4pack
+    from loader.forms import _nibble_repack_matches
     from prep.quant.records import pack_codes
 
     assert _nibble_repack_matches()
@@ -435,7 +436,66 @@ def test_the_nibble_repack_writes_torchs_int4pack_layout():
         packed = pack_codes(codes.flatten(), 4).view(n, k // 2)
         assert torch.equal(unpack_codes(packed, 4, n * k).view(n, k), codes)  # the record's own packing
         want = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
-        assert torch.equal(repack_nibbles(packed, torch.empty(n, k // 2, dtype=torch.uint8)), want), (n, k)
+        assert torch.equal(pack_int4pack_nibbles(packed, torch.empty(n, k // 2, dtype=torch.uint8)), want), (n, k)
+        assert torch.equal(pack_int4pack(codes), want), (n, k)
+        assert torch.equal(unpack_int4pack(want), codes), (n, k)  # the kernel layout decodes to the same codes
+
+
+@needs_int4pack
+@pytest.mark.parametrize("meta_group,transposed,bias", [(0, False, False), (256, False, True), (0, True, False)])
+def test_a_kernel_layout_record_is_the_made_int4pack_form(meta_group, transposed, bias):
+    """A record stored in the int4pack kernel layout holds byte for byte what the reader makes from the plain
+    record, computes from views of itself (nothing staged, nothing made) exactly as the made form does, and
+    decodes (for every other form) to the matrices the kernel computes with."""
+    from loader.forms import Int4KernelForm, choose_form
+
+    torch.manual_seed(2)
+    tensors = {"gate_up_proj": torch.randn(128, 128) * 0.1, "down_proj": torch.randn(64, 64) * 0.1}
+    if transposed:
+        tensors = {"gate_up_proj": torch.randn(128, 128) * 0.1, "down_proj": torch.randn(64, 64) * 0.1}
+    if bias:
+        tensors["down_proj_bias"] = torch.randn(64)
+    layout, record = encode_expert(tensors, "int4", 64, transposed, meta_group)
+    kernel = layout.in_kernel_layout()
+    assert kernel is not None and kernel.kernel == "int4pack"
+    krecord = layout.to_kernel(kernel, record)
+    made_form = Int4PackForm(layout)
+    region = torch.zeros(made_form.nbytes, dtype=torch.uint8)
+    made = made_form.make(record, region)
+    form = choose_form("int4pack", kernel, torch.device("cpu"))
+    assert isinstance(form, Int4KernelForm) and not form.staged and form.nbytes == kernel.nbytes
+    for spec in kernel.matrices:
+        if spec.kernel:
+            name, (offset, size) = spec.name, next((o, n) for p, _d, o, n in kernel.parts()
+                                                   if p == f"{spec.name}.packed")
+            assert torch.equal(krecord[offset:offset + size], made.matrices[name][0].flatten())
+    weights = form.make(krecord)
+    assert weights.matrices["gate_up_proj"][0].data_ptr() == krecord.data_ptr()  # a view of the record: no copy
+    decoded = kernel.decode(krecord)
+    for name in ("gate_up_proj", "down_proj"):
+        w = decoded[name].T if transposed else decoded[name]  # [out, in]
+        x = torch.randn(3, w.shape[1]).to(torch.bfloat16)
+        assert torch.equal(weights.linear(name, x), made.linear(name, x)), name
+        want = x.float() @ w.T + (decoded[f"{name}_bias"] if f"{name}_bias" in decoded else 0)
+        got = weights.linear(name, x).float()
+        assert float((got - want).norm() / want.norm()) < 1e-2, name
+    # the plain record's decode differs from the kernel layout's only by bfloat16 (scale, zero')
+    plain = layout.decode(record)
+    for name in ("gate_up_proj", "down_proj"):
+        assert float((plain[name] - decoded[name]).abs().max()) < 0.02 * float(plain[name].abs().max())
+
+
+def test_kernel_layout_applies_to_int4_only_and_refuses_a_bad_spec():
+    from loader.codec import CodecError, MatrixSpec
+
+    tensors = {"gate_up_proj": torch.randn(128, 64), "down_proj": torch.randn(64, 64)}
+    assert encode_expert(tensors, "int4", 64)[0].in_kernel_layout() is not None
+    assert encode_expert(tensors, "int3", 64)[0].in_kernel_layout() is None  # would grow to 4 bits
+    assert encode_expert({"w": torch.randn(96, 64)}, "int4", 64)[0].in_kernel_layout() is None  # rows % 64
+    with pytest.raises(CodecError, match="int4pack layout holds int4"):
+        MatrixSpec("w", (64, 64), "int3", "float32", 64, kernel="int4pack").check()
+    with pytest.raises(CodecError, match="unknown"):
+        MatrixSpec("w", (64, 64), "int4", "float32", 64, kernel="int9pack").check()
 
 
 def test_threads_are_set_while_loaded_and_restored_on_close(tmp_path_factory):

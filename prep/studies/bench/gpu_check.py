@@ -132,11 +132,15 @@ def run_bench(check: Check, python: str, root: Path, env: dict, work: Path, trac
         check.state["bench"][store] = {"error": f"not run: {left:.0f} s of the lease left"}
         check.step(f"bench {store}")
         return
+    log = check.out / f"bench-{store}.log"  # kept whole, so a run the lease cuts off still says where it was
     try:
-        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=left)
-        status = {"exit": done.returncode, "log_tail": (done.stdout + done.stderr)[-1500:]}
+        with open(log, "w") as sink:
+            done = subprocess.run(command, cwd=root, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True,
+                                  timeout=left)
+        status = {"exit": done.returncode, "log_tail": _tail(log)}
     except subprocess.TimeoutExpired:
-        status = {"exit": None, "log_tail": f"stopped after {left:.0f} s (the lease); raw.json has the runs so far"}
+        status = {"exit": None, "log_tail": f"stopped after {left:.0f} s (the lease); raw.json has the runs so far. "
+                                            f"Its log ends: {_tail(log, 600)}"}
     keep = check.out / f"bench-{store}"
     keep.mkdir(parents=True, exist_ok=True)
     for name in ("bench.md", "bench.json", "work/raw.json", "device.json"):
@@ -144,6 +148,12 @@ def run_bench(check: Check, python: str, root: Path, env: dict, work: Path, trac
             shutil.copy2(output / name, keep / Path(name).name)
     check.state["bench"][store] = status | summarize(keep)
     check.step(f"bench {store}")
+
+
+def _tail(path: Path, chars: int = 1500) -> str:
+    """The last ``chars`` characters of a log, progress bars' carriage returns folded into lines."""
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    return text.replace("\r", "\n")[-chars:]
 
 
 def _median(values: list[float]) -> float | None:

@@ -31,6 +31,13 @@ CITED_ACCURACY = {
 }
 
 
+def _per_miss(parts: dict | None) -> str:
+    """A miss's read / check / make milliseconds on the reader threads ("-" without whole-record reads)."""
+    if not parts:
+        return "-"
+    return " / ".join(f"{parts[k]:.2f}" for k in ("read", "check", "make"))
+
+
 def _num(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
@@ -165,8 +172,9 @@ def write_markdown(report: dict) -> str:
             *resident_table(facts.get("resident")),
             "| budget | system | decode tok/s (median) | min - max (runs) | vs resident | vs accelerate | of bound "
             "| modelled tok/s | modelled / measured | calibrated model / measured | overhead us/layer | prefill s "
-            "| MB read/token | hit rate | stall fraction | peak RSS MB |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| MB read/token | hit rate | stall fraction | read / check / make ms per miss | peak RSS MB |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+            "| ---: |",
         ]
         rows = _rows(report, subject)
         resident = next((r for r in rows if r["system"] == "resident"), {}).get("decode_tokens_per_s")
@@ -179,7 +187,7 @@ def write_markdown(report: dict) -> str:
                 if r is None:
                     continue
                 if r.get("error"):
-                    lines.append(f"| {budget} | {system} | failed: {_error_message(r['error'])} |" + "  |" * 13)
+                    lines.append(f"| {budget} | {system} | failed: {_error_message(r['error'])} |" + "  |" * 14)
                     continue
                 speed = r["decode_tokens_per_s"]
                 mb = r["bytes_read_per_token"] / 1e6 if r["bytes_read_per_token"] is not None else None
@@ -193,7 +201,8 @@ def write_markdown(report: dict) -> str:
                     f"{_num(r.get('modelled_calibrated_over_measured'), '.2f')} | "
                     f"{_num(r.get('overhead_us_per_layer'), '.1f')} | "
                     f"{r['prefill_s']:.2f} | {_num(mb, '.1f')} | "
-                    f"{_num(r['hit_rate'], '.3f')} | {_num(r['stall_fraction'], '.3f')} | {r['peak_rss_mb']:.0f} |")
+                    f"{_num(r['hit_rate'], '.3f')} | {_num(r['stall_fraction'], '.3f')} | {_per_miss(r.get('per_miss_ms'))} "
+                    f"| {r['peak_rss_mb']:.0f} |")
         lines.append("")
         lines += [f"Not modelled ({', '.join(where)}): {why}." for why, where in unmodelled.items()]
         lines += [""] if unmodelled else []

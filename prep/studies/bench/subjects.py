@@ -113,9 +113,9 @@ def _store_facts(artifact: Path) -> dict:
     stores = manifest["stores"]
     moe = manifest["moe"]
     n = len(moe["layers"]) * moe["num_experts"]
-    store_bytes = sum(len(s["crc32"]) * s["record_bytes"] for s in stores.values())
-    largest = max(stores.values(), key=lambda s: len(s["crc32"]) * s["record_bytes"])
-    precision = "+".join(f"{p} x{len(s['crc32'])}" for p, s in stores.items()) if len(stores) > 1 else next(iter(stores))
+    store_bytes = sum(len(s["xxh3"]) * s["record_bytes"] for s in stores.values())
+    largest = max(stores.values(), key=lambda s: len(s["xxh3"]) * s["record_bytes"])
+    precision = "+".join(f"{p} x{len(s['xxh3'])}" for p, s in stores.items()) if len(stores) > 1 else next(iter(stores))
     return {"precision": precision, "record_bytes": store_bytes / n, "experts": n,
             "store_bytes": store_bytes, "store_file": str(artifact / largest["file"]),
             "dense_bytes": (artifact / "dense.safetensors").stat().st_size,

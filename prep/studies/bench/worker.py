@@ -345,6 +345,7 @@ def measure(spec: dict) -> dict:
                    "prefetch": {k: after["prefetch"][k] - before["prefetch"][k]  # decode steps only
                                 for k in ("issued", "used", "wasted", "cancelled", "saved_seconds")}}
         result |= overhead(before, after, decode_seconds, n)
+        result["per_miss_ms"] = per_miss(before.get("reads"), after.get("reads"))
         # what the routing and miss policies decided in the decode steps (gating: single-expert decisions and expert
         # runs; dynamic precision: misses read high, low, skipped)
         result["decisions"] = {what: _count_delta(before.get(what), after.get(what))
@@ -378,6 +379,18 @@ def measure(spec: dict) -> dict:
         result["dtype"] = str(next(p.dtype for p in model.parameters())).removeprefix("torch.")
     result["peak_rss_mb"] = peak_rss_mb()
     return result
+
+
+def per_miss(before: dict | None, after: dict | None) -> dict | None:
+    """Milliseconds per record read from the disk over the decode steps, by part: the read call, checking its hash,
+    making its held form (on the reader threads); None without reads or counters."""
+    if not before or not after:
+        return None
+    records = after["records"] - before["records"]
+    if records <= 0:
+        return None
+    return {"records": records} | {part: (after[f"{part}_seconds"] - before[f"{part}_seconds"]) / records * 1e3
+                                   for part in ("read", "check", "make")}
 
 
 TIMING_KEYS = ("layer_steps", "step_seconds", "compute_seconds", "stall_seconds")
