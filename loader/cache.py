@@ -52,9 +52,10 @@ class Entry:
 @dataclass
 class LayerCounters:
     """Demand hits and misses of one MoE layer (a join of an in-flight read counts as a hit), the bytes
-    read for it, experts the miss policy skipped, and its prefetches: issued (admitted and read), used (the
-    layer asked for the expert while it was still marked prefetched), wasted (the layer ran without it,
-    or it was evicted first) and cancelled (dropped before its read landed)."""
+    read for it, experts the miss policy skipped, misses computed on the CPU instead of read
+    (``loader.schedule.CpuMissRule``), and its prefetches: issued (admitted and read), used (the layer asked
+    for the expert while it was still marked prefetched), wasted (the layer ran without it, or it was
+    evicted first) and cancelled (dropped before its read landed)."""
 
     hits: int = 0
     misses: int = 0
@@ -65,6 +66,7 @@ class LayerCounters:
     prefetch_wasted: int = 0
     prefetch_cancelled: int = 0
     skipped: int = 0
+    cpu_computed: int = 0
 
 
 class MemoryMeter:
@@ -274,6 +276,10 @@ class ExpertCache:
     def skip(self, layer: int, expert: int) -> None:
         """The miss policy decided not to compute ``expert``: counted, nothing read."""
         self.counters[layer].skipped += 1
+
+    def count_cpu(self, layer: int) -> None:
+        """A miss of ``layer`` is computed on the CPU from the host store: counted, nothing read or admitted."""
+        self.counters[layer].cpu_computed += 1
 
     def admit(self, layer: int, expert: int, precision: str, nbytes: int, prefetch: bool = False) -> Entry | None:
         """Reserve room for a record being read into the pool of ``precision``; None if it cannot fit."""

@@ -63,6 +63,7 @@ from loader.routing import (
     RoutingPolicy,
     install_routing,
 )
+from loader.schedule import CpuMissRule
 from loader.step import ExpertEngine, measure_miss_costs
 from loader.store import ExpertStore
 from loader.transfer import link_for
@@ -399,14 +400,14 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
         module._moeprep = OffloadedExperts(position, engine)
         engine.modules.append(module)
     if link.accelerated and store == "host" and cpu_misses != "never":
-        engine.cpu_misses = cpu_misses
+        rule = CpuMissRule(cpu_misses)
         if cpu_misses == "auto":
             records = {p: s.host_record(engine.key(0, 0)) for p, s in stores.items()}
             engine.miss_costs = measure_miss_costs(engine.modules[0], records,
                                                    {p: engine.cpu_form(p) for p in records}, engine.forms, dev,
                                                    config.get_text_config().hidden_size)
-            if not any(engine.miss_costs.prefer_cpu(p) for p in records):
-                engine.cpu_misses = "never"  # copying wins everywhere: keep the GPU path without the check
+            rule = engine.miss_costs.rule()  # off (serves nothing) where copying wins everywhere
+        engine.schedule.cpu_rule = rule
     _register_implementation()
     model.config._experts_implementation = IMPLEMENTATION
     leftover = [n for n, p in model.named_parameters() if p.is_meta]

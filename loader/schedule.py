@@ -10,10 +10,13 @@ Per MoE layer call, in order:
 2. ``begin(layer, rows, ...)``: the wanted experts (``ordered_experts``: token by token, best-weighted
    first, first use wins) are classified by the cache (hit, join of a read in flight, miss); each miss goes
    to the miss policy, which keeps its planned precision, lowers it (a held lower copy then serves it) or
-   skips it; every computed expert is recorded as used at the precision it is computed at. Returns the
-   ``Decision`` per computed expert and the skipped experts;
-3. per decision without an entry, in order, ``admit``: room is made in the pool (or None: the read goes to
-   a read buffer and is used once); the read's bytes are counted either way;
+   skips it; then, in a one-token step, the CPU rule (``CpuMissRule``) may serve a miss on the CPU from
+   the host store instead (``Decision.served == "cpu"``: counted, not admitted, nothing read or cached);
+   every computed expert is recorded as used at the precision it is computed at. Returns the ``Decision``
+   per computed expert and the skipped experts;
+3. per decision without an entry that is read (not served on the CPU), in order, ``admit``: room is made
+   in the pool (or None: the read goes to a read buffer and is used once); the read's bytes are counted
+   either way;
 4. ``end(layer)``: protection ends; an unused prefetch for the layer is wasted.
 
 ``prefetch(requests, slot_bytes)`` is the admission of a predictor's requests at any time: a request for
@@ -27,7 +30,10 @@ from dataclasses import dataclass
 
 from loader.cache import Entry, ExpertCache
 from loader.errors import LoaderError
-from loader.vocab import SKIP
+from loader.vocab import CPU_MISSES, SKIP
+
+READ = "read"  # a decision computed from its entry, or from a read of its record (into the cache or a buffer)
+CPU = "cpu"  # a miss computed on the CPU from the host store's record: nothing read, nothing cached
 
 
 def ordered_experts(indices, num_experts: int) -> list[int]:
@@ -43,21 +49,54 @@ def ordered_experts(indices, num_experts: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Decision:
-    """One expert a layer computes: at ``precision``, from ``entry`` (held or being read; None: read it)."""
+    """One expert a layer computes: at ``precision``, from ``entry`` (held or being read; None: a miss),
+    ``served`` by a read (``READ``: the entry, or a read of the record) or on the CPU (``CPU``: a miss only)."""
 
     expert: int
     precision: str
     entry: Entry | None
+    served: str = READ
+
+
+@dataclass(frozen=True)
+class CpuMissRule:
+    """Which misses of a one-token (decode) step are computed on the CPU from the host store's record
+    instead of copied to the device, the switch Fiddler, ktransformers and llama.cpp make: ``always`` every
+    one, ``auto`` those whose precision is in ``prefer`` (where the CPU measured faster at load:
+    ``loader.step.MissCosts``), ``never`` none. A plain value, so the loader and the simulator share it."""
+
+    mode: str = "never"
+    prefer: frozenset = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.mode not in CPU_MISSES:
+            raise LoaderError(f"cpu_misses {self.mode!r} unknown; use one of {', '.join(CPU_MISSES)}")
+        object.__setattr__(self, "prefer", frozenset(self.prefer))
+
+    @property
+    def off(self) -> bool:
+        """Serves nothing on the CPU (``never``, or ``auto`` where no precision was faster there)."""
+        return self.mode == "never" or (self.mode == "auto" and not self.prefer)
+
+    def serves(self, precision: str) -> bool:
+        """Whether a miss at ``precision`` of a one-token step is computed on the CPU."""
+        return self.mode == "always" or (self.mode == "auto" and precision in self.prefer)
+
+    def to_json(self) -> dict:
+        return {"mode": self.mode, "prefer": sorted(self.prefer)}
 
 
 class LayerSchedule:
-    """The rules of one cache, its plan's precisions, and its miss policy (None: read the planned one)."""
+    """The rules of one cache, its plan's precisions, its miss policy (None: read the planned one) and its
+    CPU rule (None: every miss is read)."""
 
-    def __init__(self, cache: ExpertCache, expert_precision, miss_policy=None, readable=None) -> None:
+    def __init__(self, cache: ExpertCache, expert_precision, miss_policy=None, readable=None,
+                 cpu_rule: CpuMissRule | None = None) -> None:
         self.cache = cache
         self.expert_precision = expert_precision  # [L][E] the planned precision of each expert
         self.miss_policy = miss_policy
         self.readable = set(readable) if readable is not None else None  # precisions a miss can read
+        self.cpu_rule = cpu_rule
 
     def routed(self, layer: int, experts) -> None:
         for expert in experts:
@@ -68,11 +107,16 @@ class LayerSchedule:
         """The layer's entries still marked as prefetched (call before ``begin``, which clears the marks)."""
         return {e.expert: e for e in self.cache.layer_entries(layer) if e.prefetched}
 
-    def begin(self, layer: int, rows, top_k_index=None, top_k_weights=None) -> tuple[list[Decision], list[int]]:
+    def begin(self, layer: int, rows, top_k_index=None, top_k_weights=None,
+              cpu: bool = True) -> tuple[list[Decision], list[int]]:
         """``rows`` [T][K] expert ids (-1: dropped by the routing policy). top_k_index / top_k_weights: what
-        the miss policy decides on (opaque here). Returns (decisions in visiting order, skipped experts)."""
+        the miss policy decides on (opaque here). cpu: whether the caller's step can serve a miss on the CPU
+        (the neuron step, which reads partial records, cannot). Returns (decisions in visiting order, skipped
+        experts)."""
         cache, planned = self.cache, self.expert_precision[layer]
         wanted = [(e, planned[e]) for e in ordered_experts(rows, cache.num_experts)]
+        rule = self.cpu_rule
+        on_cpu = rule if cpu and len(rows) == 1 and rule is not None and not rule.off else None  # decode only
         decisions, skipped = [], []
         for req in cache.begin_layer(layer, wanted):
             entry, precision = req.entry, req.precision
@@ -88,8 +132,12 @@ class LayerSchedule:
                 raise LoaderError(f"the miss policy asked for precision {precision!r}, which the artifact has no "
                                   f"store for (stores: {sorted(self.readable)})")
             precision = entry.precision if entry is not None else precision
+            served = READ
+            if entry is None and on_cpu is not None and on_cpu.serves(precision):
+                served = CPU
+                cache.count_cpu(layer)
             cache.use(layer, req.expert, precision)
-            decisions.append(Decision(req.expert, precision, entry))
+            decisions.append(Decision(req.expert, precision, entry, served))
         return decisions, skipped
 
     def admit(self, layer: int, expert: int, precision: str, slot_bytes: int, read_bytes: int) -> Entry | None:

@@ -6,10 +6,12 @@ threads' staging buffers), the reader, the held form of each store (``loader/for
 and the predictors. ``run_layer`` is the per-layer step:
 
 1. the schedule classifies the wanted experts (hits, joins of reads in flight, misses) and decides each
-   miss (read at a precision, or skip);
-2. each miss is admitted into its pool (read into its slot) or, where nothing can be evicted, read into one
-   of the K read buffers; the reader thread makes the held form as the read lands;
-3. hits compute while the reads fly; then each read is waited for (stall time) and computed;
+   miss (read at a precision, skip, or, in a decode step under its ``CpuMissRule``, compute on the CPU);
+2. each miss to read is admitted into its pool (read into its slot) or, where nothing can be evicted, read
+   into one of the K read buffers; the reader thread makes the held form as the read lands;
+3. hits compute while the reads fly, then the misses served on the CPU (from the host store's record,
+   nothing copied or cached: ``load(cpu_misses=...)``); then each read is waited for (stall time) and
+   computed;
 4. the schedule ends the layer. Every byte of expert data held (slots, buffers, staging) is counted by one
    meter at every change, and the arenas are sized by the budget, so the budget cannot be passed.
 
@@ -35,7 +37,7 @@ from loader.layer import Held, Mixer, renormalized
 from loader.neuron import NeuronRecordForm, NeuronStep
 from loader.policies import policy_factory
 from loader.predict import PredictorContext, PrefetchRequest
-from loader.schedule import LayerSchedule
+from loader.schedule import CPU, CpuMissRule, LayerSchedule
 from loader.store import DEMAND, PREFETCH, Reader, ReadJob, SlotArena
 from loader.transfer import Link, link_for
 
@@ -128,15 +130,19 @@ class ExpertEngine:
         self._prefetching: list = []  # entries whose prefetch read may still be in flight
         self.routing = None  # the installed routing policy (reset with the sequence)
         self.modules: list = []  # the experts module of each MoE layer
-        # CUDA with the store in host RAM: decode-step misses computed on the CPU (``load(cpu_misses=...)``)
-        self.cpu_misses = "never"
-        self.miss_costs = None
+        self.miss_costs = None  # measured at load for ``cpu_misses="auto"`` (``MissCosts``)
         self.neuron = None
         if pairings:  # neuron-layout stores compute from their records, whether neuron loading is on or off
             for p, pairing in pairings.items():
                 self.forms[p] = NeuronRecordForm(NeuronLayout(layouts[p]), pairing)
             if neuron is not None:
                 self.neuron = NeuronStep(self, neuron, pairings)
+
+    @property
+    def cpu_misses(self) -> str:
+        """The schedule's CPU rule in effect: ``never`` where it serves nothing on the CPU."""
+        rule = self.schedule.cpu_rule
+        return rule.mode if rule is not None and not rule.off else "never"
 
     def bind_predictors(self, routers: list, tensors: dict) -> None:
         """Hand every predictor the routers' weights, the artifact's predictor tensors and a view of the cache."""
@@ -235,9 +241,10 @@ class ExpertEngine:
             self.reader.after_compute = self.link.event()
 
     # ------------------------------------------------------------------------------------ the layer step
-    def begin(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        """The schedule's start of a layer step (both paths): (decisions, weights [T, K] after skips, and as
-        lists: rows [T][K] of expert ids, -1 where a selection has weight 0, and their weights)."""
+    def begin(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, cpu: bool = True):
+        """The schedule's start of a layer step (both paths; cpu: whether the step serves misses on the CPU):
+        (decisions, weights [T, K] after skips, and as lists: rows [T][K] of expert ids, -1 where a selection
+        has weight 0, and their weights)."""
         self._reap()
         synced = time.perf_counter()
         rows, weights = top_k_index.tolist(), top_k_weights.tolist()  # the one device sync of the step
@@ -245,7 +252,7 @@ class ExpertEngine:
         if any(w == 0 for row in weights for w in row):  # a routing policy drops a selection by weight 0
             rows = [[e if w != 0 else -1 for e, w in zip(r, ws, strict=True)] for r, ws in zip(rows, weights, strict=True)]
         prefetched = self.schedule.prefetched(layer) if self.predictors else None
-        decisions, skipped = self.schedule.begin(layer, rows, top_k_index, top_k_weights)
+        decisions, skipped = self.schedule.begin(layer, rows, top_k_index, top_k_weights, cpu)
         if prefetched:
             self._cancel_unwanted(prefetched, {d.expert for d in decisions} | set(skipped))
             for d in decisions:
@@ -281,19 +288,16 @@ class ExpertEngine:
         decisions, top_k_weights, rows, weights, prefetched = self.begin(layer, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden)
         mix = Mixer(hidden, rows, weights, top_k_index, top_k_weights, out)
-        ready, waiting, queue = [], [], []
+        ready, waiting, queue, on_cpu = [], [], [], []
         for d in decisions:
-            if d.entry is None:
+            if d.served == CPU:
+                on_cpu.append(d)
+            elif d.entry is None:
                 queue.append(d)
             elif d.entry.in_flight:
                 waiting.append(d)
             else:
                 ready.append(d)
-        if queue and hidden.shape[0] == 1 and self.cpu_misses != "never":
-            on_cpu = [d for d in queue if self.cpu_misses == "always" or self.miss_costs.prefer_cpu(d.precision)]
-            queue = [d for d in queue if d not in on_cpu]
-            for d in on_cpu:
-                self._compute_on_cpu(layer, module, d, mix)
         reads = []  # (decision, entry or None, buffer slot or None, job)
         unbuffered = []  # misses the cache could not admit, waiting for a read buffer
 
@@ -318,6 +322,8 @@ class ExpertEngine:
             if self.neuron is not None:
                 self.neuron.fill(layer, d.entry)
             self.compute(module, d, d.entry.payload.weights, mix)
+        for d in on_cpu:  # while the reads fly (and, on a GPU, the hits' kernels run)
+            self._compute_on_cpu(layer, module, d, mix)
         for d in waiting:
             held, stalled = d.entry.payload, self._stalled
             job = held.job
@@ -440,6 +446,10 @@ class MissCosts:
         if precision not in self.cpu_seconds or precision not in self.gpu_seconds:
             return False
         return self.cpu_seconds[precision] < self.gpu_seconds[precision]
+
+    def rule(self) -> CpuMissRule:
+        """The schedule's ``auto`` rule: the precisions whose misses the CPU serves faster."""
+        return CpuMissRule("auto", frozenset(p for p in self.cpu_seconds if self.prefer_cpu(p)))
 
     def to_json(self) -> dict:
         return {"cpu_seconds": self.cpu_seconds, "gpu_seconds": self.gpu_seconds,

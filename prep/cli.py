@@ -510,18 +510,21 @@ def bench_command(subject, budgets, repeats, quick, device, store, only, output,
 @click.option("--predictors", default=None,
               help="With --plan ARTIFACT and a project trace: prefetch predictors to replay (next_gates, path_stats, "
               "first_gate, comma-separated, or 'plan'); a prefetch is modelled as landing before its layer runs.")
+@click.option("--cpu-misses", default=None,
+              help="The loader's load(cpu_misses=...) rule: never (default), always, or the precisions whose misses "
+              "the CPU computes from the host store (e.g. int4,int2: what auto measured); counted as cpu_computed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (a single run, or {'runs': [...]}).")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False),
               help="Write miss rate against capacity (one line per policy, Belady the floor) to this PNG.")
 def simulate_command(trace, plan, budget, policy, capacity, group, params, record_bytes, profile, warm, predictors,
-                     as_json, plot):
+                     cpu_misses, as_json, plot):
     """Replay a routing trace through the loader's expert cache and report hits, misses, bytes and seconds."""
     from prep.sim.report import format_result, format_sweep, plot_sweep
     from prep.sim.simulate import parse_params, simulate_trace
 
     groups = ("layer", "global") if group == "both" else (group,)
     replay, runs = simulate_trace(trace, plan, budget, policy, capacity, groups, parse_params(params), record_bytes,
-                                  profile=profile, cold_start=not warm, predictors=predictors)
+                                  profile=profile, cold_start=not warm, predictors=predictors, cpu_misses=cpu_misses)
     if plot:
         plot_sweep(runs, plot, title=f"{replay.source}: miss rate, {replay.num_layers} layers x {replay.num_experts} experts")
     if as_json:

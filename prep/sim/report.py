@@ -52,6 +52,9 @@ def format_result(result: SimResult) -> str:
         f"misses       {result.misses:,} ({100 * result.miss_rate:.1f}%)",
         f"bytes read   {_mb(result.bytes_read)} MB ({_mb(result.bytes_read / max(result.tokens, 1))} MB per token)",
     ]
+    if result.cpu_misses is not None:
+        head.append(f"on the CPU   {result.cpu_computed:,} misses computed there (cpu_misses {result.cpu_misses['mode']}"
+                    + (f": {', '.join(result.cpu_misses['prefer'])}" if result.cpu_misses["prefer"] else "") + ")")
     if result.seconds is not None:
         head.append(f"modelled     {result.seconds:.3f} s ({result.seconds / max(result.tokens, 1):.4f} s per token, "
                     f"{result.profile.device})")

@@ -10,7 +10,7 @@ token per MoE layer as in decode:
     for each MoE layer l in order:
         schedule.routed(l, experts); predictors' prefetches -> schedule.prefetch(...)   (with predictors)
         decisions, skipped = schedule.begin(l, [token's experts at l], idx, w)
-        for each decision without an entry, in order:
+        for each decision without an entry and not served on the CPU, in order:
             entry = schedule.admit(l, e, precision, slot_bytes[precision], record_bytes[precision])
             cache.complete(entry) if entry is not None        # else: read into a buffer and used once
         schedule.end(l)
@@ -18,7 +18,9 @@ token per MoE layer as in decode:
 ``begin`` protects all of a token's experts before any is admitted, so a token's experts are inserted
 together and neither can evict the other (the convention of SOURCES.md and of the loader). Each sequence
 starts cold (``cache.clear()``) unless ``cold_start=False``, in which case it only ``reset()``s
-(per-sequence policy records forgotten, contents kept).
+(per-sequence policy records forgotten, contents kept). Every call is a one-token step, so the schedule's
+CPU rule (``loader.schedule.CpuMissRule``, ``simulate(cpu_misses=...)``) applies to every miss, as in the
+loader's decode steps: a miss it serves on the CPU is counted (``cpu_computed``), not read or cached.
 
 Capacity comes from a ``loader.plan.Plan`` and a budget through ``loader.budget.capacities`` (the same
 arithmetic as the loader: ``plan_spec``; ``artifact_spec`` also takes the artifact's held-form and read
@@ -41,7 +43,7 @@ from loader.plan import Plan, read_plan_file
 from loader.policies import POLICIES, policy_factory
 from loader.predict import PREDICTORS, PREDICTORS_FILE, ROUTING_ONLY, PredictorContext, make_predictor
 from loader.routing import MISS_POLICIES, ROUTING_POLICIES, RoutingError
-from loader.schedule import LayerSchedule
+from loader.schedule import CPU, CPU_MISSES, CpuMissRule, LayerSchedule
 from prep.errors import MoeprepError
 from prep.methods.trace import open_trace
 from prep.sim.belady import BeladyPolicy, FutureUses
@@ -170,11 +172,13 @@ class LayerResult:
     prefetch_used: int = 0
     prefetch_wasted: int = 0
     skipped: int = 0  # misses the miss policy skipped
+    cpu_computed: int = 0  # misses the CPU rule computed on the CPU (counted in misses; nothing read)
 
     def to_json(self, layer: int, modelled: bool) -> dict:
         out = {"layer": layer, "requests": self.requests, "hits": self.hits, "misses": self.misses,
                "joins": self.joins, "miss_rate": self.misses / self.requests if self.requests else None,
-               "bytes_read": self.bytes_read, "demand_bytes": self.demand_bytes, "skipped": self.skipped, "prefetches": self.prefetches,
+               "bytes_read": self.bytes_read, "demand_bytes": self.demand_bytes, "skipped": self.skipped,
+               "cpu_computed": self.cpu_computed, "prefetches": self.prefetches,
                "prefetch_used": self.prefetch_used,
                "prefetch_wasted": self.prefetch_wasted}
         if modelled:
@@ -200,6 +204,7 @@ class SimResult:
     layers: list[LayerResult] = field(default_factory=list)
     profile: DeviceProfile | None = None
     predictors: list = field(default_factory=list)  # names of the predictors replayed
+    cpu_misses: dict | None = None  # the CPU rule replayed (``CpuMissRule.to_json``); None: every miss read
     # a calibrated profile: what tokens waited beyond their layers' path because their reads (demand and
     # prefetch, one disk) took longer than it
     io_bound_seconds: float = 0.0
@@ -226,6 +231,10 @@ class SimResult:
         return sum(r.bytes_read for r in self.layers)
 
     @property
+    def cpu_computed(self) -> int:
+        return sum(r.cpu_computed for r in self.layers)
+
+    @property
     def miss_rate(self) -> float:
         return self.misses / self.requests if self.requests else 0.0
 
@@ -244,6 +253,7 @@ class SimResult:
             "joins": sum(r.joins for r in self.layers), "miss_rate": self.miss_rate,
             "bytes_read": self.bytes_read, "bytes_read_per_token": self.bytes_read / self.tokens if self.tokens else None,
             "record_bytes": self.record_bytes, "cold_start": self.cold_start,
+            "cpu_misses": self.cpu_misses, "cpu_computed": self.cpu_computed,
             "convention": "one call per token per MoE layer; a token's experts inserted together",
             "seconds": None,
             "prefetch": {"predictors": self.predictors, "issued": sum(r.prefetches for r in self.layers),
@@ -292,7 +302,8 @@ class PredictionFeed:
 
 def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params: dict | None = None,
              profile: DeviceProfile | None = None, cold_start: bool = True, predictors: list | None = None,
-             feed: PredictionFeed | None = None, routing=None, miss=None) -> SimResult:
+             feed: PredictionFeed | None = None, routing=None, miss=None,
+             cpu_misses: CpuMissRule | None = None) -> SimResult:
     """Replay ``replay`` through an ``ExpertCache`` built from ``spec`` with eviction ``policy``.
 
     policy: a name of ``POLICY_NAMES`` with ``params``; None takes the spec's (a plan's) eviction policy.
@@ -309,6 +320,12 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
     replay's recorded weights exactly as in the loader: a selection the routing policy gives weight 0 is not
     wanted; a miss the miss policy skips is not read, one it lowers is read at that precision (or served by
     a held lower copy).
+
+    cpu_misses: the loader's CPU rule (``loader.schedule.CpuMissRule``; ``cpu_miss_rule`` reads one from
+    text): a miss it serves is computed on the CPU from the host store, counted in ``cpu_computed``, not
+    read or cached. The profile has no CPU compute time, so such a miss is modelled at the profile's expert
+    compute time for its precision (``compute_seconds_per_expert``), done while the layer's reads run, as
+    the loader does it; on a profile measured on a GPU this understates it.
     """
     if policy is None:
         policy, params = spec.eviction[0], (params if params is not None else spec.eviction[1])
@@ -332,7 +349,7 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
 
         _bind_predictors(predictors, cache, spec, replay, feed)
 
-    schedule = LayerSchedule(cache, precision, miss, readable=record_bytes)
+    schedule = LayerSchedule(cache, precision, miss, readable=record_bytes, cpu_rule=cpu_misses)
 
     token_io = [0.0, 0.0]  # this token's reads (demand and prefetch) and its layers' path, in modelled seconds
     io_bound = 0.0
@@ -373,7 +390,7 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
                 for d in decisions:
                     if profile is not None:
                         counts.compute_seconds += profile.compute(d.precision)
-                    if d.entry is not None:
+                    if d.entry is not None or d.served == CPU:  # computed while the reads run
                         held_compute += profile.compute(d.precision) if profile is not None else 0.0
                         continue
                     nbytes = record_bytes[d.precision]
@@ -400,10 +417,11 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
         c = cache.counters[layer]
         counts.hits, counts.misses, counts.joins, counts.bytes_read = c.hits, c.misses, c.joins, c.bytes_read
         counts.prefetches, counts.prefetch_used, counts.prefetch_wasted = c.prefetches, c.prefetch_used, c.prefetch_wasted
-        counts.skipped = c.skipped
+        counts.skipped, counts.cpu_computed = c.skipped, c.cpu_computed
     return SimResult(policy, dict(params or {}), spec.capacity, spec.group, replay.source, len(replay.sequences),
                      replay.num_tokens, dict(record_bytes), cold_start, layers, profile, [p.name for p in predictors],
-                     io_bound)
+                     cpu_misses=cpu_misses.to_json() if cpu_misses is not None and not cpu_misses.off else None,
+                     io_bound_seconds=io_bound)
 
 
 def _policies(spec: CacheSpec, replay: Replay, routing, miss):
@@ -507,7 +525,7 @@ def trace_feed(trace_dir, routers: list, tensors: dict) -> PredictionFeed:
 def sweep(replay: Replay, policies: Iterable[str], capacities_per_layer: Iterable[int],
           groups: Iterable[str] = ("layer",), record_bytes: int = DEFAULT_RECORD_BYTES, precision: str = "int4",
           params: dict | None = None, profile: DeviceProfile | None = None,
-          cold_start: bool = True) -> list[SimResult]:
+          cold_start: bool = True, cpu_misses: CpuMissRule | None = None) -> list[SimResult]:
     """``simulate`` for every (group, capacity, policy), in that nesting order. ``params`` go to every
     policy that is not belady (so pass them only with one policy)."""
     results = []
@@ -517,7 +535,7 @@ def sweep(replay: Replay, policies: Iterable[str], capacities_per_layer: Iterabl
             spec = capacity_spec(replay.num_layers, replay.num_experts, capacity, group, record_bytes, precision)
             for policy in policies:
                 results.append(simulate(replay, spec, policy, params if policy != "belady" else None, profile,
-                                        cold_start))
+                                        cold_start, cpu_misses=cpu_misses))
     return results
 
 
@@ -540,9 +558,24 @@ def parse_list(text: str | None, what: str, convert=str) -> list:
         raise MoeprepError(f"{what} {text!r} is not a comma-separated list of {convert.__name__} values") from None
 
 
+def cpu_miss_rule(text) -> CpuMissRule | None:
+    """The CPU rule ``text`` names: ``never`` (or None), ``always``, or comma-separated precisions whose
+    misses the CPU computes (what ``load(cpu_misses="auto")`` measures at load); a rule passes as it is."""
+    if text is None or isinstance(text, CpuMissRule):
+        return text
+    names = parse_list(text, "--cpu-misses")
+    if names in (["never"], ["always"]):
+        return CpuMissRule(names[0])
+    if not names or set(names) & set(CPU_MISSES):
+        raise MoeprepError(f"--cpu-misses {text!r}: give never, always, or the precisions computed on the CPU "
+                           "(e.g. int4,int2)")
+    return CpuMissRule("auto", frozenset(names))
+
+
 def simulate_trace(trace, plan=None, budget=None, policies=None, capacity=None, groups=("layer",),
                    params: dict | None = None, record_bytes: int | None = None, precision: str = "int4",
-                   profile=None, cold_start: bool = True, predictors=None) -> tuple[Replay, list[SimResult]]:
+                   profile=None, cold_start: bool = True, predictors=None,
+                   cpu_misses=None) -> tuple[Replay, list[SimResult]]:
     """What ``moeprep simulate`` runs: load the trace, build the cache(s), replay.
 
     trace: a project trace directory or the real Mixtral traces (``load_replay``). Either ``plan`` (a
@@ -550,11 +583,14 @@ def simulate_trace(trace, plan=None, budget=None, policies=None, capacity=None, 
     or ``capacity`` (experts per layer: an int, a list, or "2,4,6") with ``groups``. policies: names,
     "a,b", "all", or None (the plan's policy; "lru" without a plan). profile: a ``DeviceProfile`` or a
     path to one. predictors: names (a list or "a,b"; "plan": the plan's) replayed with the artifact's knobs
-    and tensors on the trace's router inputs; they need ``plan`` to be an artifact and a project trace. Returns the replay and one ``SimResult`` per (group, capacity, policy).
+    and tensors on the trace's router inputs; they need ``plan`` to be an artifact and a project trace.
+    cpu_misses: the loader's CPU rule (``cpu_miss_rule``: a rule, or never / always / "int4,int2"). Returns
+    the replay and one ``SimResult`` per (group, capacity, policy).
     """
     from pathlib import Path
 
 
+    rule = cpu_miss_rule(cpu_misses)
     replay = load_replay(trace)
     if profile is not None and not isinstance(profile, DeviceProfile):
         profile = load_profile(profile)
@@ -583,7 +619,8 @@ def simulate_trace(trace, plan=None, budget=None, policies=None, capacity=None, 
         runs = []
         for p in (policies or [None]):
             chosen = _make_predictors(names, plan)
-            runs.append(simulate(replay, spec, p, params if p != "belady" else None, profile, cold_start, chosen, feed))
+            runs.append(simulate(replay, spec, p, params if p != "belady" else None, profile, cold_start, chosen, feed,
+                                 cpu_misses=rule))
         return replay, runs
     if predictors:
         raise MoeprepError("--predictors needs --plan ARTIFACT (its routers and predictors.safetensors)")
@@ -596,7 +633,7 @@ def simulate_trace(trace, plan=None, budget=None, policies=None, capacity=None, 
     if not capacities_:
         raise MoeprepError("--capacity needs at least one number of experts per layer")
     return replay, sweep(replay, policies or ["lru"], capacities_, groups,
-                         record_bytes or DEFAULT_RECORD_BYTES, precision, params, profile, cold_start)
+                         record_bytes or DEFAULT_RECORD_BYTES, precision, params, profile, cold_start, rule)
 
 
 def _predictor_request(predictors, plan, trace) -> tuple[list[str], PredictionFeed | None]:

@@ -402,3 +402,45 @@ def test_uses_count_at_the_computed_precision_and_skips_count_nothing():
     (hit,) = cache.begin_layer(0, [(3, "int4")])
     cache.use(0, 3, hit.entry.precision)
     assert policy.high.get((0, 3), 0) == 0  # computed from its int4 entry: still low
+
+
+def test_the_schedule_serves_decode_misses_on_the_cpu_by_its_rule():
+    """``CpuMissRule`` in ``LayerSchedule.begin``: in a one-token step a miss whose precision the rule names
+    is served on the CPU (counted, used, never admitted); hits, a prefill step and a step that cannot (the
+    neuron step) are not; ``always`` serves every miss, ``never`` and an ``auto`` rule with nothing faster
+    on the CPU none."""
+    from loader.errors import LoaderError
+    from loader.schedule import CPU, READ, CpuMissRule, LayerSchedule
+
+    def schedule(rule):
+        pools = [PoolConfig("hi", "int4", "layer", {0: 4 * REC}), PoolConfig("lo", "int2", "layer", {0: 4 * REC})]
+        cache = ExpertCache(pools, 1, 8, policy_factory("lru"))
+        return LayerSchedule(cache, [["int4", "int2"] * 4], cpu_rule=rule)
+
+    def run(sched, rows, cpu=True):
+        decisions, _ = sched.begin(0, rows, cpu=cpu)
+        for d in decisions:
+            if d.entry is None and d.served == READ:
+                sched.cache.complete(sched.admit(0, d.expert, d.precision, REC, REC))
+        sched.end(0)
+        return [(d.expert, d.served if d.entry is None else "hit") for d in decisions]
+
+    sched = schedule(CpuMissRule("auto", {"int2"}))
+    assert run(sched, [[0, 1]]) == [(0, READ), (1, CPU)]
+    assert run(sched, [[1, 0]]) == [(1, CPU), (0, "hit")]  # never cached: the CPU serves it again
+    assert resident(sched.cache) == {(0, 0, "int4")}
+    counters = sched.cache.counters[0]
+    assert (counters.misses, counters.cpu_computed, counters.bytes_read) == (3, 2, REC)
+    assert run(sched, [[2, 3], [4, 5]]) == [(2, READ), (3, READ), (4, READ), (5, READ)]  # prefill reads
+    assert run(sched, [[7]], cpu=False) == [(7, READ)]
+    assert counters.cpu_computed == 2
+
+    sched = schedule(CpuMissRule("always"))
+    assert run(sched, [[0, 1]]) == [(0, CPU), (1, CPU)]
+    assert run(sched, [[2, 3], [0, 1]]) == [(2, READ), (3, READ), (0, READ), (1, READ)]
+    assert run(sched, [[0, 5]]) == [(0, "hit"), (5, CPU)]
+    for rule in (CpuMissRule("never"), CpuMissRule("auto"), None):
+        assert run(schedule(rule), [[0, 1]]) == [(0, READ), (1, READ)]
+    assert CpuMissRule("auto").off and not CpuMissRule("always").off
+    with pytest.raises(LoaderError, match="cpu_misses 'sometimes' unknown"):
+        CpuMissRule("sometimes")

@@ -377,6 +377,83 @@ def test_simulator_matches_loader(tiny_artifact, one_thread):
     assert checked == 2 * 2 * len(POLICIES)
 
 
+
+@pytest.fixture(scope="module")
+def mixed_artifact(tmp_path_factory):
+    """A tiny Mixtral artifact with experts at int4 and at int2 (random halves), both stores."""
+    from tests.tiny_models import prepare_tiny_artifact, tiny_recipe
+
+    recipe = tiny_recipe("int4", quantize={"also": ["int2"]}, bitwidth={"method": "random", "share": 0.5, "low": "int2"})
+    return prepare_tiny_artifact(tmp_path_factory.mktemp("sim-mixed"), recipe=recipe)[1]
+
+
+@pytest.mark.parametrize("rule", ["always", "int2"])
+def test_a_cpu_computed_miss_replays_identically_in_the_simulator(mixed_artifact, one_thread, monkeypatch, rule):
+    """Issue 41's gate: the loader (the accelerated path on ``FakeLink``, the store in host RAM) decoding one
+    token at a time under a CPU rule, and the simulator given the same rule on the same routing, take the same
+    decisions in the same order per layer: which experts were served on the CPU, read, or hit. The CPU-served
+    misses compute the same logits as reading them, and every count agrees."""
+    from loader.routing import ReplayRouting
+    from loader.runtime import load, minimum_budget
+    from loader.schedule import CPU, LayerSchedule
+    from prep.sim import artifact_spec
+    from prep.sim.simulate import cpu_miss_rule
+    from tests.loader_fakes import FakeLink
+
+    tokens, layers, experts = 12, 2, 4
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(tokens * layers)]).view(tokens, layers, 2)
+    weights = torch.full(ids.shape, 0.5)
+    replay = Replay((tuple(tuple(tuple(e) for e in tok) for tok in ids.tolist()),), layers, experts, 2)
+    token_ids = torch.randint(4, 60, (1, tokens), generator=gen)
+    budget = minimum_budget(mixed_artifact, store="host") + 2 * 4096
+    monkeypatch.setattr("loader.runtime.link_for", lambda device: FakeLink())
+
+    seen: list = []
+    begin = LayerSchedule.begin
+
+    def recording(self, layer, rows, *args, **kwargs):
+        decisions, skipped = begin(self, layer, rows, *args, **kwargs)
+        seen.append((layer, [(d.expert, d.precision, "cpu" if d.served == CPU else "read" if d.entry is None
+                              else "join" if d.entry.in_flight else "hit") for d in decisions]))
+        return decisions, skipped
+
+    monkeypatch.setattr(LayerSchedule, "begin", recording)
+
+    def decode(cpu_misses):
+        loaded = load(mixed_artifact, memory_budget=budget, store="host", routing=ReplayRouting(ids, weights),
+                      cpu_misses="always" if cpu_misses == "always" else "never")
+        if cpu_misses not in ("always", "never"):
+            loaded.runtime.schedule.cpu_rule = cpu_miss_rule(cpu_misses)  # what auto would measure
+        try:
+            with torch.no_grad():
+                past, logits = None, []
+                for t in range(tokens):
+                    out = loaded.model(input_ids=token_ids[:, t:t + 1], past_key_values=past, use_cache=True)
+                    past = out.past_key_values
+                    logits.append(out.logits[0, -1])
+            return torch.stack(logits), loaded.stats()
+        finally:
+            loaded.close()
+
+    expected, _ = decode("never")
+    seen.clear()
+    got, stats = decode(rule)
+    loader_seen, seen[:] = list(seen), []
+    sim = simulate(replay, artifact_spec(mixed_artifact, budget, store="host"), cold_start=False,
+                   cpu_misses=cpu_miss_rule(rule))
+    assert seen == loader_seen
+    kinds = {kind for _, ds in seen for *_, kind in ds}
+    assert kinds == ({"cpu"} if rule == "always" else {"cpu", "read", "hit"}), kinds
+    assert (got - expected).abs().max() <= 1e-5  # served on the CPU or read: the same experts' outputs
+    keys = ("hits", "misses", "joins", "skipped", "cpu_computed", "bytes_read")
+    assert [{k: stats["layers"][str(layer)][k] for k in keys} for layer in range(layers)] == \
+        [{k: getattr(r, k) for k in keys} for r in sim.layers]
+    assert stats["compute"]["cpu_computed"] == sim.cpu_computed == sum(kind == "cpu" for _, ds in seen
+                                                                       for *_, kind in ds)
+    assert stats["compute"]["cpu_misses"] == ("always" if rule == "always" else "auto")
+    assert sim.to_json()["cpu_computed"] == sim.cpu_computed > 0
+
 def test_cli_plan_from_an_artifact(tiny_artifact):
     """--plan takes an artifact (or its plan.json): capacities as the loader builds them, the plan's policy."""
     from loader.runtime import minimum_budget
@@ -396,6 +473,13 @@ def test_cli_plan_from_an_artifact(tiny_artifact):
     assert runs["lru"] == out["misses"] and min(runs.values()) == runs["belady"]
     low = runner.invoke(main, ["simulate", "--trace", str(trace), "--plan", str(tiny_artifact), "--budget", "1KB"])
     assert low.exit_code == 1 and "raise the budget" in low.stderr
+    cpu = runner.invoke(main, ["simulate", "--trace", str(trace), "--plan", str(tiny_artifact), "--budget", budget,
+                               "--cpu-misses", "always", "--json"])
+    on_cpu = json.loads(cpu.stdout)
+    assert on_cpu["cpu_computed"] == on_cpu["misses"] > 0 and on_cpu["bytes_read"] == 0
+    assert on_cpu["cpu_misses"] == {"mode": "always", "prefer": []}
+    bad = runner.invoke(main, ["simulate", "--trace", str(trace), "--plan", str(tiny_artifact), "--cpu-misses", "auto"])
+    assert bad.exit_code == 1 and "precisions computed on the CPU" in bad.stderr
 
 
 def test_the_schedule_has_one_implementation():
@@ -438,6 +522,32 @@ def test_a_calibrated_profile_models_the_loaders_step():
     with pytest.raises(MoeprepError, match="calibration"):
         DeviceProfile.from_json(profile.to_json() | {"calibration": {"overlap": "yes"}})
 
+
+def test_a_cpu_computed_miss_is_counted_and_modelled_at_the_profiles_compute_time():
+    """A miss the CPU rule serves reads nothing and is never cached: with the profile's compute time and no
+    read, it is done while the layer's reads run. Computed by hand on a one-layer, two-token replay."""
+    from loader.schedule import CpuMissRule
+    from prep.sim.device import calibrated
+    from prep.sim.simulate import cpu_miss_rule
+
+    replay = Replay(((((0, 1),), ((0, 2),)),), 1, 4, 2)
+    spec = capacity_spec(1, 4, 4, record_bytes=1000)
+    plain = DeviceProfile(1e6, 0.0, {"int4": 4e-4}, make_seconds={"int4": 1e-4})  # a read: 1 ms + 0.1 ms made
+    off = simulate(replay, spec, "lru", profile=plain)
+    assert (off.cpu_computed, off.bytes_read) == (0, 3000) and off.seconds == pytest.approx(3 * 1.1e-3 + 4 * 4e-4)
+    on = simulate(replay, spec, "lru", profile=plain, cpu_misses=CpuMissRule("always"))
+    assert (on.misses, on.cpu_computed, on.bytes_read, on.hits) == (4, 4, 0, 0)  # expert 0 missed again
+    assert on.seconds == pytest.approx(4 * 4e-4)
+    assert on.to_json()["layers"][0]["cpu_computed"] == 4
+    elsewhere = simulate(replay, spec, "lru", profile=plain, cpu_misses=cpu_miss_rule("int2"))  # not int4's
+    assert elsewhere.to_json() == off.to_json() | {"cpu_misses": {"mode": "auto", "prefer": ["int2"]}}
+    assert simulate(replay, spec, "lru", profile=calibrated(plain, 5e-5),
+                    cpu_misses=CpuMissRule("always")).seconds == pytest.approx(4 * 4e-4 + 2 * 5e-5)
+    assert cpu_miss_rule("never") == CpuMissRule("never") and cpu_miss_rule(None) is None
+    assert cpu_miss_rule("int4, int2") == CpuMissRule("auto", frozenset({"int4", "int2"}))
+    for bad in ("auto", "", "always,int4"):
+        with pytest.raises(MoeprepError, match="--cpu-misses"):
+            cpu_miss_rule(bad)
 
 def test_a_calibrated_profile_charges_wasted_prefetches_where_the_disk_is_the_bottleneck():
     """One disk: a token takes at least the time of all its reads. A predictor that always prefetches an
