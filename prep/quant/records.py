@@ -18,10 +18,9 @@ import struct
 from pathlib import Path
 
 import torch
-
-from loader.codec import CodecError, RecordLayout
 from xxhash import xxh3_64_intdigest
 
+from loader.codec import CodecError, RecordLayout
 from loader.format import ALIGN, block_hashes
 from loader.io import atomic_file
 from prep.errors import MoeprepError

@@ -8,7 +8,6 @@ import hashlib
 import json
 import shutil
 import struct
-import zlib
 from pathlib import Path
 
 import pytest

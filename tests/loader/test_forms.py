@@ -424,8 +424,7 @@ def test_cuda_held_forms_and_cpu_misses_give_the_decoded_models_logits(tmp_path_
 @needs_int4pack
 def test_the_nibble_repack_writes_torchs_int4pack_layout():
     """The repack from packed codes equals torch's convert op from the unpacked codes (on this build)."""
-    from loader.codec import unpack_codes
-    from loader.codec import pack_int4pack, pack_int4pack_nibbles, unpack_int4pack
+    from loader.codec import pack_int4pack, pack_int4pack_nibbles, unpack_codes, unpack_int4pack
     from loader.forms import _nibble_repack_matches
     from prep.quant.records import pack_codes
 
