@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from loader.format import SCHEMA_VERSION
 from loader.io import building_directory
 from prep.errors import MoeprepError
 from prep.fingerprint import model_fingerprint
@@ -100,11 +101,13 @@ class Subject:
 
 
 def _artifact_is_current(artifact: Path, model_dir: Path) -> bool:
-
+    """Whether ``artifact`` was prepared from ``model_dir`` in the loader's current schema (else prepare it again)."""
     manifest = artifact / "manifest.json"
     if not manifest.is_file():
         return False
-    return json.loads(manifest.read_text())["source_model"]["fingerprint"] == model_fingerprint(model_dir)
+    raw = json.loads(manifest.read_text())
+    return (raw.get("schema_version") == SCHEMA_VERSION
+            and raw["source_model"]["fingerprint"] == model_fingerprint(model_dir))
 
 
 def _store_facts(artifact: Path) -> dict:
