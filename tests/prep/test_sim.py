@@ -582,3 +582,18 @@ def test_a_calibrated_profile_charges_wasted_prefetches_where_the_disk_is_the_bo
     # 5 reads (50 ms) against a path of 4 stalls (40 ms) and 4 products (4 us)
     assert wasted.io_bound_seconds == pytest.approx(10e-3 - 4e-6)
     assert wasted.seconds == pytest.approx(base.seconds + 10e-3 - 4e-6)
+
+
+def test_the_profile_times_int4_as_the_kernel_layout_the_cpu_target_ships(monkeypatch):
+    """Unpinned on a CPU with the int4 kernel, int4 is timed in the kernel layout: it has no make time (a miss
+    costs its read), where int3 (not stored that way) still makes its int4pack form."""
+    import torch
+
+    from loader.forms import ENV, int4pack_available
+    from prep.sim.device import measure_compute
+
+    if not int4pack_available(torch.device("cpu")):
+        pytest.skip("this torch build has no CPU int4 weight-only kernel")
+    monkeypatch.delenv(ENV, raising=False)
+    compute, make = measure_compute((256, 512), scale=2, repeats=1)
+    assert "int4" not in make and make["int3"] > 0 and compute["int4"] > 0

@@ -286,7 +286,7 @@ def mixtral_shape_techniques_subject(output: Path, traces: Path, quick: bool, pr
     """The mixtral-shape model and replay, with one artifact per technique (module docstring); ``traces`` must
     hold ``mixtral-8x7b/gsm8k_routing.jsonl`` and ``adapmoe_sensitivity.json`` beside it."""
     from prep.methods.trace import _find_mixtral_file
-    from prep.sim.device import measure_device, write_profile
+    from prep.sim.device import calibrated, load_profile, measure_device, write_profile
 
     file = _find_mixtral_file(Path(traces)).resolve()
     sensitivity = file.parent / SENSITIVITY_FILE
@@ -301,12 +301,18 @@ def mixtral_shape_techniques_subject(output: Path, traces: Path, quick: bool, pr
     if not fit:
         raise MoeprepError(f"{file} holds one problem; the techniques are fitted on the others, so it needs two")
     shape = json.loads((plain.model_dir / "bench-shape.json").read_text())
-    profile = home / "device.json"  # measured once: the planning stages' key covers it, so it is kept
+    # measured once: the planning stages' key covers it, so it is kept. Calibrated: the planner models the loader's
+    # step, one disk for demand reads and prefetches (a prefetch is not free), with the loader's overhead per MoE
+    # layer call from an earlier bench in this output (its device-calibrated.json), else none
+    profile = home / "device-planning.json"
     if not profile.is_file():
         echo("mixtral-shape-techniques: measuring this machine's device profile for the planning stages")
         # timed on the shape rounded up to what measure_compute takes; the planning stages scale it to these experts
         rounded = tuple(-(-n // 256) * 256 for n in (shape["hidden_size"], shape["intermediate_size"]))
-        write_profile(measure_device(home, file_bytes=(16 if quick else 256) << 20, expert_shape=rounded), profile)
+        measured = measure_device(home, file_bytes=(16 if quick else 256) << 20, expert_shape=rounded)
+        earlier = Path(output) / "device-calibrated.json"
+        overhead = (load_profile(earlier).calibration.get("layer_overhead_s", 0.0) if earlier.is_file() else 0.0)
+        write_profile(calibrated(measured, overhead), profile)
     variants = {}
     for system, raw in technique_recipes(file, sensitivity, fit, profile.resolve(), 4 if quick else 16).items():
         out = home / "techniques" / system.replace("+", "-")
