@@ -86,17 +86,35 @@ class CpuMissRule:
         return {"mode": self.mode, "prefer": sorted(self.prefer)}
 
 
+@dataclass(frozen=True)
+class PrefetchGate:
+    """Prefetch reads are issued only while they pay. A wasted prefetch costs a whole read of the one disk, and a
+    used one saves at most that read's wait, so once ``warmup`` prefetches have been used or wasted, reads stop
+    for good when fewer than ``floor`` of them were used. Decided on the cache's own counters at the end of each
+    token, so the loader and the simulator stop at the same token."""
+
+    floor: float = 0.5
+    warmup: int = 64
+
+    def pays(self, cache: ExpertCache) -> bool:
+        used = sum(c.prefetch_used for c in cache.counters)
+        decided = used + sum(c.prefetch_wasted for c in cache.counters)
+        return decided < self.warmup or used >= self.floor * decided
+
+
 class LayerSchedule:
-    """The rules of one cache, its plan's precisions, its miss policy (None: read the planned one) and its
-    CPU rule (None: every miss is read)."""
+    """The rules of one cache, its plan's precisions, its miss policy (None: read the planned one), its
+    CPU rule (None: every miss is read) and its prefetch gate (None: every admitted prediction is read)."""
 
     def __init__(self, cache: ExpertCache, expert_precision, miss_policy=None, readable=None,
-                 cpu_rule: CpuMissRule | None = None) -> None:
+                 cpu_rule: CpuMissRule | None = None, prefetch_gate: PrefetchGate | None = None) -> None:
         self.cache = cache
         self.expert_precision = expert_precision  # [L][E] the planned precision of each expert
         self.miss_policy = miss_policy
         self.readable = set(readable) if readable is not None else None  # precisions a miss can read
         self.cpu_rule = cpu_rule
+        self.prefetch_gate = prefetch_gate
+        self.prefetching = True  # False once the gate has closed: no prediction is read (or computed) any more
 
     def routed(self, layer: int, experts) -> None:
         for expert in experts:
@@ -148,7 +166,10 @@ class LayerSchedule:
 
     def prefetch(self, requests, slot_bytes: dict) -> list[Entry]:
         """Predicted experts (``loader.predict.PrefetchRequest``: layer, expert, precision or None for the
-        planned one) -> the entries admitted, to be read. The caller counts their reads."""
+        planned one) -> the entries admitted, to be read. The caller counts their reads. Nothing once the
+        prefetch gate has closed."""
+        if not self.prefetching:
+            return []
         cache, wanted = self.cache, []
         for r in requests:
             if not (0 <= r.layer < cache.num_layers and 0 <= r.expert < cache.num_experts):
@@ -160,3 +181,5 @@ class LayerSchedule:
 
     def end(self, layer: int) -> None:
         self.cache.end_layer(layer)
+        if self.prefetching and self.prefetch_gate is not None and layer == self.cache.num_layers - 1:
+            self.prefetching = self.prefetch_gate.pays(self.cache)

@@ -37,7 +37,7 @@ from loader.layer import Held, Mixer, renormalized
 from loader.neuron import NeuronRecordForm, NeuronStep
 from loader.policies import policy_factory
 from loader.predict import PredictorContext, PrefetchRequest
-from loader.schedule import CPU, CpuMissRule, LayerSchedule
+from loader.schedule import CPU, CpuMissRule, LayerSchedule, PrefetchGate
 from loader.store import DEMAND, PREFETCH, Reader, ReadJob, SlotArena
 from loader.transfer import Link, link_for
 
@@ -124,7 +124,9 @@ class ExpertEngine:
         self.miss_policy = miss_policy
         miss_policy.bind(plan.num_layers, plan.num_experts)
         miss_policy.view = self.cache.view
-        self.schedule = LayerSchedule(self.cache, plan.expert_precision, miss_policy, readable=stores)
+        # neuron loading reads predicted rows it may proceed with (trust_prediction): no gate there
+        self.schedule = LayerSchedule(self.cache, plan.expert_precision, miss_policy, readable=stores,
+                                      prefetch_gate=PrefetchGate() if neuron is None else None)
         self.predictors = predictors
         self.times = [LayerTimes() for _ in range(plan.num_layers)]
         self._prefetching: list = []  # entries whose prefetch read may still be in flight
@@ -409,11 +411,15 @@ class ExpertEngine:
             self.neuron.predict_held()
 
     def after_router(self, layer: int, router_input, indices) -> None:
+        if not self.schedule.prefetching:  # the gate closed: the predictors' own time is saved too
+            return
         self.schedule.routed(layer, indices.flatten().tolist())  # chosen now: no prefetch may evict them
         for predictor in self.predictors:
             self.prefetch(predictor.after_router(layer, router_input, indices))
 
     def after_last_layer(self, hidden) -> None:
+        if not self.schedule.prefetching:
+            return
         for predictor in self.predictors:
             self.prefetch(predictor.after_last_layer(hidden))
 
