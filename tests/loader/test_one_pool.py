@@ -155,3 +155,25 @@ def test_a_plan_written_with_a_low_pool_runs_in_one_pool(dynamic_artifact):
     mixed = raw | {"expert_precision": [["int2"] + row[1:] for row in raw["expert_precision"]],
                    "operating_points": []}
     assert len(Plan.from_json(mixed).pools) == 2  # a pool an expert is planned at stays
+
+
+def test_a_low_copy_whose_form_would_not_fit_a_main_slot_is_held_as_its_record(dynamic_artifact, monkeypatch):
+    """Main experts held as records (4 KiB strides) and low copies asked for in float32 (larger than that slot):
+    the low copies take their record form, which fits, so they still lodge in main slots."""
+    import dataclasses
+
+    monkeypatch.delenv("MOEPREP_EXPERT_DTYPE", raising=False)  # the plan's forms decide
+    plan = Plan.from_json(json.loads((dynamic_artifact / "plan.json").read_text()))
+    plan = dataclasses.replace(plan, forms=(("int2", "float32"), ("int4", "record")))
+    alone = cache_layout(dynamic_artifact, "unlimited", plan=dataclasses.replace(plan, miss=Plan.default(1, 1, "x").miss))
+    assert alone.forms == {"int4": "record", "int2": "float32"}  # without dynamic precision nothing is lodged
+    assert alone.slot_bytes["int2"] > alone.slot_bytes["int4"]
+    layout = cache_layout(dynamic_artifact, "unlimited", plan=plan)
+    assert layout.forms == {"int4": "record", "int2": "record"}
+    assert layout.slot_bytes["int2"] <= layout.slot_bytes["int4"]
+    loaded = load(dynamic_artifact, memory_budget=minimum_budget(dynamic_artifact, plan=plan), plan=plan)
+    try:
+        _decode(loaded)
+        assert loaded.stats()["miss_policy"]["low"] > 0
+    finally:
+        loaded.close()
