@@ -9,9 +9,15 @@ one number of bytes for a lossless and a 4-bit artifact of one model), ``"unlimi
 every pool fits), or None (the plan's ``default_budget``).
 
 What is held for an artifact (``artifact_sizes``): a cache slot holds one held form (``loader/forms.py``),
-sized by the form alone; a read buffer (a miss the cache cannot admit, used once) holds the same; each
-reader thread has one staging buffer a record lands in before its form is made (none when every store
-holds its records as they are). Every one of those bytes counts against the budget.
+sized by the form alone (``form_slot_bytes``: the one formula, which the planner calls too, through
+``layout_forms``, before the artifact exists); a read buffer (a miss the cache cannot admit, used once) holds
+the same; each reader thread has one staging buffer a record lands in before its form is made (none when
+every store holds its records as they are). Every one of those bytes counts against the budget.
+
+Dynamic precision's low copies have no pool: a low copy takes a slot of the main pool
+(``loader.cache.host_pool``), in its own form where that fits the slot, else in its record form
+(``lodged_forms``), else it is read into a read buffer and used once. So a plan with dynamic precision needs
+what the same plan without it needs (``minimum_bytes``: one record per eviction group of each pool).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from loader.cache import host_pool
 from loader.codec import RecordLayout
 from loader.errors import BudgetError, LoaderError
 from loader.format import ArtifactError, read_manifest
@@ -73,8 +80,8 @@ def resolve_budget(budget, plan: Plan, sizes: ModelSizes) -> float:
 
 
 def buffer_bytes(plan: Plan, sizes: ModelSizes) -> int:
-    """Read buffers (K experts of the largest precision can be in flight or in use outside a cache) plus the
-    reader threads' staging buffers."""
+    """Read buffers (K experts of the largest precision the plan reads, low copies included, can be in flight
+    or in use outside a cache) plus the reader threads' staging buffers."""
     read = sizes.read_bytes or sizes.record_bytes
     return sizes.top_k * max(read[p] for p in plan.precisions) + sizes.staging_bytes
 
@@ -192,18 +199,54 @@ def record_slot_bytes(record_bytes: int, direct_io: bool = True) -> int:
     return -(-record_bytes // align) * align
 
 
-def held_bytes(store, form: HeldForm) -> int:
-    """Memory one cached expert of ``store`` takes in ``form``: the record's read slot for the record form,
-    else the form alone (64-byte aligned)."""
+def form_slot_bytes(record_bytes: int, form: HeldForm, direct_io: bool = True) -> int:
+    """Memory one cached expert takes in ``form`` (records of ``record_bytes``): the record's read slot for the
+    record form, else the form alone (64-byte aligned). The one formula of a slot: the loader's (``held_bytes``,
+    from an open store) and the planner's (``held_sizes``, before the artifact exists)."""
     if not form.staged:
-        return store.stride if store.direct_io else record_slot_bytes(store.record_bytes, False)
+        return record_slot_bytes(record_bytes, direct_io)
     return -(-form.nbytes // ALIGN) * ALIGN
+
+
+def held_bytes(store, form: HeldForm) -> int:
+    """Memory one cached expert of the open ``store`` takes in ``form`` (``form_slot_bytes``)."""
+    return form_slot_bytes(store.record_bytes, form, store.direct_io)
+
+
+def held_sizes(record_bytes: dict, forms: dict, workers: int, direct_io: dict | None = None) -> tuple[dict, int]:
+    """Per store precision the slot one cached expert takes in its form (``form_slot_bytes``), and the reader
+    threads' staging bytes: one buffer per thread, as long as the longest read (its 4 KiB stride) of a store
+    whose form is made. ``direct_io``: per precision whether its reads are O_DIRECT (None: all, as on disk)."""
+    direct = direct_io or {}
+    slots = {p: form_slot_bytes(b, forms[p], direct.get(p, True)) for p, b in record_bytes.items()}
+    staging = max(1, workers) * max((record_slot_bytes(b) for p, b in record_bytes.items() if forms[p].staged),
+                                    default=0)
+    return slots, staging
 
 
 def staging_bytes(stores: dict, forms: dict, workers: int) -> int:
     """One staging buffer per reader thread, as long as the longest read of a store whose form is made."""
-    staged = [s for p, s in stores.items() if forms[p].staged]
-    return max(1, workers) * max((s.stride for s in staged), default=0)
+    return held_sizes({p: s.record_bytes for p, s in stores.items()}, forms, workers)[1]
+
+
+def lodged_forms(plan: Plan, forms: dict, record_forms: dict, record_bytes: dict, direct_io: dict | None = None,
+                 workers: int = 2) -> dict:
+    """``forms`` with each precision the plan reads but no pool holds (dynamic precision's low copies, lodged
+    in a main-pool slot: ``loader.cache.host_pool``) in its record form where its own form would not fit any
+    slot that may host it and the record does; where neither fits, its reads go to read buffers, used once."""
+    pooled = {p.precision for p in plan.pools}
+    lodged = [p for p in plan.precisions if p not in pooled and p in forms]
+    if not lodged:
+        return forms
+    slots, _ = held_sizes(record_bytes, forms, workers, direct_io)
+    pools = [(pool.name, pool.precision, slots.get(pool.precision, 0)) for pool in plan.pools]
+    out = dict(forms)
+    for p in lodged:
+        if host_pool(pools, p, slots[p]) is None:
+            own, _ = held_sizes({p: record_bytes[p]}, {p: record_forms[p]}, workers, direct_io)
+            if host_pool(pools, p, own[p]) is not None:
+                out[p] = record_forms[p]
+    return out
 
 
 def dense_bytes(path: Path) -> int:
@@ -225,6 +268,23 @@ def store_forms(manifest, expert_dtype: str, device: torch.device, plan: Plan | 
             for p, s in manifest.raw["stores"].items()}
 
 
+def layout_forms(layouts: dict, plan: Plan | None = None, device: str | torch.device = "cpu",
+                 expert_dtype: str = "auto", workers: int = 2) -> tuple[dict, dict, int]:
+    """Before the artifact exists (the planner): per store precision (its ``RecordLayout``) the held form the
+    loader will choose on ``device`` (``store_forms``' rule, with the plan's ``forms`` and dynamic precision's low
+    copies fitted as ``lodged_forms`` fits them), the slot one cached expert takes, and the reader threads'
+    staging bytes: what ``artifact_sizes`` gives for the artifact's stores read with O_DIRECT."""
+    device = torch.device(device)
+    planned = dict(plan.forms) if plan is not None else {}
+    forms = {p: choose_form(expert_dtype, layout, device, planned.get(p)) for p, layout in layouts.items()}
+    record_bytes = {p: layout.nbytes for p, layout in layouts.items()}
+    if plan is not None:
+        record = {p: choose_form("packed", layout, device) for p, layout in layouts.items()}
+        forms = lodged_forms(plan, forms, record, record_bytes, workers=workers)
+    slots, staging = held_sizes(record_bytes, forms, workers)
+    return forms, slots, staging
+
+
 def artifact_sizes(manifest, stores: dict, device: torch.device, forms: dict, workers: int = 2) -> ModelSizes:
     """The sizes the budget arithmetic needs: a cached expert and a read buffer count their held form
     (``held_bytes``), the reader threads their staging buffers, the dense weights their tensor bytes, plus a
@@ -233,9 +293,10 @@ def artifact_sizes(manifest, stores: dict, device: torch.device, forms: dict, wo
     held = dense_bytes(manifest.path("dense.safetensors"))
     if device.type == "cpu":
         held += sum(s.host_bytes for s in stores.values())
-    slots = {p: held_bytes(s, forms[p]) for p, s in stores.items()}
+    slots, staging = held_sizes({p: s.record_bytes for p, s in stores.items()}, forms, workers,
+                                {p: s.direct_io for p, s in stores.items()})
     return ModelSizes(len(moe["layers"]), moe["num_experts"], moe["top_k"], held, int(moe["source_expert_bytes"]),
-                      slots, dict(slots), staging_bytes(stores, forms, workers))
+                      slots, dict(slots), staging)
 
 
 def _capacities(plan: Plan, sizes: ModelSizes, memory_budget, host_bytes: int, device: torch.device) -> Capacities:
@@ -272,7 +333,7 @@ def held_layout(manifest, stores: dict, plan: Plan, memory_budget, device: torch
     budget that cannot hold one held form per eviction group falls back to the record form (decoded per use),
     so a small budget still loads; ``smallest``: that fallback's sizes (``auto``'s minimum budget)."""
     host = sum(s.host_bytes for s in stores.values())
-    options = form_options(manifest, plan, device, expert_dtype)
+    options = form_options(manifest, plan, device, expert_dtype, stores, workers)
     if smallest:
         options = options[-1:]
     for i, forms in enumerate(options):
@@ -288,19 +349,26 @@ def held_layout(manifest, stores: dict, plan: Plan, memory_budget, device: torch
     raise AssertionError("unreachable")
 
 
-def form_options(manifest, plan: Plan, device: torch.device, expert_dtype: str) -> list[dict]:
+def form_options(manifest, plan: Plan, device: torch.device, expert_dtype: str, stores: dict | None = None,
+                 workers: int = 2) -> list[dict]:
     """The held forms ``load`` tries, in order: the chosen ones, then with ``auto`` the record form (decoded per
     use) for one made form after another, the one that takes most memory over its record first, so a budget too
-    small for the first still loads and a store that fits keeps its fast form (dynamic precision's low pool
-    falling back to records leaves the main pool's int4pack alone); the last option is every store's record."""
+    small for the first still loads and a store that fits keeps its fast form (one precision's pool falling back
+    to records leaves another pool's int4pack alone); the last option is every store's record. With the open
+    ``stores``, dynamic precision's low copies take the form that fits a main-pool slot (``lodged_forms``)."""
     chosen = store_forms(manifest, expert_dtype, device, plan)
+    record = store_forms(manifest, "packed", device, plan)
     options = [chosen]
     if expert_dtype == "auto":
-        record = store_forms(manifest, "packed", device, plan)
         staged = sorted((p for p, f in chosen.items() if f.staged), key=lambda p: -chosen[p].nbytes / record[p].nbytes)
         for p in staged:
             options.append(options[-1] | {p: record[p]})
-    return options
+    if stores is None:
+        return options
+    sizes = {p: s.record_bytes for p, s in stores.items()}
+    direct = {p: s.direct_io for p, s in stores.items()}
+    fitted = [lodged_forms(plan, forms, record, sizes, direct, workers) for forms in options]
+    return [forms for i, forms in enumerate(fitted) if forms not in fitted[:i]]
 
 
 def _layout_of(artifact, store: str, plan: Plan | None, device: torch.device, expert_dtype: str, memory_budget,
@@ -351,7 +419,7 @@ def minimum_budget(artifact, store: str = "disk", plan: Plan | None = None, devi
     stores = {p: ExpertStore(manifest.path(s.file), p, mode=store) for p, s in manifest.stores.items()}
     try:  # each form ``load`` may fall back to; its held sizes may be smaller than the record's (int4pack)
         return min(lowest_budget(plan, artifact_sizes(manifest, stores, device, forms, workers))
-                   for forms in form_options(manifest, plan, device, expert_dtype))
+                   for forms in form_options(manifest, plan, device, expert_dtype, stores, workers))
     finally:
         for s in stores.values():
             s.close()

@@ -5,7 +5,10 @@ Torch-free and shared by the runtime (which keeps its slot state as an entry's p
 
 Entries are keyed (layer, expert, precision). A pool holds records of one precision and has one
 eviction group per MoE layer or one global group; each group has a byte capacity and its own policy
-instance. A request for a precision is satisfied by an entry of that precision or a higher one.
+instance. A request for a precision is satisfied by an entry of that precision or a higher one. A precision
+no pool holds (dynamic precision's low copies) is lodged in a slot of a pool ranked above it whose slot it
+fits (``host_pool``): it takes that whole slot, and a later read of the expert at the pool's precision
+replaces it. So dynamic precision needs no pool of its own, and runs at any budget its main pool does.
 
 The order of calls per MoE layer is the same in the runtime and the simulator, because both make them
 through ``loader/schedule.py``:
@@ -88,6 +91,21 @@ class MemoryMeter:
 # --------------------------------------------------------------------------------------------- cache
 
 
+def host_pool(pools: Iterable[tuple[str, str, int]], precision: str, nbytes: int) -> str | None:
+    """The pool that holds records of ``precision``: ``pools`` are (name, precision, slot bytes; 0: unknown).
+    The pool of that precision, else (a lodged copy) the lowest-ranked pool ranked above it whose slot holds
+    ``nbytes``; None where none does (the record is then read into a read buffer and used once). The cache
+    admits by this rule and ``loader.budget`` sizes the forms by it, so the two cannot disagree."""
+    pools = list(pools)
+    for name, held, _ in pools:
+        if held == precision:
+            return name
+    above = [(precision_rank(held), i, name) for i, (name, held, slot) in enumerate(pools)
+             if precision_rank(held) > precision_rank(precision) and (slot == 0 or nbytes <= slot)]
+    return min(above)[2] if above else None
+
+
+
 @dataclass
 class PoolConfig:
     """A pool as the cache needs it: name, precision, "layer" or "global" grouping, capacity per group
@@ -163,14 +181,16 @@ class ExpertCache:
         self.meter = meter or MemoryMeter()
         self.pools: dict[str, dict] = {}  # pool name -> {group key: _Group}
         self.record_bytes: dict[str, int] = {}  # pool name -> bytes of one record (0: unknown)
-        self.pool_of: dict[str, str] = {}  # precision -> pool name
+        self.pool_of: dict[str, str] = {}  # precision -> pool name (its own; ``pool_for`` adds the lodged)
         self.group_kind: dict[str, str] = {}
+        self._precision: dict[str, str] = {}  # pool name -> the precision it holds
         for pool in pools:
             if pool.group not in ("layer", "global"):
                 raise ValueError(f"pool {pool.name}: group must be 'layer' or 'global', not {pool.group!r}")
             self.pools[pool.name] = {key: _Group(int(nbytes), policy(self.clock, num_experts))
                                      for key, nbytes in pool.capacity.items()}
             self.pool_of[pool.precision] = pool.name
+            self._precision[pool.name] = pool.precision
             self.group_kind[pool.name] = pool.group
             self.record_bytes[pool.name] = int(pool.record_bytes)
         ranked = sorted(self.pool_of, key=precision_rank, reverse=True)
@@ -218,6 +238,13 @@ class ExpertCache:
     def nbytes(self) -> int:
         """Bytes held by every entry, reserved or resident."""
         return self.held_bytes
+
+    def pool_for(self, precision: str, nbytes: int) -> str | None:
+        """The pool a record of ``precision`` taking ``nbytes`` is admitted into (``host_pool``), or None."""
+        if precision in self.pool_of:
+            return self.pool_of[precision]
+        return host_pool(((name, self._precision[name], self.record_bytes[name]) for name in self.pools),
+                         precision, nbytes)
 
     def capacity(self, pool: str) -> dict:
         """{group key: bytes} of ``pool``."""
@@ -282,22 +309,27 @@ class ExpertCache:
         self.counters[layer].cpu_computed += 1
 
     def admit(self, layer: int, expert: int, precision: str, nbytes: int, prefetch: bool = False) -> Entry | None:
-        """Reserve room for a record being read into the pool of ``precision``; None if it cannot fit."""
-        pool = self.pool_of.get(precision)
+        """Reserve room for a record being read into the pool of ``precision`` (``pool_for``; a lodged copy
+        takes a whole slot of its host pool); None if it cannot fit."""
+        pool = self.pool_for(precision, nbytes)
         if pool is None:
             return None
+        if self._precision[pool] != precision and self.record_bytes[pool]:
+            nbytes = max(nbytes, self.record_bytes[pool])  # the host's slot, whatever the copy's own size
         group = self._group(pool, layer)
         if nbytes > group.capacity:
             return None
-        while group.used + nbytes > group.capacity:
-            candidates = [key for key, e in group.entries.items()
-                          if not e.in_flight and key[1] not in self.protected.get(key[0], ())]
+        old = group.entries.get((layer, expert))  # a lower-precision copy in this pool, replaced below
+        freed = old.nbytes if old is not None else 0
+        while group.used - freed + nbytes > group.capacity:
+            candidates = [key for key, e in group.entries.items() if key != (layer, expert)
+                          and not e.in_flight and key[1] not in self.protected.get(key[0], ())]
             if not candidates:
                 return None
             self._evict(group, group.policy.victim(candidates))
-        entry = Entry(layer, expert, precision, nbytes, pool, prefetched=prefetch)
-        if (layer, expert) in group.entries:  # a lower-precision copy in this pool is replaced
+        if old is not None:
             self._evict(group, (layer, expert))
+        entry = Entry(layer, expert, precision, nbytes, pool, prefetched=prefetch)
         group.entries[(layer, expert)] = entry
         group.used += nbytes
         self.held_bytes += nbytes

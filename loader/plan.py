@@ -170,10 +170,17 @@ class Plan:
         return cls(len(grid), len(grid[0]), grid, pools, default_budget=default_budget)
 
     @property
+    def low_precision(self) -> str | None:
+        """The precision dynamic precision reads a lowered miss at (None without it)."""
+        low = self.miss.params.get("low") if self.miss.name == "dynamic_precision" else None
+        return low if isinstance(low, str) else None
+
+    @property
     def precisions(self) -> tuple[str, ...]:
-        """Every precision a record may be read at (the pools' and the experts'), in first-seen order."""
+        """Every precision a record may be read at (the pools', the experts' and the miss policy's low copies),
+        in first-seen order."""
         seen = [p.precision for p in self.pools] + [p for row in self.expert_precision for p in row]
-        return tuple(dict.fromkeys(seen))
+        return tuple(dict.fromkeys(seen + ([self.low_precision] if self.low_precision else [])))
 
     def to_json(self) -> dict:
         return {
@@ -263,7 +270,27 @@ class Plan:
         pooled = {p.precision for p in pools}
         if missing := sorted({p for row in plan.expert_precision for p in row} - pooled):
             raise bad(f"experts planned at precisions {missing} that no pool holds")
+        return without_low_pool(plan)
+
+
+def without_low_pool(plan: Plan) -> Plan:
+    """A plan written when dynamic precision had a pool of its own (a pool holding only the miss policy's low
+    copies, no expert planned at it), as it runs now: that pool dropped, its share given back to the others in
+    proportion (in every operating point too), the low copies lodged in the main pool's slots
+    (``loader.cache.host_pool``). So an old artifact loads at every budget its main pool does."""
+    low = plan.low_precision
+    planned = {p for row in plan.expert_precision for p in row}
+    if low is None or low in planned or all(p.precision != low for p in plan.pools) or len(plan.pools) < 2:
         return plan
+
+    def drop(pools: tuple[Pool, ...]) -> tuple[Pool, ...]:
+        kept = tuple(p for p in pools if p.precision != low)
+        rest, total = sum(p.share for p in kept), sum(p.share for p in pools)
+        return tuple(dataclasses.replace(p, share=min(1.0, p.share / rest * total if rest else total / len(kept)))
+                     for p in kept)
+
+    return dataclasses.replace(plan, pools=drop(plan.pools), operating_points=tuple(
+        dataclasses.replace(point, pools=drop(point.pools)) for point in plan.operating_points))
 
 
 def _pools(raw, where: str, num_layers: int) -> tuple[Pool, ...]:

@@ -175,7 +175,7 @@ class LayerSchedule:
             if not (0 <= r.layer < cache.num_layers and 0 <= r.expert < cache.num_experts):
                 continue
             precision = r.precision or self.expert_precision[r.layer][r.expert]
-            if precision in slot_bytes and precision in cache.pool_of:
+            if precision in slot_bytes and cache.pool_for(precision, slot_bytes[precision]) is not None:
                 wanted.append((r.layer, r.expert, precision, slot_bytes[precision]))
         return cache.prefetch(wanted)
 

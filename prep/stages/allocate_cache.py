@@ -35,7 +35,7 @@ from prep.methods.allocation import allocate, closed_form_curve
 from prep.stages import Stage, StageResult
 from prep.stages.planning import PlanSection, draft_from_inputs
 
-VERSION = 2
+VERSION = 3  # 3: slots in the held form's size (the loader's), the sizes kept in the result
 GLOBAL_GRID = 9  # measured points of a global pool's curve
 
 
@@ -50,10 +50,12 @@ class CacheAllocation(StageResult):
     points: list  # [{"share", "budget_bytes", "slots", "pools", "allocated", "uniform", "closed_form"}]
     inputs: dict  # the closed form's alpha and beta per layer
     tolerance: float | None  # plan.tolerance: points of accuracy an operating point may lose (evaluate checks)
+    sizes: dict  # the ``ModelSizes`` the allocation was solved with (slots in the held forms' sizes)
 
     def apply(self, plan: Plan, context) -> Plan:
-        """``plan`` with its own pools allocated for its default budget and the operating points."""
-        sizes = context.sizes
+        """``plan`` with its own pools allocated for its default budget and the operating points. The default
+        budget is solved with the sizes the points were (the package stage's context knows only the records)."""
+        sizes = ModelSizes(**self.sizes)
         def pools(raw):
             return tuple(Pool.from_json(p, "allocation", plan.num_layers) for p in raw)
 
@@ -83,14 +85,11 @@ def with_points(plan: Plan, points: list[dict]) -> Plan:
 
 def cells_of(plan: Plan) -> list[dict]:
     """The cache cells of ``plan``: (pool, layer) of a per-layer pool, or (pool, "global"), with the number
-    of experts each can ever hold (a pool's experts are those planned at its precision; the low pool of
-    dynamic precision holds a copy of every expert)."""
+    of experts each can ever hold: a pool's experts are those planned at its precision (dynamic precision's low
+    copies take slots of those pools, so they add no cell)."""
     out = []
     for pool in plan.pools:
-        if pool.name == "low":
-            counts = [plan.num_experts] * plan.num_layers
-        else:
-            counts = [sum(p == pool.precision for p in row) for row in plan.expert_precision]
+        counts = [sum(p == pool.precision for p in row) for row in plan.expert_precision]
         if pool.group == "global":
             if sum(counts):
                 out.append({"pool": pool.name, "layer": "global", "experts": sum(counts)})
@@ -244,7 +243,7 @@ def allocate_plan(draft, cfg: PlanSection, gating=None, prediction=None, progres
                        "closed_form": score_plan(draft, closed_plan, budget, sequences),
                        "uniform": score_plan(draft, plan, budget, sequences)})
     return CacheAllocation(cost=cfg.allocate.cost, unit=draft.unit, cells=cells, curves=curves, points=points,
-                           inputs=inputs, tolerance=cfg.tolerance)
+                           inputs=inputs, tolerance=cfg.tolerance, sizes=dataclasses.asdict(draft.sizes))
 
 
 def _run(inputs) -> CacheAllocation:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loader.plan import PolicySpec, Pool
+from loader.plan import PolicySpec
 from loader.vocab import PRECISIONS
 from prep.errors import MoeprepError
 from prep.methods.routing_stats import precision_split, split_thresholds
@@ -21,7 +21,7 @@ from prep.methods.trace import open_trace
 from prep.stages import Stage, StageResult
 from prep.stages.trace import RoutingTraces
 
-VERSION = 1
+VERSION = 2  # 2: no low pool (its share is gone from the result)
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,10 @@ class DynamicPrecisionSection:
     token's more important experts) is at most t1 is read at its planned precision, at most t2 at ``low``,
     above t2 skipped. t1 and t2 come from quantiles of the calibration routing that give ``high_share`` high
     and ``skip_share`` skipped selections, unless given. ``strict``: a cached low copy does not satisfy a
-    high want; ``renormalize``: rescale a token's remaining weights after a skip; ``low_share``: the share of
-    the expert budget held by the pool of low copies."""
+    high want; ``renormalize``: rescale a token's remaining weights after a skip. The low copies have no pool
+    of their own: a low copy takes a slot of the main pool (``loader.cache.host_pool``), so the plan runs at
+    every budget the plan without dynamic precision does. ``low_share`` (the share of a low pool) is gone with
+    that pool: a recipe that sets it is refused with the fix."""
 
     enabled: bool = False
     low: str = "int2"
@@ -41,7 +43,7 @@ class DynamicPrecisionSection:
     t2: float | None = None
     strict: bool = True
     renormalize: bool = False
-    low_share: float = 0.25
+    low_share: float | None = None  # no longer used (see above); kept so a recipe setting it gets the fix
 
     def __post_init__(self) -> None:
         if self.low not in PRECISIONS:
@@ -53,9 +55,9 @@ class DynamicPrecisionSection:
             raise MoeprepError("dynamic_precision: give both t1 and t2, or neither (then the shares set them)")
         if self.t1 is not None and not 0 <= self.t1 <= self.t2 <= 1:
             raise MoeprepError(f"dynamic_precision needs 0 <= t1 <= t2 <= 1, got t1 {self.t1}, t2 {self.t2}")
-        if not 0 < self.low_share < 1:
-            raise MoeprepError(f"dynamic_precision.low_share is the budget share of the low pool, in (0, 1); got "
-                               f"{self.low_share}")
+        if self.low_share is not None:
+            raise MoeprepError("dynamic_precision.low_share is no longer used: a low copy is held in a slot of the "
+                               "main pool, so there is no low pool to give a share; remove the key from the recipe")
 
 
 @dataclass(frozen=True)
@@ -64,22 +66,17 @@ class PrecisionThresholds(StageResult):
     t2: float
     split: dict  # {high, low, skip, selections} on the calibration routing
     knobs: dict  # the plan's dynamic_precision params
-    low_share: float
 
     def apply(self, plan, context):
-        """HOBBIT's miss policy, with a pool of its own for the low copies (when no pool holds that precision)."""
-        low, pools = self.knobs["low"], plan.pools
-        if low not in {p.precision for p in pools}:
-            pools = tuple(dataclasses.replace(p, share=p.share * (1 - self.low_share)) for p in pools) + (
-                Pool("low", low, self.low_share),)
-        return dataclasses.replace(plan, pools=pools, miss=PolicySpec("dynamic_precision", self.knobs))
+        """HOBBIT's miss policy; the pools stay as they are (a low copy is lodged in a main-pool slot)."""
+        return dataclasses.replace(plan, miss=PolicySpec("dynamic_precision", self.knobs))
 
 
 def choose_thresholds(trace_dir, cfg: DynamicPrecisionSection) -> PrecisionThresholds:
 
     weights = torch.cat([r.expert_weights.reshape(-1, r.top_k) for r in open_trace(trace_dir).routing()])
     t1, t2 = (cfg.t1, cfg.t2) if cfg.t1 is not None else split_thresholds(weights, cfg.high_share, cfg.skip_share)
-    return PrecisionThresholds(t1=t1, t2=t2, split=precision_split(weights, t1, t2), low_share=cfg.low_share,
+    return PrecisionThresholds(t1=t1, t2=t2, split=precision_split(weights, t1, t2),
                                knobs={"t1": t1, "t2": t2, "low": cfg.low, "strict": cfg.strict,
                                       "renormalize": cfg.renormalize})
 

@@ -8,6 +8,10 @@ the budget arithmetic's sizes (from the model and the quantize stage), the repla
 feed (routers from the model, tensors from the predict stage). ``Draft.cost`` is the objective both
 planning stages minimise: modelled seconds per token with a device profile, else bytes read on demand
 per token (each miss weighed by its precision's record size, HOBBIT's precision-weighted penalty).
+
+The draft's slots are the loader's: the held form the loader will choose on the target device (the device
+profile's ``compute_device``, else the CPU) for each store's record layout, sized by the loader's own functions
+(``loader.budget.layout_forms``), so the planner and the loader give one budget the same capacities.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loader.budget import Capacities, ModelSizes, buffer_bytes, capacities, record_slot_bytes
+from loader.budget import Capacities, ModelSizes, buffer_bytes, capacities, layout_forms, record_slot_bytes
 from loader.plan import Plan
 from loader.predict import make_predictor
 from prep.adapters.model_state import dense_state, expert_parameters
@@ -43,8 +47,7 @@ class AllocateKnobs:
 @dataclass(frozen=True)
 class TuneKnobs:
     """HOBBIT's cache weights (w_lru, w_lfu, w_lhu, w_fld on the simplex), the pools' eviction group, the
-    prefetch depth and (with dynamic precision and no allocation) the low pool's share, searched by Optuna
-    over the simulator for ``trials`` trials (trial 0: HOBBIT's equal weights) at the budget holding
+    prefetch depth, searched by Optuna over the simulator for ``trials`` trials (trial 0: HOBBIT's equal weights) at the budget holding
     ``share`` of the shipped experts.
 
     ``storage``: where the Optuna study lives: None (a journal file in the stage's work directory), a journal
@@ -115,11 +118,6 @@ def compose_plan(grid, record_bytes: dict, default_budget: str, results, context
     return plan
 
 
-def slot_bytes(record_bytes: int) -> int:
-    """Memory one cached record takes in the loader's record form (``loader.budget``: the O_DIRECT stride)."""
-    return record_slot_bytes(record_bytes, direct_io=True)
-
-
 @dataclass
 class Draft:
     """A plan before the artifact exists, with what the simulator needs to replay it."""
@@ -172,15 +170,28 @@ class Draft:
         return [r.demand_bytes / result.tokens for r in result.layers]
 
 
-def model_sizes(model, adapter, read_bytes: dict) -> ModelSizes:
-    """The budget arithmetic's sizes before the artifact exists: the dense tensors' bytes, the source
-    experts' bytes, and per precision the slot a record takes."""
+def model_sizes(model, adapter, read_bytes: dict, layouts: dict | None = None, device: str = "cpu",
+                expert_dtype: str = "auto", plan: Plan | None = None) -> ModelSizes:
+    """The budget arithmetic's sizes before the artifact exists: the dense tensors' bytes, the source experts'
+    bytes, and per store precision the slot a cached expert takes. With ``layouts`` (precision -> the store's
+    ``RecordLayout``): the loader's sizes on ``device`` (``loader.budget.layout_forms``: the held form it will
+    choose, with the plan's low copies fitted to its slots; the read and staging buffers); without, each
+    ``read_bytes`` record in the record form (its O_DIRECT stride)."""
 
     params, experts = expert_parameters(model, adapter)
     dense = sum(t.numel() * t.element_size() for t in dense_state(model, params).values())
     source = sum(p.numel() * p.element_size() for m in experts for p in m.parameters(recurse=False))
-    return ModelSizes(len(adapter.moe_layers), adapter.num_experts, adapter.top_k, dense, source,
-                      {p: slot_bytes(b) for p, b in read_bytes.items()})
+    shape = (len(adapter.moe_layers), adapter.num_experts, adapter.top_k, dense, source)
+    if layouts is None:
+        return ModelSizes(*shape, {p: record_slot_bytes(b) for p, b in read_bytes.items()})
+    _, slots, staging = layout_forms(layouts, plan, device, expert_dtype)
+    return ModelSizes(*shape, slots, dict(slots), staging)
+
+
+def target_device(profile) -> str:
+    """The device the plan is for: the device profile's compute device (``moeprep profile-device``), else the CPU."""
+    device = str(profile.extra.get("compute_device", "cpu")) if profile is not None else "cpu"
+    return "cuda" if device.startswith("cuda") else "cpu"
 
 
 def draft_from_inputs(inputs, profile_path: str | None) -> Draft:
@@ -195,9 +206,16 @@ def draft_from_inputs(inputs, profile_path: str | None) -> Draft:
     predict = inputs.upstream("predict", optional=True)
     planned = [p for p in quantize.stores if choice.counts.get(p)]
     read_bytes = {p: s["record_bytes"] for p, s in quantize.stores.items()}
-    sizes = model_sizes(model, adapter, read_bytes)
+    profile = load_profile(Path(inputs.root) / profile_path) if profile_path is not None else None
+    dynamic = inputs.upstream("dynamic_precision", optional=True)
+    low = dynamic[1].knobs["low"] if dynamic is not None else None
+    # the stores the artifact ships (package: the planned precisions and the low copies), as the loader sizes them
+    layouts = {p: quantize.layout(p) for p in quantize.stores if p in planned or p == low}
+    device = target_device(profile)
+    sizes = model_sizes(model, adapter, read_bytes, layouts, device)
     plan = compose_plan(choice.expert_precision, {p: read_bytes[p] for p in planned}, "50%", inputs.contributions(),
                         PlanContext(sizes, adapter.routing_weights()))
+    sizes = model_sizes(model, adapter, read_bytes, layouts, device, plan=plan)  # the low copies fitted to slots
     shipped = sum(sizes.record_bytes[p] for row in plan.expert_precision for p in row)
 
     trace_dir, _ = inputs.upstream("trace")
@@ -211,9 +229,8 @@ def draft_from_inputs(inputs, profile_path: str | None) -> Draft:
             bias = getattr(router, "bias", None)
             routers.append((router.weight.detach().float(), bias.detach().float() if bias is not None else None))
         feed = trace_feed(path, routers, predictor_tensors(predict[0], [p.name for p in plan.predictors]))
-    profile = None
-    if profile_path is not None:
+    if profile is not None:
         itemsize = next(model.parameters()).element_size()
         weights = sizes.source_expert_bytes / itemsize / (sizes.num_layers * sizes.num_experts)
-        profile = load_profile(Path(inputs.root) / profile_path).scaled_to(weights)
+        profile = profile.scaled_to(weights)
     return Draft(plan, sizes, read_bytes, replay, feed, profile, shipped)

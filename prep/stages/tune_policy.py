@@ -6,9 +6,9 @@ them. This stage does that search: each trial replays the calibration traces thr
 cache (``prep.stages.planning.Draft``) at the budget holding ``plan.tune.share`` of the shipped experts, and
 scores the plan's cost (modelled seconds per token with a device profile, else demand bytes per token,
 so a high-precision miss weighs its record's size). The search covers the weights (four exponentials
-normalised: uniform on the simplex), the pools' eviction group (per layer, or global as HOBBIT's), the
-prefetch depth when next-layer gates are on, and the low pool's share when dynamic precision holds one
-and no allocation sets it. Trial 0 is HOBBIT's equal weights with the plan's own settings.
+normalised: uniform on the simplex), the pools' eviction group (per layer, or global as HOBBIT's) and the
+prefetch depth when next-layer gates are on (dynamic precision's low copies have no pool, so no share to
+search: they take main-pool slots). Trial 0 is HOBBIT's equal weights with the plan's own settings.
 
 Then, with a device profile, the predictor set: every subset of the plan's predictors is scored with the
 chosen policy, and the plan keeps the cheapest (on a tie, the fewer): a predictor enters the plan only where
@@ -55,24 +55,22 @@ from prep.stages.allocate_cache import score_plan
 from prep.stages.planning import AllocateKnobs, PlanSection, TuneKnobs, draft_from_inputs
 from prep.stages.trace import RoutingTraces
 
-VERSION = 3  # 3: the predictor set is searched
+VERSION = 4  # 3: the predictor set is searched; 4: no low pool share
 STUDY = "tune_policy"
 JOURNAL = "study.journal"
 DRAFT, DRAFT_TENSORS = "draft.json", "draft.safetensors"  # what the worker units rebuild the draft from
 WEIGHTS = ("w_lru", "w_lfu", "w_lhu", "w_fld")
 BASELINES = ("lru", "lfu", "edgemoe")
 DEPTH_MAX = 3
-LOW_SHARE = (0.05, 0.6)
 
 
 @dataclass(frozen=True)
 class TunedPolicy(StageResult):
-    """The eviction policy, group, prefetch depth and low share the plan takes, and how they were found."""
+    """The eviction policy, group and prefetch depth the plan takes, and how they were found."""
 
     eviction: dict  # {"name", "params"}
     group: str | None  # the pools' eviction group (None: as composed)
     depth: int | None  # next_gates depth (None: no next-layer gates)
-    low_share: float | None  # the low pool's share (None: not searched)
     chosen: str  # "trial N" or a baseline's name
     unit: str
     budget_bytes: int
@@ -83,25 +81,17 @@ class TunedPolicy(StageResult):
     predictors: list | None = None  # the predictor names kept (None: the plan's, not searched)
 
     def apply(self, plan: Plan, context=None) -> Plan:
-        """The tuned eviction policy (and group, low share, next_gates depth, predictor subset) on ``plan``."""
+        """The tuned eviction policy (and group, next_gates depth, predictor subset) on ``plan``."""
         pools, points = plan.pools, plan.operating_points
         if self.group is not None:
             pools = tuple(dataclasses.replace(p, group=self.group) for p in pools)
             points = tuple(dataclasses.replace(pt, pools=tuple(dataclasses.replace(p, group=self.group) for p in pt.pools))
                            for pt in points)
-        if self.low_share is not None:
-            pools = _with_low_share(pools, self.low_share)
         predictors = tuple(PolicySpec(p.name, p.params | {"depth": self.depth}) if p.name == "next_gates"
                            and self.depth is not None else p for p in plan.predictors
                            if self.predictors is None or p.name in self.predictors)
         return dataclasses.replace(plan, pools=pools, operating_points=points, predictors=predictors,
                                    eviction=PolicySpec(self.eviction["name"], dict(self.eviction["params"])))
-
-
-def _with_low_share(pools, low_share: float):
-    rest = sum(p.share for p in pools if p.name != "low")
-    return tuple(dataclasses.replace(p, share=low_share if p.name == "low" else p.share / rest * (1 - low_share))
-                 for p in pools)
 
 
 def _finite(value: float) -> float | None:
@@ -145,7 +135,6 @@ class Search:
         self.sequences = slice(0, cfg.num_sequences) if cfg.num_sequences is not None else None
         self.budget = draft.budget_for_share(self.knobs.share)
         self.gates = next((p for p in self.plan.predictors if p.name == "next_gates"), None)
-        self.low = any(p.name == "low" for p in self.plan.pools) and not cfg.allocate.enabled
         self.max_depth = min(DEPTH_MAX, self.plan.num_layers - 1)
 
     def score(self, candidate: Plan) -> float:
@@ -159,7 +148,7 @@ class Search:
         return TunedPolicy(
             eviction={"name": "hobbit", "params": weights_of(params)}, group=params["group"],
             depth=params.get("depth") if self.gates is not None else None,
-            low_share=params.get("low_share") if self.low else None, chosen="", unit=self.draft.unit,
+            chosen="", unit=self.draft.unit,
             budget_bytes=self.budget, share=self.knobs.share, objective={}, trials=[], points=[])
 
     def objective(self, trial) -> float:
@@ -168,18 +157,13 @@ class Search:
         params["group"] = trial.suggest_categorical("group", ["global", "layer"])
         if self.gates is not None and self.max_depth >= 1:
             params["depth"] = trial.suggest_int("depth", 1, self.max_depth)
-        if self.low:
-            params["low_share"] = trial.suggest_float("low_share", *LOW_SHARE)
         return self.score(self.settings(params).apply(self.plan))
 
     def first(self) -> dict:
-        """Trial 0: HOBBIT's equal weights, global pools, the plan's own depth and low share."""
+        """Trial 0: HOBBIT's equal weights, global pools, the plan's own depth."""
         first = {f"x_{w[2:]}": math.exp(-1) for w in WEIGHTS} | {"group": "global"}
         if self.gates is not None and self.max_depth >= 1:
             first["depth"] = min(max(1, int(self.gates.params.get("depth", 1))), self.max_depth)
-        if self.low:
-            low_share = next(p.share for p in self.plan.pools if p.name == "low")
-            first["low_share"] = min(max(low_share, LOW_SHARE[0]), LOW_SHARE[1])
         return first
 
 
@@ -258,7 +242,7 @@ def tune(draft, cfg: PlanSection, work: Path, allocation=None, progress: bool = 
             chosen, value = name, objective_values[name]
     if chosen in BASELINES:
         tuned = dataclasses.replace(tuned, eviction={"name": chosen, "params": {}}, group=None,
-                                    depth=None, low_share=None)
+                                    depth=None)
     if not math.isfinite(value):
         raise MoeprepError(f"no policy fits the budget of {budget:,} bytes (plan.tune.share {knobs.share}): every "
                            "trial and baseline was refused; raise plan.tune.share or enable plan.allocate")

@@ -2,7 +2,7 @@
 less per token, swept across its knob, at several per-layer cache budgets.
 
 One artifact is prepared from the recipe with what every method needs: the Fisher sensitivity (gating
-stage) and a low-precision copy of every expert and its pool (dynamic_precision stage); the calibration
+stage) and a low-precision copy of every expert (dynamic_precision stage); the calibration
 logit ranges of cache routing are measured on the same trace (``prep.stages.cache_routing``). Each point is
 that artifact run with one plan variant:
 
@@ -10,7 +10,7 @@ that artifact run with one plan variant:
 - ``gating``: AdapMoE's rule at the T that leaves a target share of single-expert decisions on the
   calibration routing;
 - ``dynamic_precision``: HOBBIT's thresholds for a target (high, skip) split of the calibration routing;
-  the low copies take ``low_share`` of the budget, as the recipe says;
+  the low copies take slots of the main pool (they have no pool of their own);
 - ``cache_prior`` / ``max_rank``: cache-conditional routing at each lambda / m.
 
 Accuracy per suite comes from ``moeprep eval`` with that plan (paired against the original model, which

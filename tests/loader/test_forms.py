@@ -289,15 +289,14 @@ def test_auto_decodes_per_use_where_the_form_does_not_fit(tmp_path_factory):
 
 
 def test_auto_falls_back_one_store_at_a_time_so_a_store_that_fits_keeps_its_form(tmp_path):
-    """Dynamic precision's artifact (int4 main pool, int2 low pool): as the budget grows from the record form's
-    minimum, the forms go from every store decoded per use, through the low store alone decoded per use (the
-    main pool keeps its made form: before, one store that did not fit sent every store to the record form), to
+    """A mixed-precision artifact (an int4 pool and an int2 pool): as the budget grows from the record form's
+    minimum, the forms go from every store decoded per use, through the int2 store alone decoded per use (the
+    int4 pool keeps its made form: before, one store that did not fit sent every store to the record form), to
     every store's made form; the mixed step decodes the same logits as the others."""
     from loader.budget import cache_layout
     from tests.tiny_models import prepare_tiny_artifact
 
-    recipe = tiny_recipe("int4", quantize={"also": ["int2"]},
-                         dynamic_precision={"enabled": True, "low": "int2", "low_share": 0.2})
+    recipe = tiny_recipe("int4", quantize={"also": ["int2"]}, bitwidth={"method": "random", "share": 0.5, "low": "int2"})
     _, artifact = prepare_tiny_artifact(tmp_path, "mixtral", recipe=recipe)
     low, high = minimum_budget(artifact), minimum_budget(artifact, expert_dtype="float32")
     seen = []
@@ -307,7 +306,7 @@ def test_auto_falls_back_one_store_at_a_time_so_a_store_that_fits_keeps_its_form
             seen.append((budget, forms))
     steps = [forms for _, forms in seen]
     assert steps[0] == {"int4": "record", "int2": "record"}
-    assert {"int4": "float32", "int2": "record"} in steps  # the low pool (a fifth of the budget) holds its float32 form last
+    assert {"int4": "float32", "int2": "record"} in steps  # the int2 pool (a third of the budget) holds its float32 form last
     assert steps[-1] == {"int4": "float32", "int2": "float32"}
     ids = _ids()
     outs = []

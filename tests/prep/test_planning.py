@@ -354,3 +354,57 @@ def test_a_predictor_enters_the_plan_only_where_the_simulator_says_it_saves_time
     (tmp_path / "bytes").mkdir()
     kept = tune(draft, _cfg(3), tmp_path / "bytes", progress=False)
     assert kept.predictors is None and len(kept.apply(draft.plan).predictors) == 3
+
+
+# ------------------------------------------------------------------------- the planner's slots are the loader's
+
+
+@pytest.fixture(scope="module")
+def forms_artifact(tmp_path_factory):
+    """(model, artifact): a tiny Mixtral whose experts take every held form (intermediate 32 and groups of 32, so
+    int4pack applies where the kernel is), int4 experts with dynamic precision's int2 low copies."""
+    from prep.pipeline import prepare
+    from tests.tiny_models import VOCAB, build_tiny_model, mixtral_config, tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("forms")
+    config = mixtral_config()
+    config.intermediate_size = 32
+    model = build_tiny_model("mixtral", config=config)
+    model.save_pretrained(root / "model")
+    tiny_tokenizer(VOCAB).save_pretrained(root / "model")
+    recipe = tiny_recipe("int4", group_size=32, quantize={"also": ["int2"]},
+                         dynamic_precision={"enabled": True, "low": "int2"})
+    prepare(recipe, root=root, output=root / "artifact")
+    return model, root / "artifact"
+
+
+@pytest.mark.parametrize("form", ["record", "float32", "bfloat16", "float16", "int4pack"])
+def test_the_planner_and_the_loader_give_the_same_slots_and_capacities_for_every_held_form(forms_artifact, form):
+    """What the planner sizes before the artifact exists (``prep.stages.planning.model_sizes`` from the stores'
+    record layouts, then ``capacities``) is what the loader builds from the artifact (``cache_layout``), for each
+    held form: the slots, the read and staging buffers, and every pool's capacity at several budgets."""
+    import torch
+
+    from loader.budget import cache_layout, minimum_budget
+    from loader.codec import RecordLayout
+    from loader.format import read_manifest
+    from loader.forms import FORMS
+    from loader.plan import read_plan
+    from prep.adapters import get_adapter
+    from prep.stages.planning import model_sizes
+
+    assert set(FORMS) == {"record", "float32", "bfloat16", "float16", "int4pack"}  # a new form joins the list
+    model, artifact = forms_artifact
+    layouts = {p: RecordLayout.from_json(s["layout"]) for p, s in read_manifest(artifact).raw["stores"].items()}
+    if FORMS[form](layouts["int4"], torch.device("cpu")) is None:
+        pytest.skip(f"{form} does not apply here (no CPU int4 kernel in this torch build)")
+    dtype = "packed" if form == "record" else form
+    plan = read_plan(artifact)
+    sizes = model_sizes(model, get_adapter(model), {p: lay.nbytes for p, lay in layouts.items()}, layouts, "cpu",
+                        dtype, plan)
+    lowest = minimum_budget(artifact, expert_dtype=dtype)
+    for budget in (lowest, lowest + 5 * 4096, 3 * lowest, "unlimited"):
+        loader = cache_layout(artifact, budget, expert_dtype=dtype)
+        assert set(loader.forms.values()) == {form}
+        assert sizes.record_bytes == loader.slot_bytes and sizes.staging_bytes == loader.sizes.staging_bytes
+        assert capacities(plan, budget, sizes) == loader.capacities, budget

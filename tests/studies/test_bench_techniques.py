@@ -44,7 +44,8 @@ def test_each_technique_artifact_carries_its_technique_and_was_fitted_without_th
     assert gating["params"]["sensitivity"] == sensitivity["S"][:4]  # the quick shape's 4 layers
     miss = plans["int4+dynamic_precision"]["miss"]
     assert miss["name"] == "dynamic_precision" and 0 <= miss["params"]["t1"] <= miss["params"]["t2"] <= 1
-    assert {p["precision"] for p in plans["int4+dynamic_precision"]["pools"]} == {"int4", "int2"}
+    assert [p["precision"] for p in plans["int4+dynamic_precision"]["pools"]] == ["int4"]  # low copies: main slots
+    assert miss["params"]["low"] == "int2"
     assert [p["name"] for p in plans["int4+path_stats"]["predictors"]] == ["path_stats"]
     allocated = plans["int4+allocation"]["operating_points"]  # the DP's per-layer allocation at each point
     assert allocated and all("layers" in pool for point in allocated for pool in point["pools"])
