@@ -43,7 +43,7 @@ from loader.plan import Plan, read_plan_file
 from loader.policies import POLICIES, policy_factory
 from loader.predict import PREDICTORS, PREDICTORS_FILE, ROUTING_ONLY, PredictorContext, make_predictor
 from loader.routing import MISS_POLICIES, ROUTING_POLICIES, RoutingError
-from loader.schedule import CPU, CPU_MISSES, CpuMissRule, LayerSchedule, PrefetchGate
+from loader.schedule import CPU, CPU_MISSES, CpuMissRule, LayerSchedule
 from prep.errors import MoeprepError
 from prep.methods.trace import open_trace
 from prep.sim.belady import BeladyPolicy, FutureUses

@@ -35,7 +35,7 @@ from prep.report import report_markdown
 from prep.report.sections import PLAN_PLOT, operating_points_plot
 from prep.stages import EARLIER_CONTRIBUTIONS, Stage, StageResult
 from prep.stages.bitwidth import BitwidthChoice, uniform_choice
-from prep.stages.planning import PlanContext, compose_plan, model_sizes
+from prep.stages.planning import PlanContext, compose_plan, model_sizes, shipped_layout
 from prep.stages.predict import predictor_tensors
 from prep.stages.quantize import PackedExperts
 
@@ -65,7 +65,8 @@ class PackageSection:
 
     def kernel_layout(self, layout: RecordLayout) -> RecordLayout | None:
         """The layout a store of ``layout`` is written in for these targets, where it differs (None: as it is)."""
-        return layout.in_kernel_layout("int4pack") if "cpu" in self.targets else None
+        shipped = shipped_layout(layout, "cpu") if "cpu" in self.targets else layout
+        return shipped if shipped != layout else None
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loader.budget import Capacities, ModelSizes, buffer_bytes, capacities, layout_forms, record_slot_bytes
+from loader.codec import RecordLayout
 from loader.plan import Plan
 from loader.predict import make_predictor
 from prep.adapters.model_state import dense_state, expert_parameters
@@ -188,6 +189,12 @@ def model_sizes(model, adapter, read_bytes: dict, layouts: dict | None = None, d
     return ModelSizes(*shape, slots, dict(slots), staging)
 
 
+def shipped_layout(layout: RecordLayout, device: str) -> RecordLayout:
+    """The layout a store of ``layout`` ships in for a ``device`` target (``PackageSection.kernel_layout``)."""
+    kernel = layout.in_kernel_layout("int4pack") if device == "cpu" else None
+    return kernel if kernel is not None else layout
+
+
 def target_device(profile) -> str:
     """The device the plan is for: the device profile's compute device (``moeprep profile-device``), else the CPU."""
     device = str(profile.extra.get("compute_device", "cpu")) if profile is not None else "cpu"
@@ -205,13 +212,14 @@ def draft_from_inputs(inputs, profile_path: str | None) -> Draft:
     choice = chosen[1] if chosen is not None else uniform_choice(quantize)
     predict = inputs.upstream("predict", optional=True)
     planned = [p for p in quantize.stores if choice.counts.get(p)]
-    read_bytes = {p: s["record_bytes"] for p, s in quantize.stores.items()}
     profile = load_profile(Path(inputs.root) / profile_path) if profile_path is not None else None
     dynamic = inputs.upstream("dynamic_precision", optional=True)
     low = dynamic[1].knobs["low"] if dynamic is not None else None
-    # the stores the artifact ships (package: the planned precisions and the low copies), as the loader sizes them
-    layouts = {p: quantize.layout(p) for p in quantize.stores if p in planned or p == low}
     device = target_device(profile)
+    # the stores the artifact ships (package: the planned precisions and the low copies), as the loader sizes them;
+    # for a CPU an int4 store ships in the int4 kernel's layout (``package.targets``' default), so its reads are that
+    layouts = {p: shipped_layout(quantize.layout(p), device) for p in quantize.stores if p in planned or p == low}
+    read_bytes = {p: s["record_bytes"] for p, s in quantize.stores.items()} | {p: layout.nbytes for p, layout in layouts.items()}
     sizes = model_sizes(model, adapter, read_bytes, layouts, device)
     plan = compose_plan(choice.expert_precision, {p: read_bytes[p] for p in planned}, "50%", inputs.contributions(),
                         PlanContext(sizes, adapter.routing_weights()))
