@@ -444,3 +444,44 @@ def test_the_schedule_serves_decode_misses_on_the_cpu_by_its_rule():
     assert CpuMissRule("auto").off and not CpuMissRule("always").off
     with pytest.raises(LoaderError, match="cpu_misses 'sometimes' unknown"):
         CpuMissRule("sometimes")
+
+
+def test_the_prefetch_gate_stops_predictions_that_do_not_pay():
+    """``PrefetchGate`` in ``LayerSchedule``: prefetches are read while at least ``floor`` of the decided ones
+    (used or wasted) were used; after ``warmup`` decided ones with fewer used, reads stop for good at the end of
+    that token (the last layer's ``end``), and no request is admitted any more. Without a gate nothing stops."""
+    from loader.predict import PrefetchRequest
+    from loader.schedule import LayerSchedule, PrefetchGate
+
+    def schedule(gate):
+        cache = ExpertCache([PoolConfig("main", "int4", "layer", {0: 2 * REC, 1: 2 * REC})], 2, 8,
+                            policy_factory("lru"))
+        return LayerSchedule(cache, [["int4"] * 8] * 2, prefetch_gate=gate)
+
+    def token(sched, predicted, chosen):
+        """Predict ``predicted`` for layer 1, then run layer 0 (choosing 0) and layer 1 (choosing ``chosen``)."""
+        for entry in sched.prefetch([PrefetchRequest(1, predicted)], {"int4": REC}):
+            sched.cache.complete(entry)
+        for layer, expert in ((0, 0), (1, chosen)):
+            decisions, _ = sched.begin(layer, [[expert]])
+            for d in decisions:
+                if d.entry is None:
+                    sched.cache.complete(sched.admit(layer, d.expert, d.precision, REC, REC))
+            sched.end(layer)
+
+    gate = PrefetchGate(floor=0.5, warmup=4)
+    sched = schedule(gate)
+    for t in range(4):  # right twice, wrong twice: half used, the gate stays open
+        token(sched, 2 + t, 2 + t if t % 2 == 0 else 7)
+    assert sched.prefetching and gate.pays(sched.cache)
+    token(sched, 3, 7)  # wrong again: 2 of 5 used
+    assert not sched.prefetching
+    issued = sum(c.prefetches for c in sched.cache.counters)
+    token(sched, 4, 4)
+    assert sum(c.prefetches for c in sched.cache.counters) == issued  # nothing read once closed
+    assert sched.prefetch([PrefetchRequest(1, 5)], {"int4": REC}) == []
+
+    ungated = schedule(None)
+    for t in range(6):
+        token(ungated, 2 + t % 3, 7)
+    assert ungated.prefetching and sum(c.prefetch_wasted for c in ungated.cache.counters) >= 5
