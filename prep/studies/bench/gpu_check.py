@@ -117,14 +117,14 @@ def run_tests(check: Check, python: str, root: Path, env: dict) -> None:
 
 
 def run_bench(check: Check, python: str, root: Path, env: dict, work: Path, traces: Path, store: str,
-              systems: str | None) -> None:
+              systems: str | None, budgets: str = BUDGETS, repeats: int = REPEATS) -> None:
     output = work / f"bench-{store}"
     output.mkdir(parents=True, exist_ok=True)
     first = work / "bench-host" / "mixtral-shape"
     if store != "host" and first.is_dir() and not (output / "mixtral-shape").exists():
         (output / "mixtral-shape").symlink_to(first.resolve())  # the model and artifacts built by the first run
     command = [python, "-m", "prep.cli", "bench", "--device", "cuda", "--subject", "mixtral-shape", "--budgets",
-               BUDGETS, "--repeats", str(REPEATS), "--store", store, "--traces", str(traces), "--output", str(output)]
+               budgets, "--repeats", str(repeats), "--store", store, "--traces", str(traces), "--output", str(output)]
     if systems:
         command += ["--systems", systems]
     left = check.left()
@@ -274,6 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--traces", default=None, help="holding mixtral-8x7b/ [.gpu/traces, else ../shared/data/traces]")
     parser.add_argument("--seconds", type=float, default=450, help="the whole check's time limit (default 450)")
     parser.add_argument("--python", default=sys.executable, help="the interpreter to run the tests and bench with")
+    parser.add_argument("--budgets", default=BUDGETS, help=f"the bench's budgets (default {BUDGETS})")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help=f"runs per configuration (default {REPEATS})")
+    parser.add_argument("--stores", default=",".join(s for s, _ in STORES),
+                        help="which stores to bench, in order (default host,disk)")
+    parser.add_argument("--systems", default=None,
+                        help="the systems of every store's bench (default: all on host, naive,moeprep on disk); a "
+                             "short lease affords naive,moeprep at two budgets")
     args = parser.parse_args(argv)
     check = Check(Path(args.out), time.time() + args.seconds)
     env = dict(os.environ, PYTHONUNBUFFERED="1",
@@ -292,8 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         (p for p in (root / ".gpu" / "traces", root.parent / "shared" / "data" / "traces") if p.is_dir()),
         root / ".gpu" / "traces")
     work = Path(args.work)
-    for store, systems in STORES:
-        run_bench(check, args.python, root, env, work, traces, store, systems)
+    wanted = [s.strip() for s in args.stores.split(",") if s.strip()]
+    for store, systems in sorted((s for s in STORES if s[0] in wanted), key=lambda s: wanted.index(s[0])):
+        run_bench(check, args.python, root, env, work, traces, store, args.systems or systems, args.budgets,
+                  args.repeats)
     print(check.out / "gpu-check.md", file=sys.stderr)
     print(render(check.state))
     failed = (check.state["tests"] or {}).get("failed", 1)
