@@ -185,14 +185,17 @@ def neuron_switch(artifact: str, neuron: str, theta: float | None):
               help="torch's intra-op threads while decoding: keep (torch's own setting), auto (on a CPU the cores "
                    "the reader threads leave free: faster on some models, slower on others, see loader/README.md), "
                    "or a number.")
+@click.option("--workers", default="auto", show_default=True,
+              help="Reader threads, the expert reads in flight: auto (the plan's read_depth, measured best by "
+                   "`moeprep profile-device`; else 2) or a number.")
 @click.option("--truncate", is_flag=True,
               help="A prompt that leaves no room for --max-new-tokens in the model's context keeps its last tokens "
                    "(default: it is an error).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {text, token_ids, stats}.")
 def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_budget: str | None, device: str,
                      store: str, predictors: str | None, exact_routing: bool, planned_precision: bool,
-                     neuron: str, theta: float | None, expert_dtype: str, threads: str, truncate: bool,
-                     as_json: bool) -> None:
+                     neuron: str, theta: float | None, expert_dtype: str, threads: str, workers: str,
+                     truncate: bool, as_json: bool) -> None:
     """Greedy generation through the offloading runtime; streams the text, then prints the stats."""
     import torch
     from transformers import TextStreamer
@@ -210,11 +213,14 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
     if threads not in ("auto", "keep") and not threads.isdigit():
         raise MoeError(f"--threads {threads!r}: use auto, keep or a positive number")
     threads_arg = None if threads == "keep" else (threads if threads == "auto" else int(threads))
+    if workers != "auto" and not (workers.isascii() and workers.isdigit() and int(workers) > 0):
+        raise MoeError(f"--workers {workers!r}: use auto or a positive number of reader threads")
     chosen = None if predictors is None else [p for p in predictors.replace(" ", "").split(",") if p and p != "none"]
     loaded = load(artifact, device=device, memory_budget=memory_budget, store=store, predictors=chosen,
                   routing=RoutingPolicy() if exact_routing else None,
                   miss_policy=MissPolicy() if planned_precision else None,
-                  neuron=neuron_switch(artifact, neuron, theta), expert_dtype=expert_dtype, threads=threads_arg)
+                  neuron=neuron_switch(artifact, neuron, theta), expert_dtype=expert_dtype, threads=threads_arg,
+                  workers=workers if workers == "auto" else int(workers))
     tok = loaded.tokenizer
     try:
         ids = torch.tensor([tok(prompt)["input_ids"]], dtype=torch.long, device=device)

@@ -130,6 +130,7 @@ class Plan:
     # precision -> the held form its cached experts take (``loader/forms.py``), chosen for the target device
     # by the planner; absent: the loader's fixed rule for the device
     forms: tuple[tuple[str, str], ...] = ()
+    read_depth: int = 0  # reads in flight (reader threads) measured best on the target device; 0: unplanned
     version: int = PLAN_VERSION
 
     def point_for(self, budget_bytes: float) -> OperatingPoint | None:
@@ -197,7 +198,8 @@ class Plan:
             "default_budget": self.default_budget,
         } | ({"neuron": self.neuron.to_json()} if self.neuron.name != "off" else {}) \
           | ({"operating_points": [p.to_json() for p in self.operating_points]} if self.operating_points else {}) \
-          | ({"forms": dict(self.forms)} if self.forms else {})
+          | ({"forms": dict(self.forms)} if self.forms else {}) \
+          | ({"read_depth": self.read_depth} if self.read_depth else {})
 
     @classmethod
     def from_json(cls, raw) -> Plan:
@@ -210,7 +212,8 @@ class Plan:
         if not isinstance(raw, dict):
             raise bad(f"expected an object, got {type(raw).__name__}")
         known = {"version", "num_layers", "num_experts", "expert_precision", "pools", "layer_capacity",
-                 "eviction", "predictors", "routing", "miss", "default_budget", "operating_points", "neuron", "forms"}
+                 "eviction", "predictors", "routing", "miss", "default_budget", "operating_points", "neuron", "forms",
+                 "read_depth"}
         if unknown := sorted(set(raw) - known):
             raise bad(f"unknown keys {unknown}")
         if raw.get("version") != PLAN_VERSION or type(raw.get("version")) is not int:
@@ -259,6 +262,9 @@ class Plan:
         forms = raw.get("forms", {})
         if not isinstance(forms, dict) or not all(isinstance(k, str) and v in FORM_NAMES for k, v in forms.items()):
             raise bad(f"forms must map precisions to one of {list(FORM_NAMES)}")
+        depth = raw.get("read_depth", 0)
+        if "read_depth" in raw and not (_is_int(depth) and depth > 0):
+            raise bad(f"read_depth must be a positive number of reads in flight, got {depth!r}")
         plan = cls(n_layers, n_experts, tuple(tuple(r) for r in rows), tuple(pools),
                    tuple(float(c) for c in capacity) if capacity is not None else None,
                    PolicySpec.from_json(raw.get("eviction"), "eviction"),
@@ -266,7 +272,7 @@ class Plan:
                    PolicySpec.from_json(raw.get("routing"), "routing"),
                    PolicySpec.from_json(raw.get("miss"), "miss"),
                    PolicySpec.from_json(raw.get("neuron", {"name": "off"}), "neuron"), budget, tuple(points),
-                   forms=tuple(sorted(forms.items())))
+                   forms=tuple(sorted(forms.items())), read_depth=depth)
         pooled = {p.precision for p in pools}
         if missing := sorted({p for row in plan.expert_precision for p in row} - pooled):
             raise bad(f"experts planned at precisions {missing} that no pool holds")

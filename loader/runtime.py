@@ -70,6 +70,7 @@ from loader.transfer import link_for
 from loader.vocab import CPU_MISSES
 
 IMPLEMENTATION = "moeprep_offload"
+DEFAULT_WORKERS = 2  # reader threads where neither the caller nor the plan says (two reads in flight)
 
 
 def process_rss_bytes() -> int | None:
@@ -93,6 +94,16 @@ def compute_threads(device: torch.device, workers: int) -> int | None:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores - workers)
+
+
+def reader_workers(workers: int | str, plan: Plan) -> int:
+    """The reader threads of a load: ``workers`` itself, or for "auto" the plan's ``read_depth`` (the reads in
+    flight that measured best on the planned device), else ``DEFAULT_WORKERS``."""
+    if workers == "auto":
+        return plan.read_depth or DEFAULT_WORKERS
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise LoaderError(f"workers {workers!r} must be 'auto' or a positive number of reader threads")
+    return workers
 
 
 def parse_device(device: str) -> torch.device:
@@ -257,7 +268,7 @@ def _named(registry: dict, spec: PolicySpec, what: str, default: type):
 
 
 def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: str = "disk",
-         policy: str | None = None, workers: int = 2, routing: RoutingPolicy | None = None,
+         policy: str | None = None, workers: int | str = "auto", routing: RoutingPolicy | None = None,
          predictors: list[Predictor] | None = None, miss_policy: MissPolicy | None = None,
          plan: Plan | None = None, neuron: NeuronConfig | bool | None = None,
          expert_dtype: str = "auto", cpu_misses: str = "auto", threads=None,
@@ -277,7 +288,9 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     the held form of a cached expert (``loader/forms.py``): "auto" (fixed before the run: the environment's
     pin, the plan's ``forms``, else int4pack on a CPU where it fits and bfloat16 otherwise; plain matrices
     as stored), "float32", "bfloat16", "float16" (decoded in that dtype), "int4pack", or "packed" (the
-    record, decoded per use). workers: reader threads; each makes the held forms of the reads it serves.
+    record, decoded per use). workers: reader threads, the reads in flight; each makes the held forms of the
+    reads it serves. "auto": the plan's ``read_depth`` (the depth ``moeprep profile-device`` measured best on
+    the planned device), else ``DEFAULT_WORKERS``.
     threads: torch's intra-op threads while the model is loaded (restored by ``close``): None leaves them,
     an int sets them, "auto" takes ``compute_threads`` (on a CPU, the cores the reader threads leave free).
     cpu_misses: on a CUDA device with ``store="host"``, a decode step's missed expert is computed on the CPU
@@ -344,13 +357,12 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
     if cpu_misses == "always" and (not link.accelerated or store != "host"):
         raise LoaderError("cpu_misses='always' computes GPU misses on the CPU from a store held in host RAM; it needs "
                           "device='cuda' and store='host' (or leave it at 'auto')")
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise LoaderError(f"workers {workers!r} must be a positive number of reader threads")
+    plan = plan or manifest.plan
+    workers = reader_workers(workers, plan)
     wanted_threads = compute_threads(dev, workers) if threads == "auto" else threads
     if wanted_threads is not None and (isinstance(wanted_threads, bool) or not isinstance(wanted_threads, int)
                                        or wanted_threads < 1):
         raise LoaderError(f"threads {threads!r} must be None, 'auto' or a positive number of torch threads")
-    plan = plan or manifest.plan
     if policy is not None:
         plan = dataclasses.replace(plan, eviction=PolicySpec(policy))
     policy_factory(plan.eviction.name, plan.eviction.params)

@@ -546,14 +546,26 @@ def simulate_command(trace, plan, budget, policy, capacity, group, params, recor
 @click.option("--file-mb", default=256, show_default=True, type=click.IntRange(16, 4096),
               help="Size of the temporary read-test file.")
 @click.option("--device", default="cpu", show_default=True, help="Where expert compute is timed: cpu or cuda.")
-def profile_device_command(output, directory, file_mb, device):
-    """Measure this machine's read bandwidth and latency (page cache bypassed) and per-expert compute."""
-    from prep.sim.device import measure_device, write_profile
+@click.option("--artifact", default=None, type=click.Path(file_okay=False, exists=True),
+              help="Time record reads at this artifact's largest record (default: 2 MiB reads).")
+def profile_device_command(output, directory, file_mb, device, artifact):
+    """Measure this machine's read bandwidth and latency (page cache bypassed), the record reads in flight
+    that read fastest, and per-expert compute."""
+    from prep.sim.device import RECORD_BYTES, measure_device, write_profile
 
-    profile = measure_device(directory, file_mb << 20, device=device)
+    record_bytes = RECORD_BYTES
+    if artifact is not None:
+        from loader.format import read_manifest
+
+        record_bytes = max(s.stride for s in read_manifest(artifact).stores.values())
+    profile = measure_device(directory, file_mb << 20, device=device, record_bytes=record_bytes)
     write_profile(profile, output)
-    click.echo(f"read  {profile.read_bandwidth / 1e6:,.0f} MB/s, latency {profile.read_latency * 1e3:.3f} ms "
-               f"(direct I/O: {'yes' if profile.extra.get('direct_io') else 'no, fadvise'})")
+    click.echo(f"read  {profile.read_bandwidth / 1e6:,.0f} MB/s at depth {profile.read_depth} of "
+               f"{record_bytes / 1024:,.0f} KiB reads, latency {profile.read_latency * 1e3:.3f} ms "
+               f"(direct I/O: {'yes' if profile.extra.get('direct_io') else 'no, fadvise'}); sequential "
+               f"{profile.extra['sequential_read_bandwidth_bytes_per_s'] / 1e6:,.0f} MB/s")
+    depths = ", ".join(f"{d}: {bw / 1e6:,.0f}" for d, bw in profile.extra["read_depths"].items())
+    click.echo(f"record reads in flight -> MB/s: {depths}")
     compute = ", ".join(f"{p} {s * 1e3:.1f} ms" for p, s in profile.compute_seconds.items())
     click.echo(f"compute per expert ({profile.device}): {compute}")
     click.echo(f"wrote {output}")

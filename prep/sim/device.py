@@ -5,7 +5,8 @@ A profile is a small JSON file (``moeprep profile-device`` writes one for this m
     {"format": "moeprep-device-profile", "version": 1, "device": "...",
      "read_bandwidth_bytes_per_s": float, "read_latency_s": float, "direct_io": bool,
      "compute_seconds_per_expert": {precision: float, ...},    # one token through one expert
-     "expert_shape": {"hidden": H, "intermediate": I}, ...}
+     "expert_shape": {"hidden": H, "intermediate": I},
+     "read_depths": {"1": float, "2": float, ...}, "read_depth": int, ...}   # optional: record reads in flight
 
 The cost model: a demand miss reads for ``read_latency_s + bytes / read_bandwidth_bytes_per_s`` and then
 its held form is made (``make_seconds_per_expert``), both on a reader thread; every computed expert costs
@@ -20,9 +21,17 @@ for that model), and a token takes at least the time of all its reads, prefetche
 wasted prefetch costs time where the disk is the bottleneck.
 
 Measurement (``measure_device``): reads bypass the page cache (O_DIRECT where the filesystem allows
-it, else ``posix_fadvise(DONTNEED)`` before reading) from a temporary file of a few hundred MB; the
-bandwidth is that of large sequential record-sized reads, the latency the median of small random
-4 KiB reads. Compute is timed on a scaled-down expert (H/4, I/4) and scaled by the weight count to
+it, else ``posix_fadvise(DONTNEED)`` before reading) from a temporary file of a few hundred MB. Reads
+are timed three ways: large sequential 8 MiB reads (``sequential_read_bandwidth_bytes_per_s``), the median
+of small random 4 KiB reads (``read_latency_s``), and random reads of one record (``record_bytes``, the
+artifact's largest record stride, else 2 MiB) at 4 KiB-aligned offsets with 1, 2, 4 and 8 reads in flight
+(that many threads each issuing one blocking ``os.preadv`` at a time, as the loader's reader threads do):
+``read_depths`` ({depth: bytes/s}) and ``read_depth``, the smallest depth within 5% of the best (no more
+reader threads than pay). ``read_bandwidth_bytes_per_s``, what the simulator charges a miss, is the
+bandwidth at ``read_depth``: the loader's misses are record-sized reads at scattered offsets, and a loader
+run with ``workers="auto"`` keeps ``read_depth`` of them in flight (the plan carries the depth). That
+figure already includes each read's latency, so ``read_latency_s + bytes / bandwidth`` counts the latency of
+a read twice; at record sizes (~MBs) the 4 KiB latency is a small part of a read. Compute is timed on a scaled-down expert (H/4, I/4) and scaled by the weight count to
 the target expert shape (decode is a matrix-vector product: its time grows with the weights read):
 ``passthrough``/``bfloat16``/``float16``/``float32`` run the three matrices at that dtype; intN first
 dequantizes the packed record with the loader's own codec (``loader.codec.decode_matrix``), then
@@ -84,6 +93,11 @@ class DeviceProfile:
         head, predictors), of the model the profile was calibrated on."""
         return float(self.calibration.get("token_overhead_s", 0.0))
 
+    @property
+    def read_depth(self) -> int | None:
+        """The reads in flight that measured best (``read_depths``), None in profiles measured before depths."""
+        return self.extra.get("read_depth")
+
     def read_seconds(self, nbytes: int) -> float:
         return self.read_latency + nbytes / self.read_bandwidth
 
@@ -137,6 +151,13 @@ class DeviceProfile:
                 and all(_number(calibration.get(k, 0.0)) and calibration.get(k, 0.0) >= 0 for k in seconds)):
             raise MoeprepError(f"{where}: calibration must be {{overlap: bool, layer_overhead_s: seconds >= 0, "
                                f"token_overhead_s: seconds >= 0}}; {fix}")
+        depths, depth = raw.get("read_depths"), raw.get("read_depth")
+        if (depths is None) != (depth is None) or depths is not None and not (
+                isinstance(depths, dict) and depths
+                and all(isinstance(k, str) and k.isascii() and k.isdigit() and int(k) > 0 and _positive(v) for k, v in depths.items())
+                and _number(depth) and isinstance(depth, int) and str(depth) in depths):
+            raise MoeprepError(f"{where}: read_depths ({{depth: bytes/s > 0}}) and read_depth (one of its depths) "
+                               f"go together or not at all; {fix}")
         known = {"format", "version", "device", "read_bandwidth_bytes_per_s", "read_latency_s",
                  "compute_seconds_per_expert", "make_seconds_per_expert", "calibration"}
         return cls(float(bw), float(latency), {k: float(v) for k, v in compute.items()}, str(raw.get("device", "")),
@@ -202,13 +223,24 @@ def _drop_cache(fd: int, offset: int = 0, length: int = 0) -> None:
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
+DEPTHS = (1, 2, 4, 8)  # reads in flight measured (the loader's reader threads)
+RECORD_BYTES = 2 << 20  # a record read when no artifact says otherwise (a Mixtral expert at int4 is ~90 MB; tiny ones ~KBs)
+DEPTH_TOLERANCE = 0.05  # the depth chosen is the smallest within this share of the best bandwidth
+
+
 def measure_reads(directory: str | Path | None = None, file_bytes: int = 256 << 20,
-                  block_bytes: int = 8 << 20, small_reads: int = 64, seed: int = 0) -> dict:
+                  block_bytes: int = 8 << 20, small_reads: int = 64, seed: int = 0,
+                  record_bytes: int = RECORD_BYTES, depths: tuple[int, ...] = DEPTHS,
+                  depth_bytes: int | None = None) -> dict:
     """Read bandwidth and latency of the disk holding ``directory`` (default: the temp dir).
 
-    Writes a temporary file of ``file_bytes``, reads it back in ``block_bytes`` reads (bandwidth) and
-    with ``small_reads`` random 4 KiB reads (latency, the median), bypassing the page cache. Returns
-    {read_bandwidth_bytes_per_s, read_latency_s, direct_io, read_file_bytes, read_block_bytes}.
+    Writes a temporary file of ``file_bytes``, reads it back in ``block_bytes`` reads (sequential
+    bandwidth), with ``small_reads`` random 4 KiB reads (latency, the median), and at each depth of
+    ``depths`` with that many threads reading ``record_bytes`` at random 4 KiB-aligned offsets until
+    ``depth_bytes`` are read (default: the file's size up to 64 MiB; at least two reads a thread), bypassing the page cache. Returns
+    {read_bandwidth_bytes_per_s (at the chosen depth), sequential_read_bandwidth_bytes_per_s, read_latency_s,
+    read_depths ({"N": bytes/s}), read_depth (the smallest depth within 5% of the best), read_record_bytes,
+    direct_io, read_file_bytes, read_block_bytes}.
     """
     import random
 
@@ -216,6 +248,12 @@ def measure_reads(directory: str | Path | None = None, file_bytes: int = 256 << 
         raise MoeprepError(f"read test: file_bytes ({file_bytes}) must hold one block and block_bytes "
                            f"({block_bytes}) be a multiple of {_ALIGN}")
     file_bytes = file_bytes // block_bytes * block_bytes
+    if record_bytes <= 0 or record_bytes % _ALIGN or record_bytes > file_bytes:
+        raise MoeprepError(f"read test: record_bytes ({record_bytes}) must be a positive multiple of {_ALIGN} "
+                           f"no larger than the test file ({file_bytes} bytes); raise --file-mb")
+    if not depths or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in depths):
+        raise MoeprepError(f"read test: depths {depths!r} must be positive numbers of reads in flight")
+    depth_bytes = min(file_bytes, 64 << 20) if depth_bytes is None else depth_bytes
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="moeprep-profile-", dir=directory) as tmp:
         path = Path(tmp) / "read-test.bin"
@@ -229,7 +267,7 @@ def measure_reads(directory: str | Path | None = None, file_bytes: int = 256 << 
                 if not direct:
                     _drop_cache(fd, offset, block_bytes)
                 os.preadv(fd, [buf], offset)
-            bandwidth = file_bytes / (time.perf_counter() - start)
+            sequential = file_bytes / (time.perf_counter() - start)
             small = _aligned_buffer(_ALIGN)
             latencies = []
             for _ in range(small_reads):
@@ -239,10 +277,53 @@ def measure_reads(directory: str | Path | None = None, file_bytes: int = 256 << 
                 start = time.perf_counter()
                 os.preadv(fd, [small], offset)
                 latencies.append(time.perf_counter() - start)
+            by_depth = {str(d): _depth_bandwidth(fd, direct, file_bytes, record_bytes, d, depth_bytes, rng)
+                        for d in sorted(set(depths))}
         finally:
             os.close(fd)
-    return {"read_bandwidth_bytes_per_s": bandwidth, "read_latency_s": statistics.median(latencies),
-            "direct_io": direct, "read_file_bytes": file_bytes, "read_block_bytes": block_bytes}
+    best = max(by_depth.values())
+    depth = min(int(d) for d, bw in by_depth.items() if bw >= (1 - DEPTH_TOLERANCE) * best)
+    return {"read_bandwidth_bytes_per_s": by_depth[str(depth)], "sequential_read_bandwidth_bytes_per_s": sequential,
+            "read_latency_s": statistics.median(latencies), "read_depths": by_depth, "read_depth": depth,
+            "read_record_bytes": record_bytes, "direct_io": direct, "read_file_bytes": file_bytes,
+            "read_block_bytes": block_bytes}
+
+
+def _depth_bandwidth(fd: int, direct: bool, file_bytes: int, record_bytes: int, depth: int, total_bytes: int,
+                     rng) -> float:
+    """Bytes/s of ``depth`` threads each issuing blocking ``record_bytes`` reads at random aligned offsets of
+    ``fd`` (``os.preadv`` releases the GIL: the reads are in flight together), ``total_bytes`` in all."""
+    import threading
+
+    per_thread = max(2, -(-total_bytes // (record_bytes * depth)))
+    last = (file_bytes - record_bytes) // _ALIGN
+    offsets = [[rng.randint(0, last) * _ALIGN for _ in range(per_thread)] for _ in range(depth)]
+    buffers = [_aligned_buffer(record_bytes) for _ in range(depth)]
+    ready = threading.Barrier(depth + 1)
+    failed: list[BaseException] = []
+
+    def read(mine: list[int], buf) -> None:
+        ready.wait()
+        try:
+            for offset in mine:
+                if not direct:
+                    _drop_cache(fd, offset, record_bytes)
+                os.preadv(fd, [buf], offset)
+        except OSError as e:
+            failed.append(e)
+
+    threads = [threading.Thread(target=read, args=(mine, buf), daemon=True) for mine, buf in zip(offsets, buffers,
+                                                                                                 strict=True)]
+    for t in threads:
+        t.start()
+    ready.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    if failed:
+        raise MoeprepError(f"read test at depth {depth} failed: {failed[0]}")
+    return depth * per_thread * record_bytes / elapsed
 
 
 # ---------------------------------------------------------------------------------------- compute
@@ -333,13 +414,15 @@ def measure_compute(expert_shape: tuple[int, int] = MIXTRAL_SHAPE, scale: int = 
 
 
 def measure_device(directory: str | Path | None = None, file_bytes: int = 256 << 20,
-                   expert_shape: tuple[int, int] = MIXTRAL_SHAPE, device: str = "cpu") -> DeviceProfile:
-    """Measure this machine: reads from ``directory``'s disk and one expert's compute on ``device``."""
+                   expert_shape: tuple[int, int] = MIXTRAL_SHAPE, device: str = "cpu",
+                   record_bytes: int = RECORD_BYTES) -> DeviceProfile:
+    """Measure this machine: reads from ``directory``'s disk (``record_bytes``: one read of a miss, see
+    ``measure_reads``) and one expert's compute on ``device``."""
     import torch
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise MoeprepError("--device cuda was asked for but CUDA is not available; use --device cpu")
-    reads = measure_reads(directory, file_bytes)
+    reads = measure_reads(directory, file_bytes, record_bytes=record_bytes)
     compute, make = measure_compute(expert_shape, device=device)
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else (platform.processor() or platform.machine())
     extra = {k: v for k, v in reads.items() if not k.startswith("read_bandwidth") and k != "read_latency_s"}

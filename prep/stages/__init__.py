@@ -70,7 +70,9 @@ class StageResult:
 
     @classmethod
     def from_json(cls, raw: dict) -> StageResult:
-        return cls(**{f.name: raw[f.name] for f in dataclasses.fields(cls)})
+        """The result of ``raw``; a field with a default may be missing (a result saved before it was added)."""
+        return cls(**{f.name: raw[f.name] for f in dataclasses.fields(cls) if f.name in raw or (
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)})
 
     def save(self, directory: Path, tensors: dict | None = None, **meta) -> None:
         """Write ``tensors.safetensors`` (when given), then ``result.json`` last: {"result": ..., **meta}."""

@@ -51,6 +51,7 @@ class CacheAllocation(StageResult):
     inputs: dict  # the closed form's alpha and beta per layer
     tolerance: float | None  # plan.tolerance: points of accuracy an operating point may lose (evaluate checks)
     sizes: dict  # the ``ModelSizes`` the allocation was solved with (slots in the held forms' sizes)
+    read_depth: int | None = None  # the device profile's best reads in flight (None: no profile, or one without)
 
     def apply(self, plan: Plan, context) -> Plan:
         """``plan`` with its own pools allocated for its default budget and the operating points. The default
@@ -67,7 +68,8 @@ class CacheAllocation(StageResult):
         except MoeError:  # a default budget that holds no record: the smallest point's pools
             own = raw[min(raw)]
         points = tuple(OperatingPoint(b, pools(raw[b])) for b in sorted(raw))
-        return dataclasses.replace(plan, pools=pools(own), operating_points=points)
+        return dataclasses.replace(plan, pools=pools(own), operating_points=points,
+                                   read_depth=self.read_depth or plan.read_depth)
 
 
 def solve(plan: Plan, sizes: ModelSizes, cells: list[dict], curves: list, budget: float) -> tuple[int, ...]:
@@ -243,7 +245,8 @@ def allocate_plan(draft, cfg: PlanSection, gating=None, prediction=None, progres
                        "closed_form": score_plan(draft, closed_plan, budget, sequences),
                        "uniform": score_plan(draft, plan, budget, sequences)})
     return CacheAllocation(cost=cfg.allocate.cost, unit=draft.unit, cells=cells, curves=curves, points=points,
-                           inputs=inputs, tolerance=cfg.tolerance, sizes=dataclasses.asdict(draft.sizes))
+                           inputs=inputs, tolerance=cfg.tolerance, sizes=dataclasses.asdict(draft.sizes),
+                           read_depth=draft.profile.read_depth if draft.profile is not None else None)
 
 
 def _run(inputs) -> CacheAllocation:

@@ -79,6 +79,7 @@ class TunedPolicy(StageResult):
     trials: list  # [[number, params, value]] of finished trials
     points: list  # the allocation's operating points scored with the chosen policy (none without allocation)
     predictors: list | None = None  # the predictor names kept (None: the plan's, not searched)
+    read_depth: int | None = None  # the device profile's best reads in flight (None: no profile, or one without)
 
     def apply(self, plan: Plan, context=None) -> Plan:
         """The tuned eviction policy (and group, next_gates depth, predictor subset) on ``plan``."""
@@ -91,7 +92,8 @@ class TunedPolicy(StageResult):
                            and self.depth is not None else p for p in plan.predictors
                            if self.predictors is None or p.name in self.predictors)
         return dataclasses.replace(plan, pools=pools, operating_points=points, predictors=predictors,
-                                   eviction=PolicySpec(self.eviction["name"], dict(self.eviction["params"])))
+                                   eviction=PolicySpec(self.eviction["name"], dict(self.eviction["params"])),
+                                   read_depth=self.read_depth or plan.read_depth)
 
 
 def _finite(value: float) -> float | None:
@@ -248,7 +250,8 @@ def tune(draft, cfg: PlanSection, work: Path, allocation=None, progress: bool = 
                            "trial and baseline was refused; raise plan.tune.share or enable plan.allocate")
     kept = _predictor_set(tuned, plan, score, objective_values) if draft.profile is not None else None
     tuned = dataclasses.replace(tuned, chosen=chosen, objective={k: _finite(v) for k, v in objective_values.items()},
-                                trials=[[t.number, t.params, _finite(t.value)] for t in finished], predictors=kept)
+                                trials=[[t.number, t.params, _finite(t.value)] for t in finished], predictors=kept,
+                                read_depth=draft.profile.read_depth if draft.profile is not None else None)
     if allocation is None:
         return tuned
 

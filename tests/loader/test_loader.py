@@ -212,3 +212,40 @@ def test_load_is_reachable_from_the_package(tmp_path_factory):
         assert m.stats()["budget"]["requested"] == "150%"
     finally:
         m.close()
+
+
+def test_the_plans_read_depth_round_trips_and_a_bad_one_is_refused(tmp_path_factory):
+    import dataclasses
+
+    from loader.plan import Plan, read_plan
+
+    _, artifact = tiny_artifact(tmp_path_factory, "mixtral")
+    plain = read_plan(artifact)
+    assert plain.read_depth == 0 and "read_depth" not in plain.to_json()  # an old plan: not planned
+    planned = dataclasses.replace(plain, read_depth=4)
+    assert planned.to_json()["read_depth"] == 4 and Plan.from_json(planned.to_json()) == planned
+    for bad in (0, -1, True, "4", 2.0, None):
+        with pytest.raises(PlanError, match="read_depth must be a positive number"):
+            Plan.from_json(plain.to_json() | {"read_depth": bad})
+
+
+def test_auto_workers_take_the_plans_read_depth_else_two(tmp_path_factory):
+    import dataclasses
+
+    from loader.plan import read_plan
+
+    _, artifact = tiny_artifact(tmp_path_factory, "mixtral")
+    plain = read_plan(artifact)
+    for plan, workers, threads in ((dataclasses.replace(plain, read_depth=3), "auto", 3), (plain, "auto", 2),
+                                   (None, None, 2), (dataclasses.replace(plain, read_depth=3), 1, 1)):
+        args = {} if workers is None else {"workers": workers}
+        loaded = load(artifact, memory_budget="unlimited", plan=plan, **args)
+        try:
+            assert len(loaded.runtime.reader._threads) == threads, (plan, workers)
+        finally:
+            loaded.close()
+    for bad in (0, "many", True):
+        with pytest.raises(LoaderError, match="workers .* must be 'auto' or a positive number"):
+            load(artifact, workers=bad)
+    result = CliRunner().invoke(moeload, ["generate", str(artifact), "--prompt", "a", "--workers", "two"])
+    assert result.exit_code != 0 and "--workers 'two'" in result.output

@@ -205,6 +205,29 @@ def test_tuned_policy_is_never_worse_than_the_defaults(tmp_path):
     assert chosen <= tuned.objective["default"]
 
 
+def test_the_planning_stages_put_the_profiles_read_depth_in_the_plan(tmp_path):
+    from prep.sim.device import DeviceProfile
+    from prep.stages.allocate_cache import CacheAllocation, allocate_plan
+    from prep.stages.planning import PlanContext
+    from prep.stages.tune_policy import TunedPolicy
+
+    profile = DeviceProfile(1e9, 1e-4, {"int4": 1e-4}, "test", {"read_depths": {"1": 5e8, "4": 1e9}, "read_depth": 4})
+    draft = dataclasses.replace(_draft(_replay()), profile=profile)
+    tuned = tune(draft, _cfg(2), tmp_path, progress=False)
+    cfg = recipe_from_dict({"name": "t", "model": {"path": "m"},
+                            "plan": {"allocate": {"enabled": True}, "points": [0.5]}}).plan
+    allocation = allocate_plan(draft, cfg, progress=False)
+    context = PlanContext(draft.sizes)
+    for result in (tuned, allocation):
+        assert result.read_depth == 4
+        plan = result.apply(draft.plan, context)
+        assert plan.read_depth == 4 and Plan.from_json(plan.to_json()) == plan
+        # a result saved before the field (or planned with an old profile) leaves the plan's depth unplanned
+        old = type(result).from_json({k: v for k, v in result.to_json().items() if k != "read_depth"})
+        assert old.read_depth is None and old.apply(draft.plan, context).read_depth == 0
+    assert isinstance(tuned, TunedPolicy) and isinstance(allocation, CacheAllocation)
+
+
 def test_a_killed_study_resumes_with_its_finished_trials(tmp_path):
     draft = _draft(_replay(seed=1))
     calls = {"n": 0}

@@ -311,6 +311,38 @@ def test_profile_round_trip_and_measurements(tmp_path):
         DeviceProfile(1e9, 0, {"int4": 1.0}).compute("int3")
 
 
+def test_record_reads_are_timed_at_each_depth_and_the_profile_keeps_the_best(tmp_path):
+    from prep.sim.device import measure_reads
+
+    reads = measure_reads(tmp_path, file_bytes=4 << 20, block_bytes=1 << 20, small_reads=4, record_bytes=64 << 10,
+                          depth_bytes=512 << 10)
+    depths = reads["read_depths"]
+    assert set(depths) == {"1", "2", "4", "8"} and all(bw > 0 for bw in depths.values())
+    best = max(depths.values())
+    chosen = reads["read_depth"]
+    # the smallest depth within 5% of the best: no more reader threads than pay
+    assert depths[str(chosen)] >= 0.95 * best
+    assert all(depths[d] < 0.95 * best for d in depths if int(d) < chosen)
+    assert reads["read_bandwidth_bytes_per_s"] == depths[str(chosen)] and reads["read_record_bytes"] == 64 << 10
+    with pytest.raises(MoeprepError, match="record_bytes"):
+        measure_reads(tmp_path, file_bytes=4 << 20, block_bytes=1 << 20, record_bytes=5000)
+
+
+def test_a_profile_with_and_without_read_depths_round_trips_and_bad_depths_are_refused():
+    old = DeviceProfile(1e9, 1e-4, {"int4": 2e-3}, "test", {"direct_io": True})
+    assert old.read_depth is None and "read_depths" not in old.to_json()
+    assert DeviceProfile.from_json(old.to_json()) == old  # a profile measured before depths still loads
+    new = DeviceProfile(2e9, 1e-4, {"int4": 2e-3}, "test", {"read_depths": {"1": 1e9, "4": 2e9}, "read_depth": 4})
+    assert DeviceProfile.from_json(new.to_json()) == new and new.read_depth == 4
+    assert new.scaled_to(1e6).read_depth == 4
+    for bad in ({"read_depths": {"1": 1e9}}, {"read_depth": 1}, {"read_depths": {"1": 1e9}, "read_depth": 2},
+                {"read_depths": {"one": 1e9}, "read_depth": 1}, {"read_depths": {"1": 0.0}, "read_depth": 1},
+                {"read_depths": {"1": 1e9}, "read_depth": True}, {"read_depths": {}, "read_depth": 1},
+                {"read_depths": [1e9], "read_depth": 1}):
+        with pytest.raises(MoeprepError, match="read_depths"):
+            DeviceProfile.from_json(old.to_json() | bad)
+
+
 # ---------------------------------------------------------------------------------- loader vs simulator
 
 
