@@ -181,10 +181,10 @@ def neuron_switch(artifact: str, neuron: str, theta: float | None):
                    "plan's, else int4pack on a CPU where it fits and bfloat16 otherwise), a decoded copy in "
                    "that dtype, int4pack (torch's CPU int4 kernel), or packed (the record, decoded on every "
                    "use: the smallest).")
-@click.option("--threads", default="keep", show_default=True,
-              help="torch's intra-op threads while decoding: keep (torch's own setting), auto (on a CPU the cores "
-                   "the reader threads leave free: faster on some models, slower on others, see loader/README.md), "
-                   "or a number.")
+@click.option("--threads", default="auto", show_default=True,
+              help="torch's intra-op threads: auto (on a CPU, decode steps on the cores the reader threads leave "
+                   "free and a prompt on torch's own count: see loader/README.md, 'Threads'), keep (torch's own "
+                   "setting throughout), or a number.")
 @click.option("--workers", default="auto", show_default=True,
               help="Reader threads, the expert reads in flight: auto (the plan's read_depth, measured best by "
                    "`moeprep profile-device`; else 2) or a number.")

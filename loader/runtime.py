@@ -83,11 +83,14 @@ def process_rss_bytes() -> int | None:
 
 
 def compute_threads(device: torch.device, workers: int) -> int | None:
-    """torch's intra-op threads for decoding on ``device``: on a CPU, the cores the ``workers`` reader threads
-    leave free, at least one (the readers read, check and make held forms while experts compute; more
-    intra-op threads than free cores make each product wait for a thread the readers hold: on this project's
-    2-core machine, 2 threads decoded mixtral-shape at 21.5 tok/s with every expert cached, 1 thread at 25.5).
-    None on CUDA (the products run on the GPU)."""
+    """torch's intra-op threads for decode steps on ``device``: on a CPU, the cores the ``workers`` reader threads
+    leave free, at least one. A decode step's products are small, and torch splits each over its OpenMP team,
+    which waits at every product's end for its slowest thread: when a reader thread (or any other process) wakes
+    on one of the team's cores, the whole product waits for the preempted thread. On this project's 2-core
+    machine one expert's products of the reference model took 1.0-1.6x as long beside a reader thread with one
+    torch thread, 3-14x with two (loader/README.md, "Threads"), and 2 threads decoded
+    mixtral-shape at 21.5 tok/s with every expert cached against 25.5 with 1. None on CUDA (the products run on
+    the GPU)."""
     import os
 
     if device.type != "cpu":
@@ -271,7 +274,7 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
          policy: str | None = None, workers: int | str = "auto", routing: RoutingPolicy | None = None,
          predictors: list[Predictor] | None = None, miss_policy: MissPolicy | None = None,
          plan: Plan | None = None, neuron: NeuronConfig | bool | None = None,
-         expert_dtype: str = "auto", cpu_misses: str = "auto", threads=None,
+         expert_dtype: str = "auto", cpu_misses: str = "auto", threads="auto",
          replay: RoutingPolicy | None = None) -> LoadedModel:
     """Open ``artifact`` and return a runnable model with its experts offloaded.
 
@@ -292,7 +295,8 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     reads it serves. "auto": the plan's ``read_depth`` (the depth ``moeprep profile-device`` measured best on
     the planned device), else ``DEFAULT_WORKERS``.
     threads: torch's intra-op threads while the model is loaded (restored by ``close``): None leaves them,
-    an int sets them, "auto" takes ``compute_threads`` (on a CPU, the cores the reader threads leave free).
+    an int sets them; "auto" (the default) runs each decode step on ``compute_threads`` (on a CPU, the cores the
+    reader threads leave free) and a longer forward (a prompt) on torch's own count.
     cpu_misses: on a CUDA device with ``store="host"``, a decode step's missed expert is computed on the CPU
     from the host record instead of copied: "auto" (where the costs measured at load say the CPU is
     faster), "always" or "never"; elsewhere it has no effect ("always" is refused).
@@ -359,7 +363,8 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
                           "device='cuda' and store='host' (or leave it at 'auto')")
     plan = plan or manifest.plan
     workers = reader_workers(workers, plan)
-    wanted_threads = compute_threads(dev, workers) if threads == "auto" else threads
+    decode_threads = compute_threads(dev, workers) if threads == "auto" else None
+    wanted_threads = None if threads == "auto" else threads
     if wanted_threads is not None and (isinstance(wanted_threads, bool) or not isinstance(wanted_threads, int)
                                        or wanted_threads < 1):
         raise LoaderError(f"threads {threads!r} must be None, 'auto' or a positive number of torch threads")
@@ -445,6 +450,9 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
     if wanted_threads is not None:
         loaded._threads_before = torch.get_num_threads()
         torch.set_num_threads(wanted_threads)
+    elif decode_threads is not None:  # "auto" on a CPU: decode steps on the cores the readers leave free
+        loaded._threads_before = torch.get_num_threads()
+        engine.threads = (decode_threads, loaded._threads_before)
     policy = routing if routing is not None else _named(ROUTING_POLICIES, plan.routing, "routing policy", RoutingPolicy)
     if replay is not None:
         policy = ChainedRouting(replay, policy)

@@ -133,6 +133,7 @@ class ExpertEngine:
         self.routing = None  # the installed routing policy (reset with the sequence)
         self.modules: list = []  # the experts module of each MoE layer
         self.miss_costs = None  # measured at load for ``cpu_misses="auto"`` (``MissCosts``)
+        self.threads: tuple[int, int] | None = None  # torch threads for (decode steps, longer forwards); None: as set
         self.neuron = None
         if pairings:  # neuron-layout stores compute from their records, whether neuron loading is on or off
             for p, pairing in pairings.items():
@@ -425,7 +426,13 @@ class ExpertEngine:
 
     # ------------------------------------------------------------------------------------------ sequences
     def start_forward(self, past_length: int, tokens: int) -> None:
-        """A model forward of ``tokens`` new tokens after ``past_length`` cached ones; 0 = a new sequence."""
+        """A model forward of ``tokens`` new tokens after ``past_length`` cached ones; 0 = a new sequence. With
+        ``threads`` set (``load(threads="auto")`` on a CPU), a decode step runs on the first count of torch threads
+        and a longer forward on the second: see ``loader.runtime.compute_threads``."""
+        if self.threads is not None:
+            want = self.threads[0] if tokens <= 1 else self.threads[1]
+            if torch.get_num_threads() != want:
+                torch.set_num_threads(want)
         if past_length == 0:
             self.cache.reset()
             for p in [self.miss_policy, *self.predictors, *([self.routing] if self.routing else [])]:

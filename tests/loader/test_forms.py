@@ -507,9 +507,21 @@ def test_threads_are_set_while_loaded_and_restored_on_close(tmp_path_factory):
     assert torch.get_num_threads() == 1 and loaded.stats()["compute"]["torch_threads"] == 1
     loaded.close()
     assert torch.get_num_threads() == before
-    loaded = load(artifact, memory_budget="unlimited")  # None: torch's own setting, untouched
+    loaded = load(artifact, memory_budget="unlimited", threads=None)  # None: torch's own setting, untouched
     assert torch.get_num_threads() == before
     loaded.close()
+    # "auto", the default: decode steps on the cores the readers leave free, a prompt on torch's own count
+    loaded = load(artifact, memory_budget="unlimited", workers=1)
+    seen = []
+    hook = loaded.model.get_output_embeddings().register_forward_pre_hook(
+        lambda _m, _a: seen.append(torch.get_num_threads()))
+    with torch.no_grad():
+        out = loaded.model(input_ids=_ids(tokens=5)[:1], use_cache=True)
+        loaded.model(input_ids=torch.tensor([[7]]), past_key_values=out.past_key_values, use_cache=True)
+    hook.remove()
+    assert seen == [before, compute_threads(CPU, 1)]
+    loaded.close()
+    assert torch.get_num_threads() == before
     with pytest.raises(LoaderError, match="threads 0 must be"):
         load(artifact, threads=0)
     assert torch.get_num_threads() == before
