@@ -97,7 +97,8 @@ def _store_summary(manifest) -> dict:
         out[precision] = {"file": store.file, "experts": experts, "records": len(store.xxh3),
                           "record_bytes": store.record_bytes, "expert_bytes": experts * store.record_bytes,
                           "bits_per_weight": round(RecordLayout.from_json(store.layout).bits_per_weight, 4),
-                          "layout": "neuron" if store.neuron is not None else "expert"}
+                          "layout": ("neuron" if store.neuron is not None
+                                     else RecordLayout.from_json(store.layout).kernel or "expert")}
     return out
 
 
