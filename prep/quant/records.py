@@ -78,7 +78,7 @@ def write_aligned_records(path: Path, records: dict[str, bytes | memoryview], re
     total = 8 + len(text)
     text += b" " * ((-total) % ALIGN)
     pad = bytes(stride - record_bytes)
-    crcs = {}
+    hashes = {}
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
@@ -86,14 +86,14 @@ def write_aligned_records(path: Path, records: dict[str, bytes | memoryview], re
             if len(record) != record_bytes:
                 raise MoeprepError(f"record {key} has {len(record)} bytes in a store of {record_bytes}-byte "
                                    "records; the quantize stage result is damaged, rerun with --force quantize")
-            crcs[key] = xxh3_64_intdigest(record)
+            hashes[key] = xxh3_64_intdigest(record)
             if blocks is not None:
                 blocks.append(block_hashes(record))
             f.write(record)
             f.write(pad)
         f.flush()
         os.fsync(f.fileno())
-    return crcs
+    return hashes
 
 
 def write_record_file(path: Path, keys: list[str], record_bytes: int, records) -> None:

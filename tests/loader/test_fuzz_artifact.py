@@ -55,7 +55,7 @@ def base(tmp_path_factory):
     assert DIGEST in json.loads((artifact / "manifest.json").read_text())  # package seals its manifests
     ids = torch.randint(4, 60, (2, 24), generator=torch.Generator().manual_seed(SEED))
     logits, reads = _forward(artifact, ids)
-    assert verify(artifact) == [] and reads == 8  # every expert of both layers is read: each crc is checked
+    assert verify(artifact) == [] and reads == 8  # every expert of both layers is read: each record hash is checked
     return artifact, logits, ids
 
 

@@ -103,7 +103,7 @@ def test_a_refilled_bounce_buffer_waits_for_its_last_copy(int4, tmp_path):
 
 
 def test_the_host_store_is_a_private_copy_checked_once_per_record(int4, tmp_path):
-    """Host mode reads the file once (a later change of the file is not seen) and checks a record's crc32 the
+    """Host mode reads the file once (a later change of the file is not seen) and checks a record's xxh3_64 the
     first time it is used, not on every read."""
     import shutil
 

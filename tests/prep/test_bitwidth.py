@@ -41,7 +41,7 @@ def test_mixed_artifact_matches_each_expert_at_its_own_precision(arch, tmp_path)
     for precision, store in manifest["stores"].items():  # each store holds exactly its planned experts
         planned = {expert_key(layer, e) for layer, row in zip(manifest["moe"]["layers"], plan["expert_precision"],
                                                               strict=True) for e, p in enumerate(row) if p == precision}
-        assert set(store["crc32"]) == planned
+        assert set(store["xxh3"]) == planned
     assert verify(art) == []
     expected_model = planned_reference(model, art)
     ids = torch.stack([s[:10] for s in random_sequences(2, 10, seed=3)])

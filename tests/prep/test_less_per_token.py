@@ -286,7 +286,7 @@ def test_dynamic_precision_from_the_recipe_ships_low_copies_and_no_pool_of_their
     assert plan["miss"]["name"] == "dynamic_precision" and plan["miss"]["params"]["low"] == "int2"
     assert [(p["precision"], p["share"]) for p in plan["pools"]] == [("int4", 1.0)]  # low copies take its slots
     n = len(manifest["moe"]["layers"]) * manifest["moe"]["num_experts"]
-    assert len(manifest["stores"]["int2"]["crc32"]) == len(manifest["stores"]["int4"]["crc32"]) == n
+    assert len(manifest["stores"]["int2"]["xxh3"]) == len(manifest["stores"]["int4"]["xxh3"]) == n
     assert report["split"]["high"] == pytest.approx(0.6, abs=0.05) and report["split"]["skip"] == pytest.approx(0.1, abs=0.05)
     ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(3))
     outs = {}

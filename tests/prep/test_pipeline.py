@@ -127,9 +127,10 @@ def test_killed_quantize_resumes_to_identical_artifact(root, tmp_path_factory, m
 
 
 def test_manifest_is_schema_2(root):
-    """The manifest carries what the loader needs without guessing (CONTRACT: schema_version 4)."""
+    """The manifest carries what the loader needs without guessing (CONTRACT: schema_version 5)."""
     import json
-    import zlib
+
+    from xxhash import xxh3_64_intdigest
 
     from loader.format import read_record_offsets
     from loader.plan import Plan
@@ -137,7 +138,7 @@ def test_manifest_is_schema_2(root):
     summary = prepare(tiny_recipe(), root=root)
     artifact = Path(summary["artifact"])
     manifest = json.loads((artifact / "manifest.json").read_text())
-    assert manifest["schema_version"] == 4 and manifest["format"] == "moeprep-artifact"
+    assert manifest["schema_version"] == 5 and manifest["format"] == "moeprep-artifact"
     assert len(manifest["package_key"]) == 64 and manifest["package_key"].startswith(summary["package"]["key"])
     moe = manifest["moe"]
     assert moe["router_modules"] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
@@ -146,11 +147,11 @@ def test_manifest_is_schema_2(root):
     assert moe["source_expert_bytes"] == 2 * 8 * 3 * 16 * 32 * 4  # L x E x (gate, up, down) x I x H x float32
     store = manifest["stores"]["int4"]
     offsets, record_bytes, _ = read_record_offsets(artifact / store["file"])
-    assert set(store["crc32"]) == set(offsets) and len(offsets) == 16
+    assert set(store["xxh3"]) == set(offsets) and len(offsets) == 16
     with open(artifact / store["file"], "rb") as f:
         for key, offset in offsets.items():
             f.seek(offset)
-            assert zlib.crc32(f.read(record_bytes)) == store["crc32"][key]
+            assert xxh3_64_intdigest(f.read(record_bytes)) == store["xxh3"][key]
     plan = Plan.from_json(json.loads((artifact / "plan.json").read_text()))
     assert plan == Plan.default(2, 8, "int4", default_budget="50%")
     assert set(manifest["files"]) == {p.name for p in artifact.iterdir()} - {"manifest.json"}
