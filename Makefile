@@ -10,6 +10,7 @@ DEVICE ?= cpu
 BIN := $(VENV)/bin
 
 GPU_PYTHON ?= python3
+GPU_PY ?= 3.12
 TRACES ?= ../shared/data/traces
 
 .PHONY: setup test prepare eval bench reference-model reference-metrics lint gpu-carry gpu-check
@@ -48,6 +49,7 @@ lint: setup
 gpu-carry: setup
 	mkdir -p .gpu/whl .gpu/traces
 	$(BIN)/pip wheel --quiet --no-deps -w .gpu/whl hqq==0.2.8.post1 termcolor
+	$(BIN)/pip download --quiet --only-binary=:all: --no-deps --python-version $(GPU_PY) --platform manylinux_2_17_x86_64 -d .gpu/whl xxhash
 	cp -r $(TRACES)/mixtral-8x7b .gpu/traces/
 
 # On the GPU machine: its own python3 and the carried wheels, no setup (prep/studies/bench/gpu_check.py).

@@ -73,9 +73,10 @@ def cuda_device(python: str, env: dict) -> str | None:
 
 
 def install_wheels(python: str, root: Path, env: dict) -> str:
-    """Install ``.gpu/whl/*.whl`` into ``.gpu/site`` unless hqq imports already; returns what was done."""
-    if subprocess.run([python, "-c", "import hqq"], env=env, capture_output=True).returncode == 0:
-        return "hqq already importable"
+    """Install ``.gpu/whl/*.whl`` into ``.gpu/site`` unless hqq and xxhash (the record hashes) import already;
+    returns what was done."""
+    if subprocess.run([python, "-c", "import hqq, xxhash"], env=env, capture_output=True).returncode == 0:
+        return "hqq and xxhash already importable"
     wheels = sorted((root / ".gpu" / "whl").glob("*.whl"))
     if not wheels:
         return "no wheels in .gpu/whl (run `make gpu-carry` on the machine that prepares the carry)"
