@@ -84,7 +84,7 @@ def test_a_miss_lands_ready_to_compute_with_nothing_made(artifacts, monkeypatch)
     loaded = load(cpu, memory_budget=budget, expert_dtype="int4pack")
     try:
         assert loaded.budget["expert_dtype"] == {"int4": "int4pack"}
-        assert loaded.budget["staging_bytes"] == 0 if "staging_bytes" in loaded.budget else True
+        assert loaded.budget["staging_bytes"] == 0  # nothing is made, so no staging buffer is held
         with torch.no_grad():
             got = loaded.model(input_ids=ids).logits
             for _ in range(4):  # decode steps: one token each, the cache at its minimum keeps missing

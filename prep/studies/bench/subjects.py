@@ -26,7 +26,7 @@ technique: the mixtral-shape subject's plan), ``int4+gating`` (AdapMoE's rule wi
 threshold AdapMoE's own code sets for Mixtral-8x7B), ``int4+dynamic_precision`` (HOBBIT: int4 high, int2 low,
 skip, thresholds from quantiles of the fitted weights), ``int4+path_stats`` (EdgeMoE's path statistics),
 ``int4+allocation`` (AdapMoE's DP allocation and HOBBIT's tuned eviction on the fitted miss curves, with this
-machine's device profile) and ``moeprep`` (all of them). Which experts each token needs, and so what each
+machine's device profile, calibrated: ``device-planning.json``) and ``moeprep`` (all of them). Which experts each token needs, and so what each
 technique decides, is what Mixtral decides on those tokens; the outputs are random, so accuracy is cited
 (``bench.md``), not measured here.
 """
