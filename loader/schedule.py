@@ -91,7 +91,8 @@ class PrefetchGate:
     """Prefetch reads are issued only while they pay. A wasted prefetch costs a whole read of the one disk, and a
     used one saves at most that read's wait, so once ``warmup`` prefetches have been used or wasted, reads stop
     for good when fewer than ``floor`` of them were used. Decided on the cache's own counters at the end of each
-    token, so the loader and the simulator stop at the same token."""
+    layer call (a plan with deep predictions issues a few hundred in its first token), so the loader and the
+    simulator stop at the same layer."""
 
     floor: float = 0.5
     warmup: int = 64
@@ -181,5 +182,5 @@ class LayerSchedule:
 
     def end(self, layer: int) -> None:
         self.cache.end_layer(layer)
-        if self.prefetching and self.prefetch_gate is not None and layer == self.cache.num_layers - 1:
+        if self.prefetching and self.prefetch_gate is not None:
             self.prefetching = self.prefetch_gate.pays(self.cache)

@@ -126,7 +126,7 @@ class ExpertEngine:
         miss_policy.view = self.cache.view
         # neuron loading reads predicted rows it may proceed with (trust_prediction): no gate there
         self.schedule = LayerSchedule(self.cache, plan.expert_precision, miss_policy, readable=stores,
-                                      prefetch_gate=PrefetchGate() if neuron is None else None)
+                                      prefetch_gate=PrefetchGate() if neuron is None and predictors else None)
         self.predictors = predictors
         self.times = [LayerTimes() for _ in range(plan.num_layers)]
         self._prefetching: list = []  # entries whose prefetch read may still be in flight

@@ -43,7 +43,7 @@ from loader.plan import Plan, read_plan_file
 from loader.policies import POLICIES, policy_factory
 from loader.predict import PREDICTORS, PREDICTORS_FILE, ROUTING_ONLY, PredictorContext, make_predictor
 from loader.routing import MISS_POLICIES, ROUTING_POLICIES, RoutingError
-from loader.schedule import CPU, CPU_MISSES, CpuMissRule, LayerSchedule
+from loader.schedule import CPU, CPU_MISSES, CpuMissRule, LayerSchedule, PrefetchGate
 from prep.errors import MoeprepError
 from prep.methods.trace import open_trace
 from prep.sim.belady import BeladyPolicy, FutureUses
@@ -349,7 +349,8 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
 
         _bind_predictors(predictors, cache, spec, replay, feed)
 
-    schedule = LayerSchedule(cache, precision, miss, readable=record_bytes, cpu_rule=cpu_misses)
+    schedule = LayerSchedule(cache, precision, miss, readable=record_bytes, cpu_rule=cpu_misses,
+                             prefetch_gate=PrefetchGate() if predictors else None)  # as the loader's step
 
     token_io = [0.0, 0.0]  # this token's reads (demand and prefetch) and its layers' path, in modelled seconds
     io_bound = 0.0
@@ -378,7 +379,7 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
                 if decide:
                     logits = replay.logits[s][t, layer][None] if replay.logits is not None else None
                     experts, idx, w = _route(routing, replay.weights[s][t][layer], experts, layer, cache, logits)
-                if predictors:  # the router has decided: its experts are protected, then the predictors run
+                if predictors and schedule.prefetching:  # the router has decided: protect its experts, then predict
                     schedule.routed(layer, experts)
                     x = feed.router_inputs[s][t, layer][None].float() if feed.router_inputs is not None else None
                     chosen = torch.tensor([list(experts)])
@@ -408,7 +409,7 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
                     token_io[0] += reads
                     token_io[1] += stall + profile.layer_overhead + sum(profile.compute(d.precision) for d in decisions)
                 schedule.end(layer)
-            if predictors and feed.head_inputs is not None:
+            if predictors and schedule.prefetching and feed.head_inputs is not None:
                 for p in predictors:
                     prefetch(p.after_last_layer(feed.head_inputs[s][t][None].float()))
             if profile is not None and profile.overlap:  # one disk: a token takes at least its reads

@@ -35,7 +35,7 @@ from prep.methods.allocation import allocate, closed_form_curve
 from prep.stages import Stage, StageResult
 from prep.stages.planning import PlanSection, draft_from_inputs
 
-VERSION = 4  # 3: slots in the held form's size (the loader's), the sizes kept in the result; 4: kernel-layout int4 on a CPU
+VERSION = 5  # 3: slots in the held form's size (the loader's), the sizes kept in the result; 4: kernel-layout int4 on a CPU; 5: prefetches gated
 GLOBAL_GRID = 9  # measured points of a global pool's curve
 
 

@@ -55,7 +55,7 @@ from prep.stages.allocate_cache import score_plan
 from prep.stages.planning import AllocateKnobs, PlanSection, TuneKnobs, draft_from_inputs
 from prep.stages.trace import RoutingTraces
 
-VERSION = 5  # 3: the predictor set is searched; 4: no low pool share; 5: a CPU target reads kernel-layout int4
+VERSION = 6  # 3: the predictor set is searched; 4: no low pool share; 5: a CPU target reads kernel-layout int4; 6: the simulator gates prefetches as the loader does
 STUDY = "tune_policy"
 JOURNAL = "study.journal"
 DRAFT, DRAFT_TENSORS = "draft.json", "draft.safetensors"  # what the worker units rebuild the draft from

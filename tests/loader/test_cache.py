@@ -449,7 +449,7 @@ def test_the_schedule_serves_decode_misses_on_the_cpu_by_its_rule():
 def test_the_prefetch_gate_stops_predictions_that_do_not_pay():
     """``PrefetchGate`` in ``LayerSchedule``: prefetches are read while at least ``floor`` of the decided ones
     (used or wasted) were used; after ``warmup`` decided ones with fewer used, reads stop for good at the end of
-    that token (the last layer's ``end``), and no request is admitted any more. Without a gate nothing stops."""
+    that layer call (``end``), and no request is admitted any more. Without a gate nothing stops."""
     from loader.predict import PrefetchRequest
     from loader.schedule import LayerSchedule, PrefetchGate
 

@@ -629,3 +629,30 @@ def test_the_profile_times_int4_as_the_kernel_layout_the_cpu_target_ships(monkey
     monkeypatch.delenv(ENV, raising=False)
     compute, make = measure_compute((256, 512), scale=2, repeats=1)
     assert "int4" not in make and make["int3"] > 0 and compute["int4"] > 0
+
+
+def test_the_simulator_stops_prefetching_where_the_loader_does():
+    """The prefetch gate runs in the schedule the simulator shares with the loader: a predictor that is always
+    wrong is read until 64 prefetches have been decided (all wasted), then never again, and no longer asked."""
+    from loader.predict import Predictor, PrefetchRequest
+    from loader.schedule import PrefetchGate
+    from prep.sim.simulate import PredictionFeed
+
+    class Wrong(Predictor):
+        name = "wrong"
+        calls = 0
+
+        def after_router(self, layer, router_input, indices):
+            Wrong.calls += 1
+            if layer:
+                return []
+            return [PrefetchRequest(1, 2 + Wrong.calls // 2 % 2)]  # 2, 3, 2, ...: layer 1 uses only 0 and 1
+
+    tokens = 100
+    replay = Replay(((((0, 1), (0, 1)),) * tokens,), 2, 4, 2)
+    spec = capacity_spec(2, 4, 3, record_bytes=1000)  # 0, 1 and the last prediction: each new one is read
+    feed = PredictionFeed([torch.zeros(tokens, 2, 8)], None, [(torch.zeros(4, 8), None)] * 2, {})
+    result = simulate(replay, spec, "lru", predictors=[Wrong()], feed=feed)
+    warmup = PrefetchGate().warmup
+    assert result.layers[1].prefetches == result.layers[1].prefetch_wasted == warmup
+    assert Wrong.calls == 2 * warmup  # both layers' routers of the tokens before the gate closed
