@@ -285,11 +285,19 @@ def kernel_parts(spec: MatrixSpec, parts: dict[str, torch.Tensor], packed: torch
     """The int4pack parts of the plain quantized matrix ``spec`` written into ``packed`` (uint8 [N, K/2]) and
     ``scales_zeros`` (bfloat16 [K/g, N, 2]): the one conversion the packager and the loader's made form share."""
     n, k = spec.shape
-    groups = k // spec.group_size
     if BITS[spec.precision] == 4:
         pack_int4pack_nibbles(parts[f"{spec.name}.codes"].view(n, k // 2), packed)
     else:
         pack_int4pack(unpack_codes(parts[f"{spec.name}.codes"], BITS[spec.precision], spec.numel).view(n, k), packed)
+    kernel_scales(spec, parts, scales_zeros)
+
+
+def kernel_scales(spec: MatrixSpec, parts: dict[str, torch.Tensor], scales_zeros: torch.Tensor) -> None:
+    """The kernel's bfloat16 (scale, zero') per group [K/g, N, 2] of the plain quantized matrix ``spec``, with
+    ``zero' = (8 - zero) * scale`` (the codec's ``(code - zero) * scale`` is the kernel's ``(code - 8) * scale +
+    zero'``)."""
+    n, k = spec.shape
+    groups = k // spec.group_size
     scale = group_params(spec, parts, "scale").view(n, groups)
     zero = (8 - group_params(spec, parts, "zero").view(n, groups)) * scale
     scales_zeros.copy_(torch.stack([scale.T, zero.T], -1))

@@ -43,8 +43,8 @@ from loader.codec import (
     INT4PACK_GROUPS,
     RecordLayout,
     decode_matrix,
-    group_params,
     kernel_parts,
+    kernel_scales,
     pack_int4pack,
     unpack_codes,
 )
@@ -296,9 +296,7 @@ class Int4PackForm:
             else:
                 codes = unpack_codes(parts[f"{name}.codes"], BITS[spec.precision], spec.numel).view(n, k)
                 packed.copy_(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2))
-                scale = group_params(spec, parts, "scale").view(n, groups)
-                zero = (8 - group_params(spec, parts, "zero").view(n, groups)) * scale
-                scales_zeros.copy_(torch.stack([scale.T, zero.T], -1))
+                kernel_scales(spec, parts, scales_zeros)
             matrices[name] = (packed, scales_zeros, spec.group_size)
         return Int4Weights(matrices, vectors)
 
