@@ -102,6 +102,14 @@ def _store_summary(manifest) -> dict:
     return out
 
 
+def bounded_count(text: str, option: str, most: int, use: str) -> int:
+    """``text`` as a whole number from 1 to ``most`` (ASCII digits only: ``int`` takes other scripts' digits,
+    and a 31-digit count reaches torch as an overflow or a crash), else one error naming the option."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 9 and 1 <= int(text) <= most):
+        raise MoeError(f"{option} {text!r}: use {use} from 1 to {most}")
+    return int(text)
+
+
 def check_device(device: str) -> None:
     """``cpu``, ``cuda`` or ``cuda:N`` (an existing GPU); anything else is a MoeError listing those."""
     import torch
@@ -202,7 +210,7 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
     from transformers import TextStreamer
 
     from loader.routing import MissPolicy, RoutingPolicy
-    from loader.runtime import load
+    from loader.runtime import MAX_WORKERS, load, max_threads
 
     if max_new_tokens < 1:
         raise MoeError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
@@ -211,11 +219,10 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
     except UnicodeEncodeError:
         raise MoeError("--prompt is not valid UTF-8 text; pass the prompt as UTF-8") from None
     check_device(device)
-    if threads not in ("auto", "keep") and not threads.isdigit():
-        raise MoeError(f"--threads {threads!r}: use auto, keep or a positive number")
-    threads_arg = None if threads == "keep" else (threads if threads == "auto" else int(threads))
-    if workers != "auto" and not (workers.isascii() and workers.isdigit() and int(workers) > 0):
-        raise MoeError(f"--workers {workers!r}: use auto or a positive number of reader threads")
+    threads_arg = None if threads == "keep" else (threads if threads == "auto" else bounded_count(
+        threads, "--threads", max_threads(), "auto, keep or a number of torch threads"))
+    if workers != "auto":
+        bounded_count(workers, "--workers", MAX_WORKERS, "auto or a number of reader threads")
     chosen = None if predictors is None else [p for p in predictors.replace(" ", "").split(",") if p and p != "none"]
     loaded = load(artifact, device=device, memory_budget=memory_budget, store=store, predictors=chosen,
                   routing=RoutingPolicy() if exact_routing else None,

@@ -71,6 +71,7 @@ from loader.vocab import CPU_MISSES
 
 IMPLEMENTATION = "moeprep_offload"
 DEFAULT_WORKERS = 2  # reader threads where neither the caller nor the plan says (two reads in flight)
+MAX_WORKERS = 64  # reader threads: each holds a read buffer, and a disk gains nothing past a few dozen in flight
 
 
 def process_rss_bytes() -> int | None:
@@ -104,9 +105,15 @@ def reader_workers(workers: int | str, plan: Plan) -> int:
     flight that measured best on the planned device), else ``DEFAULT_WORKERS``."""
     if workers == "auto":
         return plan.read_depth or DEFAULT_WORKERS
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise LoaderError(f"workers {workers!r} must be 'auto' or a positive number of reader threads")
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
+        raise LoaderError(f"workers {workers!r} must be 'auto' or a number of reader threads from 1 to {MAX_WORKERS}")
     return workers
+
+
+def max_threads() -> int:
+    """The most torch threads a load may ask for: four per core of this machine (more only slows it down, and a
+    huge count makes torch fail, or crash, while it starts them)."""
+    return 4 * (os.cpu_count() or 1)
 
 
 def parse_device(device: str) -> torch.device:
@@ -366,8 +373,9 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
     decode_threads = compute_threads(dev, workers) if threads == "auto" else None
     wanted_threads = None if threads == "auto" else threads
     if wanted_threads is not None and (isinstance(wanted_threads, bool) or not isinstance(wanted_threads, int)
-                                       or wanted_threads < 1):
-        raise LoaderError(f"threads {threads!r} must be None, 'auto' or a positive number of torch threads")
+                                       or not 1 <= wanted_threads <= max_threads()):
+        raise LoaderError(f"threads {threads!r} must be None, 'auto' or a number of torch threads from 1 to "
+                          f"{max_threads()} (four per core of this machine)")
     if policy is not None:
         plan = dataclasses.replace(plan, eviction=PolicySpec(policy))
     policy_factory(plan.eviction.name, plan.eviction.params)

@@ -15,7 +15,9 @@ What keeps a cluster run's output the same bytes as a local run's and makes it r
   (``unit_seed``), never from the order workers pick units up;
 - a unit computes with ``UNIT_THREADS`` torch thread(s) wherever it runs: a float reduction's result depends on
   how many threads split it, so a unit run on a 2-core laptop and on a 64-core node gives the same bytes only
-  at one fixed thread count (parallelism comes from running units side by side);
+  at one fixed thread count (parallelism comes from running units side by side). A stage that runs in the
+  driver computes at the same count (``fixed_threads``; the gating stage's Fisher sensitivities differed in
+  the eighth digit between a local and a Ray run before);
 - a unit that raises (or, on Ray, whose worker dies) is retried up to ``max_retries`` times; a
   ``MoeprepError`` (a user's mistake, the same on every try) is not retried.
 
@@ -28,16 +30,21 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from prep.errors import MoeprepError
+from prep.integrity import SIDECAR, drop_unit, notice, seal_unit, unit_damage
 
 EXECUTOR_KINDS = ("local", "ray")
+# auto, local, ray://host:port, host:port (a host name or IPv4 address, or [IPv6])
+_ADDRESS = re.compile(r"auto|local|(ray://)?([A-Za-z0-9][A-Za-z0-9.-]{0,252}|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}")
 UNIT_THREADS = 1  # torch threads per unit, everywhere (see the module docstring)
 RAY_EXTRA = "pip install -e '.[ray]'"
 
@@ -51,19 +58,30 @@ class ExecutorSection:
     thread wherever it runs; reserve more to run fewer units per node, e.g. when each needs much memory). ``max_retries``: tries after the first for a unit that fails or whose worker is lost."""
 
     kind: str = "local"
-    address: str = "auto"
+    address: str | None = None  # None: auto (ray only)
     num_cpus_per_task: float = 1.0
     max_retries: int = 2
 
     def __post_init__(self) -> None:
         if self.kind not in EXECUTOR_KINDS:
             raise MoeprepError(f"executor.kind {self.kind!r} unknown; use one of {EXECUTOR_KINDS}")
-        if not self.num_cpus_per_task > 0:
-            raise MoeprepError(f"executor.num_cpus_per_task must be positive, got {self.num_cpus_per_task}")
-        if self.max_retries < 0:
-            raise MoeprepError(f"executor.max_retries must be 0 or more, got {self.max_retries}")
-        if not self.address:
-            raise MoeprepError("executor.address must name a cluster (auto, local, ray://host:port or host:port)")
+        if not 0 < self.num_cpus_per_task <= 1024:
+            raise MoeprepError(f"executor.num_cpus_per_task must be in (0, 1024], got {self.num_cpus_per_task}")
+        if not 0 <= self.max_retries <= 100:
+            raise MoeprepError(f"executor.max_retries must be from 0 to 100, got {self.max_retries}")
+        if self.address is None:
+            return
+        if self.kind != "ray":
+            raise MoeprepError(f"executor.address {self.address!r} is for the ray executor, and this run's executor "
+                               "is local; drop the address (--ray-address), or run on Ray (--executor ray)")
+        if not (isinstance(self.address, str) and _ADDRESS.fullmatch(self.address)):
+            raise MoeprepError(f"executor.address {self.address!r} is not a Ray address; use auto, local, "
+                               "ray://host:port or host:port")
+
+    @property
+    def ray_address(self) -> str:
+        """The cluster to join: the address, or ``auto``."""
+        return self.address or "auto"
 
 
 @dataclass(frozen=True)
@@ -142,33 +160,60 @@ def _seed_all(seed: int) -> None:
 
 
 def run_unit(stage: str, unit: Unit, work: str | Path, context: UnitContext) -> bool:
-    """Run ``unit`` unless its file exists; write its file atomically. Returns whether it ran."""
+    """Run ``unit`` unless its sealed file exists (``prep.integrity``); write its file atomically, sealed.
+    Returns whether it ran."""
     out = Path(work) / unit.output
-    if out.is_file():  # finished earlier (before a driver was killed, or by a lost worker's first try)
+    if reusable(stage, unit, Path(work)):  # finished earlier (before a driver was killed, or by a lost worker's try)
         return False
     out.parent.mkdir(parents=True, exist_ok=True)
-    import torch
-
     tmp = out.with_name(f".{out.name}.unit-{os.getpid()}")
-    threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(UNIT_THREADS)
-        _seed_all(unit_seed(stage, unit.name))
-        unit.fn(context, tmp, **unit.args)
+        with fixed_threads():
+            _seed_all(unit_seed(stage, unit.name))
+            unit.fn(context, tmp, **unit.args)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        seal_unit(tmp, out)
         os.replace(tmp, out)
     finally:
-        torch.set_num_threads(threads)
         if tmp.exists():
             tmp.unlink()
     return True
 
 
+@contextmanager
+def fixed_threads() -> Iterator[None]:
+    """Compute with ``UNIT_THREADS`` torch threads inside the block (a unit, or a stage run in the driver), so a
+    result is the same bytes on any machine and under either executor; torch's own count is restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(UNIT_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def reusable(stage: str, unit: Unit, work: Path) -> bool:
+    """Whether ``unit``'s file in ``work`` is there and is what the unit wrote; a damaged one is removed, with a
+    notice, so the unit runs again."""
+    out = work / unit.output
+    if not out.is_file():
+        return False
+    problem = unit_damage(out)
+    if problem is None:
+        return True
+    notice(f"stage {stage}: unit {unit.name}'s file in {work} is not reused: {problem}; running it again")
+    drop_unit(out)
+    return False
+
+
 def _tidy(work: Path) -> None:
     """Remove the temporary files of units killed mid-write (they would otherwise end up in the stage directory)."""
-    for tmp in work.rglob(".*.unit-*"):
-        tmp.unlink(missing_ok=True)
+    for pattern in (".*.unit-*", f".*{SIDECAR}.tmp-*"):  # a unit's file, or its seal
+        for tmp in work.rglob(pattern):
+            tmp.unlink(missing_ok=True)
 
 
 @dataclass
@@ -202,7 +247,7 @@ class LocalExecutor:
         _tidy(work)
         stats, started = MapStats(), time.perf_counter()
         context = UnitContext(paths, load_model)
-        todo = [u for u in units if not (work / u.output).is_file()]
+        todo = [u for u in units if not reusable(stage, u, work)]
         stats.reused = len(units) - len(todo)
         with tqdm(total=len(units), initial=stats.reused, desc=desc or stage, unit="unit", leave=False) as bar:
             for unit in todo:
@@ -259,11 +304,11 @@ class RayExecutor:
     def _connect(self):
         ray = self.ray
         if not ray.is_initialized():
-            address = None if self.cfg.address == "local" else self.cfg.address
+            address = None if self.cfg.ray_address == "local" else self.cfg.ray_address
             try:
                 ray.init(address=address, include_dashboard=False, log_to_driver=False)
             except ConnectionError as e:
-                raise MoeprepError(f"no Ray cluster at executor.address {self.cfg.address!r} ({e}); start one "
+                raise MoeprepError(f"no Ray cluster at executor.address {self.cfg.ray_address!r} ({e}); start one "
                                    "(`ray start --head` on this machine, `ray up cluster.yaml`, or KubeRay) or "
                                    "pass --ray-address local for a Ray instance on this machine only") from None
             self._started = True
@@ -277,7 +322,7 @@ class RayExecutor:
         work = Path(work).resolve()
         _tidy(work)
         stats, started = MapStats(), time.perf_counter()
-        todo = [u for u in units if not (work / u.output).is_file()]
+        todo = [u for u in units if not reusable(stage, u, work)]
         stats.reused = len(units) - len(todo)
         if todo:
             remote = self._connect()

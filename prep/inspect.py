@@ -181,7 +181,7 @@ def executor_line(cfg) -> str:
     """The recipe's executor section in words (``--dry-run``)."""
     if cfg.kind == "local":
         return "local (units run one after another in this process)"
-    return (f"ray at {cfg.address} ({cfg.num_cpus_per_task:g} CPU per unit, up to {cfg.max_retries} retries; "
+    return (f"ray at {cfg.ray_address} ({cfg.num_cpus_per_task:g} CPU per unit, up to {cfg.max_retries} retries; "
             "the model and the stage cache must be on a path every node sees)")
 
 

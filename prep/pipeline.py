@@ -28,8 +28,9 @@ from tqdm import tqdm
 from prep.adapters import get_adapter, load_config
 from prep.calibration import calibration_sequences, check_context, fingerprint_sequences
 from prep.errors import MoeprepError
-from prep.executor import LocalExecutor, MapStats, Unit, UnitPaths, import_ray, make_executor
+from prep.executor import LocalExecutor, MapStats, Unit, UnitPaths, fixed_threads, import_ray, make_executor
 from prep.fingerprint import model_fingerprint
+from prep.integrity import notice
 from prep.recipe import Recipe
 from prep.stages import Stage, StageResult
 from prep.stages.table import STAGE_NAMES, STAGES
@@ -297,6 +298,13 @@ def preflight(recipe: Recipe, root: str | Path = ".", output: str | Path | None 
             import_ray()
         except MoeprepError as e:
             problems.append(e)
+    if recipe.plan.tune.enabled and recipe.plan.tune.storage is not None and "://" in recipe.plan.tune.storage:
+        from prep.stages.tune_policy import probe_storage
+
+        try:  # a database is opened and closed: its driver, its server and its credentials answer now
+            probe_storage(recipe.plan.tune.storage)
+        except MoeprepError as e:
+            problems.append(e)
     for stage in STAGES:
         if stage.files is None or (stage.enabled is not None and not stage.enabled(recipe)):
             continue
@@ -333,12 +341,18 @@ def _run_stages(recipe: Recipe, root: Path, model_dir: Path, work_root: Path, ar
             if forced:
                 store.discard(stage.name, key)
             started = time.perf_counter()
-            cached = store.is_complete(stage.name, key) and (
-                stage.output_ok is None or stage.output_ok(inputs, store.load(stage, key)))
+            cached = store.is_complete(stage.name, key)
+            if cached and (problem := store.damage(stage.name, key)) is not None:
+                notice(f"stage {stage.name}: the cached result in {store.final_dir(stage.name, key)} is not reused: "
+                       f"{problem}; computing it again")
+                store.discard(stage.name, key)
+                cached = False
+            cached = cached and (stage.output_ok is None or stage.output_ok(inputs, store.load(stage, key)))
             if not cached:
                 inputs.work = store.work_dir(stage.name, key)
                 try:
-                    result = stage.run(inputs)
+                    with fixed_threads():  # one result for one key, whatever the machine's cores
+                        result = stage.run(inputs)
                 except Exception:  # a failure, not an interruption: a kill or Ctrl-C keeps the units to resume from
                     shutil.rmtree(inputs.work, ignore_errors=True)
                     raise

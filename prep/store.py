@@ -40,6 +40,7 @@ from loader.errors import disk_error
 from loader.format import FORMAT, MANIFEST
 from loader.io import replace_directory, unread
 from prep.errors import MoeprepError
+from prep.integrity import stage_damage
 from prep.stages import RESULT, Stage, StageResult
 
 
@@ -55,6 +56,7 @@ class StageStore:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self._intact: set[tuple[str, str]] = set()
 
     def final_dir(self, stage: str, key: str) -> Path:
         return self.root / f"{stage}-{key[:16]}"
@@ -68,6 +70,16 @@ class StageStore:
     def is_complete(self, stage: str, key: str) -> bool:
         return (self.final_dir(stage, key) / RESULT).is_file()
 
+    def damage(self, stage: str, key: str) -> str | None:
+        """Why the cached result of ``stage`` may not be reused (None: every file is as sealed); each directory
+        is hashed once per store."""
+        if (stage, key) in self._intact:
+            return None
+        problem = stage_damage(self.final_dir(stage, key))
+        if problem is None:
+            self._intact.add((stage, key))
+        return problem
+
     def load(self, stage: Stage, key: str) -> StageResult:
         return stage.result.load(self.final_dir(stage.name, key))
 
@@ -80,6 +92,7 @@ class StageStore:
 
     def discard(self, stage: str, key: str) -> None:
         """Forget a stage result and its scratch work (``--force``)."""
+        self._intact.discard((stage, key))
         shutil.rmtree(self.final_dir(stage, key), ignore_errors=True)
         shutil.rmtree(self.root / f".work-{stage}-{key[:16]}", ignore_errors=True)
 

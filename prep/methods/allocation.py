@@ -45,33 +45,48 @@ def closed_form_curve(alpha: float, beta: float, num_experts: int) -> list[float
 
 
 def allocate(curves: Sequence[Sequence[float]], record_bytes: Sequence[int], capacity: float,
-             min_slots: Sequence[int] | None = None) -> tuple[tuple[int, ...], float]:
+             min_slots: Sequence[int] | None = None,
+             tiebreak: Sequence[Sequence[float]] | None = None) -> tuple[tuple[int, ...], float]:
     """The slots per cell minimising ``sum_c curves[c][t_c]`` with ``sum_c t_c * record_bytes[c] <= capacity``.
 
     ``curves[c]`` lists the cost of cell c at t = 0..n_c records, so no cell is ever given more than
     n_c; a cost of ``math.inf`` marks a t the cell cannot take. ``min_slots[c]``: the fewest records
-    cell c may get. Returns (slots per cell, total cost); exact: the frontier keeps every allocation
-    not beaten in both bytes and cost. Ties go to fewer bytes, then to the earlier cells.
+    cell c may get. ``tiebreak[c][t]``: a second cost, compared only between allocations of equal cost
+    (within 1e-12): modelled seconds are flat where every read hides behind compute, and the bytes read
+    then still say which allocation is better. Returns (slots per cell, total cost); exact: the frontier
+    keeps every allocation not beaten in both bytes and (cost, tiebreak). Ties go to fewer bytes, then to
+    the earlier cells.
     """
     if len(curves) != len(record_bytes):
         raise MoeprepError(f"{len(curves)} cost curves but {len(record_bytes)} record sizes")
+    if tiebreak is not None and [len(c) for c in tiebreak] != [len(c) for c in curves]:
+        raise MoeprepError("the tie-break curves must have the cost curves' lengths")
     lows = list(min_slots) if min_slots is not None else [0] * len(curves)
-    frontier: list[tuple[float, float, tuple[int, ...]]] = [(0, 0.0, ())]  # (bytes, cost, slots)
+    second = tiebreak if tiebreak is not None else [[0.0] * len(c) for c in curves]
+    # (bytes, cost, tie-break, slots)
+    frontier: list[tuple[float, float, float, tuple[int, ...]]] = [(0, 0.0, 0.0, ())]
     for c, (curve, nbytes) in enumerate(zip(curves, record_bytes, strict=True)):
         if nbytes <= 0:
             raise MoeprepError(f"cell {c}: record bytes must be positive, got {nbytes}")
-        grown = [(b + t * nbytes, cost + curve[t], slots + (t,))
-                 for b, cost, slots in frontier
+        grown = [(b + t * nbytes, cost + curve[t], tie + second[c][t], slots + (t,))
+                 for b, cost, tie, slots in frontier
                  for t in range(lows[c], len(curve))
                  if math.isfinite(curve[t]) and b + t * nbytes <= capacity]
         if not grown:
             raise MoeprepError(f"no allocation fits {capacity:,.0f} bytes: cell {c} needs at least {lows[c]} "
                                f"record(s) of {nbytes:,} bytes beyond the others' minimum; raise the budget")
-        grown.sort(key=lambda s: (s[0], s[1], tuple(-t for t in s[2])))
-        frontier, best = [], math.inf
+        grown.sort(key=lambda s: (s[0], s[1], s[2], tuple(-t for t in s[3])))
+        frontier, best = [], (math.inf, math.inf)
         for state in grown:
-            if state[1] < best - 1e-12:
+            if _better((state[1], state[2]), best):
                 frontier.append(state)
-                best = state[1]
-    _, cost, slots = min(frontier, key=lambda s: (round(s[1], 12), s[0]))
+                best = (state[1], state[2])
+    _, cost, _, slots = frontier[-1]  # the frontier improves with every byte added: its last state is the best
     return slots, cost
+
+
+def _better(cost: tuple[float, float], best: tuple[float, float]) -> bool:
+    """``cost`` beats ``best``: lower by more than 1e-12, or equal within it and a lower tie-break."""
+    if cost[0] < best[0] - 1e-12:
+        return True
+    return abs(cost[0] - best[0]) <= 1e-12 and cost[1] < best[1]

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loader.io import write_json_atomic
+from loader.io import write_text_atomic
 
 RESULT = "result.json"
 # in ``reads``: every earlier stage of the table whose result contributes to the plan (overrides ``apply``)
@@ -75,12 +75,17 @@ class StageResult:
             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)})
 
     def save(self, directory: Path, tensors: dict | None = None, **meta) -> None:
-        """Write ``tensors.safetensors`` (when given), then ``result.json`` last: {"result": ..., **meta}."""
+        """Write ``tensors.safetensors`` (when given), the directory's seal (``prep.integrity``: the xxh3 of every
+        file in it), then ``result.json`` last: {"result": ..., **meta}."""
+        from prep.integrity import seal_directory
+
         if tensors:
             from safetensors.torch import save_file
 
             save_file(tensors, str(Path(directory) / TENSORS))
-        write_json_atomic(Path(directory) / RESULT, {"result": self.to_json(), **meta}, sort_keys=True)
+        text = json.dumps({"result": self.to_json(), **meta}, indent=2, sort_keys=True) + "\n"
+        seal_directory(directory, RESULT, text)
+        write_text_atomic(Path(directory) / RESULT, text)
 
     @classmethod
     def load(cls, directory: Path) -> StageResult:

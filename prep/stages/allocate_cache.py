@@ -6,7 +6,9 @@ t = 0..n_c records, is either
 - ``measured``: the simulator replays the calibration traces through the loader's own cache with the
   plan's policy (per-layer LRU; ``tune_policy`` runs next, on the allocated plan) and predictors. One baseline run holds every cell
   full; then, per pool and t, one run holds that pool's cells at t (the others full), and f_c(t) is the
-  cell's layer cost above the baseline (a global pool: on a grid of t, interpolated);
+  cell's layer cost above the baseline (a global pool: on a grid of t, interpolated). The same runs give each
+  cell's demand bytes per token, the DP's tie-break: where every read hides behind compute the modelled
+  seconds are flat, and the budget still goes to the records that spare the most reads;
 - ``closed_form``: AdapMoE's eqs. 10-15 per layer, from the gating stage's single-expert share (0 when
   off) and the predict stage's top-1 accuracy for that layer (next-layer gate at distance 1; the
   first-layer gate for layer 0; 0 without them), in loads, times the cost of one read of the cell.
@@ -35,7 +37,7 @@ from prep.methods.allocation import allocate, closed_form_curve
 from prep.stages import Stage, StageResult
 from prep.stages.planning import PlanSection, draft_from_inputs
 
-VERSION = 5  # 3: slots in the held form's size (the loader's), the sizes kept in the result; 4: kernel-layout int4 on a CPU; 5: prefetches gated
+VERSION = 6  # 6: equal modelled seconds go to fewer bytes read (a budget left empty where reads hid behind compute); 3: slots in the held form's size (the loader's), the sizes kept in the result; 4: kernel-layout int4 on a CPU; 5: prefetches gated
 GLOBAL_GRID = 9  # measured points of a global pool's curve
 
 
@@ -52,6 +54,7 @@ class CacheAllocation(StageResult):
     tolerance: float | None  # plan.tolerance: points of accuracy an operating point may lose (evaluate checks)
     sizes: dict  # the ``ModelSizes`` the allocation was solved with (slots in the held forms' sizes)
     read_depth: int | None = None  # the device profile's best reads in flight (None: no profile, or one without)
+    tiebreak: list | None = None  # [C][t] demand bytes per token above full, between equal costs (measured curves)
 
     def apply(self, plan: Plan, context) -> Plan:
         """``plan`` with its own pools allocated for its default budget and the operating points. The default
@@ -63,7 +66,7 @@ class CacheAllocation(StageResult):
         budget = int(min(resolve_budget(None, plan, sizes), 2**62))
         raw = {p["budget_bytes"]: p["pools"] for p in self.points}
         try:
-            own = pools_of(plan, self.cells, solve(plan, sizes, self.cells, self.curves, budget))
+            own = pools_of(plan, self.cells, solve(plan, sizes, self.cells, self.curves, budget, self.tiebreak))
             raw[budget] = own  # the default budget is a point too
         except MoeError:  # a default budget that holds no record: the smallest point's pools
             own = raw[min(raw)]
@@ -72,10 +75,12 @@ class CacheAllocation(StageResult):
                                    read_depth=self.read_depth or plan.read_depth)
 
 
-def solve(plan: Plan, sizes: ModelSizes, cells: list[dict], curves: list, budget: float) -> tuple[int, ...]:
-    """The DP's records per cell for ``budget`` bytes (less the dense weights and the read buffers)."""
+def solve(plan: Plan, sizes: ModelSizes, cells: list[dict], curves: list, budget: float,
+          tiebreak: list | None = None) -> tuple[int, ...]:
+    """The DP's records per cell for ``budget`` bytes (less the dense weights and the read buffers); equal
+    costs go to the fewer bytes read per token (``tiebreak``)."""
     room = budget - sizes.dense_bytes - buffer_bytes(plan, sizes)
-    return allocate(curves, [c["slot_bytes"] for c in cells], room)[0]
+    return allocate(curves, [c["slot_bytes"] for c in cells], room, tiebreak=tiebreak)[0]
 
 
 def with_points(plan: Plan, points: list[dict]) -> Plan:
@@ -113,13 +118,16 @@ def _layer_of(cell) -> int | None:
     return cell["layer"] if cell["layer"] != "global" else None
 
 
-def measured_curves(draft, plan: Plan, cells: list[dict], sequences, progress: bool = True) -> list[list[float]]:
-    """f_c(t) for t = 0..n_c: each cell's cost above the all-full baseline (module docstring)."""
+def measured_curves(draft, plan: Plan, cells: list[dict], sequences,
+                    progress: bool = True) -> tuple[list[list[float]], list[list[float]]]:
+    """f_c(t) for t = 0..n_c: each cell's cost above the all-full baseline (module docstring), and the same
+    curves in demand bytes read per token (the DP's tie-break where modelled seconds are flat)."""
     full = [c["experts"] for c in cells]
 
-    def run(slots) -> tuple[list[float], float]:
+    def run(slots) -> tuple[list[float], float, list[float], float]:
         result = draft.simulate(plan, _caps(draft, plan, cells, slots), sequences)
-        return draft.layer_costs(result), draft.cost(result)
+        demand = [r.demand_bytes / result.tokens for r in result.layers]
+        return draft.layer_costs(result), draft.cost(result), demand, sum(demand)
 
     jobs = []
     for pool in plan.pools:
@@ -131,23 +139,30 @@ def measured_curves(draft, plan: Plan, cells: list[dict], sequences, progress: b
                 if pool.group == "global" and top >= GLOBAL_GRID else list(range(top + 1)))
         jobs += [(pool.name, members, t) for t in grid if t < top]
     bar = tqdm(total=len(jobs) + 1, desc="allocate_cache curves", unit="run", disable=not progress, leave=False)
-    base_layers, base_total = run(full)
+    base = run(full)
     bar.update(1)
-    seen: dict[int, dict[int, float]] = {i: {full[i]: 0.0} for i in range(len(cells))}
+    seen: list[dict[int, dict[int, float]]] = [{i: {full[i]: 0.0} for i in range(len(cells))} for _ in range(2)]
     for _pool, members, t in jobs:
-        layers, total = run([min(t, full[i]) if i in members else full[i] for i in range(len(cells))])
+        got = run([min(t, full[i]) if i in members else full[i] for i in range(len(cells))])
         bar.update(1)
         for i in members:
             if t >= full[i]:
                 continue
             layer = _layer_of(cells[i])
-            seen[i][t] = max(0.0, (layers[layer] - base_layers[layer]) if layer is not None else total - base_total)
+            for k, (layers, total) in enumerate((got[:2], got[2:])):
+                above = layers[layer] - base[2 * k][layer] if layer is not None else total - base[2 * k + 1]
+                seen[k][i][t] = max(0.0, above)
     bar.close()
+    return _interpolated(seen[0], full), _interpolated(seen[1], full)
+
+
+def _interpolated(seen: dict[int, dict[int, float]], full: list[int]) -> list[list[float]]:
+    """Each cell's curve at t = 0..n_c, linear between its measured points (a global pool's grid)."""
     curves = []
     for i, n in enumerate(full):
         known = sorted(seen[i].items())
         curve = []
-        for t in range(n + 1):  # linear between measured points (a global pool's grid)
+        for t in range(n + 1):
             lo = max((k, v) for k, v in known if k <= t)
             hi = min((k, v) for k, v in known if k >= t)
             curve.append(lo[1] if hi[0] == lo[0] else lo[1] + (hi[1] - lo[1]) * (t - lo[0]) / (hi[0] - lo[0]))
@@ -230,11 +245,18 @@ def allocate_plan(draft, cfg: PlanSection, gating=None, prediction=None, progres
         raise MoeprepError("the plan has no cache cell to allocate (no pool holds an expert)")
     inputs = closed_form_inputs(plan, gating, prediction)
     closed = closed_form_curves(draft, plan, cells, inputs)
-    curves = measured_curves(draft, plan, cells, sequences, progress) if cfg.allocate.cost == "measured" else closed
+    curves, tiebreak = (measured_curves(draft, plan, cells, sequences, progress) if cfg.allocate.cost == "measured"
+                        else (closed, None))
     points = []
     for share in sorted(cfg.points):
         budget = draft.budget_for_share(share)
-        slots = solve(plan, draft.sizes, cells, curves, budget)
+        slots = solve(plan, draft.sizes, cells, curves, budget, tiebreak)
+        room = budget - draft.sizes.dense_bytes - buffer_bytes(plan, draft.sizes)
+        if not any(slots) and room >= min(c["slot_bytes"] for c in cells):
+            raise MoeprepError(  # a DP that leaves room unused: say what it saw, for whoever reads the error
+                f"allocate_cache: the allocation at share {share} holds no record though {room:,} bytes are free "
+                f"for experts; first cell's cost curve {curves[0][:4]}..., bytes read {(tiebreak or [[]])[0][:4]}...; "
+                "the device profile's times may be degenerate: measure it again with `moeprep profile-device`")
         pools = pools_of(plan, cells, slots)
         allocated = with_points(plan, [{"budget_bytes": budget, "pools": pools}])
         closed_slots = solve(plan, draft.sizes, cells, closed, budget)
@@ -244,7 +266,8 @@ def allocate_plan(draft, cfg: PlanSection, gating=None, prediction=None, progres
                        "allocated": score_plan(draft, allocated, budget, sequences),
                        "closed_form": score_plan(draft, closed_plan, budget, sequences),
                        "uniform": score_plan(draft, plan, budget, sequences)})
-    return CacheAllocation(cost=cfg.allocate.cost, unit=draft.unit, cells=cells, curves=curves, points=points,
+    return CacheAllocation(cost=cfg.allocate.cost, unit=draft.unit, cells=cells, curves=curves, tiebreak=tiebreak,
+                           points=points,
                            inputs=inputs, tolerance=cfg.tolerance, sizes=dataclasses.asdict(draft.sizes),
                            read_depth=draft.profile.read_depth if draft.profile is not None else None)
 

@@ -67,6 +67,38 @@ class TuneKnobs:
     workers: int = 1
 
 
+MAX_TRIALS = 100_000
+MAX_TUNE_WORKERS = 256
+# the database URLs Optuna's RDBStorage takes (SQLAlchemy dialects, each with an optional +driver)
+STORAGE_SCHEMES = ("sqlite", "postgresql", "mysql", "oracle", "mssql")
+
+
+def check_storage_spec(spec) -> None:
+    """``plan.tune.storage`` names a place Optuna can open, checked before any work: an RDB URL of a known scheme,
+    or a journal file whose directory exists and is writable (``tune_policy.open_storage`` opens it; the dry run
+    opens and closes it too)."""
+    import os
+
+    fix = "give an RDB URL (sqlite:///study.db, postgresql://…) or a journal file path, or leave it out"
+    if not isinstance(spec, str) or not spec.strip():
+        raise MoeprepError(f"plan.tune.storage {spec!r} is empty; {fix}")
+    if "://" in spec:
+        scheme = spec.split("://", 1)[0].split("+", 1)[0].lower()
+        if scheme not in STORAGE_SCHEMES:
+            raise MoeprepError(f"plan.tune.storage {spec!r}: unknown database scheme {scheme!r}; use one of "
+                               f"{', '.join(STORAGE_SCHEMES)} (or a journal file path)")
+        return
+    path = Path(spec)
+    if path.is_dir():
+        raise MoeprepError(f"plan.tune.storage {spec!r} is a directory; name a journal file in it ({path / 'study.journal'})")
+    if not path.parent.is_dir():
+        raise MoeprepError(f"plan.tune.storage {spec!r}: directory {path.parent} does not exist; create it (on a "
+                           "filesystem every worker sees) or leave storage out for a journal in the stage's work directory")
+    if not os.access(path.parent, os.W_OK) or path.exists() and not os.access(path, os.W_OK):
+        raise MoeprepError(f"plan.tune.storage {spec!r}: {path if path.exists() else path.parent} is not writable; "
+                           f"{fix}")
+
+
 @dataclass(frozen=True)
 class PlanSection:
     """Planning for a device: the stages ``tune_policy`` and ``allocate_cache``. ``device``: a device profile
@@ -93,8 +125,13 @@ class PlanSection:
         if self.tune.trials < 1:
             raise MoeprepError(f"plan.tune.trials must be at least 1 (trial 0 is HOBBIT's equal weights), got "
                                f"{self.tune.trials}")
-        if self.tune.workers < 1:
-            raise MoeprepError(f"plan.tune.workers must be at least 1, got {self.tune.workers}")
+        if not 1 <= self.tune.trials <= MAX_TRIALS:
+            raise MoeprepError(f"plan.tune.trials must be at most {MAX_TRIALS:,}, got {self.tune.trials}")
+        if not 1 <= self.tune.workers <= MAX_TUNE_WORKERS:
+            raise MoeprepError(f"plan.tune.workers must be from 1 to {MAX_TUNE_WORKERS} (each is a process of the "
+                               f"executor holding a replay), got {self.tune.workers}")
+        if self.tune.storage is not None:
+            check_storage_spec(self.tune.storage)
         if self.tolerance is not None and self.tolerance < 0:
             raise MoeprepError(f"plan.tolerance is points of accuracy a plan may lose, >= 0 (or null); got "
                                f"{self.tolerance}")

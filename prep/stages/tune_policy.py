@@ -121,11 +121,22 @@ def open_storage(spec: str | None, work: Path):
         except ImportError as e:
             raise MoeprepError(f"plan.tune.storage {spec!r} is a database URL, which needs {e.name} "
                                "(pip install sqlalchemy, and the database's driver); or give a journal file path") from None
+        except Exception as e:  # noqa: BLE001 (SQLAlchemy's and the drivers' errors: a bad URL, a server that is down)
+            raise MoeprepError(f"plan.tune.storage {spec!r} cannot be opened ({type(e).__name__}: {e}); fix the URL "
+                               "or the database, or leave storage out for a journal in the stage's work directory") from None
     path = Path(work) / JOURNAL if spec is None else Path(spec)
     if not path.parent.is_dir():
         raise MoeprepError(f"plan.tune.storage {spec!r}: directory {path.parent} does not exist; create it (on a "
                            "filesystem every worker sees) or leave storage out for a journal in the stage's work directory")
     return JournalStorage(JournalFileBackend(str(path)))
+
+
+def probe_storage(spec: str) -> None:
+    """Open and close the database ``spec`` names, as the run will (``open_storage``); one error if it cannot."""
+    storage = open_storage(spec, Path("."))
+    engine = getattr(storage, "engine", None)
+    if engine is not None:
+        engine.dispose()
 
 
 class Search:

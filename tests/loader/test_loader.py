@@ -245,7 +245,7 @@ def test_auto_workers_take_the_plans_read_depth_else_two(tmp_path_factory):
         finally:
             loaded.close()
     for bad in (0, "many", True):
-        with pytest.raises(LoaderError, match="workers .* must be 'auto' or a positive number"):
+        with pytest.raises(LoaderError, match="workers .* must be 'auto' or a number of reader threads from 1 to 64"):
             load(artifact, workers=bad)
     result = CliRunner().invoke(moeload, ["generate", str(artifact), "--prompt", "a", "--workers", "two"])
     assert result.exit_code != 0 and "--workers 'two'" in result.output

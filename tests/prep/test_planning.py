@@ -71,6 +71,35 @@ def test_brute_force_agrees_on_small_random_cases():
         assert all(lo <= t < len(c) for t, c, lo in zip(slots, curves, lows, strict=True))
 
 
+def test_the_tie_break_decides_only_between_equal_costs_as_a_brute_force_does():
+    rng = random.Random(1)
+    for _ in range(60):
+        cells = rng.randint(1, 4)
+        curves, ties = [], []
+        for _ in range(cells):
+            n = rng.randint(1, 5)
+            curves.append([float(rng.choice([0, 0, 1, 2])) for _ in range(n + 1)])  # many equal costs
+            ties.append(sorted((rng.random() for _ in range(n + 1)), reverse=True))
+        sizes = [rng.choice([1, 2, 3]) for _ in range(cells)]
+        capacity = rng.randint(0, 15)
+        slots, cost = allocate(curves, sizes, capacity, tiebreak=ties)
+        want = min((sum(c[t] for c, t in zip(curves, s, strict=True)), sum(c[t] for c, t in zip(ties, s, strict=True)))
+                   for s in itertools.product(*(range(len(c)) for c in curves))
+                   if sum(t * b for t, b in zip(s, sizes, strict=True)) <= capacity)
+        assert cost == want[0]
+        assert sum(c[t] for c, t in zip(ties, slots, strict=True)) == pytest.approx(want[1])
+        assert sum(t * b for t, b in zip(slots, sizes, strict=True)) <= capacity
+
+
+def test_flat_costs_still_fill_the_budget_with_the_records_that_spare_reads():
+    # every read hides behind compute: each cell's cost is 0 whatever it holds; the bytes read still fall
+    curves, ties = [[0.0] * 5, [0.0] * 5], [[4.0, 2.0, 1.0, 0.5, 0.0], [4.0, 3.0, 2.0, 1.0, 0.0]]
+    assert allocate(curves, [1, 1], 3)[0] == (0, 0)  # without it: ties go to fewer bytes
+    assert allocate(curves, [1, 1], 3, tiebreak=ties)[0] == (2, 1)
+    with pytest.raises(MoeprepError, match="tie-break"):
+        allocate(curves, [1, 1], 3, tiebreak=[[0.0]])
+
+
 def test_no_cell_gets_more_than_its_experts():
     curves = [closed_form_curve(0.1, 0.5, 8), closed_form_curve(0.2, 0.5, 4)]
     slots, cost = allocate(curves, [1, 1], 1000)  # room for far more than 12 records
@@ -226,6 +255,24 @@ def test_the_planning_stages_put_the_profiles_read_depth_in_the_plan(tmp_path):
         old = type(result).from_json({k: v for k, v in result.to_json().items() if k != "read_depth"})
         assert old.read_depth is None and old.apply(draft.plan, context).read_depth == 0
     assert isinstance(tuned, TunedPolicy) and isinstance(allocation, CacheAllocation)
+
+
+def test_modelled_seconds_that_never_change_still_fill_the_budget_with_the_records_that_spare_reads(monkeypatch):
+    """Where the device model hides every read behind compute, each cell's seconds are flat: the DP held nothing
+    (ties went to fewer bytes) and planning stopped with "the budget holds no expert record at all"."""
+    from prep.sim.device import DeviceProfile
+    from prep.stages.allocate_cache import allocate_plan
+
+    profile = DeviceProfile(1e9, 0.0, {"int4": 1e-2}, "test", calibration={"overlap": True})
+    draft = dataclasses.replace(_draft(_replay()), profile=profile)
+    monkeypatch.setattr(Draft, "layer_costs", lambda self, result: [0.0] * len(result.layers))
+    cfg = recipe_from_dict({"name": "t", "model": {"path": "m"},
+                            "plan": {"allocate": {"enabled": True}, "points": [0.5]}}).plan
+    allocation = allocate_plan(draft, cfg, progress=False)
+    assert all(v == 0.0 for curve in allocation.curves for v in curve)  # the seconds say nothing
+    (point,) = allocation.points
+    assert sum(point["slots"]) == 12  # half of 3 layers x 8 experts: the budget is used
+    assert point["allocated"]["demand_bytes_per_token"] <= point["uniform"]["demand_bytes_per_token"] + 1e-9
 
 
 def test_a_killed_study_resumes_with_its_finished_trials(tmp_path):

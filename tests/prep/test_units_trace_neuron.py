@@ -85,7 +85,8 @@ def test_trace_units_write_the_files_one_record_traces_call_writes(gpt_oss_root,
     summary = prepare(recipe(), root=root, until="trace")
     assert summary["trace"]["units"]["ran"] == 3 == trace_stage.STAGE.units(recipe(), 2)
     directory = stage_dir(root, "trace")
-    assert sorted(p.name for p in directory.iterdir()) == ["result.json", "trace"]  # the units' files are gone
+    # the units' files are gone; the seal of the stage's files (prep/integrity.py) stays
+    assert sorted(p.name for p in directory.iterdir()) == [".seal.json", "result.json", "trace"]
 
     model = load_streamed(root / "model")
     sequences = calibration_sequences(recipe().calibration, AutoTokenizer.from_pretrained(root / "model"), root)
@@ -162,7 +163,8 @@ def test_neuron_units_write_each_experts_encoded_record(gpt_oss_root):
                     assert torch.equal(f.get_tensor(expert_key(layer, e)), record)
                     # the layout the stage wrote from the shapes alone is the encoded one
                     assert RecordLayout.from_json(store["layout"]) == layout and store["record_bytes"] == layout.nbytes
-    assert not list(directory.rglob(".*"))  # no temporary file of a unit left
+    # no temporary file of a unit left: only the units' seals and the stage's (prep/integrity.py)
+    assert all(p.name.endswith(".xxh3") or p.name == ".seal.json" for p in directory.rglob(".*"))
 
 
 def test_neuron_packing_interrupted_resumes_with_the_layers_written(gpt_oss_root, tmp_path_factory, monkeypatch):
