@@ -102,6 +102,9 @@ def _store_summary(manifest) -> dict:
     return out
 
 
+MAX_NEW_TOKENS = 1_000_000  # a bound before the model's context (unknown to some configs) says more
+
+
 def bounded_count(text: str, option: str, most: int, use: str) -> int:
     """``text`` as a whole number from 1 to ``most`` (ASCII digits only: ``int`` takes other scripts' digits,
     and a 31-digit count reaches torch as an overflow or a crash), else one error naming the option."""
@@ -212,8 +215,8 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
     from loader.routing import MissPolicy, RoutingPolicy
     from loader.runtime import MAX_WORKERS, load, max_threads
 
-    if max_new_tokens < 1:
-        raise MoeError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
+        raise MoeError(f"--max-new-tokens must be from 1 to {MAX_NEW_TOKENS:,}, got {max_new_tokens}")
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError:

@@ -123,6 +123,7 @@ def prepare_command(recipe_path: str, overrides: tuple[str, ...], output: str | 
     from prep.recipe import load_recipe
 
     overrides += executor_overrides(executor, ray_address)
+    memory = _expert_memory(expert_memory)  # before the dry run, which refuses what the run refuses
 
     if dry_run:
         from prep.inspect import dry_run as describe
@@ -130,7 +131,7 @@ def prepare_command(recipe_path: str, overrides: tuple[str, ...], output: str | 
 
         recipe = load_recipe(recipe_path, overrides)
         click.echo(describe(recipe), nl=False)
-        problems = preflight(recipe, ".", output, overwrite)
+        problems = preflight(recipe, ".", output, overwrite, device, until, force)
         for problem in problems:  # what the run would refuse, before reading a weight
             click.echo(f"error: {problem}", err=True)
         if problems:
@@ -138,7 +139,7 @@ def prepare_command(recipe_path: str, overrides: tuple[str, ...], output: str | 
         return
 
     summary = prepare(load_recipe(recipe_path, overrides), root=".", output=output, until=until, force=force,
-                      overwrite=overwrite, device=device, expert_memory=_expert_memory(expert_memory))
+                      overwrite=overwrite, device=device, expert_memory=memory)
     for stage, info in summary.items():
         if stage != "artifact":
             state = "skipped" if info.get("skipped") else "cached" if info["cached"] else f"{info['seconds']:.1f} s"

@@ -42,7 +42,9 @@ EVAL_MARKERS = ("<!-- eval-time:start (moeprep inspect-model --table recipes/*.y
                 "--readme README.md) -->", "<!-- eval-time:end -->")
 
 
-def _gb(n: float) -> str:
+def _gb(n: float | None) -> str:
+    if n is None:  # a precision whose default format cannot encode these experts
+        return "n/a"
     return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
 
 
@@ -50,17 +52,23 @@ def _params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-def expert_record_bytes(adapter, skeleton, precision: str) -> int:
-    """Bytes of one routed expert's record at ``precision`` (bfloat16: the plain weights in bfloat16)."""
+def expert_record_bytes(adapter, skeleton, precision: str, quantize: QuantizeSection | None = None) -> int | None:
+    """Bytes of one routed expert's record at ``precision`` (bfloat16: the plain weights in bfloat16), in the format
+    ``quantize`` (the recipe's section) gives it, else the precision's default; None where that format cannot
+    encode these experts (a group size that does not divide their input dimension)."""
 
     experts = adapter.experts(skeleton, adapter.moe_layers[0])
     params = {name: p[0].to(torch.bfloat16) for name, p in experts.named_parameters(recurse=False)}
     transposed = bool(getattr(experts, "is_transposed", False))
     if precision == "bfloat16":
         return sum(t.numel() * 2 for t in params.values())
-    group, meta = QuantizeSection(precision=precision).format_of(precision)
-    return RecordLayout(tuple(matrix_spec(n, t, precision, group, transposed, meta_group=meta)
-                              for n, t in params.items())).nbytes
+    group, meta = (quantize if quantize is not None and precision in quantize.precisions
+                   else QuantizeSection(precision=precision)).format_of(precision)
+    try:
+        return RecordLayout(tuple(matrix_spec(n, t, precision, group, transposed, meta_group=meta)
+                                  for n, t in params.items())).nbytes
+    except (MoeprepError, CodecError):
+        return None
 
 
 def model_row(recipe_path: str | Path, root: str | Path = ".") -> dict:
@@ -80,7 +88,8 @@ def recipe_sizes(recipe, config_dir: Path) -> dict:
     skeleton = build_skeleton(config)
     adapter = get_adapter(config)
     n_layers, n_experts = len(adapter.moe_layers), adapter.num_experts
-    experts = {p: expert_record_bytes(adapter, skeleton, p) * n_layers * n_experts for p in PRECISIONS}
+    one = {p: expert_record_bytes(adapter, skeleton, p, recipe.quantize) for p in PRECISIONS}
+    experts = {p: b * n_layers * n_experts if b is not None else None for p, b in one.items()}
     dense = (info["total_params"] - info["expert_params_total"]) * 2  # bfloat16
     layer = experts["bfloat16"] // n_layers
     tokens = recipe.trace.batch * recipe.calibration.sequence_length

@@ -242,10 +242,8 @@ def prepare(recipe: Recipe, root: str | Path = ".", output: str | Path | None = 
     empty or a moeprep artifact, unless ``overwrite``; the model directory, the working directory, the
     project root and the stage cache are never replaced.
     """
-    _check_stage(until, "--until")
-    _check_stage(force, "--force")
     root = Path(root)
-    problems = preflight(recipe, root, output, overwrite)
+    problems = preflight(recipe, root, output, overwrite, device, until, force)
     if problems:
         raise problems[0]
     model_dir = Path(recipe.model_path(root))
@@ -253,7 +251,6 @@ def prepare(recipe: Recipe, root: str | Path = ".", output: str | Path | None = 
     default_output = output is None
     artifact = _output(recipe, root, output, overwrite)
 
-    check_device(device)  # before any lock or work
     executor = make_executor(recipe.executor)  # asking for Ray without it installed fails here, before any work
     sources = _Sources(recipe, root, model_dir, device, expert_memory)
     try:
@@ -274,13 +271,21 @@ def _output(recipe: Recipe, root: Path, output, overwrite: bool) -> ArtifactOutp
 
 
 def preflight(recipe: Recipe, root: str | Path = ".", output: str | Path | None = None,
-              overwrite: bool = False) -> list[MoeprepError]:
-    """Every refusal ``prepare`` can make before it reads a weight, in order: the model is here, the output may be
-    written and replaced, Ray is installed when the recipe's executor asks for it, the files the recipe names (a device
-    profile) exist. ``prepare`` raises the first;
-    ``--dry-run`` reports them all. Reads no weights and writes nothing."""
+              overwrite: bool = False, device: str = "cpu", until: str | None = None,
+              force: str | None = None) -> list[MoeprepError]:
+    """Every refusal ``prepare`` can make before it reads a weight, in order: ``--until``/``--force`` name stages, the
+    device is there, the model is here, the output may be written and replaced, Ray is installed when the recipe's
+    executor asks for it, an Optuna database answers, the files the recipe names (a device profile) exist.
+    ``prepare`` raises the first; ``--dry-run`` reports them all. Reads no weights and writes nothing (a database
+    storage is opened and closed)."""
     root = Path(root)
     problems = []
+    for check in (lambda: _check_stage(until, "--until"), lambda: _check_stage(force, "--force"),
+                  lambda: check_device(device)):
+        try:
+            check()
+        except MoeprepError as e:
+            problems.append(e)
     model_dir = Path(recipe.model_path(root))
     named = recipe.model.path if recipe.model.path is not None else recipe.model.hub_id
     if not model_dir.is_dir():

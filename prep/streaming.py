@@ -246,7 +246,12 @@ def _fp32_patterns(model: nn.Module, dtype: torch.dtype) -> list[re.Pattern]:
 
 def check_device(device: str | torch.device) -> torch.device:
     """``device`` as a torch device; one clear error when it asks for CUDA and there is none."""
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise MoeprepError(f"--device {device!r} is not a device; use cpu or cuda (cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise MoeprepError(f"--device {device!r}: moeprep runs its stages on cpu or cuda (cuda:N)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise MoeprepError("--device cuda was asked for, but torch sees no CUDA GPU here; use --device cpu")
     return device
