@@ -413,15 +413,20 @@ def reference_model_command(out: str, device: str) -> None:
 @click.option("--out", required=True, type=click.Path(file_okay=False),
               help="Where the extended suites go (then `moeprep eval --data OUT`).")
 @click.option("--seed", default=2026, show_default=True, type=int, help="The generator's seed (not the training seed).")
-@click.option("--gsm8k", default=700, show_default=True, type=click.IntRange(0), help="GSM8K items to add.")
-@click.option("--mmlu", default=600, show_default=True, type=click.IntRange(0), help="MMLU items to add.")
-@click.option("--truthfulqa", default=300, show_default=True, type=click.IntRange(0), help="TruthfulQA items to add.")
-def reference_suites_command(ref_dir: str, out: str, seed: int, gsm8k: int, mmlu: int, truthfulqa: int) -> None:
+@click.option("--gsm8k", default=700, show_default=True, type=click.IntRange(0, 100_000), help="GSM8K items to add.")
+@click.option("--mmlu", default=600, show_default=True, type=click.IntRange(0, 100_000), help="MMLU items to add.")
+@click.option("--truthfulqa", default=300, show_default=True, type=click.IntRange(0, 100_000),
+              help="TruthfulQA items to add.")
+@click.option("--replace", is_flag=True,
+              help="Replace --out even when it holds other files or is the shipped suites/ (by default both are refused).")
+def reference_suites_command(ref_dir: str, out: str, seed: int, gsm8k: int, mmlu: int, truthfulqa: int,
+                             replace: bool) -> None:
     """Extend the reference model's held-out suites with items from its own generator that are in neither its
     training corpus nor the shipped suites, so a paired check can resolve smaller differences."""
     from prep.reference.train import write_extended_suites
 
-    stats = write_extended_suites(ref_dir, out, seed, {"gsm8k": gsm8k, "mmlu": mmlu, "truthfulqa": truthfulqa})
+    stats = write_extended_suites(ref_dir, out, seed, {"gsm8k": gsm8k, "mmlu": mmlu, "truthfulqa": truthfulqa},
+                                  replace=replace)
     for name, s in stats.items():
         click.echo(f"{name:10s} added {s['made']} of {s['asked']} (rejected: {s['in_training']} in the training "
                    f"corpus, {s['duplicate']} already in the suites)")

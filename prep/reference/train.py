@@ -385,7 +385,34 @@ def write_suites(out_dir: str | Path, spec: ReferenceSpec) -> None:
     replace_directory(tmp, out_dir / "suites")
 
 
-def write_extended_suites(ref_dir: str | Path, out_dir: str | Path, seed: int, sizes: dict[str, int]) -> dict:
+EXTENSION = "extension.json"
+
+
+def check_suites_output(ref_dir: Path, out_dir: Path, replace: bool = False) -> None:
+    """``out_dir`` may take extended suites: not the current directory or one holding the reference model, not the
+    shipped suites (unless ``replace``), an existing directory only when this command wrote it (its extension.json)
+    or ``replace``, and in a writable place. Checked before any item is generated."""
+    out, ref = out_dir.resolve(), ref_dir.resolve()
+    if out == Path.cwd().resolve() or out in (ref, *ref.parents) or ref / "model" == out:
+        raise MoeprepError(f"--out {out_dir} would replace {'the current directory' if out == Path.cwd().resolve() else ref}; "
+                           "name a new directory for the extended suites, e.g. --out suites-extended")
+    if out == ref / "suites" and not replace:
+        raise MoeprepError(f"--out {out_dir} is the reference model's shipped held-out suites; write the extended "
+                           "suites elsewhere (e.g. --out suites-extended), or pass --replace to replace the shipped ones")
+    if out.is_file():
+        raise MoeprepError(f"--out {out_dir} is a file; name a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / EXTENSION).is_file() and not replace:
+        raise MoeprepError(f"--out {out_dir} holds files this command did not write (no {EXTENSION}); name a new "
+                           "directory, or pass --replace to replace it")
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise MoeprepError(f"--out {out_dir}: {parent} is not writable; name a directory you can write")
+
+
+def write_extended_suites(ref_dir: str | Path, out_dir: str | Path, seed: int, sizes: dict[str, int],
+                          replace: bool = False) -> dict:
     """Write ``out_dir``: the shipped suites of ``ref_dir/suites`` with ``sizes[name]`` more held-out items appended
     to each (``data.extend_suites`` against the corpus of the spec in ``ref_dir/training.json``), the few-shot pools
     as shipped, and ``extension.json`` saying what was made and rejected. For ``moeprep eval --data out_dir``: the
@@ -400,11 +427,12 @@ def write_extended_suites(ref_dir: str | Path, out_dir: str | Path, seed: int, s
                            "pass --dir with the reference model's directory") from None
     if seed == spec["seed"]:
         raise MoeprepError(f"--seed {seed} is the reference model's training seed; held-out items need another")
+    check_suites_output(ref_dir, out_dir, replace)
     made, stats = D.extend_suites(spec["seed"], spec["suites"], spec["docs"], seed, sizes)
     with building_directory(out_dir) as tmp:
         for name, rows in shipped.items():
             _write_jsonl(tmp / f"{name}.jsonl", rows + made.get(name, []))
-        (tmp / "extension.json").write_text(json.dumps(
+        (tmp / EXTENSION).write_text(json.dumps(
             {"seed": seed, "training_seed": spec["seed"], "shipped": {k: len(shipped.get(k, [])) for k in made},
              "added": stats, "rule": "no added item is in the training corpus or the shipped suites "
                                      "(prep.reference.data.extend_suites)"}, indent=2) + "\n")

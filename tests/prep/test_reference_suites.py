@@ -90,3 +90,22 @@ def test_the_command_writes_suites_eval_reads_with_the_shipped_items_first(tmp_p
         from prep.reference.train import write_extended_suites
 
         write_extended_suites(tmp_path / "nowhere", tmp_path / "y", 5, {"gsm8k": 1})
+
+
+def test_the_shipped_suites_and_the_working_directory_are_never_replaced_without_being_asked(tmp_path, monkeypatch):
+    """``--out .`` crashed, and ``--out recipes/reference/suites`` replaced the shipped suites without a word."""
+    before = {p.name: p.read_bytes() for p in (REFERENCE / "suites").iterdir()}
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    cases = [(".", "the current directory"), (str(REFERENCE / "suites"), "shipped held-out suites"),
+             (str(REFERENCE), "would replace"), ("mine", "holds files this command did not write")]
+    for out, says in cases:
+        result = CliRunner().invoke(main, ["reference-suites", "--dir", str(REFERENCE), "--out", out, "--gsm8k", "1",
+                                           "--mmlu", "0", "--truthfulqa", "0"])
+        assert result.exit_code == 1 and says in result.output, (out, result.output)
+        assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit)
+    assert {p.name: p.read_bytes() for p in (REFERENCE / "suites").iterdir()} == before
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    too_many = CliRunner().invoke(main, ["reference-suites", "--dir", str(REFERENCE), "--out", "x", "--gsm8k", "10**9"])
+    assert too_many.exit_code == 2 and not (tmp_path / "x").exists()
