@@ -76,6 +76,22 @@ def drop_unit(out: str | Path) -> None:
     sidecar(out).unlink(missing_ok=True)
 
 
+def seal_tree(directory: str | Path, mark: str | Path) -> None:
+    """Seal a finished directory a stage builds in its work directory (the merged trace) in the file ``mark``."""
+    from loader.io import write_json_atomic
+
+    write_json_atomic(Path(mark), {"files": directory_hashes(directory)}, sort_keys=True)
+
+
+def tree_damage(directory: str | Path, mark: str | Path) -> str | None:
+    """Why the directory sealed by ``seal_tree`` in ``mark`` may not be reused (None: it is as sealed)."""
+    try:
+        files = json.loads(Path(mark).read_text())["files"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return f"{Path(directory).name} has no readable seal"
+    return None if directory_hashes(directory) == files else f"{Path(directory).name} is not what was sealed"
+
+
 # ------------------------------------------------------------------------------------------ stage files
 
 SEAL = ".seal.json"  # in a stage directory: {"files": {relative path: xxh3}}, result.json's included

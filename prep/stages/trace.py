@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from prep.errors import MoeprepError
 from prep.executor import Unit
+from prep.integrity import notice, seal_tree, tree_damage
 from prep.methods.decoded import save_sequences
 from prep.methods.trace import (
     INDEX_NAME,
@@ -151,6 +152,16 @@ def trace_units(sequences: list[torch.Tensor], cfg: TraceSection, work: Path) ->
             for i, (start, stop) in enumerate(ranges)]
 
 
+MERGED_SEAL = ".trace.seal.json"  # in the work directory: the merged trace's files, for a resumed run
+
+
+def _merged_damage(path: Path, work: Path) -> str | None:
+    """None when a trace merged before an interruption may be reused; "absent" when there is none; else why not."""
+    if not (path / INDEX_NAME).is_file():
+        return "absent"
+    return tree_damage(path, work / MERGED_SEAL)
+
+
 def record_routing(inputs) -> RoutingTraces:
     """Trace the calibration sequences into ``work/trace`` through the run's executor (or import
     ``trace.recorded``); returns the token count and expert shares."""
@@ -158,7 +169,10 @@ def record_routing(inputs) -> RoutingTraces:
     path = RoutingTraces.path(work)
     if cfg.recorded is not None:
         import_recorded(adapter, cfg, Path(inputs.root), work, inputs.model_fingerprint)
-    elif not (path / INDEX_NAME).is_file():  # else merged before an interruption: this key's trace is complete
+    elif (problem := _merged_damage(path, work)) is not None:  # else merged and sealed before an interruption
+        if problem != "absent":
+            notice(f"stage trace: the merged trace in {work} is not reused: {problem}; merging it again")
+            shutil.rmtree(path, ignore_errors=True)
         for stale in work.glob(f".{path.name}.tmp-*"):  # a merge a killed driver left half built
             shutil.rmtree(stale, ignore_errors=True)
         units = trace_units(inputs.sequences, cfg, work)
@@ -166,6 +180,7 @@ def record_routing(inputs) -> RoutingTraces:
         write_trace(path, (_read_batch(work / u.output) for u in units), adapter=adapter,
                     shard_tokens=cfg.shard_tokens, hidden_dtype=HIDDEN_DTYPES[cfg.hidden_dtype],
                     fingerprint=inputs.model_fingerprint)
+        seal_tree(path, work / MERGED_SEAL)
     shutil.rmtree(work / UNITS, ignore_errors=True)
     routing = open_trace(path).routing()
     ids = torch.cat([r.expert_ids for r in routing])  # [T, L, K]

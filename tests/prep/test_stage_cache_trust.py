@@ -171,3 +171,30 @@ def test_fuzz_the_stage_cache_no_traceback_and_no_silent_success(clean, tmp_path
     print(f"stage-cache fuzz: {len(cases)} cases, {clear} clear errors, {len(tracebacks)} tracebacks, "
           f"{len(silent)} silent successes")
     assert tracebacks == [] and silent == [], (tracebacks, silent)
+
+
+def test_a_merged_trace_left_by_an_interrupted_run_is_checked_before_it_is_reused(clean, tmp_path, monkeypatch,
+                                                                                    capfd):
+    """The trace stage merges its units' files into ``trace/`` in the work directory: a run stopped after the merge
+    reuses it, only when it is what was merged."""
+    import prep.stages.trace as trace_stage
+
+    clean_root, want = clean
+    root = tmp_path / "run"
+    save_tiny_model("mixtral", root / "model")
+    real = trace_stage.open_trace
+
+    def stop_after_the_merge(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trace_stage, "open_trace", stop_after_the_merge)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(_recipe(), root=root)
+    monkeypatch.setattr(trace_stage, "open_trace", real)
+    (work,) = (root / STAGES).glob(".work-trace-*")
+    shard = sorted(p for p in (work / "trace").rglob("*") if p.is_file() and p.suffix == ".safetensors")[0]
+    _flip(shard)
+    capfd.readouterr()
+    prepare(_recipe(), root=root)
+    assert "the merged trace" in capfd.readouterr().err
+    assert file_hashes(root / ARTIFACT) == want

@@ -86,7 +86,7 @@ def test_trace_units_write_the_files_one_record_traces_call_writes(gpt_oss_root,
     assert summary["trace"]["units"]["ran"] == 3 == trace_stage.STAGE.units(recipe(), 2)
     directory = stage_dir(root, "trace")
     # the units' files are gone; the seal of the stage's files (prep/integrity.py) stays
-    assert sorted(p.name for p in directory.iterdir()) == [".seal.json", "result.json", "trace"]
+    assert sorted(p.name for p in directory.iterdir()) == [".seal.json", ".trace.seal.json", "result.json", "trace"]
 
     model = load_streamed(root / "model")
     sequences = calibration_sequences(recipe().calibration, AutoTokenizer.from_pretrained(root / "model"), root)
