@@ -16,6 +16,7 @@ from click.testing import CliRunner
 import prep.studies.routing as routing
 from loader.plan import Plan
 from prep.cli import main as moeprep
+from prep.integrity import seal_unit
 from prep.sim.replay import load_replay
 from prep.sim.simulate import artifact_spec, simulate
 
@@ -108,6 +109,7 @@ def test_a_rerun_reuses_every_point_file_and_measures_again_only_a_changed_one(m
     changed = json.loads((out / "points" / f"{slug}.json").read_text())
     changed["settings"] = changed["settings"] | {"limit": 99}  # as if measured with other settings
     (out / "points" / f"{slug}.json").write_text(json.dumps(changed))
+    seal_unit(out / "points" / f"{slug}.json", out / "points" / f"{slug}.json")  # as a unit with those settings would
     (out / "study.json").unlink()  # else its entry of the point, measured with these settings, would be kept
     calls = []
     monkeypatch.setattr(routing, "study_point", lambda *a, **kw: calls.append(kw["method"]) or REAL_POINT(*a, **kw))
@@ -132,7 +134,7 @@ def test_an_interrupted_study_resumes_with_the_points_written(measured, monkeypa
         routing.run_study(root / "tiny.yaml", out, root, **run)
     written = {f.name: f.read_bytes() for f in (out / "points").glob("*.json")}
     assert len(written) == 2 and not (out / "study.json").exists()
-    assert not list((out / "points").glob(".*"))  # no half-written file
+    assert all(p.name.endswith(".xxh3") for p in (out / "points").glob(".*"))  # no half-written file, only seals
 
     calls.clear()
     monkeypatch.setattr(routing, "study_point", lambda *a, **kw: calls.append(kw["method"]) or REAL_POINT(*a, **kw))
@@ -149,3 +151,16 @@ def test_on_ray_without_ray_is_one_clear_error_before_any_work(tmp_path, monkeyp
                                           str(tmp_path / "out"), "--executor", "ray"])
     assert result.exit_code == 1 and "needs Ray, which is not installed" in result.output, result.output
     assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
+def test_a_truncated_point_file_is_measured_again_not_a_traceback(measured, capfd):
+    root, run, study, _ = measured
+    out = root / "study-truncated"
+    routing.run_study(root / "tiny.yaml", out, root, **run)
+    slug = routing.point_slug("unlimited", "gating", 0.3)
+    point = out / "points" / f"{slug}.json"
+    point.write_text(point.read_text()[:20])
+    capfd.readouterr()
+    again = routing.run_study(root / "tiny.yaml", out, root, **run)
+    assert f"point file {point} is not reused" in capfd.readouterr().err
+    assert again["points"] == study["points"]
