@@ -65,8 +65,15 @@ class EvaluateSection:
             raise MoeprepError("evaluate.gsm8k_format must be cot or plain")
         if unknown := sorted(set(self.suites) - set(SUITES)):
             raise MoeprepError(f"evaluate.suites: unknown suite(s) {unknown}; use {', '.join(SUITES)}")
-        if isinstance(self.limit, int) and self.limit < 1:
-            raise MoeprepError(f"evaluate.limit must be at least 1 item (or null for every item), got {self.limit}")
+        if not self.suites or len(set(self.suites)) != len(self.suites):
+            raise MoeprepError(f"evaluate.suites must name each suite once and at least one ({', '.join(SUITES)}); "
+                               f"got {list(self.suites)} (switch the check off with evaluate.enabled: false)")
+        if isinstance(self.limit, int) and not 1 <= self.limit <= 10_000_000:
+            raise MoeprepError(f"evaluate.limit must be from 1 to 10,000,000 items (or null for every item), "
+                               f"got {self.limit}")
+        if self.num_fewshot is not None and not 0 <= self.num_fewshot <= 64:
+            raise MoeprepError(f"evaluate.num_fewshot must be from 0 to 64 (or null for each suite's own), "
+                               f"got {self.num_fewshot}")
 
     def limits(self) -> int | dict | None:
         """What ``evaluate_artifact`` takes: one N for every suite, or N per suite."""

@@ -38,6 +38,8 @@ PREPARE_ROWS = [
     (["--until", "nope"], "--until 'nope' is not a stage"),
     (["--force", "nope"], "--force 'nope' is not a stage"),
     (["--set", "nope.key=1"], "nope"),
+    (["--set", "evaluate.suites=[]"], "evaluate.suites must name each suite once"),
+    (["--set", "evaluate.num_fewshot=1000"], "evaluate.num_fewshot must be from 0 to 64"),
 ]
 if not torch.cuda.is_available():
     PREPARE_ROWS.append((["--device", "cuda"], "torch sees no CUDA GPU"))
