@@ -438,7 +438,7 @@ def check_index(index, path: str | Path) -> dict:
     if index.get("format") != TRACE_FORMAT or index.get("version") != TRACE_VERSION:
         raise MoeprepError(
             f"{path}: format {_shown(index.get('format'))} version {_shown(index.get('version'))} is not "
-            f"{TRACE_FORMAT!r} version {TRACE_VERSION}; record the trace again with this moeprep"
+            f"{TRACE_FORMAT!r} version {TRACE_VERSION}, which this moeprep reads; {RECORD_AGAIN}"
         )
     for key in ("layers", "num_experts", "top_k", "tensors", "sequence_tokens", "total_tokens", "shards"):
         if key not in index:
@@ -529,7 +529,7 @@ def check_shard_tensor(name: str, tensor: torch.Tensor, file: str | Path, index:
         row = int((~finite).any(dim=1).nonzero()[0])
         value = tensor[row][~finite[row]][0].item()
         what = "gating weights" if kind == "expert_weights" else "router logits"
-        raise fail(f"holds non-finite {what} ({value} at row {row}); every value must be a finite number")
+        raise fail(f"holds non-finite {what} ({value} at row {row} of the shard); every value must be a finite number")
 
 
 # --- reading ---------------------------------------------------------------------------------
