@@ -509,7 +509,7 @@ def bench_command(subject, budgets, repeats, quick, device, store, only, output,
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE", help="A policy parameter (JSON value), repeatable.")
 @click.option("--record-bytes", type=int, default=None,
               help="Bytes of one expert record when there is no artifact [default: 99090432, one Mixtral-8x7B expert "
-              "at int4 with group-64 float16 scales and zeros].")
+              "at int4 with group-64 float16 scales and zeros; 1 byte to 1 TiB].")
 @click.option("--profile", default=None, type=click.Path(dir_okay=False),
               help="Device profile JSON (moeprep profile-device) for modelled seconds.")
 @click.option("--warm", is_flag=True, help="Keep the cache across sequences (reset only), instead of a cold start each.")

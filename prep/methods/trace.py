@@ -14,9 +14,15 @@ inputs; the first-layer predictive gate (AdapMoE) needs each token's last-layer 
   (one forward's rows; a unit per forward, split by `batch_ranges`) and `write_trace` (the rows, in
   sequence order, cut into shards).
 - `RecordedTrace` (`open_trace`): reads a trace directory back, the routing as RoutingTrace
-  objects, hidden states and logits one layer at a time.
+  objects, hidden states and logits one layer at a time. Everything it reads is validated in one home, as the
+  loader validates an artifact (``loader/format.py``): ``check_index`` types and bounds every key of the index
+  before anything is allocated (at most ``MAX_EXPERTS`` experts per layer, 1 <= top_k <= experts, a positive
+  hidden size, at least one token, shards that add up), and ``check_shard_tensor`` each routing tensor as a
+  shard is read (int64 expert ids in [0, E), finite float32 weights and logits, [rows, K] / [rows, E]). Every
+  failure is one ``MoeprepError`` naming the file, the field and the fix (``RECORD_AGAIN``).
 - `read_mixtral_traces`: the real Mixtral-8x7B GSM8K decode traces of `../shared/data/traces` as
-  RoutingTrace objects.
+  RoutingTrace objects; every record is checked (whole ids in range, finite gating probabilities, one K)
+  and a bad one is a ``MoeprepError`` naming the file and line.
 
 "Last-layer hidden state" is the output of the last decoder layer BEFORE the model's final norm
 (the raw residual stream): it carries strictly more information than the normed state, which is a
@@ -35,13 +41,14 @@ Shapes use the legend declared in ``loader/__init__.py``.
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -53,6 +60,13 @@ TRACE_FORMAT = "moeprep-trace"
 TRACE_VERSION = 1
 INDEX_NAME = "index.json"
 LAST_HIDDEN = "pre_final_norm"  # which hidden state `last_hidden` is, recorded in the index
+# Bounds on what an index may declare, checked before anything proportional to them is allocated: the largest
+# released MoE models have a few hundred experts per layer (DeepSeek-V3 256, Qwen3 128), so 65536 leaves room for
+# any fine-grained design while refusing a damaged count (10**12) that would allocate per-expert tables.
+MAX_EXPERTS = 65536  # experts per MoE layer
+MAX_HIDDEN = 1 << 20  # hidden size
+MAX_INDEX_BYTES = 256 << 20  # an index.json larger than this is not one moeprep wrote
+RECORD_AGAIN = "record the trace again (`moeprep prepare --force trace --until trace` rewrites stages/trace-*/trace)"
 
 
 @dataclass(frozen=True)
@@ -388,6 +402,136 @@ def write_routing_trace(traces: list[RoutingTrace], out_dir: str | Path, *, laye
     return out_dir
 
 
+# --- validation ------------------------------------------------------------------------------
+
+
+def _whole(x) -> bool:
+    """A JSON whole number: an int that is not a bool (1.0, 1.5, Infinity and true are not)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _shown(value) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_index(index, path: str | Path) -> dict:
+    """The index of a trace directory, every key typed and bounded before anything is allocated from it.
+
+    path: the ``index.json`` (named in messages). Checks: format and version; ``layers`` a non-empty list of
+    distinct layer indices; ``num_experts`` a whole number 1..MAX_EXPERTS; ``top_k`` a whole number
+    1..num_experts; ``hidden_size`` null or a whole number 1..MAX_HIDDEN; ``tensors`` a mapping of name to
+    {shape, dtype}, with ``layers.{l}.expert_ids`` / ``expert_weights`` of shape [top_k] for every layer;
+    ``sequence_tokens`` whole numbers >= 0 adding up to ``total_tokens`` >= 1; ``shards`` a non-empty list of
+    {file: a plain file name, tokens: >= 1} adding up to ``total_tokens``. Returns the index.
+    """
+    path = Path(path)
+
+    def fail(what: str) -> MoeprepError:
+        return MoeprepError(f"{path}: {what}; {RECORD_AGAIN}")
+
+    if not isinstance(index, dict):
+        raise fail(f"the index must be a JSON object, got {_shown(index)}")
+    if index.get("format") != TRACE_FORMAT or index.get("version") != TRACE_VERSION:
+        raise MoeprepError(
+            f"{path}: format {_shown(index.get('format'))} version {_shown(index.get('version'))} is not "
+            f"{TRACE_FORMAT!r} version {TRACE_VERSION}, which this moeprep reads; {RECORD_AGAIN}"
+        )
+    for key in ("layers", "num_experts", "top_k", "tensors", "sequence_tokens", "total_tokens", "shards"):
+        if key not in index:
+            raise fail(f"the key {key!r} is missing")
+    layers = index["layers"]
+    if not isinstance(layers, list) or not layers or not all(_whole(x) and x >= 0 for x in layers) \
+            or len(set(layers)) != len(layers):
+        raise fail(f"layers must be a non-empty list of distinct layer indices (whole numbers >= 0), got "
+                   f"{_shown(layers)}")
+    experts = index["num_experts"]
+    if not _whole(experts) or not 1 <= experts <= MAX_EXPERTS:
+        raise fail(f"num_experts must be a whole number of experts per layer from 1 to {MAX_EXPERTS}, got "
+                   f"{_shown(experts)}")
+    top_k = index["top_k"]
+    if not _whole(top_k) or not 1 <= top_k <= experts:
+        raise fail(f"top_k must be a whole number of experts per token from 1 to num_experts ({experts}), got "
+                   f"{_shown(top_k)}")
+    hidden = index.get("hidden_size")
+    if hidden is not None and (not _whole(hidden) or not 1 <= hidden <= MAX_HIDDEN):
+        raise fail(f"hidden_size must be null or a whole number from 1 to {MAX_HIDDEN}, got {_shown(hidden)}")
+    tensors = index["tensors"]
+    if not isinstance(tensors, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("shape"), list) and isinstance(v.get("dtype"), str)
+            for v in tensors.values()):
+        raise fail("tensors must map each tensor name to {shape: [...], dtype: ...}")
+    for layer in layers:
+        for name in (f"layers.{layer}.expert_ids", f"layers.{layer}.expert_weights"):
+            if name not in tensors:
+                raise fail(f"tensors lacks {name!r}, the routing of traced layer {layer}")
+            if tensors[name]["shape"] != [top_k]:
+                raise fail(f"tensors[{name!r}] has shape {_shown(tensors[name]['shape'])} per token, not "
+                           f"[top_k] = [{top_k}]")
+    lengths, total = index["sequence_tokens"], index["total_tokens"]
+    if not isinstance(lengths, list) or not all(_whole(n) and n >= 0 for n in lengths):
+        raise fail(f"sequence_tokens must be a list of token counts (whole numbers >= 0), got {_shown(lengths)}")
+    if not _whole(total) or total != sum(lengths):
+        raise fail(f"total_tokens {_shown(total)} is not the sum of sequence_tokens ({sum(lengths)})")
+    if total < 1:
+        raise fail("the trace holds no tokens (sequence_tokens is empty or all zero): there is nothing to read")
+    shards = index["shards"]
+    if not isinstance(shards, list) or not shards:
+        raise fail(f"shards must be a non-empty list, got {_shown(shards)}")
+    for i, shard in enumerate(shards):
+        if not isinstance(shard, dict) or not isinstance(shard.get("file"), str) or not _whole(shard.get("tokens")) \
+                or shard["tokens"] < 1:
+            raise fail(f"shards[{i}] must be {{file: a file name, tokens: a whole number >= 1}}, got {_shown(shard)}")
+        file = shard["file"]
+        if not file or file != Path(file).name or file in (".", "..") or "\\" in file:
+            raise fail(f"shards[{i}].file {_shown(file)} must be a plain file name inside the trace directory")
+    if (rows := sum(s["tokens"] for s in shards)) != total:
+        raise fail(f"the shards hold {rows} token rows, total_tokens says {total}")
+    return index
+
+
+def check_shard_tensor(name: str, tensor: torch.Tensor, file: str | Path, index: dict, rows: int) -> None:
+    """One shard's part of tensor ``name`` as read: ``rows`` token rows, and for the routing tensors their
+    content. ``layers.{l}.expert_ids``: int64 [rows, top_k], every id in [0, num_experts) (a float tensor is
+    fractional ids); ``layers.{l}.expert_weights``: float32 [rows, top_k], all finite; ``layers.{l}.router_logits``:
+    [rows, num_experts], all finite. ``file`` is the shard, named in messages."""
+
+    def fail(what: str) -> MoeprepError:
+        return MoeprepError(f"{file}: {name} {what}; {RECORD_AGAIN}")
+
+    if tensor.dim() == 0 or tensor.shape[0] != rows:
+        raise fail(f"has shape {list(tensor.shape)}, but the index gives this shard {rows} token rows")
+    kind = name.rsplit(".", 1)[-1] if name.startswith("layers.") else None
+    if kind not in ("expert_ids", "expert_weights", "router_logits"):
+        return
+    width = index["num_experts"] if kind == "router_logits" else index["top_k"]
+    if tensor.shape != (rows, width):
+        raise fail(f"has shape {list(tensor.shape)}, not [{rows}, {width}] "
+                   f"({'num_experts' if kind == 'router_logits' else 'top_k'} {width} per token)")
+    if kind == "expert_ids":
+        if tensor.is_floating_point():
+            bad = tensor[tensor != tensor.round()] if tensor.numel() else tensor
+            what = f"fractional expert ids (e.g. {bad[0].item()})" if bad.numel() else f"dtype {tensor.dtype}"
+            raise fail(f"holds {what}; expert ids are whole numbers (int64)")
+        if tensor.dtype != torch.int64:
+            raise fail(f"has dtype {str(tensor.dtype).removeprefix('torch.')}, not int64")
+        if tensor.numel() and not 0 <= int(tensor.min()) <= int(tensor.max()) < index["num_experts"]:
+            out = tensor[(tensor < 0) | (tensor >= index["num_experts"])][0].item()
+            raise fail(f"names expert {out}, outside [0, {index['num_experts']}) (num_experts {index['num_experts']})")
+        return
+    if not tensor.is_floating_point() or (kind == "expert_weights" and tensor.dtype != torch.float32):
+        raise fail(f"has dtype {str(tensor.dtype).removeprefix('torch.')}, not float32")
+    if not torch.isfinite(tensor).all():
+        finite = torch.isfinite(tensor)
+        row = int((~finite).any(dim=1).nonzero()[0])
+        value = tensor[row][~finite[row]][0].item()
+        what = "gating weights" if kind == "expert_weights" else "router logits"
+        raise fail(f"holds non-finite {what} ({value} at row {row} of the shard); every value must be a finite number")
+
+
 # --- reading ---------------------------------------------------------------------------------
 
 
@@ -401,12 +545,15 @@ class RecordedTrace:
             raise MoeprepError(
                 f"{self.path} is not a complete trace directory (no {INDEX_NAME}); record it again"
             )
-        self.index = json.loads(index_path.read_text())
-        if self.index.get("format") != TRACE_FORMAT or self.index.get("version") != TRACE_VERSION:
-            raise MoeprepError(
-                f"{index_path}: format {self.index.get('format')!r} version {self.index.get('version')!r} is not "
-                f"{TRACE_FORMAT!r} version {TRACE_VERSION}; record the trace again with this moeprep"
-            )
+        try:
+            if (size := index_path.stat().st_size) > MAX_INDEX_BYTES:
+                raise MoeprepError(f"{index_path} is {size:,} bytes, more than any trace index; {RECORD_AGAIN}")
+            index = json.loads(index_path.read_bytes())
+        except OSError as e:
+            raise MoeprepError(f"cannot read {index_path} ({e.strerror or e}); {RECORD_AGAIN}") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # JSONDecodeError is a ValueError
+            raise MoeprepError(f"{index_path} is not valid JSON ({str(e)[:120]}); {RECORD_AGAIN}") from None
+        self.index = check_index(index, index_path)
 
     @property
     def layers(self) -> list[int]:
@@ -433,8 +580,19 @@ class RecordedTrace:
             )
         parts = []
         for shard in self.index["shards"]:
-            with safe_open(self.path / shard["file"], framework="pt") as f:
-                parts.append(f.get_tensor(name))
+            file = self.path / shard["file"]
+            if not file.is_file():
+                raise MoeprepError(f"{file} is missing: {self.path / INDEX_NAME} lists it as a shard; {RECORD_AGAIN}")
+            try:
+                with safe_open(file, framework="pt") as f:
+                    if name not in f.keys():
+                        raise MoeprepError(f"{file} has no tensor {name!r}, which {INDEX_NAME} lists; {RECORD_AGAIN}")
+                    part = f.get_tensor(name)
+            except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+                raise MoeprepError(f"{file} cannot be read ({type(e).__name__}: {str(e)[:160]}); {RECORD_AGAIN}") \
+                    from None
+            check_shard_tensor(name, part, file, self.index, shard["tokens"])
+            parts.append(part)
         return torch.cat(parts)
 
     def router_inputs(self, layer: int) -> torch.Tensor:
@@ -482,7 +640,43 @@ def _find_mixtral_file(path: Path) -> Path:
     )
 
 
-def read_mixtral_traces(path: str | Path) -> list[RoutingTrace]:
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # a larger gating value would be read as inf
+MIXTRAL_FIX = "fetch the Mixtral traces again (../shared/data/traces) or remove the record"
+
+
+def _mixtral_record(r, num_experts: int, top_k: int | None) -> tuple[int, int, int, list[int], list[float]] | str:
+    """(problem, layer, token, experts, gating probabilities) of one JSONL record, or what is wrong with it."""
+    if not isinstance(r, dict):
+        return f"a record must be a JSON object, got {_shown(r)}"
+    for key in ("problem_id", "layer", "token_idx", "experts", "gating_probs"):
+        if key not in r:
+            return f"the key {key!r} is missing"
+    for key in ("problem_id", "layer", "token_idx"):
+        if not _whole(r[key]) or r[key] < 0:
+            return f"{key} must be a whole number >= 0, got {_shown(r[key])}"
+    experts, probs = r["experts"], r["gating_probs"]
+    if not isinstance(experts, list) or not experts:
+        return f"experts must be a non-empty list of expert ids, got {_shown(experts)}"
+    for e in experts:
+        if isinstance(e, float) and math.isfinite(e) and e != int(e):
+            return f"experts holds the fractional expert id {e}; expert ids are whole numbers"
+        if not _whole(e):
+            return f"experts holds {_shown(e)}, not a whole-number expert id"
+        if not 0 <= e < num_experts:
+            return f"experts names expert {e}, outside [0, {num_experts})"
+    if top_k is not None and len(experts) != top_k:
+        return f"experts lists {len(experts)} experts where earlier records list {top_k} (one top-k per file)"
+    if not isinstance(probs, list) or len(probs) != len(experts):
+        return f"gating_probs must be a list of {len(experts)} numbers (one per expert), got {_shown(probs)}"
+    for w in probs:
+        if not isinstance(w, int | float) or isinstance(w, bool):
+            return f"gating_probs holds {_shown(w)}, not a number"
+        if not math.isfinite(w) or abs(w) > FLOAT32_MAX:
+            return f"gating_probs holds the non-finite gating value {w}; every value must be a finite number"
+    return r["problem_id"], r["layer"], r["token_idx"], experts, [float(w) for w in probs]
+
+
+def read_mixtral_traces(path: str | Path, num_experts: int = MAX_EXPERTS) -> list[RoutingTrace]:
     """The real Mixtral-8x7B GSM8K decode routing as one RoutingTrace per problem (by problem id).
 
     path: the `gsm8k_routing.jsonl` file, its directory, or the traces root holding `mixtral-8x7b/`.
@@ -493,23 +687,35 @@ def read_mixtral_traces(path: str | Path) -> list[RoutingTrace]:
     shortest layer of that problem, so T is the same for all layers and no sentinel values exist.
     This loses the last 0-2 tokens per problem, and positions after a drop are off by one across
     layers, which cross-layer statistics must tolerate (per-layer ones are exact up to the tail).
+    Every record is checked: whole-number ids >= 0, expert ids in [0, num_experts) (the simulator passes
+    Mixtral's 8), one top-k per file, finite gating probabilities; a bad one is a MoeprepError naming its line.
     Returns RoutingTraces with layers 0..31 and K = 2.
     """
     file = _find_mixtral_file(Path(path))
     records: dict[int, dict[int, list[tuple[int, list[int], list[float]]]]] = defaultdict(
         lambda: defaultdict(list)
     )
-    with file.open() as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-                records[int(r["problem_id"])][int(r["layer"])].append(
-                    (r["token_idx"], r["experts"], r["gating_probs"])
-                )
-            except (ValueError, KeyError, TypeError) as e:
-                raise MoeprepError(f"{file}:{line_no}: not a routing record ({e})") from e
+    top_k = None
+    try:
+        with file.open() as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    r = json.loads(line)
+                except (ValueError, RecursionError) as e:
+                    raise MoeprepError(f"{file}:{line_no}: not a routing record ({str(e)[:120]}); {MIXTRAL_FIX}") \
+                        from None
+                got = _mixtral_record(r, num_experts, top_k)
+                if isinstance(got, str):
+                    raise MoeprepError(f"{file}:{line_no}: {got}; {MIXTRAL_FIX}")
+                problem, layer, token, experts, probs = got
+                top_k = len(experts)
+                records[problem][layer].append((token, experts, probs))
+    except UnicodeDecodeError as e:
+        raise MoeprepError(f"{file} is not UTF-8 text ({str(e)[:120]}); {MIXTRAL_FIX}") from None
+    if not records:
+        raise MoeprepError(f"{file} holds no routing records; {MIXTRAL_FIX}")
     traces = []
     for problem in sorted(records):
         by_layer = records[problem]

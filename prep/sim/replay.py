@@ -25,7 +25,7 @@ import torch
 from safetensors import SafetensorError
 
 from prep.errors import MoeprepError
-from prep.methods.trace import INDEX_NAME, open_trace, read_mixtral_traces
+from prep.methods.trace import INDEX_NAME, MAX_EXPERTS, open_trace, read_mixtral_traces
 
 MIXTRAL_EXPERTS = 8
 
@@ -60,8 +60,15 @@ class Replay:
 def replay_from_routing(traces: Sequence, num_experts: int | None = None, source: str = "") -> Replay:
     """A ``Replay`` from ``prep.methods.trace.RoutingTrace`` objects (expert_ids [T, L, K]) of one model.
 
-    num_experts: E of the model; None takes the largest expert id seen + 1.
+    num_experts: E of the model (a whole number from 1 to ``MAX_EXPERTS``); None takes the largest expert id
+    seen + 1. The sequences are routing already checked by their reader (``open_trace``, ``read_mixtral_traces``);
+    what is checked here is what a caller can get wrong: the expert count, ids in range, finite weights.
     """
+    where = source or "the trace"
+    if num_experts is not None and (isinstance(num_experts, bool) or not isinstance(num_experts, int)
+                                    or not 1 <= num_experts <= MAX_EXPERTS):
+        raise MoeprepError(f"{where}: num_experts {num_experts!r} must be a whole number of experts per layer from "
+                           f"1 to {MAX_EXPERTS}")
     if not traces:
         raise MoeprepError(f"no routed sequences in {source or 'the trace'}; record a trace with tokens in it")
     shapes = {(t.num_layers, t.top_k) for t in traces}
@@ -71,6 +78,8 @@ def replay_from_routing(traces: Sequence, num_experts: int | None = None, source
     sequences, weights = [], []
     seen_max = -1
     for trace in traces:
+        if not torch.isfinite(trace.expert_weights).all():
+            raise MoeprepError(f"{where} holds non-finite gating weights (NaN or inf); record the trace again")
         rows = trace.expert_ids.tolist()  # [T][L][K]
         seq = tuple(tuple(tuple(dict.fromkeys(int(e) for e in experts)) for experts in token) for token in rows)
         mass = trace.expert_weights.tolist()
@@ -89,6 +98,9 @@ def replay_from_routing(traces: Sequence, num_experts: int | None = None, source
         raise MoeprepError(f"every sequence of {source or 'the trace'} is empty; nothing to replay")
     if num_experts is None:
         num_experts = seen_max + 1
+        if num_experts > MAX_EXPERTS:
+            raise MoeprepError(f"{where} names expert {seen_max}, more than the {MAX_EXPERTS} experts per layer a "
+                               "trace may have; record the trace again")
     elif seen_max >= num_experts:
         raise MoeprepError(f"{source or 'the trace'} names expert {seen_max} but the model has {num_experts} experts")
     return Replay(tuple(sequences), num_layers, int(num_experts), top_k, source, tuple(weights))
@@ -124,4 +136,4 @@ def _read_replay(path: Path) -> Replay:
         logits = torch.stack([trace.router_logits(layer) for layer in trace.layers], dim=1)  # [N, L, E]
         per_sequence = tuple(logits[s] for s in trace.sequence_slices() if s.stop > s.start)
         return dataclasses.replace(replay, logits=per_sequence) if len(per_sequence) == len(replay.sequences) else replay
-    return replay_from_routing(read_mixtral_traces(path), MIXTRAL_EXPERTS, str(path))
+    return replay_from_routing(read_mixtral_traces(path, MIXTRAL_EXPERTS), MIXTRAL_EXPERTS, str(path))

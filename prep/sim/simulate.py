@@ -74,6 +74,17 @@ def mixtral_record_bytes(precision: str = "int4", group_size: int = MIXTRAL_GROU
 
 
 DEFAULT_RECORD_BYTES = 99_090_432  # mixtral_record_bytes("int4"), checked by a test
+MAX_RECORD_BYTES = 1 << 40  # 1 TiB: far above any expert record (Mixtral's bfloat16 expert is 336 MiB)
+
+
+def check_record_bytes(record_bytes, what: str = "--record-bytes") -> int:
+    """``record_bytes`` when it is a whole number of bytes from 1 to ``MAX_RECORD_BYTES``, else a MoeprepError
+    naming ``what``: 0 would be a record that costs nothing (and ``0 or default`` silently the default)."""
+    if isinstance(record_bytes, bool) or not isinstance(record_bytes, int) or not 1 <= record_bytes <= MAX_RECORD_BYTES:
+        raise MoeprepError(f"{what} {record_bytes!r} must be a whole number of bytes from 1 to {MAX_RECORD_BYTES:,} "
+                           f"(one expert record; leave it out for {DEFAULT_RECORD_BYTES:,}, an int4 Mixtral-8x7B "
+                           "expert)")
+    return record_bytes
 
 
 @dataclass(frozen=True)
@@ -110,8 +121,7 @@ def capacity_spec(num_layers: int, num_experts: int, capacity: int, group: str =
     if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= num_experts:
         raise MoeprepError(f"capacity {capacity!r} must be a whole number of experts per layer from 1 to "
                            f"{num_experts} (the model's experts per layer)")
-    if isinstance(record_bytes, bool) or not isinstance(record_bytes, int) or record_bytes < 1:
-        raise MoeprepError(f"record bytes {record_bytes!r} must be a positive number of bytes")
+    check_record_bytes(record_bytes, "record bytes")
     per_group = ({layer: capacity * record_bytes for layer in range(num_layers)} if group == "layer"
                  else {"global": capacity * num_layers * record_bytes})
     return CacheSpec((PoolConfig("main", precision, group, per_group, record_bytes),),
@@ -592,6 +602,8 @@ def simulate_trace(trace, plan=None, budget=None, policies=None, capacity=None, 
 
 
     rule = cpu_miss_rule(cpu_misses)
+    if record_bytes is not None:  # before the trace is read: 0 must not fall back to the default below
+        check_record_bytes(record_bytes)
     replay = load_replay(trace)
     if profile is not None and not isinstance(profile, DeviceProfile):
         profile = load_profile(profile)
