@@ -167,10 +167,13 @@ def capacities(plan: Plan, budget, sizes: ModelSizes) -> Capacities:
     plan = plan_for(plan, limit, sizes)
     buffers = buffer_bytes(plan, sizes)
     if limit < minimum_bytes(plan, sizes):
+        lowest = lowest_budget(whole, sizes)
+        what, fix = (f"memory budget {budget!r}", "raise the budget") if budget is not None else (
+            f"{PLAN_FILE}: the plan's default_budget {plan.default_budget!r}",
+            f"pass a memory budget of at least {lowest:,} bytes, or prepare the artifact again")
         raise PlanError(
-            f"memory budget {budget if budget is not None else plan.default_budget!r} ({int(limit):,} bytes) is "
-            f"below the minimum of {lowest_budget(whole, sizes):,} bytes (dense weights {sizes.dense_bytes:,} + "
-            f"read buffers {buffers:,} + one expert per eviction group); raise the budget")
+            f"{what} ({int(limit):,} bytes) is below the minimum of {lowest:,} bytes (dense weights "
+            f"{sizes.dense_bytes:,} + read buffers {buffers:,} + one expert per eviction group); {fix}")
     share = limit - sizes.dense_bytes - buffers
     pools: dict = {}
     for pool in plan.pools:

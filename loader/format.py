@@ -685,6 +685,19 @@ def check_predictors(manifest: Manifest, plan: Plan) -> None:
                                 file=PREDICTORS_FILE if PREDICTORS_FILE in manifest.files else PLAN_FILE) from None
 
 
+def read_tokenizer(artifact: Path):
+    """The artifact's tokenizer, loaded as ``load`` loads it (``AutoTokenizer`` over the artifact directory); a
+    tokenizer that cannot be built (a tokenizer.json without its model, a config naming nothing) is one
+    ArtifactError naming the files. ``verify`` loads it too: it needs no weights."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(artifact)
+    except Exception as e:  # transformers and tokenizers raise many kinds for a malformed file
+        raise ArtifactError(f"the artifact's tokenizer files (tokenizer.json, tokenizer_config.json) cannot be read "
+                            f"({type(e).__name__}: {str(e)[:200]}); {_PREPARE_AGAIN}", file="tokenizer.json") from None
+
+
 def check_record(manifest: Manifest, precision: str, key: str, data) -> None:
     """Check one record as read (bytes, memoryview, mmap, numpy array or CPU tensor; at least
     record_bytes long, only the first record_bytes count) against the manifest's xxh3_64."""
@@ -876,9 +889,11 @@ def _verify(artifact: Path) -> list[str]:
         if problem:
             bad[name] = problem
     if not bad:
+        from loader.runtime import check_bindings
+
         try:
             checked = _check_contents(manifest, informational=True)
-            check_predictors(checked, checked.plan)  # what load would refuse when it binds them
+            check_bindings(checked)  # what load would refuse when it binds the plan and the tokenizer
         except MoeError as e:
             bad[getattr(e, "file", None) or PLAN_FILE] = str(e)
     return [f"{name}: {problem}" for name, problem in bad.items()]

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from loader.codec import NeuronLayout
-from loader.errors import MoeError
+from loader.errors import LoaderError, MoeError
 from loader.layer import Held, Mixer
+from loader.plan import PLAN_FILE, Plan, PlanError
 from loader.routing import RoutingPolicy, selection_weights
 from loader.store import DEMAND, PREFETCH, ReadJob
 
@@ -71,6 +72,28 @@ class NeuronConfig:
             if not isinstance(getattr(cfg, name), bool):
                 raise NeuronError(f"neuron.{name} must be true or false, got {getattr(cfg, name)!r}")
         return cfg
+
+
+def neuron_config(plan: Plan, neuron, pairings: dict) -> NeuronConfig | None:
+    """The neuron-level loading a load runs with: ``neuron`` True (the plan's knobs), False (off), a
+    ``NeuronConfig`` (these knobs) or None (as the plan says), checked against the artifact's stores (``pairings``:
+    precision -> pairing of each neuron-layout store). ``load`` and ``verify`` (with None) both call it."""
+    if neuron is False or (neuron is None and plan.neuron.name == "off"):
+        return None
+    if isinstance(neuron, NeuronConfig):
+        cfg = neuron
+    else:
+        if plan.neuron.name not in ("off", "sparse"):
+            raise PlanError(f"{PLAN_FILE}: the neuron entry {plan.neuron.name!r} is unknown (known: off, sparse); "
+                            "upgrade the loader or prepare the artifact again")
+        try:
+            cfg = NeuronConfig.from_params(plan.neuron.params)
+        except (NeuronError, TypeError) as e:
+            raise PlanError(f"{PLAN_FILE}: {e}; prepare the artifact again") from None
+    if not pairings:
+        raise LoaderError("neuron-level loading needs an artifact whose expert stores are in the neuron layout; "
+                          "prepare it with `--set neuron.layout=neuron` (or leave neuron loading off)")
+    return cfg
 
 
 def pair(gate: torch.Tensor, up: torch.Tensor, pairing: str) -> torch.Tensor:

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loader.errors import MoeError
-from loader.vocab import FORM_NAMES, GROUPS
+from loader.policies import PolicyError, policy_factory
+from loader.vocab import FORM_NAMES, GROUPS, PRECISIONS
 
 PLAN_VERSION = 1
 PLAN_FILE = "plan.json"
@@ -260,8 +261,9 @@ class Plan:
         if [p.budget_bytes for p in points] != sorted({p.budget_bytes for p in points}):
             raise bad("operating_points must be in rising budget_bytes, each once")
         forms = raw.get("forms", {})
-        if not isinstance(forms, dict) or not all(isinstance(k, str) and v in FORM_NAMES for k, v in forms.items()):
-            raise bad(f"forms must map precisions to one of {list(FORM_NAMES)}")
+        if not isinstance(forms, dict) or not all(k in PRECISIONS and v in FORM_NAMES for k, v in forms.items()):
+            raise bad(f"forms must map precisions (of {list(PRECISIONS)}) to one of {list(FORM_NAMES)}, got "
+                      f"{json.dumps(forms)[:120]}")
         depth = raw.get("read_depth", 0)
         if "read_depth" in raw and not (_is_int(depth) and depth > 0):
             raise bad(f"read_depth must be a positive number of reads in flight, got {depth!r}")
@@ -273,6 +275,10 @@ class Plan:
                    PolicySpec.from_json(raw.get("miss"), "miss"),
                    PolicySpec.from_json(raw.get("neuron", {"name": "off"}), "neuron"), budget, tuple(points),
                    forms=tuple(sorted(forms.items())), read_depth=depth)
+        try:  # the eviction policy's name and parameters, bounds included (``loader.policies``: torch-free)
+            policy_factory(plan.eviction.name, plan.eviction.params)
+        except PolicyError as e:
+            raise bad(f"eviction: {e}") from None
         pooled = {p.precision for p in pools}
         if missing := sorted({p for row in plan.expert_precision for p in row} - pooled):
             raise bad(f"experts planned at precisions {missing} that no pool holds")
@@ -368,4 +374,6 @@ def parse_budget(budget) -> tuple[str, float] | None:
     value = float(match.group(1)) * _UNITS.get(match.group(2), 1)
     if value <= 0:
         raise PlanError(f"memory budget {budget!r} must be above 0 bytes")
+    if not math.isfinite(value):  # hundreds of digits: past any float, so past any memory
+        raise PlanError(f"memory budget {budget!r} is too large to be a number of bytes; use 'unlimited'")
     return ("bytes", value)

@@ -6,6 +6,7 @@ it. Torch-free, so the simulator in ``prep/sim`` runs exactly these policies.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -159,6 +160,12 @@ class EdgeMoEPolicy(EvictionPolicy):
         return (self.freq.get((layer, expert), 0.0) * closeness, self.last.get((layer, expert), 0))
 
 
+# HOBBIT's weights: the tuner searches the simplex (each in [0, 1]); only their ratios matter, so 1e6 leaves any
+# sane weighting room while keeping every priority (a weight times a ratio in [0, 1], four of them) far from
+# overflow: a weight of 1e308 makes priorities infinite, and inf - inf ties are NaN, which no victim order survives.
+MAX_HOBBIT_WEIGHT = 1e6
+
+
 class HobbitPolicy(EvictionPolicy):
     """HOBBIT's multidimensional priority (HOBBIT section 3.4), the lowest leaves:
 
@@ -174,6 +181,10 @@ class HobbitPolicy(EvictionPolicy):
     def __init__(self, clock: Clock, num_experts: int, w_lru: float = 0.25, w_lfu: float = 0.25,
                  w_lhu: float = 0.25, w_fld: float = 0.25) -> None:
         super().__init__(clock, num_experts)
+        for what, w in (("w_lru", w_lru), ("w_lfu", w_lfu), ("w_lhu", w_lhu), ("w_fld", w_fld)):
+            if isinstance(w, bool) or not isinstance(w, numbers.Real) or not 0 <= w <= MAX_HOBBIT_WEIGHT:
+                raise PolicyError(f"eviction policy 'hobbit': {what} must be a number in [0, {MAX_HOBBIT_WEIGHT:g}], "
+                                  f"got {w!r}")
         self.w = (float(w_lru), float(w_lfu), float(w_lhu), float(w_fld))
         self.recent: dict[tuple[int, int], int] = {}
         self.count: dict[tuple[int, int], int] = {}

@@ -53,6 +53,7 @@ import torch
 
 from loader.cache import precision_rank
 from loader.errors import MoeError
+from loader.plan import PLAN_FILE, Plan, PlanError, PolicySpec
 
 ROUTER_NAMES = ("gate", "router")
 SKIP = "skip"  # a miss policy's answer: do not compute this expert
@@ -433,6 +434,37 @@ class CacheConditionalRouting(RoutingPolicy):
 
 ROUTING_POLICIES: dict[str, type[RoutingPolicy]] = {p.name: p for p in (AdaptiveGating, CacheConditionalRouting)}
 MISS_POLICIES: dict[str, type[MissPolicy]] = {p.name: p for p in (DynamicPrecision,)}
+_AGAIN = "prepare the artifact again"
+
+
+def _plan_policy(registry: dict, spec: PolicySpec, what: str, default: type):
+    """The policy a plan entry names, built with its parameters; a PlanError names plan.json, the entry and the fix."""
+    if spec.name in ("topk", "plan", "none") and not spec.params:
+        return default()
+    if spec.name not in registry:
+        raise PlanError(f"{PLAN_FILE} names the {what} {spec.name!r}, which this loader does not know "
+                        f"(known: {sorted(registry) or 'none'}); upgrade the loader or {_AGAIN}")
+    try:
+        return registry[spec.name](**spec.params)
+    except (TypeError, RoutingError) as e:
+        raise PlanError(f"{PLAN_FILE}: the {what} {spec.name!r}: {str(e).removesuffix('; ' + _AGAIN)}; {_AGAIN}") from None
+
+
+def plan_routing(plan: Plan) -> RoutingPolicy:
+    """The routing policy ``plan`` names, built and bound to its MoE layers (adaptive gating's sensitivities, one
+    per layer): ``load`` installs it, ``verify`` builds it to refuse what ``load`` would."""
+    policy = _plan_policy(ROUTING_POLICIES, plan.routing, "routing policy", RoutingPolicy)
+    try:
+        policy.bind(plan.num_layers)
+    except RoutingError as e:
+        raise PlanError(f"{PLAN_FILE}: the routing policy {plan.routing.name!r}: "
+                        f"{str(e).removesuffix('; ' + _AGAIN)}; {_AGAIN}") from None
+    return policy
+
+
+def plan_miss(plan: Plan) -> MissPolicy:
+    """The miss policy ``plan`` names, built with its parameters (``load`` runs it, ``verify`` builds it)."""
+    return _plan_policy(MISS_POLICIES, plan.miss, "miss policy", MissPolicy)
 
 
 class InstalledRouting:

@@ -38,30 +38,32 @@ from loader.budget import (  # noqa: F401
 )
 from loader.cache import ExpertCache, MemoryMeter
 from loader.codec import RecordLayout
-from loader.errors import PREPARE_AGAIN, LoaderError
+from loader.errors import LoaderError
 from loader.format import (
     ArtifactError,
     check_model,
+    check_predictors,
     check_record,
     open_artifact,
     read_block_table,
     read_predictor_tensors,
+    read_tokenizer,
     resolve_artifact,
 )
 from loader.io import hold_for_reading
 from loader.layer import renormalized  # noqa: F401 (part of the loader's API)
-from loader.neuron import NeuronConfig, NeuronError, TrustedPrediction
+from loader.neuron import NeuronConfig, TrustedPrediction, neuron_config
 from loader.plan import Plan, PolicySpec
 from loader.policies import policy_factory
 from loader.predict import Predictor, PredictorError, make_predictor
 from loader.routing import (
-    MISS_POLICIES,
-    ROUTING_POLICIES,
     ChainedRouting,
     InstalledRouting,
     MissPolicy,
     RoutingPolicy,
     install_routing,
+    plan_miss,
+    plan_routing,
 )
 from loader.schedule import CpuMissRule
 from loader.step import ExpertEngine, measure_miss_costs
@@ -265,18 +267,6 @@ def _submodule(model: torch.nn.Module, path: str, what: str) -> torch.nn.Module:
                             "prepare the artifact again") from None
 
 
-def _named(registry: dict, spec: PolicySpec, what: str, default: type):
-    if spec.name in ("topk", "plan", "none") and not spec.params:
-        return default()
-    if spec.name not in registry:
-        raise LoaderError(f"the plan names {what} {spec.name!r}, which this loader does not know "
-                          f"(known: {sorted(registry) or 'none'}); upgrade the loader or prepare the artifact again")
-    try:
-        return registry[spec.name](**spec.params)
-    except TypeError as e:
-        raise LoaderError(f"the plan's {what} {spec.name!r}: {e}; prepare the artifact again") from None
-
-
 def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: str = "disk",
          policy: str | None = None, workers: int | str = "auto", routing: RoutingPolicy | None = None,
          predictors: list[Predictor] | None = None, miss_policy: MissPolicy | None = None,
@@ -323,24 +313,25 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     return _load(artifact, **args)  # the artifact was swapped under us: once more, on the new version
 
 
-def _neuron_config(plan: Plan, neuron, pairings: dict) -> NeuronConfig | None:
-    """The neuron-level loading the load runs with (see ``load``), checked against the artifact's stores."""
-    if neuron is False or (neuron is None and plan.neuron.name == "off"):
-        return None
-    if isinstance(neuron, NeuronConfig):
-        cfg = neuron
-    else:
-        if plan.neuron.name not in ("off", "sparse"):
-            raise LoaderError(f"the plan's neuron entry {plan.neuron.name!r} is unknown (known: off, sparse); "
-                              "upgrade the loader or prepare the artifact again")
-        try:
-            cfg = NeuronConfig.from_params(plan.neuron.params)
-        except (NeuronError, TypeError) as e:
-            raise LoaderError(f"{e}; prepare the artifact again") from None
-    if not pairings:
-        raise LoaderError("neuron-level loading needs an artifact whose expert stores are in the neuron layout; "
-                          "prepare it with `--set neuron.layout=neuron` (or leave neuron loading off)")
-    return cfg
+def neuron_pairings(manifest) -> dict:
+    """Precision -> pairing of each of the artifact's neuron-layout stores (empty: no neuron layout)."""
+    return {p: s.neuron["pairing"] for p, s in manifest.stores.items() if s.neuron is not None}
+
+
+def check_bindings(manifest) -> None:
+    """Every check a plain ``load(artifact)`` runs that needs no weights, each from its one home, without building
+    the model: the plan's routing and miss policies (names, parameters, adaptive gating's sensitivities per layer),
+    its neuron entry against the stores, its predictors against the routers and the predictor file, and the
+    tokenizer. ``verify`` calls it on the checked manifest (``open_artifact``'s, with its plan; the eviction policy,
+    ``default_budget`` and the plan's value bounds are ``Plan.from_json``'s), so it refuses what ``load`` would, with
+    the same message. Not here: whether ``default_budget`` covers the minimum budget, which depends on the device and
+    the held forms of a load (``capacities`` refuses it there, naming the plan's default_budget)."""
+    plan = manifest.plan
+    plan_routing(plan)
+    plan_miss(plan)
+    neuron_config(plan, None, neuron_pairings(manifest))
+    check_predictors(manifest, plan)
+    read_tokenizer(manifest.root)
 
 
 def _load(artifact, **options) -> LoadedModel:
@@ -354,7 +345,7 @@ def _load(artifact, **options) -> LoadedModel:
 def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, store, policy, workers, routing,
            predictors, miss_policy, plan, neuron, expert_dtype, cpu_misses, threads, replay) -> LoadedModel:
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     root = resolve_artifact(artifact)
     held = hold_for_reading(root)  # a prepare that swaps in a new version removes this one only after close
@@ -381,6 +372,8 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
     policy_factory(plan.eviction.name, plan.eviction.params)
     moe = manifest.raw["moe"]
     chosen = _predictors(plan, predictors)
+    routing = routing if routing is not None else plan_routing(plan)
+    miss_policy = miss_policy if miss_policy is not None else plan_miss(plan)
 
     dense_path = manifest.path("dense.safetensors")
     stores = {}
@@ -393,8 +386,8 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
     host_bytes = sum(s.host_bytes for s in stores.values())
     layout = held_layout(manifest, stores, plan, memory_budget, dev, expert_dtype, workers)
     layouts = {p: RecordLayout.from_json(s["layout"]) for p, s in manifest.raw["stores"].items()}
-    pairings = {p: s.neuron["pairing"] for p, s in manifest.stores.items() if s.neuron is not None}
-    neuron_cfg = _neuron_config(plan, neuron, pairings)
+    pairings = neuron_pairings(manifest)
+    neuron_cfg = neuron_config(plan, neuron, pairings)
 
     config = AutoConfig.from_pretrained(artifact)
     with torch.device("meta"):
@@ -413,7 +406,7 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
 
     engine = ExpertEngine(
         layout.plan if layout.capacities is not None else plan, layout, stores, layouts, moe["top_k"], dev, workers,
-        miss_policy if miss_policy is not None else _named(MISS_POLICIES, plan.miss, "miss policy", MissPolicy),
+        miss_policy,
         chosen, list(moe["layers"]), neuron_cfg, pairings, cleanup, link)
     for position, path in enumerate(moe["experts_modules"]):
         module = _submodule(model, path, "experts")
@@ -439,11 +432,7 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
     if leftover:
         raise ArtifactError(f"weights missing from the artifact: {leftover[:5]}")
     model.eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(artifact)
-    except Exception as e:  # transformers and tokenizers raise many kinds for a malformed file
-        raise ArtifactError(f"the artifact's tokenizer files (tokenizer.json, tokenizer_config.json) cannot be read "
-                            f"({type(e).__name__}: {str(e)[:200]}); {PREPARE_AGAIN}", file="tokenizer.json") from None
+    tokenizer = read_tokenizer(artifact)
     caps, sizes = layout.capacities, layout.sizes
     budget = caps.to_json() | {"dense_bytes": dense_bytes(dense_path), "requested": memory_budget if memory_budget is not None else plan.default_budget,
                                "minimum_bytes": lowest_budget(plan, sizes), "host_store_bytes": host_bytes,
@@ -461,9 +450,7 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
     elif decode_threads is not None:  # "auto" on a CPU: decode steps on the cores the readers leave free
         loaded._threads_before = torch.get_num_threads()
         engine.threads = (decode_threads, loaded._threads_before)
-    policy = routing if routing is not None else _named(ROUTING_POLICIES, plan.routing, "routing policy", RoutingPolicy)
-    if replay is not None:
-        policy = ChainedRouting(replay, policy)
+    policy = routing if replay is None else ChainedRouting(replay, routing)
     trusted = _trusted_prediction(engine, moe)
     loaded.routing = install_routing(
         model, moe["experts_modules"], ChainedRouting(policy, trusted) if trusted is not None else policy,

@@ -30,17 +30,17 @@ def planned(tmp_path_factory):
     return prepare_tiny_artifact(root, "mixtral", recipe=recipe)[1]
 
 
-def _edited_plan(artifact, tmp_path, change) -> object:
-    """A copy of ``artifact`` whose plan.json ``change(plan)`` edited, with the manifest's hashes recomputed (an
-    editor, not a damaged disk)."""
+def _edited_plan(artifact, tmp_path, change, name: str = "plan.json") -> object:
+    """A copy of ``artifact`` whose plan.json (or JSON file ``name``) ``change(value)`` edited, with the manifest's
+    hashes recomputed (an editor, not a damaged disk)."""
     copy = tmp_path / "artifact"
     shutil.copytree(artifact, copy)
-    plan = json.loads((copy / "plan.json").read_text())
-    change(plan)
-    (copy / "plan.json").write_text(json.dumps(plan))
+    value = json.loads((copy / name).read_text())
+    change(value)
+    (copy / name).write_text(json.dumps(value))
     manifest = read_manifest(copy)
     raw = manifest.raw
-    raw["files"]["plan.json"] = {"bytes": (copy / "plan.json").stat().st_size, "sha256": sha256_file(copy / "plan.json")}
+    raw["files"][name] = {"bytes": (copy / name).stat().st_size, "sha256": sha256_file(copy / name)}
     write_manifest(copy, raw)
     return copy
 
@@ -57,6 +57,40 @@ def test_nan_and_negative_numbers_in_the_plan_are_refused_by_verify_and_load(pla
     assert len(problems) == 1 and problems[0].startswith("plan.json:") and named in problems[0]
     with pytest.raises(MoeError, match=named.replace("[", r"\[")):
         load(edited)
+
+
+@pytest.mark.parametrize("name, change, named", [
+    ("plan.json", lambda plan: plan.update(eviction={"name": "fifo", "params": {}}), "eviction policy 'fifo' unknown"),
+    ("plan.json", lambda plan: plan.update(eviction={"name": "lru", "params": {"w": 1}}), "'lru' takes no parameters"),
+    ("plan.json", lambda plan: plan.update(miss={"name": "guess", "params": {}}), "miss policy 'guess'"),
+    ("plan.json", lambda plan: plan.update(miss={"name": "dynamic_precision", "params": {"t1": 2, "t2": 3, "low": "int4"}}),
+     "dynamic_precision.t1 must be in [0, 1]"),
+    ("plan.json", lambda plan: plan.update(routing={"name": "random", "params": {}}), "routing policy 'random'"),
+    ("plan.json", lambda plan: plan["routing"]["params"].update(sensitivity=[1.0]), "1 sensitivities for 2 MoE layers"),
+    ("plan.json", lambda plan: plan["routing"]["params"]["sensitivity"].append(1.0), "3 sensitivities for 2 MoE layers"),
+    ("plan.json", lambda plan: plan.update(default_budget="9" * 400), "too large to be a number of bytes"),
+    ("plan.json", lambda plan: plan.update(default_budget="lots"), "default_budget: memory budget 'lots' not understood"),
+    ("plan.json", lambda plan: plan.update(neuron={"name": "dense", "params": {}}), "neuron entry 'dense' is unknown"),
+    ("plan.json", lambda plan: plan.update(neuron={"name": "sparse", "params": {}}), "neuron layout"),
+    ("plan.json", lambda plan: plan.update(forms={"int9": "bfloat16"}), "forms must map precisions"),
+    ("plan.json", lambda plan: plan.update(eviction={"name": "hobbit", "params": {"w_lru": 1e308}}),
+     "w_lru must be a number in [0, 1e+06], got 1e+308"),
+    ("plan.json", lambda plan: plan.update(eviction={"name": "hobbit", "params": {"w_fld": 2e6}}),
+     "w_fld must be a number in [0, 1e+06], got 2000000.0"),
+    ("tokenizer.json", lambda tokenizer: tokenizer.pop("model"), "tokenizer files"),
+])
+def test_verify_refuses_what_load_refuses(planned, tmp_path, name, change, named):
+    """Issue 42: each check ``load`` runs that needs no weights (the plan's policies, gating sensitivities per layer,
+    neuron entry, default budget, the tokenizer) and each bound of a sealed plan value (forms' precisions, HOBBIT's
+    weights) is refused by ``verify`` and by ``load`` alike, with the same cause named; hashes recomputed, so the
+    check under test is the one that fires."""
+    assert verify(planned) == []
+    edited = _edited_plan(planned, tmp_path, change, name)
+    problems = verify(edited)
+    assert len(problems) == 1 and problems[0].startswith(f"{name}:") and named in problems[0], problems
+    with pytest.raises(MoeError) as refused:
+        load(edited)
+    assert named in str(refused.value), str(refused.value)
 
 
 @pytest.mark.parametrize("theta", ["nan", "inf", "-1"])
