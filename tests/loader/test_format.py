@@ -399,8 +399,8 @@ def test_version_1_artifacts_are_refused_with_the_fix(artifact):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
-    (["--max-new-tokens", "-3"], "--max-new-tokens must be at least 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be from 1 to 1,000,000"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens must be from 1 to 1,000,000"),
     (["--device", "gpu"], "use cpu, cuda or cuda:N"),
     (["--device", "mps"], "use cpu, cuda or cuda:N"),
     (["--device", "meta"], "use cpu, cuda or cuda:N"),
