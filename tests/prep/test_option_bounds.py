@@ -81,6 +81,15 @@ GENERATE_ROWS = [
     (["--workers", "\u00b2"], "--workers"),  # SUPERSCRIPT TWO: isdigit(), and int() refuses it
     (["--max-new-tokens", "0"], "--max-new-tokens must be from 1"),
     (["--max-new-tokens", "9" * 31], "--max-new-tokens must be from 1"),
+    (["--memory-budget", "lots"], "memory budget 'lots' not understood"),
+    (["--memory-budget", "1e400"], "memory budget '1e400' not understood"),
+    (["--memory-budget", "-5%"], "a percentage must be above 0"),
+    (["--predictors", "bogus"], "predictor 'bogus' unknown"),
+    (["--theta", "nan"], "neuron.theta must be a finite number"),
+    (["--theta", "-1"], "neuron.theta must be a finite number"),
+    (["--device", "tpu"], "--device 'tpu' is not supported"),
+    (["--neuron", "maybe"], "'maybe' is not one of"),
+    (["--expert-dtype", "int9"], "'int9' is not one of"),
 ]
 
 
