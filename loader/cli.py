@@ -15,8 +15,9 @@ import click
 from loader import __version__
 from loader.codec import RecordLayout
 from loader.errors import MoeError, user_error
-from loader.format import REPORT, ArtifactError, read_json, read_manifest, verify
+from loader.format import REPORT, ArtifactError, read_json, read_manifest
 from loader.plan import read_plan
+from loader.verify import verify
 from loader.vocab import EXPERT_DTYPES
 
 

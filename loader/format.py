@@ -37,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -47,8 +46,8 @@ from xxhash import xxh3_64, xxh3_64_intdigest
 
 from loader.codec import BITS, KERNELS, PAIRINGS, CodecError, NeuronLayout, RecordLayout
 from loader.errors import PREPARE_AGAIN as _PREPARE_AGAIN
-from loader.errors import ArtifactError, MoeError
-from loader.io import hold_for_reading, read_record_offsets, read_safetensors_header, write_json_atomic
+from loader.errors import ArtifactError
+from loader.io import read_record_offsets, read_safetensors_header, write_json_atomic
 from loader.plan import PLAN_FILE, Plan, read_plan
 from loader.predict import PREDICTORS_FILE, PredictorContext, PredictorError, make_predictor
 
@@ -857,43 +856,3 @@ def _hash_store(manifest: Manifest, precision: str, chunk: int = 1 << 24) -> str
     return None
 
 
-def verify(artifact: str | Path) -> list[str]:
-    """Full check: every ``open_artifact`` check plus every sha256 and every record's xxh3_64.
-
-    Returns one line ``<file>: <problem>`` per bad file (empty when sound); never raises for a bad artifact.
-    It holds the version it reads (``hold_for_reading``), so a ``prepare`` that swaps in a new one meanwhile
-    leaves these files in place until it is done.
-    """
-    try:
-        root = resolve_artifact(artifact)
-        held = hold_for_reading(root)
-    except (ArtifactError, OSError) as e:
-        return [f"{MANIFEST}: {e}"]
-    try:
-        return _verify(root)
-    finally:
-        os.close(held)
-
-
-def _verify(artifact: Path) -> list[str]:
-    try:
-        manifest = read_manifest(artifact)
-    except ArtifactError as e:
-        return [f"{MANIFEST}: {e}"]
-    stores = {s.file: p for p, s in manifest.stores.items()}
-    bad = {}
-    for name in sorted(manifest.files):
-        problem = _file_problem(manifest, name, hash_it=name not in stores)
-        if problem is None and name in stores:
-            problem = _hash_store(manifest, stores[name])
-        if problem:
-            bad[name] = problem
-    if not bad:
-        from loader.runtime import check_bindings
-
-        try:
-            checked = _check_contents(manifest, informational=True)
-            check_bindings(checked)  # what load would refuse when it binds the plan and the tokenizer
-        except MoeError as e:
-            bad[getattr(e, "file", None) or PLAN_FILE] = str(e)
-    return [f"{name}: {problem}" for name, problem in bad.items()]

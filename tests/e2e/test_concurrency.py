@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from loader.format import verify
 from loader.io import hold_for_reading, unread
 from loader.runtime import load
+from loader.verify import verify
 from prep.pipeline import prepare
 from tests.tiny_models import save_tiny_model, tiny_recipe
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from loader.format import verify
 from loader.runtime import load
+from loader.verify import verify
 from prep.pipeline import prepare
 from prep.recipe import load_recipe
 from prep.reference.metrics import load_model

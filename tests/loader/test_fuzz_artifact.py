@@ -30,9 +30,10 @@ import pytest
 import torch
 
 from loader.errors import MoeError
-from loader.format import DIGEST, open_artifact, verify, write_manifest
+from loader.format import DIGEST, open_artifact, write_manifest
 from loader.plan import read_plan
 from loader.runtime import load
+from loader.verify import verify
 from tests.tiny_models import prepare_tiny_artifact
 
 SEED = 1415

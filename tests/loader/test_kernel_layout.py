@@ -14,9 +14,10 @@ import torch
 import loader.forms as forms
 from loader.codec import RecordLayout
 from loader.errors import ArtifactError
-from loader.format import open_artifact, store_offsets, verify
+from loader.format import open_artifact, store_offsets
 from loader.forms import Int4KernelForm, Int4PackForm, int4pack_available
 from loader.runtime import load, minimum_budget
+from loader.verify import verify
 from tests.tiny_models import CONFIGS, build_tiny_model, decoded_reference, tiny_recipe, tiny_tokenizer
 
 pytestmark = pytest.mark.skipif(not int4pack_available(torch.device("cpu")),

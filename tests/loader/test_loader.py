@@ -10,9 +10,10 @@ import torch
 from click.testing import CliRunner
 
 from loader.cli import main as moeload
-from loader.format import ArtifactError, read_record_offsets, verify
+from loader.format import ArtifactError, read_record_offsets
 from loader.plan import PlanError, parse_budget
 from loader.runtime import LoaderError, load, minimum_budget
+from loader.verify import verify
 from tests.tiny_models import ARCHITECTURES, decoded_reference, tiny_artifact
 
 

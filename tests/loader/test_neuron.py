@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from loader.codec import NeuronLayout, RecordLayout
-from loader.format import ArtifactError, read_manifest, verify
+from loader.format import ArtifactError, read_manifest
 from loader.neuron import NeuronConfig, active_set, neuron_forward
 from loader.plan import read_plan
 from loader.runtime import LoaderError, load, minimum_budget
 from loader.store import DEMAND, ExpertStore, Reader, ReadJob, SlotArena
+from loader.verify import verify
 from prep.adapters import get_adapter
 from prep.errors import MoeprepError
 from prep.methods.neuron import dropped_neurons

@@ -14,8 +14,9 @@ from click.testing import CliRunner
 
 from loader.cli import main as moeload
 from loader.errors import MoeError
-from loader.format import read_manifest, sha256_file, verify, write_manifest
+from loader.format import read_manifest, sha256_file, write_manifest
 from loader.runtime import load
+from loader.verify import verify
 from tests.tiny_models import prepare_tiny_artifact, tiny_recipe
 
 REPO = Path(__file__).resolve().parents[2]

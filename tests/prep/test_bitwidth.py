@@ -14,8 +14,9 @@ from click.testing import CliRunner
 
 from loader.cli import main as moeload
 from loader.codec import RecordLayout
-from loader.format import expert_key, verify
+from loader.format import expert_key
 from loader.runtime import load, minimum_budget
+from loader.verify import verify
 from prep.errors import MoeprepError
 from prep.pipeline import prepare
 from prep.stages.bitwidth import edgemoe_search, flat_order

@@ -11,7 +11,8 @@ import torch
 from click.testing import CliRunner
 
 from loader.errors import MoeError
-from loader.format import MANIFEST, ArtifactError, open_artifact, verify
+from loader.format import MANIFEST, ArtifactError, open_artifact
+from loader.verify import verify
 from prep.cli import main as moeprep
 from prep.errors import MoeprepError
 from prep.evals import templates as tpl

@@ -518,7 +518,7 @@ def test_the_routing_study_measures_every_method_and_lands_in_report_json(tmp_pa
     import yaml
     from tiny_models import save_tiny_model, write_tiny_suites
 
-    from loader.format import verify
+    from loader.verify import verify
     from prep.studies.routing import merge_into, run_study
 
     save_tiny_model("mixtral", tmp_path / "model")

@@ -312,7 +312,7 @@ def test_the_simulator_replays_the_loaders_predictors_on_a_project_trace(tmp_pat
 def test_the_prediction_study_replays_fresh_text_and_lands_in_report_md(tmp_path):
     import yaml
 
-    from loader.format import verify
+    from loader.verify import verify
     from prep.studies.common import fresh_trace
     from prep.studies.prediction import merge_into, run_study
 

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from loader.format import read_manifest, verify
+from loader.format import read_manifest
+from loader.verify import verify
 from prep.pipeline import prepare
 from prep.recipe import recipe_from_dict
 from tests.tiny_models import file_hashes, save_tiny_model

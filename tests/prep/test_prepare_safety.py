@@ -19,7 +19,8 @@ import pytest
 from click.testing import CliRunner
 
 import prep.store
-from loader.format import read_manifest, verify
+from loader.format import read_manifest
+from loader.verify import verify
 from prep.cli import main as moeprep
 from prep.errors import MoeprepError
 from prep.pipeline import prepare

@@ -9,7 +9,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from loader.format import open_artifact, verify
+from loader.format import open_artifact
+from loader.verify import verify
 from prep.cli import main as moeprep
 from prep.studies import bitwidth as bitwidth_study
 from prep.studies.bitwidth import merge_study_into, run_study, study_markdown
