@@ -30,10 +30,10 @@ from loader.format import (
     read_record_offsets,
     read_safetensors_header,
     store_offsets,
-    verify,
     write_manifest,
 )
 from loader.plan import PlanError, read_plan
+from loader.verify import verify
 from prep.cli import main as moeprep
 from prep.errors import MoeprepError
 from tests.tiny_models import prepare_tiny_artifact
