@@ -6,7 +6,7 @@ artifact, whose own hashes would then vouch for the damage. Each is sealed with 
 it is written:
 
 - a unit file ``out`` by a hidden sidecar ``.<name>.xxh3`` beside it, written before the file is renamed into
-  place, so a unit file without its sidecar is one a run did not finish sealing;
+  place, so a unit file without its sidecar was written before the seals or by hand;
 - a stage directory by a hidden ``.seal.json`` beside its ``result.json``: the hash of every file in it,
   ``result.json``'s included, written just before ``result.json``.
 
@@ -64,7 +64,7 @@ def unit_damage(out: str | Path) -> str | None:
     try:
         want = sidecar(out).read_text().strip()
     except (OSError, UnicodeDecodeError):
-        return f"{out.name} has no seal (a run stopped between writing and sealing it, or it was put there by hand)"
+        return f"{out.name} has no seal (written before the seals, or put there by hand)"
     if file_xxh3(out) != want:
         return f"{out.name} is not what its unit wrote (its xxh3 differs: truncated, replaced or changed)"
     return None
