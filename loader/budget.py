@@ -32,9 +32,10 @@ import torch
 from loader.cache import host_pool
 from loader.codec import RecordLayout
 from loader.errors import BudgetError, LoaderError
-from loader.format import ArtifactError, read_manifest
+from loader.format import CONFIG, ArtifactError, read_json, read_manifest
 from loader.forms import HeldForm, choose_form
 from loader.plan import PLAN_FILE, Plan, PlanError, Pool, parse_budget, read_plan
+from loader.prefill import RESERVE_SHARE, ActivationShape, activation_shape, prefill_reserve, smallest_reserve
 from loader.store import ExpertStore
 
 DIRECT_ALIGN = 4096  # O_DIRECT reads whole aligned blocks: a slot a record is read into is that long
@@ -53,6 +54,12 @@ class ModelSizes:
     record_bytes: dict  # precision -> bytes one cached expert of that precision takes (its slot)
     read_bytes: dict | None = None  # precision -> bytes a read buffer takes (None: a slot's)
     staging_bytes: int = 0  # the reader threads' staging buffers (a read lands there when a form is made)
+    prefill_form_bytes: int = 0  # the prefill forms' read buffers (``prefill_form_bytes``)
+    activation: ActivationShape | None = None  # the model's, for a prefill chunk's activations (None: not counted)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.activation, dict):  # from JSON (a stage's saved draft)
+            object.__setattr__(self, "activation", ActivationShape(**self.activation))
 
 
 @dataclass(frozen=True)
@@ -63,10 +70,13 @@ class Capacities:
     dense_bytes: int
     buffer_bytes: int  # read buffers: records being read or used outside a cache
     pools: dict  # pool name -> {group key: bytes}; group key is the layer position or "global"
+    prefill_bytes: int = 0  # one prompt chunk's activations (``loader/prefill.py``)
+    prefill_chunk: int = 0  # the largest prompt chunk those fit (0: not counted)
 
     def to_json(self) -> dict:
         return {"limit_bytes": None if math.isinf(self.limit_bytes) else int(self.limit_bytes),
                 "dense_bytes": self.dense_bytes, "buffer_bytes": self.buffer_bytes,
+                "prefill_bytes": self.prefill_bytes, "prefill_chunk": self.prefill_chunk,
                 "pools": {name: {str(g): b for g, b in groups.items()} for name, groups in self.pools.items()}}
 
 
@@ -81,24 +91,35 @@ def resolve_budget(budget, plan: Plan, sizes: ModelSizes) -> float:
 
 def buffer_bytes(plan: Plan, sizes: ModelSizes) -> int:
     """Read buffers (K experts of the largest precision the plan reads, low copies included, can be in flight
-    or in use outside a cache) plus the reader threads' staging buffers."""
+    or in use outside a cache) plus the reader threads' staging buffers plus the prefill forms' read buffers
+    (``loader/prefill.py``)."""
     read = sizes.read_bytes or sizes.record_bytes
-    return sizes.top_k * max(read[p] for p in plan.precisions) + sizes.staging_bytes
+    return sizes.top_k * max(read[p] for p in plan.precisions) + sizes.staging_bytes + sizes.prefill_form_bytes
 
 
-def minimum_bytes(plan: Plan, sizes: ModelSizes) -> int:
-    """The smallest budget in bytes that ``capacities`` accepts for this plan: every eviction group a pool
-    gives bytes to holds at least one record."""
-    best = 0
+def prefill_floor(plan: Plan, sizes: ModelSizes) -> int:
+    """The least a budget keeps for prefill activations: one token per chunk (0 where they are not counted)."""
+    return smallest_reserve(sizes.activation, plan.prefill) if sizes.activation is not None else 0
+
+
+def pool_need(plan: Plan, sizes: ModelSizes) -> float:
+    """The bytes the pools need so that every eviction group given bytes holds one record."""
+    best = 0.0
     for pool in plan.pools:
         if pool.share == 0:
             continue
         weights = layer_weights(plan, pool) if pool.group == "layer" else [1.0]
         # the smallest group given bytes must hold one record: bytes * share * (w_min / sum w) >= record
         smallest = min(w for w in weights if w > 0)
-        need = sizes.record_bytes[pool.precision] * sum(weights) / smallest / pool.share
-        best = max(best, need)
-    return int(math.ceil(sizes.dense_bytes + buffer_bytes(plan, sizes) + best))
+        best = max(best, sizes.record_bytes[pool.precision] * sum(weights) / smallest / pool.share)
+    return best
+
+
+def minimum_bytes(plan: Plan, sizes: ModelSizes) -> int:
+    """The smallest budget in bytes that ``capacities`` accepts for this plan: every eviction group a pool
+    gives bytes to holds at least one record, and a prompt runs one token per chunk."""
+    return int(math.ceil(sizes.dense_bytes + buffer_bytes(plan, sizes) + prefill_floor(plan, sizes)
+                         + pool_need(plan, sizes)))
 
 
 def _flat(plan: Plan) -> Plan:
@@ -173,8 +194,14 @@ def capacities(plan: Plan, budget, sizes: ModelSizes) -> Capacities:
             f"pass a memory budget of at least {lowest:,} bytes, or prepare the artifact again")
         raise PlanError(
             f"{what} ({int(limit):,} bytes) is below the minimum of {lowest:,} bytes (dense weights "
-            f"{sizes.dense_bytes:,} + read buffers {buffers:,} + one expert per eviction group); {fix}")
-    share = limit - sizes.dense_bytes - buffers
+            f"{sizes.dense_bytes:,} + read buffers {buffers:,} + prefill activations of one token "
+            f"{prefill_floor(plan, sizes):,} + one expert per eviction group); {fix}")
+    room = limit - sizes.dense_bytes - buffers
+    chunk, reserve = 0, 0
+    if sizes.activation is not None:  # prefill's share: what the pools can spare, up to RESERVE_SHARE of the room
+        chunk, reserve = prefill_reserve(sizes.activation, plan.prefill,
+                                         min(RESERVE_SHARE * room, room - pool_need(plan, sizes)))
+    share = room - reserve
     pools: dict = {}
     for pool in plan.pools:
         record = sizes.record_bytes[pool.precision]
@@ -189,7 +216,7 @@ def capacities(plan: Plan, budget, sizes: ModelSizes) -> Capacities:
             full = sizes.num_experts * record
             pools[pool.name] = {layer: full if unlimited else int(min(full, part * w / total))
                                 for layer, w in enumerate(weights)}
-    return Capacities(limit, sizes.dense_bytes, buffers, pools)
+    return Capacities(limit, sizes.dense_bytes, buffers, pools, reserve, chunk)
 
 
 # ------------------------------------------------------------------------------------------ artifacts
@@ -252,6 +279,35 @@ def lodged_forms(plan: Plan, forms: dict, record_forms: dict, record_bytes: dict
     return out
 
 
+def shape_for(config: dict, layout: RecordLayout, top_k: int, dtype_bytes: int) -> ActivationShape:
+    """The activation shape of a model (``loader.prefill.activation_shape``): one expert's intermediate width from
+    its record layout (a gated expert holds 3 x H x I weights)."""
+    text = config.get("text_config") or config
+    weights = sum(spec.numel for spec in layout.matrices)
+    return activation_shape(config, max(1, weights // (3 * int(text["hidden_size"]))), top_k, dtype_bytes)
+
+
+def artifact_shape(manifest) -> ActivationShape:
+    """The activation shape of an artifact's model: its ``config.json``, first store's layout and MoE entry."""
+    moe = manifest.raw["moe"]
+    config = read_json(manifest.path(CONFIG), CONFIG)
+    layout = RecordLayout.from_json(next(iter(manifest.raw["stores"].values()))["layout"])
+    try:
+        return shape_for(config, layout, moe["top_k"], torch.empty(0, dtype=getattr(torch, moe["dtype"])).element_size())
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ArtifactError(f"{CONFIG} lacks what the prefill reserve needs ({e}); prepare the artifact again",
+                            CONFIG) from None
+
+
+def prefill_form_bytes(plan: Plan, layouts: dict, forms: dict, top_k: int, device) -> int:
+    """The prefill forms' read buffers: K of the largest prefill form (``plan.prefill.forms``) of a store whose held
+    form is made on a reader thread (the prefill form is made there too, from the same staged record)."""
+    device = torch.device(device)
+    sizes = [form_slot_bytes(layouts[p].nbytes, choose_form(f.form, layouts[p], device))
+             for p, f in plan.prefill.forms if p in layouts and p in forms and forms[p].staged]
+    return top_k * max(sizes, default=0)
+
+
 def dense_bytes(path: Path) -> int:
     """Bytes of the tensors in a safetensors file: the file minus its 8-byte length and JSON header."""
 
@@ -288,18 +344,22 @@ def layout_forms(layouts: dict, plan: Plan | None = None, device: str | torch.de
     return forms, slots, staging
 
 
-def artifact_sizes(manifest, stores: dict, device: torch.device, forms: dict, workers: int = 2) -> ModelSizes:
+def artifact_sizes(manifest, stores: dict, device: torch.device, forms: dict, workers: int = 2,
+                   plan: Plan | None = None) -> ModelSizes:
     """The sizes the budget arithmetic needs: a cached expert and a read buffer count their held form
     (``held_bytes``), the reader threads their staging buffers, the dense weights their tensor bytes, plus a
-    host-mode store's whole file when the budget is RAM (CPU device)."""
+    host-mode store's whole file when the budget is RAM (CPU device), the prefill forms' buffers of ``plan`` (the
+    artifact's without one) and the model's activation shape (a prompt chunk's activations count too)."""
     moe = manifest.raw["moe"]
     held = dense_bytes(manifest.path("dense.safetensors"))
     if device.type == "cpu":
         held += sum(s.host_bytes for s in stores.values())
     slots, staging = held_sizes({p: s.record_bytes for p, s in stores.items()}, forms, workers,
                                 {p: s.direct_io for p, s in stores.items()})
+    layouts = {p: RecordLayout.from_json(s["layout"]) for p, s in manifest.raw["stores"].items()}
+    form_buffers = prefill_form_bytes(plan or read_plan(manifest.root), layouts, forms, moe["top_k"], device)
     return ModelSizes(len(moe["layers"]), moe["num_experts"], moe["top_k"], held, int(moe["source_expert_bytes"]),
-                      slots, dict(slots), staging)
+                      slots, dict(slots), staging, form_buffers, artifact_shape(manifest))
 
 
 def _capacities(plan: Plan, sizes: ModelSizes, memory_budget, host_bytes: int, device: torch.device) -> Capacities:
@@ -340,7 +400,7 @@ def held_layout(manifest, stores: dict, plan: Plan, memory_budget, device: torch
     if smallest:
         options = options[-1:]
     for i, forms in enumerate(options):
-        sizes = artifact_sizes(manifest, stores, device, forms, workers)
+        sizes = artifact_sizes(manifest, stores, device, forms, workers, plan)
         if memory_budget is NO_BUDGET:
             return HeldLayout(forms, sizes, None, plan)
         try:
@@ -421,7 +481,7 @@ def minimum_budget(artifact, store: str = "disk", plan: Plan | None = None, devi
     device = torch.device(device)
     stores = {p: ExpertStore(manifest.path(s.file), p, mode=store) for p, s in manifest.stores.items()}
     try:  # each form ``load`` may fall back to; its held sizes may be smaller than the record's (int4pack)
-        return min(lowest_budget(plan, artifact_sizes(manifest, stores, device, forms, workers))
+        return min(lowest_budget(plan, artifact_sizes(manifest, stores, device, forms, workers, plan))
                    for forms in form_options(manifest, plan, device, expert_dtype, stores, workers))
     finally:
         for s in stores.values():

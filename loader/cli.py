@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 
 import click
 
@@ -171,6 +172,40 @@ def neuron_switch(artifact: str, neuron: str, theta: float | None):
     return dataclasses.replace(base, theta=NeuronConfig.from_params({"theta": theta}).theta)
 
 
+def decode(loaded, ids, max_new_tokens: int, streamer=None) -> tuple[list[int], float]:
+    """Greedy generation: the prompt prefilled in chunks (``LoadedModel.prefill``: the first token from its
+    logits), then ``generate`` from its KV cache. Returns the new token ids and the seconds after the first."""
+    import torch
+
+    with torch.no_grad():
+        result = loaded.prefill(ids)
+        first = result.logits[-1].argmax().view(1, 1).to(ids.device)
+        if streamer is not None:
+            streamer.next_tokens_are_prompt = False
+            streamer.put(first[0])
+            streamer.next_tokens_are_prompt = True  # generate's first put is the prompt again: skipped
+        eos = loaded.model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+        if max_new_tokens == 1 or first.item() in eos:
+            if streamer is not None:
+                streamer.end()
+            return [first.item()], 0.0
+        whole = torch.cat([ids, first], dim=1)
+        start = time.perf_counter()
+        out = loaded.model.generate(input_ids=whole, attention_mask=torch.ones_like(whole), do_sample=False,
+                                    max_new_tokens=max_new_tokens - 1, streamer=streamer,
+                                    pad_token_id=loaded.tokenizer.pad_token_id, **{cache_argument(loaded.model): result.cache})
+        seconds = time.perf_counter() - start
+    return out[0, ids.shape[1]:].tolist(), seconds
+
+
+def cache_argument(model) -> str:
+    """The name the model's forward gives its KV cache: ``cache`` (transformers 5.24), else ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @main.command("generate")
 @click.argument("artifact", type=click.Path())
 @click.option("--prompt", required=True, help="Text to continue.")
@@ -241,18 +276,26 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
         loaded.close()
         raise
     streamer = None if as_json else TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
-    with torch.no_grad():
-        out = loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                    max_new_tokens=max_new_tokens, streamer=streamer,
-                                    pad_token_id=tok.pad_token_id)
-    new = out[0, ids.shape[1]:].tolist()
+    try:
+        new, seconds = decode(loaded, ids, max_new_tokens, streamer)
+    except BaseException:
+        loaded.close()
+        raise
     stats = loaded.stats()
+    stats["generate"] = {"time_to_first_token_s": loaded.last_prefill.seconds,
+                         "prefill_tokens_per_second": loaded.last_prefill.tokens_per_second,
+                         "decode_tokens": len(new) - 1, "decode_seconds": seconds,
+                         "decode_tokens_per_second": (len(new) - 1) / seconds if len(new) > 1 and seconds > 0 else None}
     loaded.close()
     if as_json:
         click.echo(json.dumps({"text": tok.decode(new, skip_special_tokens=True), "token_ids": new,
                                "stats": stats}))
         return
     click.echo()
+    g, pre = stats["generate"], stats["prefill"]
+    click.echo(f"time to first token {g['time_to_first_token_s']:.3f} s  prefill {pre['tokens']} tokens at "
+               f"{pre['tokens_per_second'] or 0:.1f} tokens/s in {pre['chunks']} chunk(s)  decode {g['decode_tokens']} "
+               f"tokens at {g['decode_tokens_per_second'] or 0:.1f} tokens/s")
     click.echo(f"tokens {stats['tokens']}  tokens/s {stats['tokens_per_second'] or 0:.1f}  "
                f"hit rate {stats['hit_rate'] or 0:.3f}  read {stats['bytes_read']:,} B in "
                f"{stats['read_seconds']:.3f} s  stall {stats['stall_seconds']:.3f} s  "

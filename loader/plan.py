@@ -20,6 +20,7 @@ from pathlib import Path
 
 from loader.errors import MoeError
 from loader.policies import PolicyError, policy_factory
+from loader.prefill import PrefillSpec, parse_prefill
 from loader.vocab import FORM_NAMES, GROUPS, PRECISIONS
 
 PLAN_VERSION = 1
@@ -132,6 +133,9 @@ class Plan:
     # by the planner; absent: the loader's fixed rule for the device
     forms: tuple[tuple[str, str], ...] = ()
     read_depth: int = 0  # reads in flight (reader threads) measured best on the target device; 0: unplanned
+    # prefill chunk, the context its reserve is sized for, and per precision the form a prefill computes with
+    # from a token count (``loader/prefill.py``); the defaults where the plan does not say
+    prefill: PrefillSpec = field(default_factory=PrefillSpec)
     version: int = PLAN_VERSION
 
     def point_for(self, budget_bytes: float) -> OperatingPoint | None:
@@ -200,7 +204,8 @@ class Plan:
         } | ({"neuron": self.neuron.to_json()} if self.neuron.name != "off" else {}) \
           | ({"operating_points": [p.to_json() for p in self.operating_points]} if self.operating_points else {}) \
           | ({"forms": dict(self.forms)} if self.forms else {}) \
-          | ({"read_depth": self.read_depth} if self.read_depth else {})
+          | ({"read_depth": self.read_depth} if self.read_depth else {}) \
+          | ({"prefill": self.prefill.to_json()} if self.prefill != PrefillSpec() else {})
 
     @classmethod
     def from_json(cls, raw) -> Plan:
@@ -214,7 +219,7 @@ class Plan:
             raise bad(f"expected an object, got {type(raw).__name__}")
         known = {"version", "num_layers", "num_experts", "expert_precision", "pools", "layer_capacity",
                  "eviction", "predictors", "routing", "miss", "default_budget", "operating_points", "neuron", "forms",
-                 "read_depth"}
+                 "read_depth", "prefill"}
         if unknown := sorted(set(raw) - known):
             raise bad(f"unknown keys {unknown}")
         if raw.get("version") != PLAN_VERSION or type(raw.get("version")) is not int:
@@ -274,7 +279,8 @@ class Plan:
                    PolicySpec.from_json(raw.get("routing"), "routing"),
                    PolicySpec.from_json(raw.get("miss"), "miss"),
                    PolicySpec.from_json(raw.get("neuron", {"name": "off"}), "neuron"), budget, tuple(points),
-                   forms=tuple(sorted(forms.items())), read_depth=depth)
+                   forms=tuple(sorted(forms.items())), read_depth=depth,
+                   prefill=parse_prefill(raw.get("prefill", {}), bad, PRECISIONS, FORM_NAMES))
         try:  # the eviction policy's name and parameters, bounds included (``loader.policies``: torch-free)
             policy_factory(plan.eviction.name, plan.eviction.params)
         except PolicyError as e:

@@ -166,6 +166,7 @@ class LoadedModel:
     _seconds: float = 0.0
     _started: list = field(default_factory=list)
     _threads_before: int | None = None  # torch's threads before ``load(threads=...)`` changed them
+    last_prefill: object = None  # the last ``prefill()``'s ``loader.prefill.PrefillResult``
 
     @property
     def cache(self) -> ExpertCache:
@@ -229,7 +230,17 @@ class LoadedModel:
             # decode steps: MoE layer calls and the seconds in them, in expert compute, waiting for reads, and
             # the rest (the loader's own overhead)
             "decode_timing": rt.counters.timing.to_json(),
+            # prompt chunks (forwards of more than one token): their MoE layer steps, reads and prefill forms; and
+            # the last ``prefill()``: time to the first token's logits, tokens/s, chunks
+            "prefill_timing": rt.counters.prefill.to_json(),
+            "prefill": self.last_prefill.to_json() if self.last_prefill is not None else None,
         }
+
+    def prefill(self, ids, chunk: int | None = None, all_logits: bool = False):
+        """Run a prompt in chunks (``loader.prefill.prefill``): its logits, KV cache and time to first token."""
+        from loader.prefill import prefill
+
+        return prefill(self, ids, chunk, all_logits)
 
     def close(self) -> None:
         self.runtime.close()
@@ -439,6 +450,10 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
                                "record_bytes": {p: s.record_bytes for p, s in stores.items()},
                                "slot_bytes": engine.slot_bytes, "eviction": plan.eviction.name,
                                "staging_bytes": sizes.staging_bytes,
+                               # one prompt chunk's activations and the prefill forms' buffers (loader/prefill.py)
+                               "prefill_form_bytes": sizes.prefill_form_bytes,
+                               "prefill_forms": {p: {"form": f.name, "from_tokens": n}
+                                                 for p, (f, n) in engine.prefill_forms.items()},
                                "expert_dtype": {p: f.name for p, f in engine.forms.items()},
                                "cache_slots": {name: a.count for name, a in engine.arenas.items()},
                                "operating_point": (point.budget_bytes if (point := plan.point_for(caps.limit_bytes)) else None)}

@@ -24,15 +24,17 @@ loader's own overhead. Shapes: see the legend in ``loader/__init__.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from loader.budget import form_slot_bytes
 from loader.cache import ExpertCache, MemoryMeter, PoolConfig
 from loader.codec import NeuronLayout
 from loader.format import expert_key
-from loader.forms import RecordForm, median_seconds
+from loader.forms import RecordForm, choose_form, median_seconds
 from loader.layer import Held, Mixer, renormalized
 from loader.neuron import NeuronRecordForm, NeuronStep
 from loader.policies import policy_factory
@@ -73,12 +75,32 @@ class DecodeTiming:
 
 
 @dataclass
+class PrefillTiming:
+    """Over forwards of more than one token (prompt chunks): forwards, tokens, the MoE layer steps' seconds and
+    stall, the expert reads, the most times one expert was read in one layer step (1: each read once per chunk),
+    and the experts computed in a prefill form (``loader/prefill.py``)."""
+
+    forwards: int = 0
+    tokens: int = 0
+    layer_steps: int = 0
+    step_seconds: float = 0.0
+    stall_seconds: float = 0.0
+    reads: int = 0
+    most_reads_per_layer_step: int = 0
+    prefill_form_computes: int = 0
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
 class Counters:
     decodes: int = 0  # forms made (on reader threads) plus records decoded per use (the record form, packed)
     make_seconds: float = 0.0
     cpu_computed: int = 0
     prefetch_saved_seconds: float = 0.0  # read time of used prefetches a demand did not wait for
     timing: DecodeTiming = field(default_factory=DecodeTiming)
+    prefill: PrefillTiming = field(default_factory=PrefillTiming)
 
 
 class ExpertEngine:
@@ -119,6 +141,20 @@ class ExpertEngine:
         if self.staging is not None:
             self.meter.add(self.staging.count * self.staging.slot_bytes)  # held for the whole run
         self.reader = Reader(workers, device, self.staging, self.link)
+        # a prompt's chunks: the budget's reserve for their activations and the largest chunk it fits at the
+        # reserve's context (``loader.budget.capacities``); None: activations not counted, the plan's chunk
+        self.activation_shape = layout.sizes.activation
+        self.prefill_chunk = layout.capacities.prefill_chunk or plan.prefill.chunk
+        self.activation_reserve = layout.capacities.prefill_bytes if self.activation_shape is not None else None
+        # precision -> (prefill form, from tokens): only for a store whose held form is made from a staged record
+        self.prefill_forms = {p: (choose_form(f.form, layouts[p], device), f.from_tokens) for p, f in plan.prefill.forms
+                              if p in self.forms and self.forms[p].staged and f.form != self.forms[p].name}
+        self.prefill_buffers = SlotArena(top_k, max(form_slot_bytes(layouts[p].nbytes, f)
+                                                    for p, (f, _) in self.prefill_forms.items()), device) \
+            if self.prefill_forms else None
+        self._multi = False  # the forward running is a prompt chunk (more than one token, or one of ``prefill``'s)
+        self.prefilling = False  # ``loader.prefill.prefill`` is running: its one-token chunks are prompt chunks too
+        self._step_reads: dict = {}  # expert -> reads in the layer step running (a prompt chunk's)
         if cleanup is not None:
             cleanup.callback(self.reader.close)
         self.miss_policy = miss_policy
@@ -178,7 +214,13 @@ class ExpertEngine:
         held = entry.payload = Held(arena.take())
         held.job = ReadJob(self.stores[entry.precision], self.key(entry.layer, entry.expert), arena, held.slot,
                            priority, form=self.forms[entry.precision])
+        self._note_read(entry.expert)
         return self.reader.submit(held.job)
+
+    def _note_read(self, expert: int) -> None:
+        """A prompt chunk's layer step reads ``expert`` (counted: each expert once per layer step)."""
+        if self._multi:
+            self._step_reads[expert] = self._step_reads.get(expert, 0) + 1
 
     def take_buffer(self) -> int:
         slot = self.buffers.take()
@@ -273,12 +315,20 @@ class ExpertEngine:
         """hidden [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H]."""
         start = time.perf_counter()
         self._stalled = self._computed = self._synced = 0.0
+        self._step_reads = {}
         tokens = hidden.shape[0]
         if self.neuron is not None and self.neuron.applies(tokens):
             out = self.neuron.run_layer(layer, module, hidden, top_k_index, top_k_weights)
         else:
             out = self._whole_layer(layer, module, hidden, top_k_index, top_k_weights)
-        if tokens == 1:
+        if self._multi:
+            p = self.counters.prefill
+            p.layer_steps += 1
+            p.step_seconds += time.perf_counter() - start
+            p.stall_seconds += self._stalled
+            p.reads += sum(self._step_reads.values())
+            p.most_reads_per_layer_step = max(p.most_reads_per_layer_step, max(self._step_reads.values(), default=0))
+        if tokens == 1 and not self._multi:
             t = self.counters.timing
             t.layer_steps += 1
             t.step_seconds += time.perf_counter() - start
@@ -303,8 +353,19 @@ class ExpertEngine:
                 ready.append(d)
         reads = []  # (decision, entry or None, buffer slot or None, job)
         unbuffered = []  # misses the cache could not admit, waiting for a read buffer
+        in_form = self._prefill_misses(queue, rows) if self._multi and self.prefill_forms else []
 
         def submit() -> None:
+            while in_form and self.prefill_buffers.free:  # read once into a prefill buffer, in the prefill form
+                d = in_form.pop(0)
+                form = self.prefill_forms[d.precision][0]
+                slot = self.prefill_buffers.take()
+                self.meter.add(self.prefill_buffers.slot_bytes)
+                self.cache.count_read(layer, self.read_bytes[d.precision])
+                self._note_read(d.expert)
+                job = self.reader.submit(ReadJob(self.stores[d.precision], self.key(layer, d.expert),
+                                                 self.prefill_buffers, slot, DEMAND, form=form))
+                reads.append((d, None, -1 - slot, job))
             while queue:
                 d = queue.pop(0)
                 entry = self.schedule.admit(layer, d.expert, d.precision, self.slot_bytes[d.precision],
@@ -316,6 +377,7 @@ class ExpertEngine:
             while unbuffered and self.buffers.free:
                 d = unbuffered.pop(0)
                 slot = self.take_buffer()
+                self._note_read(d.expert)
                 job = self.reader.submit(ReadJob(self.stores[d.precision], self.key(layer, d.expert), self.buffers,
                                                  slot, DEMAND, form=self.forms[d.precision]))
                 reads.append((d, None, slot, job))
@@ -345,19 +407,41 @@ class ExpertEngine:
             else:
                 self.await_job(layer, job)
                 weights = job.weights
-            self.compute(module, d, weights, mix)
-            if slot is not None:
-                self.give_buffer(slot)
+            if slot is not None and slot < 0:  # a prefill buffer (``-1 - slot``), in its prefill form
+                self.compute(module, d, weights, mix, self.prefill_forms[d.precision][0])
+                self.counters.prefill.prefill_form_computes += 1
+                self.prefill_buffers.give(-1 - slot)
+                self.meter.sub(self.prefill_buffers.slot_bytes)
+                self._mark_compute()
+            else:
+                self.compute(module, d, weights, mix)
+                if slot is not None:
+                    self.give_buffer(slot)
             submit()
         self.finish_layer(layer)
         if self.neuron is not None:
             self.neuron.advance()
         return out
 
-    def compute(self, module, d, weights, mix: Mixer) -> None:
-        """Add expert ``d.expert``'s weighted output for its tokens, from its form's ``weights``."""
+    def _prefill_misses(self, queue: list, rows: list) -> list:
+        """The misses of a prompt chunk to read in their precision's prefill form (taken out of ``queue``): those
+        whose tokens in this chunk reach the form's ``from_tokens``. Not admitted to the cache: read, used for the
+        chunk, dropped."""
+        given: dict = {}
+        for row in rows:
+            for e in row:
+                given[e] = given.get(e, 0) + 1
+        chosen = [d for d in queue if d.precision in self.prefill_forms
+                  and given.get(d.expert, 0) >= self.prefill_forms[d.precision][1]]
+        for d in chosen:
+            queue.remove(d)
+        return chosen
+
+    def compute(self, module, d, weights, mix: Mixer, form=None) -> None:
+        """Add expert ``d.expert``'s weighted output for its tokens, from ``weights`` in ``form`` (its held form
+        unless given)."""
         start = time.perf_counter()
-        form = self.forms[d.precision]
+        form = form if form is not None else self.forms[d.precision]
         if isinstance(form, RecordForm) and form.packed:
             self.counters.decodes += 1  # the record form of a quantized store decodes on every use
         tokens, x, w = mix.inputs(d.expert)
@@ -412,8 +496,8 @@ class ExpertEngine:
             self.neuron.predict_held()
 
     def after_router(self, layer: int, router_input, indices) -> None:
-        if not self.schedule.prefetching:  # the gate closed: the predictors' own time is saved too
-            return
+        if not self.schedule.prefetching or self._multi:  # the gate closed (the predictors' own time is saved too),
+            return  # or a prompt chunk, whose layers read what they need once each: nothing to guess ahead
         self.schedule.routed(layer, indices.flatten().tolist())  # chosen now: no prefetch may evict them
         for predictor in self.predictors:
             self.prefetch(predictor.after_router(layer, router_input, indices))
@@ -429,6 +513,10 @@ class ExpertEngine:
         """A model forward of ``tokens`` new tokens after ``past_length`` cached ones; 0 = a new sequence. With
         ``threads`` set (``load(threads="auto")`` on a CPU), a decode step runs on the first count of torch threads
         and a longer forward on the second: see ``loader.runtime.compute_threads``."""
+        self._multi = tokens > 1 or self.prefilling
+        if self._multi:
+            self.counters.prefill.forwards += 1
+            self.counters.prefill.tokens += tokens
         if self.threads is not None:
             want = self.threads[0] if tokens <= 1 else self.threads[1]
             if torch.get_num_threads() != want:

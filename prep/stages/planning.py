@@ -20,7 +20,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loader.budget import Capacities, ModelSizes, buffer_bytes, capacities, layout_forms, record_slot_bytes
+from loader.budget import (
+    Capacities,
+    ModelSizes,
+    buffer_bytes,
+    capacities,
+    layout_forms,
+    prefill_form_bytes,
+    record_slot_bytes,
+    shape_for,
+)
 from loader.codec import RecordLayout
 from loader.plan import Plan
 from loader.predict import make_predictor
@@ -213,8 +222,9 @@ def model_sizes(model, adapter, read_bytes: dict, layouts: dict | None = None, d
     """The budget arithmetic's sizes before the artifact exists: the dense tensors' bytes, the source experts'
     bytes, and per store precision the slot a cached expert takes. With ``layouts`` (precision -> the store's
     ``RecordLayout``): the loader's sizes on ``device`` (``loader.budget.layout_forms``: the held form it will
-    choose, with the plan's low copies fitted to its slots; the read and staging buffers); without, each
-    ``read_bytes`` record in the record form (its O_DIRECT stride)."""
+    choose, with the plan's low copies fitted to its slots; the read and staging buffers; the prefill forms' buffers
+    and the model's activation shape, a prompt chunk's activations counting too); without, each ``read_bytes`` record in the record
+    form (its O_DIRECT stride)."""
 
     params, experts = expert_parameters(model, adapter)
     dense = sum(t.numel() * t.element_size() for t in dense_state(model, params).values())
@@ -222,8 +232,11 @@ def model_sizes(model, adapter, read_bytes: dict, layouts: dict | None = None, d
     shape = (len(adapter.moe_layers), adapter.num_experts, adapter.top_k, dense, source)
     if layouts is None:
         return ModelSizes(*shape, {p: record_slot_bytes(b) for p, b in read_bytes.items()})
-    _, slots, staging = layout_forms(layouts, plan, device, expert_dtype)
-    return ModelSizes(*shape, slots, dict(slots), staging)
+    forms, slots, staging = layout_forms(layouts, plan, device, expert_dtype)
+    activations = shape_for(model.config.to_dict(), next(iter(layouts.values())), adapter.top_k, model.dtype.itemsize)
+    form_buffers = prefill_form_bytes(plan or Plan.default(shape[0], shape[1], next(iter(layouts))), layouts, forms,
+                                      adapter.top_k, device)
+    return ModelSizes(*shape, slots, dict(slots), staging, form_buffers, activations)
 
 
 def shipped_layout(layout: RecordLayout, device: str) -> RecordLayout:
