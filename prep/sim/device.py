@@ -98,6 +98,12 @@ class DeviceProfile:
         """The reads in flight that measured best (``read_depths``), None in profiles measured before depths."""
         return self.extra.get("read_depth")
 
+    @property
+    def prefill_seconds(self) -> dict:
+        """{precision: {form: {"make_s": seconds, "tokens": {count: seconds}}}} (``measure_prefill``; empty in
+        profiles measured before prefill forms)."""
+        return self.extra.get("prefill_seconds_per_expert") or {}
+
     def read_seconds(self, nbytes: int) -> float:
         return self.read_latency + nbytes / self.read_bandwidth
 
@@ -118,9 +124,12 @@ class DeviceProfile:
         as decode's matrix-vector products do (the profile's own expert shape is recorded in it)."""
         shape = self.extra.get("expert_shape", {"hidden": MIXTRAL_SHAPE[0], "intermediate": MIXTRAL_SHAPE[1]})
         factor = weights_per_expert / (3 * shape["hidden"] * shape["intermediate"])
+        prefill = {p: {f: {"make_s": m["make_s"] * factor, "tokens": {t: s * factor for t, s in m["tokens"].items()}}
+                       for f, m in forms.items()} for p, forms in self.prefill_seconds.items()}
         return DeviceProfile(self.read_bandwidth, self.read_latency,
                              {p: s * factor for p, s in self.compute_seconds.items()}, self.device,
-                             self.extra | {"scaled_to_weights_per_expert": weights_per_expert},
+                             self.extra | {"scaled_to_weights_per_expert": weights_per_expert}
+                             | ({"prefill_seconds_per_expert": prefill} if prefill else {}),
                              {p: s * factor for p, s in self.make_seconds.items()}, dict(self.calibration))
 
     def to_json(self) -> dict:
@@ -415,6 +424,64 @@ def measure_compute(expert_shape: tuple[int, int] = MIXTRAL_SHAPE, scale: int = 
     return dict(sorted(seconds.items())), {p: s * factor for p, s in sorted(make.items())}
 
 
+PREFILL_TOKENS = (1, 16, 64, 256)  # tokens of one expert in a prompt chunk, where the prefill forms are timed
+PREFILL_FORMS = ("float32", "bfloat16")  # forms a prefill may make from a quantized record besides its held form
+
+
+def measure_prefill(expert_shape: tuple[int, int] = MIXTRAL_SHAPE, scale: int = 4, repeats: int = 3,
+                    device: str = "cpu", group_size: int = 64, tokens: tuple = PREFILL_TOKENS) -> dict:
+    """Per quantized precision and form (its held form on ``device`` and ``PREFILL_FORMS``): the seconds to make the
+    form from a record (``make_s``) and to compute ``tokens`` tokens through one expert of ``expert_shape``
+    (``tokens``: {count: seconds}), timed on (H/scale, I/scale) and scaled by the weight count as
+    ``measure_compute`` is. What the planner compares to choose a prefill form (``plan.prefill.forms``)."""
+    import torch
+
+    hidden, inter = expert_shape[0] // scale, expert_shape[1] // scale
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(1)
+    module = _GatedExperts()
+    shapes = {"gate_up_proj": (2 * inter, hidden), "down_proj": (hidden, inter)}
+    factor = scale * scale
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - start)
+        return min(times) * factor
+
+    out: dict = {}
+    with torch.no_grad():
+        for precision in BITS:
+            layout = RecordLayout(tuple(MatrixSpec(n, sh, precision, "bfloat16", group_size) for n, sh in shapes.items()))
+            record = torch.randint(0, 256, (layout.nbytes,), dtype=torch.uint8, generator=gen)
+            for _name, dtype, offset, size in layout.parts():
+                if dtype == "float16":
+                    record[offset:offset + size] = torch.rand(size // 2, generator=gen).half().view(torch.uint8)
+            kernel = layout.in_kernel_layout() if dev.type == "cpu" else None
+            if kernel is not None:
+                record, layout = layout.to_kernel(kernel, record), kernel
+            record = record.to(dev)
+            held = choose_form("auto", layout, dev)
+            forms = {held.name: held} | {n: choose_form(n, layout, dev) for n in PREFILL_FORMS if n != held.name}
+            out[precision] = {}
+            for name, form in forms.items():
+                region = torch.empty(max(1, form.nbytes), dtype=torch.uint8, device=dev)
+                make = timed(lambda f=form, r=record, g=region: f.make(r, g)) if form.staged else 0.0
+                weights = form.make(record, region) if form.staged else form.make(record)
+                dtype = torch.float32 if name == "float32" else torch.bfloat16
+                seconds = {}
+                for t in tokens:
+                    x = torch.randn(t, hidden, generator=gen).to(dev, dtype)
+                    seconds[str(t)] = timed(lambda f=form, w=weights, x=x: f.forward(module, w, x))
+                out[precision][name] = {"make_s": make, "tokens": seconds}
+    return out
+
+
 def measure_device(directory: str | Path | None = None, file_bytes: int = 256 << 20,
                    expert_shape: tuple[int, int] = MIXTRAL_SHAPE, device: str = "cpu",
                    record_bytes: int = RECORD_BYTES) -> DeviceProfile:
@@ -426,10 +493,12 @@ def measure_device(directory: str | Path | None = None, file_bytes: int = 256 <<
         raise MoeprepError("--device cuda was asked for but CUDA is not available; use --device cpu")
     reads = measure_reads(directory, file_bytes, record_bytes=record_bytes)
     compute, make = measure_compute(expert_shape, device=device)
+    prefill = measure_prefill(expert_shape, device=device)
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else (platform.processor() or platform.machine())
     extra = {k: v for k, v in reads.items() if not k.startswith("read_bandwidth") and k != "read_latency_s"}
     extra |= {"expert_shape": {"hidden": expert_shape[0], "intermediate": expert_shape[1]},
               "compute_device": device, "torch_threads": torch.get_num_threads(),
+              "prefill_seconds_per_expert": prefill,
               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     return DeviceProfile(reads["read_bandwidth_bytes_per_s"], reads["read_latency_s"], compute,
                          f"{device}: {name}", extra, make)

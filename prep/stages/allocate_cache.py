@@ -35,9 +35,9 @@ from loader.plan import OperatingPoint, Plan, Pool
 from prep.errors import MoeprepError
 from prep.methods.allocation import allocate, closed_form_curve
 from prep.stages import Stage, StageResult
-from prep.stages.planning import PlanSection, draft_from_inputs
+from prep.stages.planning import PlanSection, draft_from_inputs, with_prefill
 
-VERSION = 6  # 6: equal modelled seconds go to fewer bytes read (a budget left empty where reads hid behind compute); 3: slots in the held form's size (the loader's), the sizes kept in the result; 4: kernel-layout int4 on a CPU; 5: prefetches gated
+VERSION = 7  # 7: prefill forms chosen on the device profile, the prefill reserve in the sizes; 6: equal modelled seconds go to fewer bytes read (a budget left empty where reads hid behind compute); 3: slots in the held form's size (the loader's), the sizes kept in the result; 4: kernel-layout int4 on a CPU; 5: prefetches gated
 GLOBAL_GRID = 9  # measured points of a global pool's curve
 
 
@@ -55,6 +55,7 @@ class CacheAllocation(StageResult):
     sizes: dict  # the ``ModelSizes`` the allocation was solved with (slots in the held forms' sizes)
     read_depth: int | None = None  # the device profile's best reads in flight (None: no profile, or one without)
     tiebreak: list | None = None  # [C][t] demand bytes per token above full, between equal costs (measured curves)
+    prefill: dict | None = None  # the prefill values chosen on the device profile (``planning.prefill_choice``)
 
     def apply(self, plan: Plan, context) -> Plan:
         """``plan`` with its own pools allocated for its default budget and the operating points. The default
@@ -72,7 +73,7 @@ class CacheAllocation(StageResult):
             own = raw[min(raw)]
         points = tuple(OperatingPoint(b, pools(raw[b])) for b in sorted(raw))
         return dataclasses.replace(plan, pools=pools(own), operating_points=points,
-                                   read_depth=self.read_depth or plan.read_depth)
+                                   read_depth=self.read_depth or plan.read_depth, prefill=with_prefill(plan, self.prefill))
 
 
 def solve(plan: Plan, sizes: ModelSizes, cells: list[dict], curves: list, budget: float,
@@ -269,7 +270,8 @@ def allocate_plan(draft, cfg: PlanSection, gating=None, prediction=None, progres
     return CacheAllocation(cost=cfg.allocate.cost, unit=draft.unit, cells=cells, curves=curves, tiebreak=tiebreak,
                            points=points,
                            inputs=inputs, tolerance=cfg.tolerance, sizes=dataclasses.asdict(draft.sizes),
-                           read_depth=draft.profile.read_depth if draft.profile is not None else None)
+                           read_depth=draft.profile.read_depth if draft.profile is not None else None,
+                           prefill=draft.prefill)
 
 
 def _run(inputs) -> CacheAllocation:

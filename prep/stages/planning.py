@@ -33,6 +33,8 @@ from loader.budget import (
 from loader.codec import RecordLayout
 from loader.plan import Plan
 from loader.predict import make_predictor
+from loader.prefill import PrefillForm, PrefillSpec, parse_prefill
+from loader.vocab import FORM_NAMES, PRECISIONS
 from prep.adapters.model_state import dense_state, expert_parameters
 from prep.errors import MoeprepError
 from prep.sim.device import load_profile
@@ -176,6 +178,7 @@ class Draft:
     feed: object | None  # prep.sim.simulate.PredictionFeed (None: no predictor in the plan)
     profile: object | None  # prep.sim.device.DeviceProfile scaled to this model's experts, or None
     shipped_expert_bytes: int  # the slot bytes of every expert at its planned precision
+    prefill: dict | None = None  # the plan's prefill values chosen on the device profile (``prefill_choice``)
 
     @property
     def unit(self) -> str:
@@ -287,8 +290,49 @@ def draft_from_inputs(inputs, profile_path: str | None) -> Draft:
             bias = getattr(router, "bias", None)
             routers.append((router.weight.detach().float(), bias.detach().float() if bias is not None else None))
         feed = trace_feed(path, routers, predictor_tensors(predict[0], [p.name for p in plan.predictors]))
+    prefill = None
     if profile is not None:
         itemsize = next(model.parameters()).element_size()
         weights = sizes.source_expert_bytes / itemsize / (sizes.num_layers * sizes.num_experts)
         profile = profile.scaled_to(weights)
-    return Draft(plan, sizes, read_bytes, replay, feed, profile, shipped)
+        held, _, _ = layout_forms(layouts, plan, device)
+        prefill = prefill_choice(profile, {p: f.name for p, f in held.items() if f.staged}).to_json()
+    return Draft(plan, sizes, read_bytes, replay, feed, profile, shipped, prefill)
+
+
+def with_prefill(plan: Plan, chosen: dict | None) -> PrefillSpec:
+    """The plan's prefill values with a stage's choice (``Draft.prefill``; None: the plan's own)."""
+    if chosen is None:
+        return plan.prefill
+    return parse_prefill(chosen, lambda what: MoeprepError(f"a stage's prefill choice: {what}; run the stage again"),
+                         PRECISIONS, FORM_NAMES)
+
+
+def prefill_choice(profile, held: dict) -> PrefillSpec:
+    """The plan's prefill values from the device profile (``measure_prefill``): per precision whose held form
+    (``held``: precision -> form name, forms made on a reader thread) the profile timed, the other form that costs
+    least (made once from the record plus its product) from the smallest timed token count at which it, and at
+    every larger count, costs less than the held form; none where no form wins. The chunk and context stay the
+    defaults (the budget sizes the chunk)."""
+    chosen = []
+    for precision, held_name in sorted(held.items()):
+        timed = profile.prefill_seconds.get(precision, {})
+        if held_name not in timed:
+            continue
+        base = timed[held_name]
+        best = None
+        for name, other in sorted(timed.items()):
+            if name == held_name:
+                continue
+            counts = sorted(int(t) for t in other["tokens"] if t in base["tokens"])
+            start = None
+            for t in reversed(counts):  # the smallest count from which the form wins at every larger one
+                if other["make_s"] + other["tokens"][str(t)] < base["make_s"] + base["tokens"][str(t)]:
+                    start = t
+                else:
+                    break
+            if start is not None and (best is None or start < best.from_tokens):
+                best = PrefillForm(name, start)
+        if best is not None:
+            chosen.append((precision, best))
+    return PrefillSpec(forms=tuple(chosen))

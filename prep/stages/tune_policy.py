@@ -52,10 +52,10 @@ from prep.errors import MoeprepError
 from prep.executor import Unit
 from prep.stages import Stage, StageResult
 from prep.stages.allocate_cache import score_plan
-from prep.stages.planning import AllocateKnobs, PlanSection, TuneKnobs, draft_from_inputs
+from prep.stages.planning import AllocateKnobs, PlanSection, TuneKnobs, draft_from_inputs, with_prefill
 from prep.stages.trace import RoutingTraces
 
-VERSION = 6  # 3: the predictor set is searched; 4: no low pool share; 5: a CPU target reads kernel-layout int4; 6: the simulator gates prefetches as the loader does
+VERSION = 7  # 7: prefill forms chosen on the device profile, the prefill reserve in the sizes; 3: the predictor set is searched; 4: no low pool share; 5: a CPU target reads kernel-layout int4; 6: the simulator gates prefetches as the loader does
 STUDY = "tune_policy"
 JOURNAL = "study.journal"
 DRAFT, DRAFT_TENSORS = "draft.json", "draft.safetensors"  # what the worker units rebuild the draft from
@@ -80,6 +80,7 @@ class TunedPolicy(StageResult):
     points: list  # the allocation's operating points scored with the chosen policy (none without allocation)
     predictors: list | None = None  # the predictor names kept (None: the plan's, not searched)
     read_depth: int | None = None  # the device profile's best reads in flight (None: no profile, or one without)
+    prefill: dict | None = None  # the prefill values chosen on the device profile (``planning.prefill_choice``)
 
     def apply(self, plan: Plan, context=None) -> Plan:
         """The tuned eviction policy (and group, next_gates depth, predictor subset) on ``plan``."""
@@ -93,7 +94,8 @@ class TunedPolicy(StageResult):
                            if self.predictors is None or p.name in self.predictors)
         return dataclasses.replace(plan, pools=pools, operating_points=points, predictors=predictors,
                                    eviction=PolicySpec(self.eviction["name"], dict(self.eviction["params"])),
-                                   read_depth=self.read_depth or plan.read_depth)
+                                   read_depth=self.read_depth or plan.read_depth,
+                                   prefill=with_prefill(plan, self.prefill))
 
 
 def _finite(value: float) -> float | None:
@@ -262,7 +264,8 @@ def tune(draft, cfg: PlanSection, work: Path, allocation=None, progress: bool = 
     kept = _predictor_set(tuned, plan, score, objective_values) if draft.profile is not None else None
     tuned = dataclasses.replace(tuned, chosen=chosen, objective={k: _finite(v) for k, v in objective_values.items()},
                                 trials=[[t.number, t.params, _finite(t.value)] for t in finished], predictors=kept,
-                                read_depth=draft.profile.read_depth if draft.profile is not None else None)
+                                read_depth=draft.profile.read_depth if draft.profile is not None else None,
+                                prefill=draft.prefill)
     if allocation is None:
         return tuned
 
@@ -285,7 +288,7 @@ def save_draft(draft, trace: Path, work: Path) -> None:
     from safetensors.torch import save_file
 
     raw = {"plan": draft.plan.to_json(), "sizes": dataclasses.asdict(draft.sizes), "read_bytes": draft.read_bytes,
-           "shipped_expert_bytes": draft.shipped_expert_bytes,
+           "shipped_expert_bytes": draft.shipped_expert_bytes, "prefill": draft.prefill,
            "trace": os.path.relpath(Path(trace).resolve(), Path(work).resolve()),
            "profile": draft.profile.to_json() if draft.profile is not None else None,
            "routers": len(draft.feed.routers) if draft.feed is not None else None}
@@ -324,7 +327,7 @@ def load_draft(work: Path):
                                                   if name.startswith("predictors.")})
     profile = DeviceProfile.from_json(raw["profile"]) if raw["profile"] is not None else None
     return Draft(Plan.from_json(raw["plan"]), ModelSizes(**raw["sizes"]), raw["read_bytes"],
-                 load_replay(trace), feed, profile, raw["shipped_expert_bytes"])
+                 load_replay(trace), feed, profile, raw["shipped_expert_bytes"], raw.get("prefill"))
 
 
 def _plan_section(raw: dict) -> PlanSection:
