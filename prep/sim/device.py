@@ -154,12 +154,12 @@ class DeviceProfile:
         if not (isinstance(make, dict) and all(isinstance(k, str) and _number(v) and v >= 0 for k, v in make.items())):
             raise MoeprepError(f"{where}: make_seconds_per_expert must be {{precision: seconds >= 0}}; {fix}")
         calibration = raw.get("calibration", {})
-        seconds = ("layer_overhead_s", "token_overhead_s")
+        seconds = ("layer_overhead_s", "token_overhead_s", "prefill_token_overhead_s")
         if not (isinstance(calibration, dict) and set(calibration) <= {"overlap", *seconds}
                 and isinstance(calibration.get("overlap", False), bool)
                 and all(_number(calibration.get(k, 0.0)) and calibration.get(k, 0.0) >= 0 for k in seconds)):
             raise MoeprepError(f"{where}: calibration must be {{overlap: bool, layer_overhead_s: seconds >= 0, "
-                               f"token_overhead_s: seconds >= 0}}; {fix}")
+                               f"token_overhead_s: seconds >= 0, prefill_token_overhead_s: seconds >= 0}}; {fix}")
         depths, depth = raw.get("read_depths"), raw.get("read_depth")
         if (depths is None) != (depth is None) or depths is not None and not (
                 isinstance(depths, dict) and depths
