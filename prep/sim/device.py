@@ -429,11 +429,14 @@ PREFILL_FORMS = ("float32", "bfloat16")  # forms a prefill may make from a quant
 
 
 def measure_prefill(expert_shape: tuple[int, int] = MIXTRAL_SHAPE, scale: int = 4, repeats: int = 3,
-                    device: str = "cpu", group_size: int = 64, tokens: tuple = PREFILL_TOKENS) -> dict:
+                    device: str = "cpu", group_size: int = 64, tokens: tuple = PREFILL_TOKENS,
+                    source_dtype: str = "bfloat16") -> dict:
     """Per quantized precision and form (its held form on ``device`` and ``PREFILL_FORMS``): the seconds to make the
     form from a record (``make_s``) and to compute ``tokens`` tokens through one expert of ``expert_shape``
     (``tokens``: {count: seconds}), timed on (H/scale, I/scale) and scaled by the weight count as
-    ``measure_compute`` is. What the planner compares to choose a prefill form (``plan.prefill.forms``)."""
+    ``measure_compute`` is. What the planner compares to choose a prefill form (``plan.prefill.forms``), and the
+    simulator's prefill compute. Plain records ("float32", "bfloat16"; "passthrough" in ``source_dtype``, the source
+    model's) are timed in their one form, the record."""
     import torch
 
     hidden, inter = expert_shape[0] // scale, expert_shape[1] // scale
@@ -456,6 +459,15 @@ def measure_prefill(expert_shape: tuple[int, int] = MIXTRAL_SHAPE, scale: int = 
 
     out: dict = {}
     with torch.no_grad():
+        for dtype_name in ("float32", "bfloat16"):
+            dtype = getattr(torch, dtype_name)
+            weights = {n: torch.randn(sh, generator=gen).to(dev, dtype) for n, sh in shapes.items()}
+            seconds = {}
+            for t in tokens:
+                x = torch.randn(t, hidden, generator=gen).to(dev, dtype)
+                seconds[str(t)] = timed(lambda w=weights, x=x: matrices_forward(module, w, x))
+            out[dtype_name] = {"record": {"make_s": 0.0, "tokens": seconds}}
+        out["passthrough"] = out[source_dtype]
         for precision in BITS:
             layout = RecordLayout(tuple(MatrixSpec(n, sh, precision, "bfloat16", group_size) for n, sh in shapes.items()))
             record = torch.randint(0, 256, (layout.nbytes,), dtype=torch.uint8, generator=gen)
