@@ -158,22 +158,27 @@ def operating_points_markdown(report: dict) -> str:
              "(with its tuned policy); the next three columns share the plan's default policy (per-layer LRU): "
              "the DP allocation, the same plan without an allocation (pools by expert bytes, layers equal; "
              "refused where a group would hold less than one record) and the paper's closed-form DP.", "",
-             "| budget | share of experts | records per cell | modelled tokens/s | miss rate | cost | DP, default policy | "
-             "without allocation | closed form | accuracy delta |",
-             "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "Modelled prefill: a prompt of the calibration traces in the budget's chunks (prep/sim/prefill.py), "
+             "its tokens/s and time to first token.", "",
+             "| budget | share of experts | records per cell | modelled tokens/s | modelled prefill | miss rate | cost | "
+             "DP, default policy | without allocation | closed form | accuracy delta |",
+             "| ---: | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
 
     def cost(entry):
         return f"{entry['cost']:.4g}" if entry and "cost" in entry else "refused"
 
     for p in report["operating_points"]:
         tps = f"{p['modeled_tokens_per_s']:.1f}" if p.get("modeled_tokens_per_s") else "-"
+        pre = p.get("modeled_prefill")
+        pre = (f"{pre['tokens']} tokens: {pre['tokens_per_second']:.1f} tok/s, first token {pre['seconds']:.3g} s"
+               if pre else "-")
         miss = f"{p['miss_rate']:.3f}" if p.get("miss_rate") is not None else "-"
         delta, tests = p.get("accuracy_delta"), p.get("accuracy_test") or {}
         acc = ", ".join(f"{s} {d * 100:+.1f} pt" + (f" (p {tests[s]['mcnemar_p']:.2g})" if s in tests else "")
                         for s, d in delta.items()) if delta else "not measured"
         if p.get("within_tolerance") is not None:
             acc += " (within tolerance)" if p["within_tolerance"] else " (**beyond tolerance**)"
-        lines.append(f"| {p['budget_bytes'] / 2**20:.2f} MiB | {p['share']:.0%} | {p['slots']} | {tps} | {miss} | "
+        lines.append(f"| {p['budget_bytes'] / 2**20:.2f} MiB | {p['share']:.0%} | {p['slots']} | {tps} | {pre} | {miss} | "
                      f"{cost(p)} | {cost(p.get('allocated_default_policy'))} | {cost(p['uniform'])} | "
                      f"{cost(p['closed_form'])} | {acc} |")
     tuned = planning.get("tune_policy")

@@ -227,13 +227,16 @@ def pools_of(plan: Plan, cells: list[dict], slots) -> list[dict]:
 def score_plan(draft, plan: Plan, budget: int, sequences) -> dict | None:
     """Cost, demand misses and reads per token, modelled tokens/s of ``plan`` at ``budget`` (None: refused)."""
     try:
-        result = draft.simulate(plan, draft.capacities(plan, budget), sequences)
+        caps = draft.capacities(plan, budget)
+        result = draft.simulate(plan, caps, sequences)
     except MoeError as e:
         return {"refused": str(e)}
     cost = draft.cost(result)
+    prefill = draft.modeled_prefill(plan, caps)  # a prompt of the calibration traces, in the budget's chunks
     return {"cost": cost, "misses_per_token": result.misses / result.tokens, "miss_rate": result.miss_rate,
             "demand_bytes_per_token": sum(r.demand_bytes for r in result.layers) / result.tokens,
-            "modeled_tokens_per_s": (1 / cost if draft.profile is not None and cost > 0 else None)}
+            "modeled_tokens_per_s": (1 / cost if draft.profile is not None and cost > 0 else None),
+            "modeled_prefill": prefill.to_json() if prefill is not None else None}
 
 
 def allocate_plan(draft, cfg: PlanSection, gating=None, prediction=None, progress: bool = True) -> CacheAllocation:

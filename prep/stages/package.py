@@ -276,6 +276,7 @@ def operating_points(allocation, tuned=None) -> list:
         allocated = rescored.get(point["budget_bytes"], point["allocated"])
         out.append({"budget_bytes": point["budget_bytes"], "share": point["share"], "slots": point["slots"],
                     "modeled_tokens_per_s": allocated.get("modeled_tokens_per_s"),
+                    "modeled_prefill": allocated.get("modeled_prefill"),
                     "cost": allocated.get("cost"), "miss_rate": allocated.get("miss_rate"),
                     "demand_bytes_per_token": allocated.get("demand_bytes_per_token"),
                     "allocated_default_policy": point["allocated"], "uniform": point["uniform"],

@@ -45,6 +45,7 @@ from prep.stages.predict import predictor_tensors
 from prep.stages.trace import RoutingTraces
 
 ALLOCATION_COSTS = ("measured", "closed_form")
+REPORT_PROMPT = 512  # tokens of the prompt whose prefill the operating points model
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,16 @@ class Draft:
     def budget_for_share(self, share: float) -> int:
         """The budget in bytes whose expert part holds ``share`` of the shipped experts' slots."""
         return int(self.sizes.dense_bytes + buffer_bytes(self.plan, self.sizes) + share * self.shipped_expert_bytes)
+
+    def modeled_prefill(self, plan: Plan, caps: Capacities, tokens: int = REPORT_PROMPT):
+        """The modelled prefill (``prep.sim.prefill``) of a ``tokens``-token prompt of the calibration traces in the
+        budget's chunks, with the plan's prefill forms (None without a profile)."""
+        if self.profile is None:
+            return None
+        from prep.sim.prefill import plan_prefill
+
+        spec = capacities_spec(plan, caps, self.read_bytes, self.sizes.record_bytes)
+        return plan_prefill(self.replay, plan, spec, self.profile, tokens, caps.prefill_chunk or plan.prefill.chunk)
 
     def simulate(self, plan: Plan, caps: Capacities, sequences: slice | None = None):
         """Replay (a slice of) the calibration traces through the cache ``plan`` builds with ``caps``."""
