@@ -307,7 +307,10 @@ def draft_from_inputs(inputs, profile_path: str | None) -> Draft:
         weights = sizes.source_expert_bytes / itemsize / (sizes.num_layers * sizes.num_experts)
         profile = profile.scaled_to(weights)
         held, _, _ = layout_forms(layouts, plan, device)
-        prefill = prefill_choice(profile, {p: f.name for p, f in held.items() if f.staged}).to_json()
+        forms = prefill_choice(profile, {p: f.name for p, f in held.items() if f.staged})
+        chunk = prefill_chunk(profile, {p: f.name for p, f in held.items() if p in planned},
+                              {p: read_bytes[p] for p in planned}, adapter.top_k, adapter.num_experts)
+        prefill = dataclasses.replace(forms, chunk=chunk).to_json()
     return Draft(plan, sizes, read_bytes, replay, feed, profile, shipped, prefill)
 
 
@@ -317,6 +320,23 @@ def with_prefill(plan: Plan, chosen: dict | None) -> PrefillSpec:
         return plan.prefill
     return parse_prefill(chosen, lambda what: MoeprepError(f"a stage's prefill choice: {what}; run the stage again"),
                          PRECISIONS, FORM_NAMES)
+
+
+CHUNK_CHOICES = (16, 32, 64, 128, 256, 512, 1024, 2048)  # the prefill chunks the planner considers
+
+
+def prefill_chunk(profile, held: dict, read_bytes: dict, top_k: int, num_experts: int) -> int:
+    """The plan's prefill chunk: the smallest of ``CHUNK_CHOICES`` at which an expert's compute for its share of the
+    chunk (chunk x K / E tokens, in its held form: ``prep.sim.prefill.expert_seconds``) takes at least its record's
+    read, for every planned precision: there a layer step stops waiting for the disk, so a larger chunk would only
+    take more memory. The largest choice where none does (the budget cuts it to what it can hold)."""
+    from prep.sim.prefill import expert_seconds
+
+    for chunk in CHUNK_CHOICES:
+        tokens = max(1, chunk * top_k // num_experts)
+        if all(expert_seconds(profile, p, form, tokens) >= profile.read_seconds(read_bytes[p]) for p, form in held.items()):
+            return chunk
+    return CHUNK_CHOICES[-1]
 
 
 def prefill_choice(profile, held: dict) -> PrefillSpec:

@@ -62,3 +62,15 @@ def test_a_profile_scaled_to_a_model_scales_its_prefill_timings():
     scaled = profile.scaled_to(2 * 3 * 10 * 10)
     assert scaled.prefill_seconds["int4"]["int4pack"]["tokens"]["64"] == 80.0
     assert prefill_choice(scaled, {"int4": "int4pack"}) == PrefillSpec()
+
+
+def test_the_chunk_is_the_smallest_whose_compute_covers_a_read():
+    from prep.stages.planning import CHUNK_CHOICES, prefill_chunk
+
+    timed = {"int4": {"int4pack": _form(0.0, {1: 1e-3, 16: 8e-3, 64: 30e-3, 256: 120e-3})}}
+    profile = DeviceProfile(1e8, 0.0, {"int4": 1e-3}, extra={"prefill_seconds_per_expert": timed})
+    # a 2 MB record reads in 20 ms; with K/E = 1/4 a chunk of 64 gives an expert 16 tokens (8 ms), 128 -> 32 tokens
+    # (8 + 22 * 16/48 = 15.3 ms), 256 -> 64 tokens (30 ms): the first to cover the read
+    assert prefill_chunk(profile, {"int4": "int4pack"}, {"int4": 2_000_000}, 2, 8) == 256
+    assert prefill_chunk(profile, {"int4": "int4pack"}, {"int4": 10_000}, 2, 8) == CHUNK_CHOICES[0]
+    assert prefill_chunk(profile, {"int4": "int4pack"}, {"int4": 10**12}, 2, 8) == CHUNK_CHOICES[-1]
