@@ -522,11 +522,32 @@ def bench_command(subject, budgets, repeats, quick, device, store, only, output,
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (a single run, or {'runs': [...]}).")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False),
               help="Write miss rate against capacity (one line per policy, Belady the floor) to this PNG.")
+@click.option("--prefill", "prefill_tokens", default=None, type=int,
+              help="Model a prompt of this many tokens of the trace instead (the loader's chunked prefill, "
+                   "prep/sim/prefill.py): needs --plan ARTIFACT and --profile.")
 def simulate_command(trace, plan, budget, policy, capacity, group, params, record_bytes, profile, warm, predictors,
-                     cpu_misses, as_json, plot):
+                     cpu_misses, as_json, plot, prefill_tokens):
     """Replay a routing trace through the loader's expert cache and report hits, misses, bytes and seconds."""
     from prep.sim.report import format_result, format_sweep, plot_sweep
     from prep.sim.simulate import parse_params, simulate_trace
+
+    if prefill_tokens is not None:
+        from prep.sim.prefill import artifact_prefill
+
+        model = artifact_prefill(trace, plan, budget, profile, prefill_tokens)
+        if as_json:
+            click.echo(json.dumps(model.to_json(), indent=2))
+        else:
+            click.echo(f"prefill of {model.tokens} tokens in {model.chunks} chunk(s): {model.seconds:.3f} s to the first "
+                       f"token, {model.tokens_per_second:.1f} tokens/s; {model.reads} reads ({model.read_bytes:,} B, "
+                       f"{model.read_seconds:.3f} s), expert compute {model.compute_seconds:.3f} s, overhead "
+                       f"{model.layer_overhead_seconds + model.token_overhead_seconds:.3f} s")
+            from prep.sim.device import load_profile
+
+            if not load_profile(profile).prefill_seconds:
+                click.echo("note: the profile has no prefill timings, so each expert's compute is counted as that many "
+                           "decode steps (an upper bound); measure it again with `moeprep profile-device`")
+        return
 
     groups = ("layer", "global") if group == "both" else (group,)
     replay, runs = simulate_trace(trace, plan, budget, policy, capacity, groups, parse_params(params), record_bytes,

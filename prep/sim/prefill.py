@@ -168,3 +168,31 @@ def plan_prefill(replay: Replay, plan: Plan, spec: CacheSpec, profile: DevicePro
     """``simulate_prefill`` for ``plan`` with the prompt cut into chunks of ``chunk`` tokens (the budget's)."""
     chunks = [min(chunk, tokens - start) for start in range(0, tokens, chunk)]
     return simulate_prefill(replay, spec, profile, tokens, chunks, plan.prefill, held_forms)
+
+
+def artifact_prefill(trace, artifact, budget, profile_path, tokens: int) -> PrefillModel:
+    """``moeprep simulate --prefill``: a ``tokens``-token prompt of ``trace`` on the cache and in the chunks that
+    ``load(artifact, memory_budget=budget)`` builds (``loader.budget.cache_layout``), with the plan's prefill forms
+    and the held forms it chooses, timed with the profile at ``profile_path``."""
+    from loader.budget import cache_layout
+    from prep.sim.device import load_profile
+    from prep.sim.replay import load_replay
+    from prep.sim.simulate import capacities_spec
+
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= 1 << 20:
+        raise MoeprepError(f"--prefill {tokens!r}: give the prompt's tokens, from 1 to {1 << 20}")
+    if artifact is None or profile_path is None:
+        raise MoeprepError("--prefill models a prompt on an artifact's cache with a device profile: pass --plan ARTIFACT "
+                           "and --profile device.json (moeprep profile-device)")
+    layout = cache_layout(artifact, budget)
+    spec = capacities_spec(layout.plan, layout.capacities, layout.record_bytes, layout.slot_bytes)
+    profile = load_profile(profile_path)
+    shape = layout.sizes.activation
+    chunk = layout.capacities.prefill_chunk or layout.plan.prefill.chunk
+    if shape is not None:
+        from loader.prefill import chunk_sizes
+
+        chunks = chunk_sizes(shape, layout.capacities.prefill_bytes, chunk, tokens)
+    else:
+        chunks = [min(chunk, tokens - start) for start in range(0, tokens, chunk)]
+    return simulate_prefill(load_replay(trace), spec, profile, tokens, chunks, layout.plan.prefill, layout.forms)

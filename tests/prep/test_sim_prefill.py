@@ -101,3 +101,26 @@ def test_a_calibrated_profile_models_the_all_held_prefill_it_was_fitted_on():
     assert again.seconds == pytest.approx(warm.seconds + 2.0)
     with pytest.raises(Exception, match="add up"):
         simulate_prefill(replay, spec, profile, 40, [16, 16])
+
+
+def test_simulate_prefill_on_the_command_line_needs_an_artifact_and_a_profile(tmp_path_factory, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from prep.cli import main
+    from prep.sim.device import write_profile
+
+    _, artifact = tiny_artifact(tmp_path_factory, "mixtral", "passthrough")
+    traces = sorted(p.parent for p in artifact.parent.glob("**/trace-*/trace/index.json"))
+    assert traces, f"the tiny preparation under {artifact.parent} kept no trace stage"
+    write_profile(_profile(), tmp_path / "device.json")
+    runner = CliRunner()
+    refused = runner.invoke(main, ["simulate", "--trace", str(traces[0]), "--prefill", "64"])
+    assert refused.exit_code == 1 and "--plan ARTIFACT and --profile" in refused.output
+    out = runner.invoke(main, ["simulate", "--trace", str(traces[0]), "--plan", str(artifact), "--profile",
+                               str(tmp_path / "device.json"), "--budget", str(minimum_budget(artifact) + 3 * 4096),
+                               "--prefill", "64", "--json"])
+    assert out.exit_code == 0, out.output
+    model = json.loads(out.output)
+    assert model["tokens"] == 64 and model["reads"] > 0 and model["tokens_per_second"] > 0
