@@ -496,8 +496,8 @@ class ExpertEngine:
             self.neuron.predict_held()
 
     def after_router(self, layer: int, router_input, indices) -> None:
-        if not self.schedule.prefetching or self._multi:  # the gate closed (the predictors' own time is saved too),
-            return  # or a prompt chunk, whose layers read what they need once each: nothing to guess ahead
+        if not self.schedule.prefetching:  # the gate closed: the predictors' own time is saved too
+            return
         self.schedule.routed(layer, indices.flatten().tolist())  # chosen now: no prefetch may evict them
         for predictor in self.predictors:
             self.prefetch(predictor.after_router(layer, router_input, indices))

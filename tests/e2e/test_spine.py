@@ -3,6 +3,7 @@ records under a budget. Each hook is driven by a toy implementation that proves 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import threading
@@ -12,8 +13,9 @@ import torch
 from xxhash import xxh3_64_intdigest
 
 from loader.format import sha256_file, write_manifest
-from loader.plan import Plan, Pool
+from loader.plan import Plan, Pool, read_plan
 from loader.predict import Predictor, PrefetchRequest
+from loader.prefill import PrefillSpec
 from loader.routing import SKIP, MissPolicy, RoutingPolicy
 from loader.runtime import load, minimum_budget
 from loader.store import DEMAND, PREFETCH, Reader, ReadJob, SlotArena
@@ -286,7 +288,11 @@ def test_an_oracle_prefetch_turns_misses_into_hits_without_double_reads(tmp_path
     weights = torch.full((steps, n_layers, 2), 0.5)
     replay = ReplayRouting(ids, weights)
     predictor = _NextLayerOracle(lambda layer: ids[replay.cursor[layer], layer].tolist())
-    loaded = load(artifact, memory_budget=minimum_budget(artifact) + 2 * 8192, predictors=[predictor], routing=replay)
+    # decode only: the budget keeps the smallest prefill reserve (one-token chunks), so the 2 records above the
+    # minimum go to the cache
+    plan = dataclasses.replace(read_plan(artifact), prefill=PrefillSpec(chunk=1))
+    loaded = load(artifact, memory_budget=minimum_budget(artifact, plan=plan) + 2 * 8192, predictors=[predictor],
+                  routing=replay, plan=plan)
     tokens = torch.randint(4, 60, (1, steps), generator=gen)
     with torch.no_grad():
         out = loaded.model(input_ids=tokens[:, :1], use_cache=True)
