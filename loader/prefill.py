@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from loader.errors import BudgetError
 
-DEFAULT_CHUNK = 256  # tokens per prefill chunk where the plan does not say
+DEFAULT_CHUNK = 512  # tokens per prefill chunk where the plan does not say (the budget may cut it)
 DEFAULT_CONTEXT = 2048  # the context a chunk's reserve is sized for where the plan does not say
 SCORE_BYTES = 4  # attention scores, float32
 SCORE_BLOCK = 512  # keys per block of torch's fused CPU attention (its scores never span the whole context)
