@@ -338,7 +338,10 @@ def prefill_section(report: dict) -> list[str]:
              "rows): tokens / max(the compute floor, the bytes its chunks read / the disk's read bandwidth "
              f"{_num(bandwidth / 1e6 if bandwidth else None, '.0f')} MB/s), the floor being `moeprep@unlimited`'s "
              "TTFT (every expert held). Memory: peak RSS during the prompt less the process's RSS before the "
-             "model was loaded (llama.cpp: its cgroup's peak during the prompt), against the budget.", ""]
+             "model was loaded (llama.cpp: its cgroup's peak during the prompt), against the budget."
+             + (" Load average (1, 5, 15 min) before the prefill rows: {}, after: {}.".format(
+                 *(", ".join(f"{x:.2f}" for x in prefill["load_average"][k]) for k in ("before", "after")))
+                if prefill.get("load_average") else ""), ""]
     rows = prefill["rows"]
     for subject in dict.fromkeys(r["subject"] for r in rows):
         lines += [f"### {subject}", "",

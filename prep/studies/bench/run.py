@@ -750,6 +750,7 @@ def _prefill_rows(subjects: list[Subject], budgets: list[str], prompts: list[int
                   bandwidth: dict, echo) -> dict:
     """The prefill rows (``prefill.run_prefill``) measured with the bench's workers, each moeprep row's bound against
     the disk's read bandwidth measured at the start of the run, each row's memory against its budget."""
+    load_before = os.getloadavg()  # the machine may be shared: its load beside the figures
     bar = tqdm(desc="bench prefill", unit="run")
 
     def progress(message: str) -> None:
@@ -771,7 +772,8 @@ def _prefill_rows(subjects: list[Subject], budgets: list[str], prompts: list[int
     bandwidth_bytes = bandwidth["mb_s"] * 1e6 if bandwidth.get("mb_s") else None
     add_bounds(out["rows"], bandwidth_bytes)
     add_memory_verdicts(out["rows"])
-    return out | {"read_bandwidth_bytes_per_s": bandwidth_bytes}
+    return out | {"read_bandwidth_bytes_per_s": bandwidth_bytes,
+                  "load_average": {"before": load_before, "after": os.getloadavg()}}
 
 
 def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = False, device: str = "cpu",

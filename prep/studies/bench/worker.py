@@ -313,7 +313,7 @@ def measure_llama_prefill(spec: dict) -> dict:
     drop_page_cache([gguf])
     prompt = spec["prompt_ids"]
     started = time.perf_counter()
-    llm = open_model(gguf, context=max(512, len(prompt)))
+    llm = open_model(gguf, context=max(512, len(prompt) + 1))
     load_seconds = time.perf_counter() - started
     load_peak = cgroup_peak(cgroup)
     reset = reset_cgroup_peak(cgroup)
