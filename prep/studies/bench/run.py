@@ -52,6 +52,9 @@ A budget ``p%`` is what the loader makes of it (``loader.runtime.budget_bytes``:
 the source model's expert bytes, read buffers included); accelerate gets the same number of bytes as
 ``max_memory``. Each measurement runs in its own
 process (``prep/studies/bench/worker.py``) so peak RSS is per system and memory is handed back between systems.
+
+``--prefill 512,2048`` adds prefill rows after the decode rows (time to first token and prompt tokens/s, moeprep's
+bound; ``prep/studies/bench/prefill.py``), ``--no-decode`` leaves the decode rows out.
 """
 
 from __future__ import annotations
