@@ -36,6 +36,10 @@ from prep.errors import MoeprepError
 from prep.studies.bench.subjects import Subject, prefill_prompt, tiled_replay
 
 PREFILL_SUBJECTS = ("mixtral-shape", "mixtral-shape-own")
+# transformers' experts implementations a prompt cannot run: batched_mm gathers each token's experts' weights (T x K
+# copies of an expert: 17 GB for a 512-token prompt of mixtral-shape in float32), fine for one decode token
+UNFIT_FOR_PROMPTS = {"batched_mm": "it copies every token's experts' weights (T x K copies of an expert; 17 GB for "
+                                   "512 tokens of mixtral-shape in float32)"}
 PREFILL_BUDGETS = "100%,25%,4bit-25%"  # what the prefill rows run where --budgets is not given (issue 43)
 FLOOR = "moeprep@unlimited"
 LLAMA = "llama.cpp"

@@ -90,6 +90,7 @@ from prep.studies.bench.llama import QUANT, logit_check, prepare_gguf
 from prep.studies.bench.llama import missing as llama_missing
 from prep.studies.bench.prefill import (
     PREFILL_BUDGETS,
+    UNFIT_FOR_PROMPTS,
     add_bounds,
     add_memory_verdicts,
     parse_prompts,
@@ -764,14 +765,18 @@ def _prefill_rows(subjects: list[Subject], budgets: list[str], prompts: list[int
         subj = next(s for s in subjects if s.name == spec["subject"])
         return _measure_system(spec, work, (subj.facts.get("llama_cpp") or {}).get("file"))
 
+    fit = [c for c in candidates if c[1] not in UNFIT_FOR_PROMPTS]
+
     def resident_for(spec: dict) -> dict:
-        return measure_resident_candidates(spec, candidates, 0, work, on_run=lambda _entry: bar.update(),
+        return measure_resident_candidates(spec, fit, 0, work, on_run=lambda _entry: bar.update(),
                                            speed="prefill_tokens_per_s")
 
     out = run_prefill(subjects, budgets, prompts, repeats, work, traces,
                       lambda subj, system, budget: spec_for(subj, system, budget, 1), run_one,
-                      resident_for if candidates else lambda _spec: None, chosen_systems, echo, progress)
+                      resident_for if fit else lambda _spec: None, chosen_systems, echo, progress)
     bar.close()
+    out["notes"] += [f"prefill rows: resident is not chosen among experts implementation {impl}: {why}"
+                     for impl, why in UNFIT_FOR_PROMPTS.items() if any(c[1] == impl for c in candidates)]
     bandwidth_bytes = bandwidth["mb_s"] * 1e6 if bandwidth.get("mb_s") else None
     add_bounds(out["rows"], bandwidth_bytes)
     add_memory_verdicts(out["rows"])
