@@ -92,7 +92,7 @@ def test_prefill_goals_say_met_or_why_not():
     assert "at 25% (mixtral-shape-own): moeprep >= 0.8 of its bound: not measured" in text
     assert "moeprep <= llama.cpp Q4: MET, 10 s against 12 s" in text
     assert "moeprep <= 1.2x resident: MET, 10 s against 9 s = 1.11x" in text
-    assert "memory within the budget during prefill: NOT MET, 2 of 3 rows (over: mixtral-shape-own 2048 llama.cpp" in text
+    assert "moeprep's memory within the budget during prefill: MET, 2 of 2 rows" in text
     assert prefill_goals({"prefill": None}) == []
 
 
@@ -149,7 +149,8 @@ def test_the_bench_measures_prefill_rows_of_every_system(tmp_path, one_resident_
     assert saved["prefill"]["rows"] == json.loads(json.dumps(prefill["rows"]))
     md = (tmp_path / "bench.md").read_text()
     assert "## Prefill" in md and "### mixtral-shape" in md and "| 300 | 4bit-25% | moeprep |" in md
-    assert "Decode rows not run" in md and "memory within the budget during prefill" in md
+    assert "Decode rows not run" in md and "moeprep's memory within the budget during prefill" in md
+    assert all(r["kv_cache_bytes"] == 2 * 4 * 300 * 1 * 32 * 4 for r in prefill["rows"])  # the quick shape
 
 
 @pytest.mark.slow
@@ -164,3 +165,48 @@ def test_llama_cpp_evaluates_the_prompt_in_its_cgroup(tmp_path, one_resident_can
     assert row["ttft_s"] > 0 and row["chunks"] == 1 and row["cgroup_peak_is_prefill"]
     assert 0 < row["prefill_memory_bytes"] <= row["cgroup_limit_bytes"]
     assert not list(llama.CGROUP_ROOT.glob("moeprep-bench-*"))  # the cgroup went with the run
+
+
+def test_prefill_rows_choose_resident_by_prompt_speed_without_batched_mm(tmp_path, monkeypatch):
+    """The orchestration with a stand-in worker: resident's candidates are timed on the shortest prompt and the
+    fastest by prompt tokens/s runs every prompt; batched_mm (every token's experts' weights copied) is not a
+    candidate; every configuration once per round; the budget-free rows repeated at each budget."""
+    monkeypatch.setattr(bench_run, "CUDA_RESIDENT_DTYPES", ())
+    calls = []
+    speed = {("float32", "eager"): 50.0, ("float32", "grouped_mm"): 70.0, ("bfloat16", "eager"): 90.0,
+             ("bfloat16", "grouped_mm"): 60.0}
+
+    def fake_worker(spec: dict, work) -> dict:
+        calls.append(spec)
+        assert spec["mode"] == "prefill" and spec["decode_ids"] == []
+        tokens = len(spec["prompt_ids"])
+        key = (spec.get("dtype"), spec.get("experts_implementation"))
+        rate = speed.get(key, 40.0) if spec["system"] == "resident" else {"moeprep@unlimited": 100.0}.get(
+            spec["system"], 20.0)
+        out = {"prefill_tokens": tokens, "ttft_s": tokens / rate, "prefill_tokens_per_s": rate, "chunks": 1,
+               "largest_chunk": tokens, "peak_rss_mb": 1.0, "prefill_memory_bytes": 10,
+               "budget_bytes": spec["budget_bytes"]}
+        if spec["system"].startswith("moeprep"):
+            out |= {"bytes_read": 0}
+        return out
+
+    monkeypatch.setattr(bench_run, "_run_worker", fake_worker)
+    report = bench_run.run_bench("mixtral-shape", "25%,4bit-25%", quick=True, output=tmp_path,
+                                 traces=tmp_path / "no-traces", echo=lambda m: None, prefill="64,32", decode=False,
+                                 repeats=2)
+    candidates = [c for c in calls if c["tag"].endswith(f"-{c.get('dtype')}-{c.get('experts_implementation')}")]
+    assert {(c["dtype"], c["experts_implementation"]) for c in candidates} == set(speed)  # no batched_mm
+    assert {len(c["prompt_ids"]) for c in candidates} == {32}  # timed on the shortest prompt
+    prefill = report["prefill"]
+    assert prefill["resident"]["mixtral-shape"]["chosen"] == {"dtype": "bfloat16", "experts_implementation": "eager",
+                                                              "prefill_tokens_per_s": 90.0}
+    rows = [c for c in calls if c not in candidates]
+    assert all((c["dtype"], c["experts_implementation"]) == ("bfloat16", "eager") for c in rows
+               if c["system"] == "resident")
+    per_round = len(rows) // 2
+    assert [(c["system"], c["budget"], len(c["prompt_ids"])) for c in rows[:per_round]] == \
+        [(c["system"], c["budget"], len(c["prompt_ids"])) for c in rows[per_round:]]
+    assert len(prefill["rows"]) == 2 * 2 * 5  # prompts x budgets x (resident, floor, accelerate, naive, moeprep)
+    moeprep = [r for r in prefill["rows"] if r["system"] == "moeprep"]
+    assert all(r["fraction_of_bound"] == pytest.approx(0.2) and r["repeats"] == 2 for r in moeprep)
+    assert any("batched_mm" in note for note in report["notes"])

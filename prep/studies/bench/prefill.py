@@ -118,6 +118,13 @@ def add_memory_verdicts(rows: list[dict]) -> None:
         r["within_budget"] = None if free or memory is None or r.get("error") else memory <= r["budget_bytes"]
 
 
+def kv_cache_bytes(shape: dict, tokens: int) -> int:
+    """The KV cache of ``tokens`` tokens of a mixtral-shape model (keys and values of every layer, in its dtype):
+    memory a prompt needs that the loader's budget does not count, stated beside each row's memory."""
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[shape["dtype"]]
+    return 2 * shape["num_hidden_layers"] * tokens * shape["num_key_value_heads"] * shape["head_dim"] * dtype_bytes
+
+
 def run_prefill(subjects: list[Subject], budgets: list[str], prompts: list[int], repeats: int, work: Path,
                 traces: Path | None, spec_for, run_worker, choose_resident, chosen_systems: set | None,
                 echo=print, progress=None) -> dict:
@@ -172,11 +179,13 @@ def run_prefill(subjects: list[Subject], budgets: list[str], prompts: list[int],
                         echo(f"{subj.name} prefill {tokens} {system} {budget}: FAILED {result['error']}")
                     measured.setdefault((subj.name, tokens, system, budget), []).append(result)
     rows = []
+    shapes = {s.name: s.facts["shape"] for s in usable}
     for (name, tokens, system, budget), runs in measured.items():
         row = summarize_prefill(runs)
         once = system in ("resident", FLOOR)
         for b in (budgets if once else [budget]):
             rows.append({"subject": name, "prompt_tokens": tokens, "system": system, "budget": b} | row
+                        | {"kv_cache_bytes": kv_cache_bytes(shapes[name], tokens)}
                         | ({"measured_once": True} if once else {}))
     return {"prompts": prompts, "budgets": budgets, "rows": rows, "raw": ran, "resident": residents,
             "notes": notes}

@@ -155,10 +155,13 @@ def prefill_goals(report: dict) -> list[str]:
             lines.append(f"{what}: " + (f"{'MET' if ours <= 1.2 * theirs else 'NOT MET'}, {ours:.3g} s against "
                                         f"{theirs:.3g} s = {ours / theirs:.2f}x" if ours and theirs else
                                         "not measured (needs the 100% budget and resident)"))
-    judged = [r for r in prefill["rows"] if r.get("within_budget") is not None]
-    over = [f"{r['subject']} {r['prompt_tokens']} {r['system']} {r['budget']}" for r in judged if not r["within_budget"]]
-    lines.append(f"memory within the budget during prefill: {'MET' if judged and not over else 'NOT MET'}, "
-                 f"{len(judged) - len(over)} of {len(judged)} rows" + (f" (over: {', '.join(over)})" if over else ""))
+    judged = [r for r in prefill["rows"] if r["system"] == "moeprep" and r.get("within_budget") is not None]
+    over = [f"{r['subject']} {r['prompt_tokens']} {r['budget']}: {r['prefill_memory_bytes'] / 1e6:.0f} MB against "
+            f"{r['budget_bytes'] / 1e6:.0f} MB" + (f", {r['kv_cache_bytes'] / 1e6:.0f} MB of it the KV cache"
+                                                   if r.get("kv_cache_bytes") else "")
+            for r in judged if not r["within_budget"]]
+    lines.append(f"moeprep's memory within the budget during prefill: {'MET' if judged and not over else 'NOT MET'}, "
+                 f"{len(judged) - len(over)} of {len(judged)} rows" + (f" (over: {'; '.join(over)})" if over else ""))
     return lines
 
 
@@ -347,7 +350,7 @@ def prefill_section(report: dict) -> list[str]:
         lines += [f"### {subject}", "",
                   "| prompt | budget | system | TTFT s | prompt tok/s | vs resident | chunks x largest | MB read "
                   "| most reads of an expert per layer step | bound tok/s (bound by) | of bound | peak RSS MB "
-                  "| prompt memory MB | budget MB | within budget |",
+                  "| prompt memory MB (KV cache) | budget MB | within budget |",
                   "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
         for tokens in prefill["prompts"]:
             resident = _prefill_row(report, subject, tokens, "resident", prefill["budgets"][0]).get("prefill_tokens_per_s")
@@ -372,7 +375,9 @@ def prefill_section(report: dict) -> list[str]:
                         f"{_num(mb / 1e6 if mb is not None else None, '.0f')} | {_num(most, 'd')} | "
                         + (f"{bound:.3g} ({r['bound_by']}) | " if bound else "- | ")
                         + f"{_num(r.get('fraction_of_bound'), '.2f')} | {r['peak_rss_mb']:.0f} | "
-                        f"{_num(r['prefill_memory_bytes'] / 1e6 if r.get('prefill_memory_bytes') else None, '.0f')} | "
+                        f"{_num(r['prefill_memory_bytes'] / 1e6 if r.get('prefill_memory_bytes') else None, '.0f')}"
+                        + (f" ({r['kv_cache_bytes'] / 1e6:.0f}) | " if r.get("kv_cache_bytes") else " | ")
+                        +
                         f"{'-' if r.get('measured_once') else _num(r['budget_bytes'] / 1e6, '.0f')} | "
                         f"{ {True: 'yes', False: 'NO', None: '-'}[r.get('within_budget')] } |")
         lines.append("")
