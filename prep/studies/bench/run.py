@@ -750,8 +750,8 @@ def _write_atomic(path: Path, data: str | bytes) -> None:
 
 
 def _prefill_rows(subjects: list[Subject], budgets: list[str], prompts: list[int], repeats: int, work: Path,
-                  traces: Path | None, spec_for, candidates: list, sizes: Sizes, chosen_systems: set | None,
-                  bandwidth: dict, echo) -> dict:
+                  traces: Path | None, spec_for, candidates: list, chosen_systems: set | None, bandwidth: dict,
+                  echo) -> dict:
     """The prefill rows (``prefill.run_prefill``) measured with the bench's workers, each moeprep row's bound against
     the disk's read bandwidth measured at the start of the run, each row's memory against its budget."""
     load_before = os.getloadavg()  # the machine may be shared: its load beside the figures
@@ -925,13 +925,11 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
         runs = {name: [(x, b) for x, b in r if x.split("@", 1)[0] in chosen_systems] for name, r in runs.items()}
         if "resident" not in chosen_systems:
             candidates = []
-    if not decode:
-        runs, decode_candidates = {s.name: [] for s in subjects}, []
-    else:
-        decode_candidates = candidates
+    if not decode:  # the prefill rows alone
+        runs = {s.name: [] for s in subjects}
     measured: dict = {}  # (subject, system, budget) -> [result of each repeat]
     raw = []
-    bar = tqdm(total=sum(len(r) for r in runs.values()) * repeats + len(decode_candidates) * len(subjects),
+    bar = tqdm(total=sum(len(r) for r in runs.values()) * repeats + (len(candidates) * len(subjects) if decode else 0),
                desc="bench", unit="run")
     for repeat in range(repeats if decode else 0):  # interleaved: every configuration once per round
         for subj in subjects:
@@ -974,7 +972,7 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
     prefill_report = None
     if prompts:
         prefill_report = _prefill_rows(subjects, prefill_budgets, prompts, repeats, work, traces_dir if have_traces
-                                       else None, spec_for, candidates, sizes, chosen_systems, bandwidth, echo)
+                                       else None, spec_for, candidates, chosen_systems, bandwidth, echo)
         notes += prefill_report["notes"]
 
     results = []
