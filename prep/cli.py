@@ -472,20 +472,33 @@ def reference_metrics_command(ref_dir: str) -> None:
               help="Where bench.json, bench.md, bench.png (and the mixtral-shape model) go.")
 @click.option("--traces", default="../shared/data/traces", show_default=True, type=click.Path(),
               help="The real routing traces (holding mixtral-8x7b/gsm8k_routing.jsonl).")
-def bench_command(subject, budgets, repeats, quick, device, store, only, output, traces) -> None:
-    """Decode speed of resident, accelerate offloading, naive offloading and moeprep at each budget."""
+@click.option("--prefill", default=None,
+              help="Comma-separated prompt lengths in tokens (e.g. 512,2048): adds prefill rows (time to first token, "
+                   "prompt tokens/s, moeprep's bound, peak RSS) on mixtral-shape and mixtral-shape-own, at --budgets "
+                   "where given, else 100%,25%,4bit-25%. About 10 minutes per subject for 512,2048 on 2 cores. "
+                   "[default: none]")
+@click.option("--decode/--no-decode", default=True, show_default=True,
+              help="Run the decode rows; --no-decode with --prefill measures the prompts alone.")
+def bench_command(subject, budgets, repeats, quick, device, store, only, output, traces, prefill, decode) -> None:
+    """Decode (and with --prefill, prompt) speed of resident, accelerate offloading, naive offloading and moeprep
+    at each budget."""
     from pathlib import Path
 
     from prep.studies.bench.report import goal_check
     from prep.studies.bench.run import run_bench
 
     report = run_bench(subject, budgets, quick, device, output, traces, echo=lambda m: click.echo(m, err=True),
-                       repeats=repeats, store=store, only=only)
+                       repeats=repeats, store=store, only=only, prefill=prefill, decode=decode)
     for r in report["results"]:
         speed = (f"{r['decode_tokens_per_s']:.3g} tok/s (min {r['decode_tokens_per_s_min']:.3g}, max "
                  f"{r['decode_tokens_per_s_max']:.3g}, {r['repeats']} runs)") if r.get("decode_tokens_per_s") \
             else r.get("error")
         click.echo(f"{r['subject']:24s} {r['budget']:>8s} {r['system']:22s} {speed}")
+    for r in (report.get("prefill") or {}).get("rows", []):
+        speed = (f"ttft {r['ttft_s']:.3g} s, {r['prefill_tokens_per_s']:.3g} tok/s"
+                 + (f", {r['fraction_of_bound']:.2f} of bound" if r.get("fraction_of_bound") else "")
+                 if r.get("prefill_tokens_per_s") else r.get("error"))
+        click.echo(f"{r['subject']:24s} {r['budget']:>8s} prefill {r['prompt_tokens']:<6d} {r['system']:22s} {speed}")
     for line in goal_check(report):
         click.echo(f"goal: {line}")
     out = Path(output)

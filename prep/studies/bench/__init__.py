@@ -2,5 +2,6 @@
 
 ``run.py`` orchestrates (subjects, budgets, the resident candidates, one worker process per measurement, the
 device profile and the simulator's model of each loader row, the bounds, outputs), ``subjects.py`` builds what
-is measured, ``worker.py`` measures one system, ``report.py`` writes bench.md and bench.png.
+is measured, ``worker.py`` measures one system, ``prefill.py`` the prefill rows (``--prefill``), ``report.py``
+writes bench.md and bench.png.
 """

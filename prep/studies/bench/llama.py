@@ -248,6 +248,15 @@ def cgroup_peak(path: Path) -> int | None:
         return None
 
 
+def reset_cgroup_peak(path: Path) -> bool:
+    """Start the cgroup's peak over from its usage now (v1: write 0 to memory.max_usage_in_bytes); False if refused."""
+    try:
+        (path / "memory.max_usage_in_bytes").write_text("0")
+    except OSError:
+        return False
+    return True
+
+
 def remove_cgroup(path: Path) -> None:
     if path.is_dir():
         try:

@@ -69,6 +69,8 @@ def _runs_saved(report: dict, subject: str, system: str, budget: str):
 def goal_check(report: dict) -> list[str]:
     """The bench's speed goals (moeprep's decode tokens/s against llama.cpp, resident, accelerate and naive),
     each MET / NOT MET with its figures, or why it was not measured."""
+    if report.get("decode") is False:
+        return prefill_goals(report)
     lines = []
 
     def goal(text: str, ours, theirs, factor: float, what: str, unit: str = "tok/s") -> None:
@@ -109,6 +111,57 @@ def goal_check(report: dict) -> list[str]:
         goal(f"lossless mode ({budget}, reference-lossless): moeprep >= 1.25x naive",
              _speed(report, "reference-lossless", "moeprep", budget),
              _speed(report, "reference-lossless", "naive", budget), 1.25, "needs the reference-lossless subject")
+    return lines + prefill_goals(report)
+
+
+def _prefill_row(report: dict, subject: str, tokens: int, system: str, budget: str) -> dict:
+    rows = (report.get("prefill") or {}).get("rows", [])
+    return next((r for r in rows if (r["subject"], r["prompt_tokens"], r["system"], r["budget"]) ==
+                 (subject, tokens, system, budget) and not r.get("error")), {})
+
+
+def prefill_goals(report: dict) -> list[str]:
+    """Issue 43's prefill goals, each MET / NOT MET with its figures, or why it was not measured; none without
+    prefill rows."""
+    prefill = report.get("prefill")
+    if not prefill:
+        return []
+    lines = []
+    subjects = sorted({r["subject"] for r in prefill["rows"]})
+    for subject in subjects:
+        for tokens in prefill["prompts"]:
+            for budget in ("25%", "4bit-25%"):
+                row = _prefill_row(report, subject, tokens, "moeprep", budget)
+                what = f"prefill of {tokens} tokens at {budget} ({subject}): moeprep >= 0.8 of its bound"
+                if row.get("fraction_of_bound") is None:
+                    lines.append(f"{what}: not measured ({row.get('bound_error') or 'no such row'})")
+                    continue
+                verdict = "MET" if row["fraction_of_bound"] >= 0.8 else "NOT MET"
+                lines.append(f"{what}: {verdict}, {row['fraction_of_bound']:.2f} ({row['prefill_tokens_per_s']:.3g} "
+                             f"against {row['bound_tokens_per_s']:.3g} tok/s, bound by {row['bound_by']})")
+    for subject in subjects:
+        for tokens in prefill["prompts"]:
+            ours = _prefill_row(report, subject, tokens, "moeprep", "4bit-25%").get("ttft_s")
+            theirs = _prefill_row(report, subject, tokens, "llama.cpp", "4bit-25%").get("ttft_s")
+            what = f"time to first token at 4bit-25% ({tokens} tokens, {subject}): moeprep <= llama.cpp Q4"
+            if ours and theirs:
+                lines.append(f"{what}: {'MET' if ours <= theirs else 'NOT MET'}, {ours:.3g} s against {theirs:.3g} s "
+                             f"= {ours / theirs:.2f}x")
+            elif subject == "mixtral-shape-own":
+                lines.append(f"{what}: not measured (needs the 4bit-25% budget and the llama.cpp extra)")
+            ours = _prefill_row(report, subject, tokens, "moeprep", "100%").get("ttft_s")
+            theirs = _prefill_row(report, subject, tokens, "resident", "100%").get("ttft_s")
+            what = f"time to first token at 100% ({tokens} tokens, {subject}): moeprep <= 1.2x resident"
+            lines.append(f"{what}: " + (f"{'MET' if ours <= 1.2 * theirs else 'NOT MET'}, {ours:.3g} s against "
+                                        f"{theirs:.3g} s = {ours / theirs:.2f}x" if ours and theirs else
+                                        "not measured (needs the 100% budget and resident)"))
+    judged = [r for r in prefill["rows"] if r["system"] == "moeprep" and r.get("within_budget") is not None]
+    over = [f"{r['subject']} {r['prompt_tokens']} {r['budget']}: {r['prefill_memory_bytes'] / 1e6:.0f} MB against "
+            f"{r['budget_bytes'] / 1e6:.0f} MB" + (f", {r['kv_cache_bytes'] / 1e6:.0f} MB of it the KV cache"
+                                                   if r.get("kv_cache_bytes") else "")
+            for r in judged if not r["within_budget"]]
+    lines.append(f"moeprep's memory within the budget during prefill: {'MET' if judged and not over else 'NOT MET'}, "
+                 f"{len(judged) - len(over)} of {len(judged)} rows" + (f" (over: {'; '.join(over)})" if over else ""))
     return lines
 
 
@@ -169,6 +222,11 @@ def write_markdown(report: dict) -> str:
             f"Accuracy of the artifact against its original (its report): {_accuracy(facts.get('accuracy_delta'))}.",
             *([_llama_line(facts["llama_cpp"]), ""] if facts.get("llama_cpp") else []),
             "",
+        ]
+        if report.get("decode") is False:
+            lines += ["Decode rows not run (`--no-decode`).", ""]
+            continue
+        lines += [
             *resident_table(facts.get("resident")),
             "| budget | system | decode tok/s (median) | min - max (runs) | vs resident | vs accelerate | of bound "
             "| modelled tok/s | modelled / measured | calibrated model / measured | overhead us/layer | prefill s "
@@ -210,6 +268,7 @@ def write_markdown(report: dict) -> str:
         lines += neuron_table(rows, report["budgets"])
         lines += prefetch_table(rows, report["budgets"])
         lines += techniques_table(report, subject)
+    lines += prefill_section(report)
     lines += [
         "## How to read this",
         "",
@@ -264,6 +323,78 @@ def write_markdown(report: dict) -> str:
     ]
     lines += [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
+
+
+PREFILL_ORDER = ("resident", "moeprep@unlimited", "accelerate", "naive", "moeprep", "llama.cpp")
+
+
+def prefill_section(report: dict) -> list[str]:
+    """The prefill rows (``prep/studies/bench/prefill.py``): one table per subject, prompt by prompt."""
+    prefill = report.get("prefill")
+    if not prefill:
+        return []
+    bandwidth = prefill.get("read_bandwidth_bytes_per_s")
+    lines = ["## Prefill", "",
+             f"Prompts of {', '.join(str(t) for t in prefill['prompts'])} tokens, each system loaded fresh in its own "
+             "process and the prompt run once from a cold cache (nothing decoded); rows give the median of "
+             f"{report['repeats']} interleaved rounds. TTFT: seconds to the first token's logits. Bound (moeprep "
+             "rows): tokens / max(the compute floor, the bytes its chunks read / the disk's read bandwidth "
+             f"{_num(bandwidth / 1e6 if bandwidth else None, '.0f')} MB/s), the floor being `moeprep@unlimited`'s "
+             "TTFT (every expert held). Memory: peak RSS during the prompt less the process's RSS before the "
+             "model was loaded (llama.cpp: its cgroup's peak during the prompt), against the budget."
+             + (" Load average (1, 5, 15 min) before the prefill rows: {}, after: {}.".format(
+                 *(", ".join(f"{x:.2f}" for x in prefill["load_average"][k]) for k in ("before", "after")))
+                if prefill.get("load_average") else ""), ""]
+    rows = prefill["rows"]
+    for subject in dict.fromkeys(r["subject"] for r in rows):
+        lines += [f"### {subject}", "",
+                  "| prompt | budget | system | TTFT s | prompt tok/s | vs resident | chunks x largest | MB read "
+                  "| most reads of an expert per layer step | bound tok/s (bound by) | of bound | peak RSS MB "
+                  "| prompt memory MB (KV cache) | budget MB | within budget |",
+                  "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+        for tokens in prefill["prompts"]:
+            resident = _prefill_row(report, subject, tokens, "resident", prefill["budgets"][0]).get("prefill_tokens_per_s")
+            for budget in prefill["budgets"]:
+                at = {r["system"]: r for r in rows
+                      if (r["subject"], r["prompt_tokens"], r["budget"]) == (subject, tokens, budget)}
+                for system in PREFILL_ORDER:
+                    r = at.get(system)
+                    if r is None:
+                        continue
+                    name = f"{system}{' (budget-free)' if r.get('measured_once') else ''}"
+                    if r.get("error"):
+                        lines.append(f"| {tokens} | {budget} | {name} | failed: {_error_message(r['error'])} |"
+                                     + "  |" * 11)
+                        continue
+                    mb = r.get("bytes_read", r.get("disk_read_bytes"))
+                    bound = r.get("bound_tokens_per_s")
+                    most = (r.get("prefill_timing") or {}).get("most_reads_per_layer_step")
+                    lines.append(
+                        f"| {tokens} | {budget} | {name} | {r['ttft_s']:.2f} | {r['prefill_tokens_per_s']:.3g} | "
+                        f"{_ratio(r['prefill_tokens_per_s'], resident)} | {r['chunks']} x {r['largest_chunk']} | "
+                        f"{_num(mb / 1e6 if mb is not None else None, '.0f')} | {_num(most, 'd')} | "
+                        + (f"{bound:.3g} ({r['bound_by']}) | " if bound else "- | ")
+                        + f"{_num(r.get('fraction_of_bound'), '.2f')} | {r['peak_rss_mb']:.0f} | "
+                        f"{_num(r['prefill_memory_bytes'] / 1e6 if r.get('prefill_memory_bytes') else None, '.0f')}"
+                        + (f" ({r['kv_cache_bytes'] / 1e6:.0f}) | " if r.get("kv_cache_bytes") else " | ")
+                        +
+                        f"{'-' if r.get('measured_once') else _num(r['budget_bytes'] / 1e6, '.0f')} | "
+                        f"{ {True: 'yes', False: 'NO', None: '-'}[r.get('within_budget')] } |")
+        lines.append("")
+        candidates = (prefill.get("resident") or {}).get(subject)
+        if candidates and candidates.get("chosen"):
+            chosen = candidates["chosen"]
+            lines += [f"Resident for the prompts: {chosen['dtype']} with experts implementation "
+                      f"{chosen['experts_implementation']}, the fastest of "
+                      f"{sum(1 for c in candidates['candidates'] if not c.get('error'))} candidates on the "
+                      f"{prefill['prompts'][0]}-token prompt.", ""]
+    lines += [
+        "- MB read: the loader's expert bytes read during the prompt; accelerate and llama.cpp: the kernel's count "
+        "of bytes the process fetched from storage (`/proc/self/io`, readahead included). A `most reads` of 1: "
+        "each expert read at most once per layer per chunk.",
+        "- The loader's chunks are the plan's `prefill.chunk` (256 by default) cut to the budget's prefill reserve; "
+        "llama.cpp's are its `n_batch`; resident and accelerate run the prompt as one forward.", ""]
+    return lines
 
 
 def _error_message(error: str) -> str:

@@ -52,6 +52,9 @@ A budget ``p%`` is what the loader makes of it (``loader.runtime.budget_bytes``:
 the source model's expert bytes, read buffers included); accelerate gets the same number of bytes as
 ``max_memory``. Each measurement runs in its own
 process (``prep/studies/bench/worker.py``) so peak RSS is per system and memory is handed back between systems.
+
+``--prefill 512,2048`` adds prefill rows after the decode rows (time to first token and prompt tokens/s, moeprep's
+bound; ``prep/studies/bench/prefill.py``), ``--no-decode`` leaves the decode rows out.
 """
 
 from __future__ import annotations
@@ -85,6 +88,14 @@ from prep.sim.replay import replay_from_routing
 from prep.sim.simulate import PredictionFeed, artifact_spec, simulate
 from prep.studies.bench.llama import QUANT, logit_check, prepare_gguf
 from prep.studies.bench.llama import missing as llama_missing
+from prep.studies.bench.prefill import (
+    PREFILL_BUDGETS,
+    UNFIT_FOR_PROMPTS,
+    add_bounds,
+    add_memory_verdicts,
+    parse_prompts,
+    run_prefill,
+)
 from prep.studies.bench.report import write_markdown, write_plot
 from prep.studies.bench.subjects import (
     TECHNIQUES,
@@ -247,6 +258,27 @@ def _run_worker(spec: dict, work: Path) -> dict:
     return json.loads(lines[-1])
 
 
+def _measure_system(spec: dict, work: Path, gguf: str | None = None) -> dict:
+    """One worker run with what surrounds it: accelerate's offload folder removed before and after, llama.cpp's
+    GGUF (``gguf``) run inside a fresh memory cgroup of the budget + ``CGROUP_HEADROOM``, removed after."""
+    offload = Path(spec["offload_dir"])
+    cgroup = None
+    if spec["system"] == LLAMA:
+        from prep.studies.bench.llama import CGROUP_HEADROOM, make_cgroup
+
+        cgroup = make_cgroup(f"moeprep-bench-{os.getpid()}", spec["budget_bytes"] + CGROUP_HEADROOM)
+        spec = spec | {"gguf": gguf, "cgroup": str(cgroup)}
+    shutil.rmtree(offload, ignore_errors=True)
+    try:
+        return _run_worker(spec, work)
+    finally:
+        shutil.rmtree(offload, ignore_errors=True)
+        if cgroup is not None:
+            from prep.studies.bench.llama import remove_cgroup
+
+            remove_cgroup(cgroup)
+
+
 def summarize(runs: list[dict]) -> dict:
     """One row from the repeats of a configuration: the median run's figures (by decode speed), the median,
     min and max decode speed, and how many repeats succeeded; an error when none did."""
@@ -291,22 +323,23 @@ def _experts_implementations() -> set | None:
     return {"eager", *ALL_EXPERTS_FUNCTIONS.keys()}
 
 
-def choose_resident(candidates: list[dict]) -> dict | None:
-    """The fastest candidate that ran (by decode tokens/s), the only one that did not fail when it was not timed,
-    or None when every one failed."""
+def choose_resident(candidates: list[dict], speed: str = "decode_tokens_per_s") -> dict | None:
+    """The fastest candidate that ran (by ``speed``: decode tokens/s, or prompt tokens/s for the prefill rows), the
+    only one that did not fail when it was not timed, or None when every one failed."""
     ok = [c for c in candidates if not c.get("error")]
-    timed = [c for c in ok if c.get("decode_tokens_per_s")]
+    timed = [c for c in ok if c.get(speed)]
     if timed:
-        return max(timed, key=lambda c: c["decode_tokens_per_s"])
+        return max(timed, key=lambda c: c[speed])
     return ok[0] if len(ok) == 1 else None
 
 
 def measure_resident_candidates(base: dict, candidates: list[tuple[str, str]], decode: int, work: Path,
-                                on_run=None) -> dict:
-    """Time a prefill of the prompt and ``decode`` decode steps of each (dtype, experts implementation) candidate,
-    each in its own worker process (none when only one can run); a candidate that fails is listed with its reason
-    (one this transformers does not know without a process). Returns {"candidates":
-    [...], "decode_tokens": decode, "chosen": {dtype, experts_implementation, decode_tokens_per_s} or None}."""
+                                on_run=None, speed: str = "decode_tokens_per_s") -> dict:
+    """Time a prefill of the prompt and ``decode`` decode steps of each (dtype, experts implementation) candidate
+    (a prefill spec, ``speed="prefill_tokens_per_s"``: the prompt alone), each in its own worker process (none when
+    only one can run); a candidate that fails is listed with its reason (one this transformers does not know
+    without a process). Returns {"candidates": [...], "decode_tokens": decode, "chosen": {dtype,
+    experts_implementation, <speed>} or None}."""
     known = _experts_implementations()
     runnable = [c for c in candidates if known is None or c[1] in known]
     out = []
@@ -319,19 +352,19 @@ def measure_resident_candidates(base: dict, candidates: list[tuple[str, str]], d
         else:
             spec = base | {"system": "resident", "dtype": dtype, "experts_implementation": impl,
                            "decode_ids": base["decode_ids"][:decode], "record_routing": None,
-                           "tag": f"{base['subject']}-resident-{dtype}-{impl}"}
+                           "tag": f"{base.get('tag') or base['subject'] + '-resident'}-{dtype}-{impl}"}
             result = _run_worker(spec, work)
             if "error" in result:
                 entry["error"] = result["error"]
             else:
-                entry |= {k: result.get(k) for k in ("decode_tokens_per_s", "decode_tokens", "prefill_s", "load_s",
-                                                     "peak_rss_mb")}
+                entry |= {k: result[k] for k in (speed, "decode_tokens", "prefill_s", "ttft_s", "load_s",
+                                                 "peak_rss_mb") if k in result}
         if on_run is not None:
             on_run(entry)
         out.append(entry)
-    chosen = choose_resident(out)
+    chosen = choose_resident(out, speed)
     return {"candidates": out, "decode_tokens": decode,
-            "chosen": {k: chosen.get(k) for k in ("dtype", "experts_implementation", "decode_tokens_per_s")} if chosen else None}
+            "chosen": {k: chosen.get(k) for k in ("dtype", "experts_implementation", speed)} if chosen else None}
 
 
 # -------------------------------------------------------------------------------- the device profile
@@ -716,15 +749,53 @@ def _write_atomic(path: Path, data: str | bytes) -> None:
     write_bytes_atomic(path, data if isinstance(data, bytes) else data.encode())
 
 
+def _prefill_rows(subjects: list[Subject], budgets: list[str], prompts: list[int], repeats: int, work: Path,
+                  traces: Path | None, spec_for, candidates: list, chosen_systems: set | None, bandwidth: dict,
+                  echo) -> dict:
+    """The prefill rows (``prefill.run_prefill``) measured with the bench's workers, each moeprep row's bound against
+    the disk's read bandwidth measured at the start of the run, each row's memory against its budget."""
+    load_before = os.getloadavg()  # the machine may be shared: its load beside the figures
+    bar = tqdm(desc="bench prefill", unit="run")
+
+    def progress(message: str) -> None:
+        bar.set_postfix_str(message)
+        bar.update()
+
+    def run_one(spec: dict) -> dict:
+        subj = next(s for s in subjects if s.name == spec["subject"])
+        return _measure_system(spec, work, (subj.facts.get("llama_cpp") or {}).get("file"))
+
+    fit = [c for c in candidates if c[1] not in UNFIT_FOR_PROMPTS]
+
+    def resident_for(spec: dict) -> dict:
+        return measure_resident_candidates(spec, fit, 0, work, on_run=lambda _entry: bar.update(),
+                                           speed="prefill_tokens_per_s")
+
+    out = run_prefill(subjects, budgets, prompts, repeats, work, traces,
+                      lambda subj, system, budget: spec_for(subj, system, budget, 1), run_one,
+                      resident_for if fit else lambda _spec: None, chosen_systems, echo, progress)
+    bar.close()
+    out["notes"] += [f"prefill rows: resident is not chosen among experts implementation {impl}: {why}"
+                     for impl, why in UNFIT_FOR_PROMPTS.items() if any(c[1] == impl for c in candidates)]
+    bandwidth_bytes = bandwidth["mb_s"] * 1e6 if bandwidth.get("mb_s") else None
+    add_bounds(out["rows"], bandwidth_bytes)
+    add_memory_verdicts(out["rows"])
+    return out | {"read_bandwidth_bytes_per_s": bandwidth_bytes,
+                  "load_average": {"before": load_before, "after": os.getloadavg()}}
+
+
 def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = False, device: str = "cpu",
               output: str | Path = "artifacts/bench", traces: str | Path | None = "../shared/data/traces",
               root: str | Path = ".", echo=print, repeats: int | None = None, store: str = "auto",
-              only: str | None = None) -> dict:
+              only: str | None = None, prefill: str | None = None, decode: bool = True) -> dict:
     """Measure, write bench.json / bench.md / bench.png (and the device profile, device.json) under ``output``,
     and return the report. store: where the loader's expert stores live (``load(store=...)``); auto is host
     RAM on CUDA (pinned, copied at PCIe speed) and the disk on a CPU. only: comma-separated systems to run
     (``naive`` also selects ``naive@unlimited``; without ``resident`` the resident candidates are not
-    measured either), to spend a short GPU lease on what a second store changes."""
+    measured either), to spend a short GPU lease on what a second store changes. prefill: comma-separated
+    prompt lengths ("512,2048") for the prefill rows (``prep/studies/bench/prefill.py``; None: none), at
+    ``budgets`` where given, else ``PREFILL_BUDGETS`` (``--quick``: its one budget). decode off: the prefill rows
+    alone (no decode rows, no device profile)."""
 
     if device not in ("cpu", "cuda"):
         raise MoeprepError(f"--device {device!r} unknown; use cpu or cuda")
@@ -735,11 +806,15 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
         raise MoeprepError(f"--store {store!r} unknown; use auto, disk or host")
     store = store if store != "auto" else ("host" if device == "cuda" else "disk")
     chosen_systems = _only_systems(only)  # checked before anything is built
+    prompts = parse_prompts(prefill)
+    if not decode and not prompts:
+        raise MoeprepError("--no-decode leaves nothing to measure; pass --prefill 512,2048 with it")
     wanted = SUBJECTS if subject == "all" else tuple(x.strip() for x in subject.split(",") if x.strip())
     if not wanted or set(wanted) - set(SUBJECTS):
         raise MoeprepError(f"--subject {subject!r} unknown; use all, or a comma-separated subset of "
                            f"{', '.join(SUBJECTS)}")
     budget_list = parse_budgets(budgets or (QUICK_BUDGETS if quick else DEFAULT_BUDGETS))
+    prefill_budgets = parse_budgets(budgets or (QUICK_BUDGETS if quick else PREFILL_BUDGETS))
     repeats = repeats or (QUICK_REPEATS if quick else DEFAULT_REPEATS)
     if repeats < 1:
         raise MoeprepError(f"--repeats must be at least 1, got {repeats}")
@@ -821,8 +896,10 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
         neuron = ["naive+neuron"] if plan.get("neuron", {}).get("name", "off") != "off" else []
         return [*SYSTEMS[1:3], *neuron, *(s for s in PREDICTOR_SYSTEMS if s.split("+", 1)[1] in planned), SYSTEMS[3]]
 
-    echo("measuring the device profile (reads and one expert's compute) for the simulator")
-    profile = device_profile(subjects, sizes, device, output, store)
+    profile = None
+    if decode:
+        echo("measuring the device profile (reads and one expert's compute) for the simulator")
+        profile = device_profile(subjects, sizes, device, output, store)
     candidates = resident_candidates(device)
 
     def spec_for(subj: Subject, system: str, budget: str, repeat: int) -> dict:
@@ -848,11 +925,13 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
         runs = {name: [(x, b) for x, b in r if x.split("@", 1)[0] in chosen_systems] for name, r in runs.items()}
         if "resident" not in chosen_systems:
             candidates = []
+    if not decode:  # the prefill rows alone
+        runs = {s.name: [] for s in subjects}
     measured: dict = {}  # (subject, system, budget) -> [result of each repeat]
     raw = []
-    bar = tqdm(total=sum(len(r) for r in runs.values()) * repeats + len(candidates) * len(subjects), desc="bench",
-               unit="run")
-    for repeat in range(repeats):  # interleaved: every configuration once per round, so drift hits them all
+    bar = tqdm(total=sum(len(r) for r in runs.values()) * repeats + (len(candidates) * len(subjects) if decode else 0),
+               desc="bench", unit="run")
+    for repeat in range(repeats if decode else 0):  # interleaved: every configuration once per round
         for subj in subjects:
             if repeat == 0 and candidates:  # the resident baseline: the fastest candidate on this device, chosen first
                 bar.set_postfix_str(f"{subj.name} resident candidates")
@@ -878,18 +957,7 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
             for system, budget in runs[subj.name]:
                 bar.set_postfix_str(f"round {repeat + 1}/{repeats} {subj.name} {system} {budget}")
                 spec = spec_for(subj, system, budget, repeat)
-                offload = Path(spec["offload_dir"])
-                if system == LLAMA:
-                    from prep.studies.bench.llama import CGROUP_HEADROOM, make_cgroup, remove_cgroup
-
-                    spec["gguf"] = subj.facts["llama_cpp"]["file"]
-                    spec["cgroup"] = str(make_cgroup(f"moeprep-bench-{os.getpid()}",
-                                                     spec["budget_bytes"] + CGROUP_HEADROOM))
-                shutil.rmtree(offload, ignore_errors=True)
-                result = _run_worker(spec, work)
-                shutil.rmtree(offload, ignore_errors=True)
-                if system == LLAMA:
-                    remove_cgroup(Path(spec["cgroup"]))
+                result = _measure_system(spec, work, (subj.facts.get("llama_cpp") or {}).get("file"))
                 bar.update()
                 routing_file = result.pop("routing_file", None)
                 if routing_file is not None:
@@ -901,6 +969,12 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
                 measured.setdefault((subj.name, system, budget), []).append(result)
     bar.close()
 
+    prefill_report = None
+    if prompts:
+        prefill_report = _prefill_rows(subjects, prefill_budgets, prompts, repeats, work, traces_dir if have_traces
+                                       else None, spec_for, candidates, chosen_systems, bandwidth, echo)
+        notes += prefill_report["notes"]
+
     results = []
     for (name, system, budget), runs_of in measured.items():
         row = summarize(runs_of)
@@ -909,7 +983,7 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
             results.append({"subject": name, "system": system, "budget": b} | row | ({"measured_once": True} if once else {}))
     by_name = {s.name: s for s in subjects}
     routings = {s.name: subject_routing(s) for s in subjects}
-    profiles = {s.name: subject_profile(profile, s) for s in subjects}
+    profiles = {s.name: subject_profile(profile, s) if profile is not None else None for s in subjects}
     models: dict = {}  # (subject, system, budget) -> the simulator's figures, once per configuration
     for row in results:
         if not is_loader(row["system"]) or row.get("error"):
@@ -939,7 +1013,8 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
             model, speed = models[key].get("modelled_tokens_per_s"), row.get("decode_tokens_per_s")
             row["modelled_calibrated_tokens_per_s"] = model
             row["modelled_calibrated_over_measured"] = model / speed if model and speed else None
-    bounds = {s.name: physical_bounds(s, budget_list, results, routings[s.name], profile, device) for s in subjects}
+    bounds = ({s.name: physical_bounds(s, budget_list, results, routings[s.name], profile, device) for s in subjects}
+              if decode else {})
     for row in results:
         if row.get("measured_once") or not (is_loader(row["system"]) or row["system"] == LLAMA):
             continue
@@ -959,7 +1034,7 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
         "store": store,
         "read_bandwidth_mb_s": bandwidth["mb_s"],
         "read_bandwidth": bandwidth,
-        "device_profile": profile.to_json(),
+        "device_profile": profile.to_json() if profile is not None else None,
         "device_profile_calibrated": calibrated.to_json() if calibrated is not None else None,
         "results": [{k: r.get(k) for k in RESULT_KEYS} | {k: v for k, v in r.items() if k not in RESULT_KEYS}
                     for r in results],
@@ -972,6 +1047,8 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
         "budgets": budget_list,
         "repeats": repeats,
         "raw": raw,
+        "decode": decode,
+        "prefill": prefill_report,
         "quick": quick,
         "notes": notes,
         "wall_seconds": round(time.time() - started, 1),

@@ -255,6 +255,37 @@ def mixtral_shape_subject(output: Path, traces: Path | None, quick: bool, prompt
                    routing, facts, lossless)
 
 
+def prefill_prompt(subject: Subject, tokens: int) -> list[int]:
+    """A ``tokens``-token prompt for the prefill rows of a mixtral-shape subject: seeded random ids of its character
+    vocabulary (its weights are random, so any text is as good as another), the same for every system; a shorter
+    prompt is the start of a longer one."""
+    shape = subject.facts["shape"]
+    gen = torch.Generator().manual_seed(SEED + 1)
+    return torch.randint(4, shape["vocab_size"], (tokens,), generator=gen).tolist()
+
+
+def tiled_replay(traces: Path, layers: int, tokens: int, path: Path) -> tuple[Path, str]:
+    """Routing decisions for a ``tokens``-token prompt from the real traces, written to ``path`` (safetensors):
+    every recorded problem's decisions (layers 0 to ``layers`` - 1) one after another, repeated until there are
+    ``tokens``. The traces hold a few hundred decode tokens, fewer than a long prompt; a chunk of a prompt needs
+    nearly every expert of a layer whichever tokens it holds, so repeating them changes little of what is read."""
+    from safetensors.torch import save_file
+
+    recorded = read_mixtral_traces(traces)
+    if recorded[0].num_layers < layers:
+        raise MoeprepError(f"the traces have {recorded[0].num_layers} layers, the model {layers}")
+    ids = torch.cat([r.expert_ids[:, :layers] for r in recorded])
+    weights = torch.cat([r.expert_weights[:, :layers] for r in recorded])
+    repeats = -(-tokens // ids.shape[0])
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file({"expert_ids": ids.repeat(repeats, 1, 1)[:tokens].contiguous(),
+               "weights": weights.repeat(repeats, 1, 1)[:tokens].contiguous()}, str(tmp))
+    os.replace(tmp, path)
+    return path, (f"replayed from the real Mixtral-8x7B GSM8K decode traces ({traces}): the {ids.shape[0]} recorded "
+                  f"tokens of its {len(recorded)} problems one after another"
+                  + (f", repeated {repeats} times" if repeats > 1 else "") + f", layers 0-{layers - 1}")
+
+
 SENSITIVITY_FILE = "adapmoe_sensitivity.json"  # beside gsm8k_routing.jsonl: AdapMoE's S_l and T for Mixtral-8x7B
 # HOBBIT's split, stated: 67% of selected experts at int4 (every top-1 and the heavier second experts), 30% at
 # int2, the 3% least important skipped (quantiles of the fitted problems' weights; HOBBIT leaves the split open)

@@ -16,6 +16,10 @@ see ``prep/studies/bench/run.py`` for how they differ), and ``<system>@unlimited
 ``unlimited``: every expert cached in its held form, the compute floor of the bench's bound; the prompt and
 the continuation run once untimed first, so that every expert they use is cached when the timed run starts).
 
+A spec with ``"mode": "prefill"`` (``prep/studies/bench/prefill.py``) measures a prompt instead, nothing decoded:
+time to the first token's logits and prompt tokens/s, the loader's reads, and the process's memory during the
+prompt (``measure_prefill``).
+
 A loader system also reports ``overhead_us_per_layer``: from the loader's cumulative ``decode_timing``
 counters (``LoadedModel.stats()``), differenced over the decode steps, the wall time of a MoE layer step
 that is neither expert compute nor waiting for reads, per layer step, in microseconds (None where the
@@ -38,7 +42,7 @@ from tqdm import tqdm
 
 from loader.plan import Plan, read_plan
 from loader.routing import ReplayRouting, RoutingPolicy, install_routing
-from prep.studies.bench.llama import cgroup_peak, join_cgroup, open_model
+from prep.studies.bench.llama import cgroup_peak, join_cgroup, open_model, reset_cgroup_peak
 
 
 class RecordingRouting(RoutingPolicy):
@@ -101,6 +105,24 @@ def peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
+
+
+def rss_mb() -> float | None:
+    """This process's resident set now (VmRSS), in MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024 / 1e6
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Start VmHWM over from the current RSS (Linux >= 4.0: ``5`` into /proc/self/clear_refs), so that the next
+    ``peak_rss_mb`` is the peak of what runs after; False where the kernel refuses (the peak then includes loading)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
 
 
 def disk_read_bytes() -> int | None:
@@ -282,6 +304,126 @@ def measure_llama(spec: dict) -> dict:
             "cgroup_peak_bytes": cgroup_peak(cgroup), "peak_rss_mb": peak_rss_mb()}
 
 
+def measure_llama_prefill(spec: dict) -> dict:
+    """llama.cpp's prompt evaluation in the spec's memory cgroup: one ``eval`` of the prompt (llama.cpp's own
+    batches of ``n_batch`` tokens), the cgroup's peak reset just before it, so that it is the prompt's."""
+    cgroup = Path(spec["cgroup"])
+    join_cgroup(cgroup)
+    gguf = Path(spec["gguf"])
+    drop_page_cache([gguf])
+    prompt = spec["prompt_ids"]
+    started = time.perf_counter()
+    llm = open_model(gguf, context=max(512, len(prompt) + 1))
+    load_seconds = time.perf_counter() - started
+    load_peak = cgroup_peak(cgroup)
+    reset = reset_cgroup_peak(cgroup)
+    io_start = disk_read_bytes()
+    start = time.perf_counter()
+    llm.eval(prompt)
+    seconds = time.perf_counter() - start
+    io_end = disk_read_bytes()
+    n_batch = llm.n_batch
+    llm.close()
+    peak = cgroup_peak(cgroup)
+    return {"prefill_tokens": len(prompt), "ttft_s": seconds, "prefill_tokens_per_s": len(prompt) / seconds,
+            "load_s": load_seconds, "chunks": -(-len(prompt) // n_batch), "largest_chunk": min(n_batch, len(prompt)),
+            "disk_read_bytes": io_end - io_start if io_start is not None else None,
+            "budget_bytes": spec["budget_bytes"],
+            "cgroup_limit_bytes": int((cgroup / "memory.limit_in_bytes").read_text()),
+            "cgroup_peak_bytes": peak if reset else max(peak or 0, load_peak or 0) or None,
+            "cgroup_peak_is_prefill": reset,
+            "prefill_memory_bytes": peak if reset else None, "peak_rss_mb": peak_rss_mb()}
+
+
+def bare_rss_mb(model_dir: str) -> float | None:
+    """The process's RSS with everything but the model: torch, transformers, the model's modeling code (importing
+    Mixtral's costs about 140 MB) and the loader imported, and torch's thread pool started. What a prefill row's
+    memory is measured above, so that it is the model's and its prompt's, comparable with the budget."""
+    import transformers.models.auto.modeling_auto as auto
+    from transformers import AutoConfig
+
+    import loader.runtime  # noqa: F401
+
+    try:
+        auto.MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model_dir))]  # imports the modeling module
+    except (KeyError, OSError, ValueError):
+        pass  # the model's memory then includes its modeling code
+    torch.ones(64, 64) @ torch.ones(64, 64)
+    return rss_mb()
+
+
+PREFILL_TIMING_KEYS = ("forwards", "tokens", "layer_steps", "step_seconds", "stall_seconds", "reads",
+                       "prefill_form_computes")
+
+
+def measure_prefill(spec: dict) -> dict:
+    """Time to the first token of ``spec["prompt_ids"]`` on a freshly loaded system (nothing decoded).
+
+    The loader systems run ``LoadedModel.prefill`` (the prompt in chunks inside the budget's prefill reserve); an
+    ``@unlimited`` system runs the prompt once untimed first, so every expert it needs is held (the compute
+    floor). Resident and accelerate run one forward of the whole prompt, logits of the last token only, as the
+    loader's prefill keeps. Memory: VmHWM is reset just before the timed prompt, so ``prefill_peak_rss_mb`` is the
+    peak during it; ``prefill_memory_bytes`` is that less the process's RSS before the model was loaded (torch and
+    transformers imported), what the model and its prompt took, set against the budget by the bench."""
+    if spec["system"] == "llama.cpp":
+        return measure_llama_prefill(spec)
+    routing = _replay(spec)
+    baseline = bare_rss_mb(spec["model_dir"])
+    started = time.perf_counter()
+    model, loaded, _probe, cached_files = _load(spec, routing)
+    load_seconds = time.perf_counter() - started
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    prompt = torch.tensor([spec["prompt_ids"]], device=device)
+    result: dict = {"prefill_tokens": prompt.shape[1], "load_s": load_seconds, "baseline_rss_mb": baseline}
+    with torch.inference_mode():
+        if loaded is not None:
+            if spec["system"].endswith("@unlimited"):
+                loaded.prefill(prompt)
+                if routing is not None:
+                    routing.reset()  # the replay starts over with the timed prompt
+            before = loaded.stats()
+            result["load_peak_rss_mb"] = peak_rss_mb()
+            reset = reset_peak_rss()
+            done = loaded.prefill(prompt)
+            after = loaded.stats()
+            seconds, chunks = done.seconds, done.chunks
+        else:
+            drop_page_cache(cached_files)  # accelerate reads its offloaded weights from the disk, as in decode
+            result["load_peak_rss_mb"] = peak_rss_mb()
+            reset = reset_peak_rss()
+            io_start = disk_read_bytes()
+            start = time.perf_counter()
+            model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds, chunks = time.perf_counter() - start, [prompt.shape[1]]
+            io_end = disk_read_bytes()
+            result["disk_read_bytes"] = io_end - io_start if io_start is not None else None
+    peak = peak_rss_mb()
+    result |= {"ttft_s": seconds, "prefill_tokens_per_s": prompt.shape[1] / seconds, "chunks": len(chunks),
+               "largest_chunk": max(chunks), "prefill_peak_rss_mb": peak if reset else None,
+               "peak_rss_mb": max(peak, result["load_peak_rss_mb"]),
+               "prefill_memory_bytes": int((peak - baseline) * 1e6) if reset and baseline is not None else None,
+               "budget_bytes": spec["budget_bytes"]}
+    if loaded is None:
+        result["dtype"] = str(next(p.dtype for p in model.parameters())).removeprefix("torch.")
+        result["experts_implementation"] = getattr(model.config, "_experts_implementation", None)
+        return result
+    b, a = before["prefill_timing"], after["prefill_timing"]
+    result |= {"bytes_read": after["bytes_read"] - before["bytes_read"],
+               "records_read": after["reads"]["records"] - before["reads"]["records"],
+               "read_seconds": after["reads"]["read_seconds"] - before["reads"]["read_seconds"],
+               "hits": after["hits"] - before["hits"], "misses": after["misses"] - before["misses"],
+               "prefill_timing": {k: a[k] - b[k] for k in PREFILL_TIMING_KEYS}
+               | {"most_reads_per_layer_step": a["most_reads_per_layer_step"]},  # a maximum since load
+               "loader_budget": {k: after["budget"].get(k) for k in ("limit_bytes", "dense_bytes", "prefill_bytes",
+                                                              "prefill_chunk", "prefill_form_bytes", "cache_slots")},
+               "budget_bytes": loaded.budget["limit_bytes"], "peak_expert_bytes": after["peak_expert_bytes"],
+               "direct_io": after["direct_io"]}
+    loaded.close()
+    return result
+
+
 def measure(spec: dict) -> dict:
     if spec["system"] == "llama.cpp":
         return measure_llama(spec)
@@ -417,7 +559,7 @@ def main(argv: list[str]) -> None:
     if len(argv) != 1:
         raise SystemExit("usage: python -m prep.studies.bench.worker SPEC.json")
     spec = json.loads(Path(argv[0]).read_text())
-    result = measure(spec)
+    result = measure_prefill(spec) if spec.get("mode") == "prefill" else measure(spec)
     sys.stdout.write("\n" + json.dumps(result) + "\n")
     sys.stdout.flush()
 
