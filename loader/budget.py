@@ -308,6 +308,41 @@ def prefill_form_bytes(plan: Plan, layouts: dict, forms: dict, top_k: int, devic
     return top_k * max(sizes, default=0)
 
 
+@dataclass(frozen=True)
+class Allocation:
+    """The memory ``load`` allocates for a budget, by what holds it: per pool ``(slots, slot bytes)``, the read
+    buffers, the reader threads' staging buffers and the prefill forms' buffers, each ``(count, bytes each)``; and
+    the prefill forms themselves (precision -> (form, from tokens)). The engine allocates exactly these (``loader/
+    step.py``); ``moeload plan`` prints them (``loader/preview.py``)."""
+
+    pools: dict
+    read_buffers: tuple[int, int]
+    staging: tuple[int, int]
+    prefill_buffers: tuple[int, int]
+    prefill_forms: dict
+
+    @property
+    def bytes(self) -> int:
+        return (sum(n * b for n, b in self.pools.values())
+                + sum(n * b for n, b in (self.read_buffers, self.staging, self.prefill_buffers)))
+
+
+def allocation(plan: Plan, layout, layouts: dict, top_k: int, workers: int, device) -> Allocation:
+    """What a load with ``layout`` (a ``HeldLayout`` with capacities) allocates; ``layouts``: precision -> the store's
+    ``RecordLayout``."""
+    device = torch.device(device)
+    slot = dict(layout.sizes.record_bytes)
+    caps = layout.capacities
+    pools = {pool.name: (sum(b // slot[pool.precision] for b in caps.pools[pool.name].values()), slot[pool.precision])
+             for pool in plan.pools}
+    staging = layout.sizes.staging_bytes
+    forms = {p: (choose_form(f.form, layouts[p], device), f.from_tokens) for p, f in plan.prefill.forms
+             if p in layout.forms and layout.forms[p].staged and f.form != layout.forms[p].name}
+    prefill = (top_k, max(form_slot_bytes(layouts[p].nbytes, f) for p, (f, _) in forms.items())) if forms else (0, 0)
+    return Allocation(pools, (top_k, max(slot.values())),
+                      (max(1, workers), staging // max(1, workers)) if staging else (0, 0), prefill, forms)
+
+
 def dense_bytes(path: Path) -> int:
     """Bytes of the tensors in a safetensors file: the file minus its 8-byte length and JSON header."""
 

@@ -1,4 +1,4 @@
-"""`moeload`: the device team's command line: generate, verify, info.
+"""`moeload`: the device team's command line: plan, generate, profile-device, verify, info.
 
 Every project error (``loader.errors.MoeError``: a damaged artifact, a bad budget, a bad option) prints
 as ``error: <message>`` without a traceback and exits 1; anything else is a bug and keeps its traceback.
@@ -102,6 +102,61 @@ def _store_summary(manifest) -> dict:
                           "layout": ("neuron" if store.neuron is not None
                                      else RecordLayout.from_json(store.layout).kernel or "expert")}
     return out
+
+
+@main.command("plan")
+@click.argument("artifact", type=click.Path())
+@click.option("--memory-budget", default=None,
+              help="Bytes, a size like 1.5GiB, a share like 25%, unlimited, or auto (the memory free for this process "
+                   "less a margin). Default: the plan's.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--store", default="disk", show_default=True, type=click.Choice(["disk", "host"]))
+@click.option("--device-profile", "device_profile", default=None, type=click.Path(dir_okay=False),
+              help="A profile from `moeload profile-device` on this device (default: the one the artifact was planned "
+                   "with, its device.json).")
+@click.option("--prompt-tokens", default=512, show_default=True, type=click.IntRange(1, 1 << 20),
+              help="The prompt whose time to first token is predicted.")
+@click.option("--expert-dtype", type=click.Choice(list(EXPERT_DTYPES)), default="auto", show_default=True,
+              help="The held form of a cached expert, as for generate.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def plan_command(artifact: str, memory_budget: str | None, device: str, store: str, device_profile: str | None,
+                 prompt_tokens: int, expert_dtype: str, as_json: bool) -> None:
+    """What a load would hold where and how fast it would run, without loading the weights; exit 1 if it does not fit."""
+    from loader.preview import describe, preview
+
+    check_device(device)
+    view = preview(artifact, memory_budget, device, store, device_profile, prompt_tokens, expert_dtype)
+    if as_json:
+        click.echo(json.dumps(view, indent=2, sort_keys=True))
+    else:
+        for line in describe(view):
+            click.echo(line)
+    if not view["fits"]:
+        if as_json:
+            click.echo(f"error: {view['error']}", err=True)
+        sys.exit(1)
+
+
+@main.command("profile-device")
+@click.option("--output", default="device.json", show_default=True, type=click.Path(dir_okay=False),
+              help="Where the profile JSON goes (give it to `moeload plan --device-profile` and `moeprep prepare "
+                   "--device-profile`).")
+@click.option("--artifact", default=None, type=click.Path(file_okay=False, exists=True),
+              help="Time reads at this artifact's record size on its disk, and calibrate against the loader running it "
+                   "(every expert held): the loader's overhead per layer and per token. Without it: reads of 2 MiB "
+                   "and compute only.")
+@click.option("--dir", "directory", default=None, type=click.Path(file_okay=False, exists=True),
+              help="Measure reads on this directory's disk (default: the artifact's, else the temp directory).")
+@click.option("--file-mb", default=256, show_default=True, type=click.IntRange(16, 4096),
+              help="Size of the temporary read-test file.")
+@click.option("--device", default="cpu", show_default=True, help="Where compute is timed: cpu or cuda.")
+def profile_device_command(output, artifact, directory, file_mb, device) -> None:
+    """Measure what the cost model needs on this device: reads at the loader's sizes and depths, each held form's
+    compute, and with --artifact the loader's own overhead; writes device.json."""
+    from loader.device import profile_device
+
+    check_device(device)
+    profile_device(output, directory, file_mb, device, artifact, echo=click.echo)
 
 
 MAX_NEW_TOKENS = 1_000_000  # a bound before the model's context (unknown to some configs) says more
@@ -210,9 +265,13 @@ def cache_argument(model) -> str:
 @click.argument("artifact", type=click.Path())
 @click.option("--prompt", required=True, help="Text to continue.")
 @click.option("--max-new-tokens", default=32, show_default=True, type=int)
-@click.option("--memory-budget", default=None, help="Bytes, a size like 1.5GiB, or a share like 25%.")
+@click.option("--memory-budget", default=None,
+              help="Bytes, a size like 1.5GiB, a share like 25%, unlimited, or auto (the memory free for this process "
+                   "less a margin).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--store", default="disk", show_default=True, type=click.Choice(["disk", "host"]))
+@click.option("--device-profile", "device_profile", default=None, type=click.Path(dir_okay=False),
+              help="The profile the prediction printed at the end uses (default: the artifact's device.json).")
 @click.option("--predictors", default=None,
               help="Prefetch predictors to run, comma-separated (next_gates, path_stats, first_gate), or 'none'; "
                    "default: the plan's. Prefetching never changes the output.")
@@ -241,13 +300,15 @@ def cache_argument(model) -> str:
                    "(default: it is an error).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {text, token_ids, stats}.")
 def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_budget: str | None, device: str,
-                     store: str, predictors: str | None, exact_routing: bool, planned_precision: bool,
+                     store: str, device_profile: str | None, predictors: str | None, exact_routing: bool, planned_precision: bool,
                      neuron: str, theta: float | None, expert_dtype: str, threads: str, workers: str,
                      truncate: bool, as_json: bool) -> None:
     """Greedy generation through the offloading runtime; streams the text, then prints the stats."""
     import torch
     from transformers import TextStreamer
 
+    from loader.memory import AutoBudget, auto_budget, is_auto
+    from loader.preview import preview
     from loader.routing import MissPolicy, RoutingPolicy
     from loader.runtime import MAX_WORKERS, load, max_threads
 
@@ -263,6 +324,11 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
     if workers != "auto":
         bounded_count(workers, "--workers", MAX_WORKERS, "auto or a number of reader threads")
     chosen = None if predictors is None else [p for p in predictors.replace(" ", "").split(",") if p and p != "none"]
+    if memory_budget is not None and is_auto(memory_budget):
+        memory_budget = auto_budget(device)  # once: the prediction and the load take the same number
+        click.echo(memory_budget.describe(), err=True)
+    if isinstance(memory_budget, AutoBudget):
+        memory_budget = memory_budget.budget_bytes
     loaded = load(artifact, device=device, memory_budget=memory_budget, store=store, predictors=chosen,
                   routing=RoutingPolicy() if exact_routing else None,
                   miss_policy=MissPolicy() if planned_precision else None,
@@ -282,6 +348,10 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
         loaded.close()
         raise
     stats = loaded.stats()
+    # what `moeload plan` predicts for this budget and this prompt's length (nothing loaded: a replay of the routing
+    # sample the artifact carries), beside what was measured
+    stats["predicted"] = preview(artifact, memory_budget, device, store, device_profile, ids.shape[1], expert_dtype,
+                                 workers if workers == "auto" else int(workers))["prediction"]
     stats["generate"] = {"time_to_first_token_s": loaded.last_prefill.seconds,
                          "prefill_tokens_per_second": loaded.last_prefill.tokens_per_second,
                          "decode_tokens": len(new) - 1, "decode_seconds": seconds,
@@ -310,6 +380,14 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
     for layer, s in stats["layers"].items():
         click.echo(f"  layer {layer}: hits {s['hits']} misses {s['misses']} "
                    f"read {s['bytes_read']:,} B stall {s['stall_seconds']:.3f} s")
+    p = stats["predicted"]
+    if p["available"]:
+        click.echo(f"predicted (moeload plan) decode {p['decode_tokens_per_s']:.2f} tok/s, measured "
+                   f"{g['decode_tokens_per_second'] or 0:.2f}; time to first token "
+                   + (f"{p['time_to_first_token_s']:.3f} s" if p["time_to_first_token_s"] is not None else "n/a")
+                   + f", measured {g['time_to_first_token_s']:.3f} s (profile: {p['profile']})")
+    else:
+        click.echo(f"predicted (moeload plan): none, {p['why']}")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,10 @@ class BudgetError(LoaderError):
     """A memory budget too small for what must be held, or one that cannot be read; not the artifact's fault."""
 
 
+class ModelingError(MoeError):
+    """A device profile, routing sample or cost-model input that cannot be used; the message names it and the fix."""
+
+
 class DiskError(MoeError):
     """A write the disk refused (full, read-only, not permitted): the message names the path and the fix."""
 

@@ -38,7 +38,7 @@ from loader.budget import (  # noqa: F401
 )
 from loader.cache import ExpertCache, MemoryMeter
 from loader.codec import RecordLayout
-from loader.errors import LoaderError
+from loader.errors import BudgetError, LoaderError
 from loader.format import (
     ArtifactError,
     check_model,
@@ -52,6 +52,7 @@ from loader.format import (
 )
 from loader.io import hold_for_reading
 from loader.layer import renormalized  # noqa: F401 (part of the loader's API)
+from loader.memory import auto_budget, is_auto
 from loader.neuron import NeuronConfig, TrustedPrediction, neuron_config
 from loader.plan import Plan, PolicySpec
 from loader.policies import policy_factory
@@ -287,7 +288,8 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     """Open ``artifact`` and return a runnable model with its experts offloaded.
 
     memory_budget: None (the plan's default budget), bytes, a size string ("1.5GiB"), a percentage
-    ("25%": the dense weights plus that share of the source model's expert bytes), or "unlimited".
+    ("25%": the dense weights plus that share of the source model's expert bytes), "unlimited", or "auto" (the
+    memory free for this process less a margin: ``loader/memory.py``; ``budget["auto"]`` says what it chose).
     policy: an eviction policy name overriding the plan's. routing / predictors / miss_policy: objects
     overriding the plan's (``loader.routing``, ``loader.predict``); predictors may also be names
     (``loader.predict.PREDICTORS``), which take the plan's knobs for that name, and ``[]`` turns them
@@ -372,6 +374,10 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
                           "device='cuda' and store='host' (or leave it at 'auto')")
     plan = plan or manifest.plan
     workers = reader_workers(workers, plan)
+    requested, auto = memory_budget, None
+    if is_auto(memory_budget):
+        auto = auto_budget(str(dev))
+        memory_budget = auto.budget_bytes
     decode_threads = compute_threads(dev, workers) if threads == "auto" else None
     wanted_threads = None if threads == "auto" else threads
     if wanted_threads is not None and (isinstance(wanted_threads, bool) or not isinstance(wanted_threads, int)
@@ -395,7 +401,12 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
                                 blocks=read_block_table(manifest, p) if s.blocks is not None else None)
         cleanup.callback(stores[p].close)
     host_bytes = sum(s.host_bytes for s in stores.values())
-    layout = held_layout(manifest, stores, plan, memory_budget, dev, expert_dtype, workers)
+    try:
+        layout = held_layout(manifest, stores, plan, memory_budget, dev, expert_dtype, workers)
+    except BudgetError as e:
+        if auto is None:
+            raise
+        raise BudgetError(f"{auto.describe()}; that does not fit this artifact: {e}") from None
     layouts = {p: RecordLayout.from_json(s["layout"]) for p, s in manifest.raw["stores"].items()}
     pairings = neuron_pairings(manifest)
     neuron_cfg = neuron_config(plan, neuron, pairings)
@@ -445,7 +456,7 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
     model.eval()
     tokenizer = read_tokenizer(artifact)
     caps, sizes = layout.capacities, layout.sizes
-    budget = caps.to_json() | {"dense_bytes": dense_bytes(dense_path), "requested": memory_budget if memory_budget is not None else plan.default_budget,
+    budget = caps.to_json() | {"dense_bytes": dense_bytes(dense_path), "requested": requested if requested is not None else plan.default_budget,
                                "minimum_bytes": lowest_budget(plan, sizes), "host_store_bytes": host_bytes,
                                "record_bytes": {p: s.record_bytes for p, s in stores.items()},
                                "slot_bytes": engine.slot_bytes, "eviction": plan.eviction.name,
@@ -456,6 +467,7 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
                                                  for p, (f, n) in engine.prefill_forms.items()},
                                "expert_dtype": {p: f.name for p, f in engine.forms.items()},
                                "cache_slots": {name: a.count for name, a in engine.arenas.items()},
+                               "auto": auto.to_json() if auto is not None else None,
                                "operating_point": (point.budget_bytes if (point := plan.point_for(caps.limit_bytes)) else None)}
     loaded = LoadedModel(model, tokenizer, engine, budget)
     loaded._held = held

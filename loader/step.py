@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loader.budget import form_slot_bytes
+from loader.budget import allocation
 from loader.cache import ExpertCache, MemoryMeter, PoolConfig
 from loader.codec import NeuronLayout
 from loader.format import expert_key
-from loader.forms import RecordForm, choose_form, median_seconds
+from loader.forms import RecordForm, median_seconds
 from loader.layer import Held, Mixer, renormalized
 from loader.neuron import NeuronRecordForm, NeuronStep
 from loader.policies import policy_factory
@@ -132,12 +132,10 @@ class ExpertEngine:
             plan.num_layers, plan.num_experts, policy_factory(plan.eviction.name, plan.eviction.params),
             meter=self.meter)
         self.cache.on_evict = self._free_slot
-        self.arenas = {pool.name: SlotArena(sum(b // self.slot_bytes[pool.precision]
-                                                for b in self.caps.pools[pool.name].values()),
-                                            self.slot_bytes[pool.precision], device) for pool in plan.pools}
-        self.buffers = SlotArena(top_k, max(self.slot_bytes.values()), device)
-        staging = layout.sizes.staging_bytes  # ``loader.budget.staging_bytes``: one buffer per reader thread
-        self.staging = SlotArena(max(1, workers), staging // max(1, workers), device) if staging else None
+        self.allocation = allocation(plan, layout, layouts, top_k, workers, device)  # ``moeload plan`` prints it
+        self.arenas = {name: SlotArena(count, size, device) for name, (count, size) in self.allocation.pools.items()}
+        self.buffers = SlotArena(*self.allocation.read_buffers, device)
+        self.staging = SlotArena(*self.allocation.staging, device) if self.allocation.staging[0] else None
         if self.staging is not None:
             self.meter.add(self.staging.count * self.staging.slot_bytes)  # held for the whole run
         self.reader = Reader(workers, device, self.staging, self.link)
@@ -147,11 +145,8 @@ class ExpertEngine:
         self.prefill_chunk = layout.capacities.prefill_chunk or plan.prefill.chunk
         self.activation_reserve = layout.capacities.prefill_bytes if self.activation_shape is not None else None
         # precision -> (prefill form, from tokens): only for a store whose held form is made from a staged record
-        self.prefill_forms = {p: (choose_form(f.form, layouts[p], device), f.from_tokens) for p, f in plan.prefill.forms
-                              if p in self.forms and self.forms[p].staged and f.form != self.forms[p].name}
-        self.prefill_buffers = SlotArena(top_k, max(form_slot_bytes(layouts[p].nbytes, f)
-                                                    for p, (f, _) in self.prefill_forms.items()), device) \
-            if self.prefill_forms else None
+        self.prefill_forms = self.allocation.prefill_forms
+        self.prefill_buffers = SlotArena(*self.allocation.prefill_buffers, device) if self.prefill_forms else None
         self._multi = False  # the forward running is a prompt chunk (more than one token, or one of ``prefill``'s)
         self.prefilling = False  # ``loader.prefill.prefill`` is running: its one-token chunks are prompt chunks too
         self._step_reads: dict = {}  # expert -> reads in the layer step running (a prompt chunk's)

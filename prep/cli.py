@@ -9,6 +9,7 @@ and exits with status 1, without a traceback. Other exceptions are bugs and keep
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
@@ -110,19 +111,27 @@ def _executor_options(what: str):
               help="Routed-expert bytes kept in memory between uses (e.g. 8GiB); 0: one MoE layer at a time; "
               "all: every layer once read; auto: what fits in half the memory available. The dense weights "
               "always load whole. Changes no result, only memory and re-reads of the checkpoint.")
+@click.option("--device-profile", "device_profile", default=None, type=click.Path(dir_okay=False),
+              help="Plan for this device: a profile from `moeload profile-device` run there (the recipe's plan.device "
+              "in its place; the artifact carries it, and `moeload plan` predicts with it).")
 @_executor_options("the stages' work units")
 @click.option("--dry-run", is_flag=True,
               help="Read no weights: print the model (from the recipe's shipped config), the stages that would run, "
               "the sizes and what the budgets cache, then every refusal the run would make (exit 1 if any).")
 def prepare_command(recipe_path: str, overrides: tuple[str, ...], output: str | None, until: str | None,
-                    force: str | None, overwrite: bool, device: str, expert_memory: str, executor: str | None,
-                    ray_address: str | None, dry_run: bool) -> None:
+                    force: str | None, overwrite: bool, device: str, expert_memory: str, device_profile: str | None,
+                    executor: str | None, ray_address: str | None, dry_run: bool) -> None:
     """Run the preparation pipeline of a recipe and write its artifact."""
     from prep.executor import executor_overrides
     from prep.pipeline import prepare
     from prep.recipe import load_recipe
 
     overrides += executor_overrides(executor, ray_address)
+    if device_profile is not None:
+        from loader.device import load_profile
+
+        load_profile(device_profile)  # a damaged profile is refused here, naming the file, before any stage runs
+        overrides += (f"plan.device={Path(device_profile).resolve()}",)
     memory = _expert_memory(expert_memory)  # before the dry run, which refuses what the run refuses
 
     if dry_run:
@@ -277,10 +286,10 @@ def prediction_study_command(recipe_path, artifact, budgets, seed, sequences, pr
     stall and prefetches used/wasted, per budget, each predictor alone and all together, against none."""
     from pathlib import Path
 
+    from loader.device import load_profile
     from loader.io import write_json_atomic
     from prep.errors import MoeprepError
     from prep.recipe import load_recipe
-    from prep.sim.device import load_profile
     from prep.sim.simulate import parse_list
     from prep.studies.common import fresh_trace
     from prep.studies.prediction import merge_into, prediction_study_markdown, run_study
@@ -555,7 +564,7 @@ def simulate_command(trace, plan, budget, policy, capacity, group, params, recor
                        f"token, {model.tokens_per_second:.1f} tokens/s; {model.reads} reads ({model.read_bytes:,} B, "
                        f"{model.read_seconds:.3f} s), expert compute {model.compute_seconds:.3f} s, overhead "
                        f"{model.layer_overhead_seconds + model.token_overhead_seconds:.3f} s")
-            from prep.sim.device import load_profile
+            from loader.device import load_profile
 
             if not load_profile(profile).prefill_seconds:
                 click.echo("note: the profile has no prefill timings, so each expert's compute is counted as that many "
@@ -587,28 +596,15 @@ def simulate_command(trace, plan, budget, policy, capacity, group, params, recor
               help="Size of the temporary read-test file.")
 @click.option("--device", default="cpu", show_default=True, help="Where expert compute is timed: cpu or cuda.")
 @click.option("--artifact", default=None, type=click.Path(file_okay=False, exists=True),
-              help="Time record reads at this artifact's largest record (default: 2 MiB reads).")
+              help="Time record reads at this artifact's largest record (default: 2 MiB reads) and calibrate against "
+                   "the loader running it.")
 def profile_device_command(output, directory, file_mb, device, artifact):
     """Measure this machine's read bandwidth and latency (page cache bypassed), the record reads in flight
-    that read fastest, and per-expert compute."""
-    from prep.sim.device import RECORD_BYTES, measure_device, write_profile
+    that read fastest, and per-expert compute; with --artifact, calibrate against the loader on it (the same
+    command as `moeload profile-device`)."""
+    from loader.device import profile_device
 
-    record_bytes = RECORD_BYTES
-    if artifact is not None:
-        from loader.format import read_manifest
-
-        record_bytes = max(s.stride for s in read_manifest(artifact).stores.values())
-    profile = measure_device(directory, file_mb << 20, device=device, record_bytes=record_bytes)
-    write_profile(profile, output)
-    click.echo(f"read  {profile.read_bandwidth / 1e6:,.0f} MB/s at depth {profile.read_depth} of "
-               f"{record_bytes / 1024:,.0f} KiB reads, latency {profile.read_latency * 1e3:.3f} ms "
-               f"(direct I/O: {'yes' if profile.extra.get('direct_io') else 'no, fadvise'}); sequential "
-               f"{profile.extra['sequential_read_bandwidth_bytes_per_s'] / 1e6:,.0f} MB/s")
-    depths = ", ".join(f"{d}: {bw / 1e6:,.0f}" for d, bw in profile.extra["read_depths"].items())
-    click.echo(f"record reads in flight -> MB/s: {depths}")
-    compute = ", ".join(f"{p} {s * 1e3:.1f} ms" for p, s in profile.compute_seconds.items())
-    click.echo(f"compute per expert ({profile.device}): {compute}")
-    click.echo(f"wrote {output}")
+    profile_device(output, directory, file_mb, device, artifact, echo=click.echo)
 
 
 @main.command("kernel-study")

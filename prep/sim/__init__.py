@@ -4,11 +4,11 @@
 or the real Mixtral traces) through ``loader.cache.ExpertCache`` in the runtime's call order, with a
 cache built from a plan and a budget (``plan_spec``, ``artifact_spec``) or N experts per layer
 (``capacity_spec``). ``belady`` (clairvoyant) exists only here, as the floor. A device profile
-(``prep.sim.device``; ``moeprep profile-device``) turns counts into modelled seconds.
+(``loader.device``; ``moeprep profile-device``) turns counts into modelled seconds.
 """
 
+from loader.device import DeviceProfile, load_profile, measure_device, write_profile
 from prep.sim.belady import BeladyPolicy, FutureUses
-from prep.sim.device import DeviceProfile, load_profile, measure_device, write_profile
 from prep.sim.replay import Replay, load_replay, replay_from_routing
 from prep.sim.simulate import (
     DEFAULT_RECORD_BYTES,

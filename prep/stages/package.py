@@ -23,13 +23,16 @@ from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file
 
 from loader.codec import RecordLayout
+from loader.device import DEVICE_FILE, load_profile
 from loader.format import FORMAT, SCHEMA_VERSION, block_file, sha256_file, write_manifest
 from loader.io import write_bytes_atomic, write_json_atomic
 from loader.plan import PLAN_FILE
 from loader.predict import PREDICTORS_FILE
+from loader.simulate import ROUTING_SAMPLE
 from prep import __version__
 from prep.adapters.model_state import dense_state, expert_parameters
 from prep.errors import MoeprepError
+from prep.methods.trace import open_trace
 from prep.quant.records import write_aligned_records
 from prep.report import report_markdown
 from prep.report.sections import PLAN_PLOT, operating_points_plot
@@ -38,8 +41,10 @@ from prep.stages.bitwidth import BitwidthChoice, uniform_choice
 from prep.stages.planning import PlanContext, compose_plan, model_sizes, shipped_layout
 from prep.stages.predict import predictor_tensors
 from prep.stages.quantize import PackedExperts
+from prep.stages.trace import RoutingTraces
 
-VERSION = 10  # 9: a neuron store carries its per-block hashes; 10: xxh3_64 per record, int4 in the kernel layout
+VERSION = 11  # 9: a neuron store carries its per-block hashes; 10: xxh3_64 per record, int4 in the kernel layout;
+# 11: the routing sample and the device profile the plan was tuned with (``moeload plan`` predicts with them)
 TARGETS = ("cpu", "cuda")
 REPORT = "report.json"
 REPORTED_DETAILS = ("loss", "metric", "sequences", "b_hi", "b_lo", "K", "met", "bounds", "trail", "sensitivity")  # the rest: the stage result
@@ -101,7 +106,8 @@ def _producer() -> dict:
 
 def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quantize_dir: Path,
                      quantize: PackedExperts, choice: BitwidthChoice, cfg: PackageSection, package_key: str,
-                     out: Path, techniques: dict | None = None, contributions: list | None = None) -> ArtifactReport:
+                     out: Path, techniques: dict | None = None, contributions: list | None = None,
+                     trace_dir: Path | None = None, device_profile: dict | None = None) -> ArtifactReport:
     """Write every artifact file into the empty directory ``out``, ``manifest.json`` last; returns the report.
 
     ``recipe`` is the resolved recipe the artifact derives from, ``source`` the source model's
@@ -109,7 +115,9 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
     stages the recipe switched on: ``predict`` ((stage dir, PredictionStats)), ``gating`` (GatingChoice),
     ``dynamic_precision`` (PrecisionThresholds), ``cache_routing`` (CacheRoutingChoice), ``tune_policy``
     (TunedPolicy), ``allocate_cache`` (CacheAllocation). ``contributions``: the results the plan is composed
-    of, in the stage table's order (``StageInputs.contributions``).
+    of, in the stage table's order (``StageInputs.contributions``). ``trace_dir``: the trace stage's routing, whose
+    first tokens the artifact carries (``routing_sample``); ``device_profile``: the profile the plan was tuned with
+    (its JSON), carried as ``device.json``: ``moeload plan`` predicts speed from both without ``prep``.
     """
     techniques = techniques or {}
     prediction, gating, dynamic, cache_routing, tuned, allocation = (techniques.get(k) for k in (
@@ -165,6 +173,10 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
         save_file(predictor_tensors(stage_dir, stats.predictors), str(out / PREDICTORS_FILE), metadata={"format": "pt"})
         summary = {k: v for k, v in stats.to_json().items() if k != "seconds"}  # files hold no timings
     write_json_atomic(out / PLAN_FILE, plan.to_json())
+    if trace_dir is not None:
+        write_routing_sample(trace_dir, out / ROUTING_SAMPLE, with_inputs=bool(plan.predictors))
+    if device_profile is not None:
+        write_json_atomic(out / DEVICE_FILE, device_profile)
 
     source_bytes = sum(p.numel() * p.element_size() for m in experts for p in m.parameters(recurse=False))
     weights = sum(p.numel() for m in experts for p in m.parameters(recurse=False))
@@ -232,6 +244,40 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
     return report
 
 
+SAMPLE_TOKENS = 1024  # routing the artifact carries: the first sequences of the trace up to this many tokens
+SAMPLE_INPUT_BYTES = 32 << 20  # router inputs ride along (for the predictors) only up to this size, in float16
+
+
+def write_routing_sample(trace_dir: Path, path: Path, with_inputs: bool) -> None:
+    """The trace's first whole sequences, up to ``SAMPLE_TOKENS`` tokens (at least one sequence), as the loader's cost
+    model reads them (``loader.simulate.read_routing_sample``): expert ids and weights [T, L, K], router logits
+    [T, L, E] and the sequences' lengths; with ``with_inputs``, the routers' inputs [T, L, H] and the LM head's
+    inputs [T, H] in float16 where they fit ``SAMPLE_INPUT_BYTES`` (else the predictors go unmodelled)."""
+    trace = open_trace(RoutingTraces.path(trace_dir))
+    lengths, total = [], 0
+    for n in trace.sequence_tokens:
+        if lengths and total + n > SAMPLE_TOKENS:
+            break
+        lengths.append(n)
+        total += n
+    routing = trace.routing()[:len(lengths)]
+    tensors = {"expert_ids": torch.cat([r.expert_ids for r in routing]).to(torch.int32).contiguous(),
+               "weights": torch.cat([r.expert_weights for r in routing]).float().contiguous(),
+               "sequence_lengths": torch.tensor(lengths, dtype=torch.int64)}
+    names = trace.index["tensors"]
+    first = trace.layers[0]
+    if f"layers.{first}.router_logits" in names:
+        tensors["logits"] = torch.stack([trace.router_logits(layer)[:total] for layer in trace.layers], 1).half()
+    if with_inputs and f"layers.{first}.router_input" in names:
+        width = trace.router_inputs(first).shape[-1]
+        if total * (len(trace.layers) + 1) * width * 2 <= SAMPLE_INPUT_BYTES:
+            tensors["router_inputs"] = torch.stack([trace.router_inputs(layer)[:total] for layer in trace.layers],
+                                                   1).half()
+            if "head_input" in names:
+                tensors["head_inputs"] = trace.tensor("head_input")[:total].half()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
 class _InLayout:
     """Records read from the quantize stage, each converted into the store's kernel layout as it is written."""
 
@@ -293,15 +339,19 @@ def _run(inputs) -> ArtifactReport:
     for name in ("gating", "dynamic_precision", "cache_routing", "tune_policy", "allocate_cache"):
         found = inputs.upstream(name, optional=True)
         techniques[name] = found[1] if found is not None else None
+    traced = inputs.upstream("trace", optional=True)
+    device = (inputs.recipe.get("plan") or {}).get("device")
+    profile = load_profile(Path(inputs.root) / device).to_json() if device else None
     with inputs.artifact.build() as out:
         return package_artifact(inputs.model, inputs.adapter, inputs.tokenizer, inputs.recipe, inputs.source,
                                 quantize_dir, quantize, choice, inputs.config, inputs.key, out, techniques,
-                                inputs.contributions())
+                                inputs.contributions(), traced[0] if traced is not None else None, profile)
 
 
 STAGE = Stage(
     name="package", version=VERSION, config=PackageSection, result=ArtifactReport,
-    reads=("quantize", "bitwidth", EARLIER_CONTRIBUTIONS), needs=frozenset({"model", "recipe", "artifact"}),
+    reads=("quantize", "bitwidth", "trace", EARLIER_CONTRIBUTIONS), needs=frozenset({"model", "recipe", "artifact"}),
+    files=lambda recipe: [recipe.plan.device] if recipe.plan.device else [],
     run=_run,
     output_ok=lambda inputs, result: inputs.artifact.matches(inputs.key),
     section="package",

@@ -31,13 +31,13 @@ from loader.budget import (
     shape_for,
 )
 from loader.codec import RecordLayout
+from loader.device import load_profile
 from loader.plan import Plan
 from loader.predict import make_predictor
 from loader.prefill import PrefillForm, PrefillSpec, parse_prefill
 from loader.vocab import FORM_NAMES, PRECISIONS
 from prep.adapters.model_state import dense_state, expert_parameters
 from prep.errors import MoeprepError
-from prep.sim.device import load_profile
 from prep.sim.replay import load_replay
 from prep.sim.simulate import capacities_spec, simulate, trace_feed
 from prep.stages.bitwidth import uniform_choice
@@ -177,7 +177,7 @@ class Draft:
     read_bytes: dict  # precision -> bytes a read fetches
     replay: object  # prep.sim.replay.Replay of the calibration traces
     feed: object | None  # prep.sim.simulate.PredictionFeed (None: no predictor in the plan)
-    profile: object | None  # prep.sim.device.DeviceProfile scaled to this model's experts, or None
+    profile: object | None  # loader.device.DeviceProfile scaled to this model's experts, or None
     shipped_expert_bytes: int  # the slot bytes of every expert at its planned precision
     prefill: dict | None = None  # the plan's prefill values chosen on the device profile (``prefill_choice``)
 

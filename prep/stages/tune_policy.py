@@ -312,7 +312,7 @@ def load_draft(work: Path):
     from safetensors.torch import load_file
 
     from loader.budget import ModelSizes
-    from prep.sim.device import DeviceProfile
+    from loader.device import DeviceProfile
     from prep.sim.replay import load_replay
     from prep.sim.simulate import trace_feed
     from prep.stages.planning import Draft

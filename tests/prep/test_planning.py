@@ -235,7 +235,7 @@ def test_tuned_policy_is_never_worse_than_the_defaults(tmp_path):
 
 
 def test_the_planning_stages_put_the_profiles_read_depth_in_the_plan(tmp_path):
-    from prep.sim.device import DeviceProfile
+    from loader.device import DeviceProfile
     from prep.stages.allocate_cache import CacheAllocation, allocate_plan
     from prep.stages.planning import PlanContext
     from prep.stages.tune_policy import TunedPolicy
@@ -260,7 +260,7 @@ def test_the_planning_stages_put_the_profiles_read_depth_in_the_plan(tmp_path):
 def test_modelled_seconds_that_never_change_still_fill_the_budget_with_the_records_that_spare_reads(monkeypatch):
     """Where the device model hides every read behind compute, each cell's seconds are flat: the DP held nothing
     (ties went to fewer bytes) and planning stopped with "the budget holds no expert record at all"."""
-    from prep.sim.device import DeviceProfile
+    from loader.device import DeviceProfile
     from prep.stages.allocate_cache import allocate_plan
 
     profile = DeviceProfile(1e9, 0.0, {"int4": 1e-2}, "test", calibration={"overlap": True})
@@ -376,8 +376,8 @@ def test_the_loader_runs_each_operating_point_with_unchanged_outputs(planned):
 
 
 def test_measuring_the_device_again_reruns_the_planning_stages(tmp_path):
+    from loader.device import DeviceProfile, write_profile
     from prep.pipeline import prepare
-    from prep.sim.device import DeviceProfile, write_profile
     from tests.tiny_models import save_tiny_model
 
     save_tiny_model("mixtral", tmp_path / "model")
@@ -399,7 +399,7 @@ def test_a_predictor_enters_the_plan_only_where_the_simulator_says_it_saves_time
     set, so the choice is known: path_stats saves time, next_gates costs time, first_gate changes nothing."""
     from types import SimpleNamespace
 
-    from prep.sim.device import DeviceProfile
+    from loader.device import DeviceProfile
 
     draft = _draft(_replay(seed=2))
     draft.plan = dataclasses.replace(draft.plan, predictors=(

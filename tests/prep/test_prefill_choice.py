@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from loader.device import DeviceProfile
 from loader.plan import Plan
 from loader.prefill import PrefillForm, PrefillSpec
-from prep.sim.device import DeviceProfile
 from prep.stages.planning import prefill_choice, with_prefill
 
 

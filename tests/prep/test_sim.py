@@ -23,9 +23,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from loader.errors import MoeError
 from loader.policies import POLICIES, Clock
 from prep.cli import main
-from prep.errors import MoeprepError
 from prep.sim import (
     DEFAULT_RECORD_BYTES,
     POLICY_NAMES,
@@ -207,15 +207,15 @@ def test_cold_start_per_sequence_or_warm():
 
 def test_errors_name_the_fix():
     replay = random_replay(0)
-    with pytest.raises(MoeprepError, match="from 1 to 8"):
+    with pytest.raises(MoeError, match="from 1 to 8"):
         capacity_spec(3, 8, 0)
-    with pytest.raises(MoeprepError, match="from 1 to 8"):
+    with pytest.raises(MoeError, match="from 1 to 8"):
         capacity_spec(3, 8, 9)
-    with pytest.raises(MoeprepError, match="unknown; use one of"):
+    with pytest.raises(MoeError, match="unknown; use one of"):
         simulate(replay, capacity_spec(3, 8, 2), "random")
-    with pytest.raises(MoeprepError, match="3 MoE layers x 8 experts"):
+    with pytest.raises(MoeError, match="3 MoE layers x 8 experts"):
         simulate(replay, capacity_spec(2, 8, 2), "lru")
-    with pytest.raises(MoeprepError, match="does not exist"):
+    with pytest.raises(MoeError, match="does not exist"):
         load_replay("/nonexistent/trace")
 
 
@@ -291,7 +291,7 @@ def test_cli_errors_are_clean(tmp_path, args, message):
 
 
 def test_profile_round_trip_and_measurements(tmp_path):
-    from prep.sim.device import load_profile, measure_compute, measure_reads, write_profile
+    from loader.device import load_profile, measure_compute, measure_reads, write_profile
 
     reads = measure_reads(tmp_path, file_bytes=8 << 20, block_bytes=1 << 20, small_reads=8)
     assert reads["read_bandwidth_bytes_per_s"] > 0 and reads["read_latency_s"] > 0
@@ -305,14 +305,14 @@ def test_profile_round_trip_and_measurements(tmp_path):
     path = write_profile(profile, tmp_path / "device.json")
     assert load_profile(path) == profile
     (tmp_path / "bad.json").write_text(json.dumps({"format": "moeprep-device-profile", "version": 1}))
-    with pytest.raises(MoeprepError, match="read_bandwidth_bytes_per_s"):
+    with pytest.raises(MoeError, match="read_bandwidth_bytes_per_s"):
         load_profile(tmp_path / "bad.json")
-    with pytest.raises(MoeprepError, match="no compute time for precision 'int3'"):
+    with pytest.raises(MoeError, match="no compute time for precision 'int3'"):
         DeviceProfile(1e9, 0, {"int4": 1.0}).compute("int3")
 
 
 def test_record_reads_are_timed_at_each_depth_and_the_profile_keeps_the_best(tmp_path):
-    from prep.sim.device import measure_reads
+    from loader.device import measure_reads
 
     reads = measure_reads(tmp_path, file_bytes=4 << 20, block_bytes=1 << 20, small_reads=4, record_bytes=64 << 10,
                           depth_bytes=512 << 10)
@@ -324,7 +324,7 @@ def test_record_reads_are_timed_at_each_depth_and_the_profile_keeps_the_best(tmp
     assert depths[str(chosen)] >= 0.95 * best
     assert all(depths[d] < 0.95 * best for d in depths if int(d) < chosen)
     assert reads["read_bandwidth_bytes_per_s"] == depths[str(chosen)] and reads["read_record_bytes"] == 64 << 10
-    with pytest.raises(MoeprepError, match="record_bytes"):
+    with pytest.raises(MoeError, match="record_bytes"):
         measure_reads(tmp_path, file_bytes=4 << 20, block_bytes=1 << 20, record_bytes=5000)
 
 
@@ -339,7 +339,7 @@ def test_a_profile_with_and_without_read_depths_round_trips_and_bad_depths_are_r
                 {"read_depths": {"one": 1e9}, "read_depth": 1}, {"read_depths": {"1": 0.0}, "read_depth": 1},
                 {"read_depths": {"1": 1e9}, "read_depth": True}, {"read_depths": {}, "read_depth": 1},
                 {"read_depths": [1e9], "read_depth": 1}):
-        with pytest.raises(MoeprepError, match="read_depths"):
+        with pytest.raises(MoeError, match="read_depths"):
             DeviceProfile.from_json(old.to_json() | bad)
 
 
@@ -535,7 +535,7 @@ def test_the_schedule_has_one_implementation():
 def test_a_calibrated_profile_models_the_loaders_step():
     """Hits compute while the layer's reads run; the layer stalls for the rest; each layer call costs the
     loader's overhead. Computed by hand on a two-layer, two-token replay."""
-    from prep.sim.device import calibrated
+    from loader.device import calibrated
 
     replay = Replay(((((0, 1), (2, 3)), ((0, 2), (2, 3))),), 2, 4, 2)  # token 2: layer 0 one hit, layer 1 two hits
     spec = capacity_spec(2, 4, 4, record_bytes=1000)
@@ -551,15 +551,15 @@ def test_a_calibrated_profile_models_the_loaders_step():
     assert DeviceProfile.from_json(profile.to_json()) == profile
     outside = simulate(replay, spec, "lru", profile=calibrated(plain, 5e-5, 2e-3))  # + 2 ms a token outside
     assert outside.seconds == pytest.approx(want + 2 * 2e-3)
-    with pytest.raises(MoeprepError, match="calibration"):
+    with pytest.raises(MoeError, match="calibration"):
         DeviceProfile.from_json(profile.to_json() | {"calibration": {"overlap": "yes"}})
 
 
 def test_a_cpu_computed_miss_is_counted_and_modelled_at_the_profiles_compute_time():
     """A miss the CPU rule serves reads nothing and is never cached: with the profile's compute time and no
     read, it is done while the layer's reads run. Computed by hand on a one-layer, two-token replay."""
+    from loader.device import calibrated
     from loader.schedule import CpuMissRule
-    from prep.sim.device import calibrated
     from prep.sim.simulate import cpu_miss_rule
 
     replay = Replay(((((0, 1),), ((0, 2),)),), 1, 4, 2)
@@ -578,14 +578,14 @@ def test_a_cpu_computed_miss_is_counted_and_modelled_at_the_profiles_compute_tim
     assert cpu_miss_rule("never") == CpuMissRule("never") and cpu_miss_rule(None) is None
     assert cpu_miss_rule("int4, int2") == CpuMissRule("auto", frozenset({"int4", "int2"}))
     for bad in ("auto", "", "always,int4"):
-        with pytest.raises(MoeprepError, match="--cpu-misses"):
+        with pytest.raises(MoeError, match="--cpu-misses"):
             cpu_miss_rule(bad)
 
 def test_a_calibrated_profile_charges_wasted_prefetches_where_the_disk_is_the_bottleneck():
     """One disk: a token takes at least the time of all its reads. A predictor that always prefetches an
     expert nobody uses adds its reads to each token once reads exceed the layers' path."""
+    from loader.device import calibrated
     from loader.predict import Predictor, PrefetchRequest
-    from prep.sim.device import calibrated
     from prep.sim.simulate import PredictionFeed
 
     class Wrong(Predictor):
@@ -621,8 +621,8 @@ def test_the_profile_times_int4_as_the_kernel_layout_the_cpu_target_ships(monkey
     costs its read), where int3 (not stored that way) still makes its int4pack form."""
     import torch
 
+    from loader.device import measure_compute
     from loader.forms import ENV, int4pack_available
-    from prep.sim.device import measure_compute
 
     if not int4pack_available(torch.device("cpu")):
         pytest.skip("this torch build has no CPU int4 weight-only kernel")

@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 import torch
 
+from loader.device import DeviceProfile
 from loader.plan import read_plan
 from loader.prefill import PrefillForm, PrefillSpec
 from loader.runtime import load, minimum_budget
-from prep.sim.device import DeviceProfile
 from prep.sim.prefill import calibrate_prefill, expert_seconds, prompt_routing, simulate_prefill
 from prep.sim.replay import Replay
 from prep.sim.simulate import artifact_spec
@@ -108,8 +108,8 @@ def test_simulate_prefill_on_the_command_line_needs_an_artifact_and_a_profile(tm
 
     from click.testing import CliRunner
 
+    from loader.device import write_profile
     from prep.cli import main
-    from prep.sim.device import write_profile
 
     _, artifact = tiny_artifact(tmp_path_factory, "mixtral", "passthrough")
     traces = sorted(p.parent for p in artifact.parent.glob("**/trace-*/trace/index.json"))

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 import prep.stages.tune_policy as tune_policy
+from loader.device import DeviceProfile, write_profile
 from prep.executor import LocalExecutor, UnitContext, UnitPaths, run_unit
 from prep.pipeline import prepare
-from prep.sim.device import DeviceProfile, write_profile
 from prep.stages.tune_policy import DRAFT, DRAFT_TENSORS, STUDY, open_storage, tune, worker_units
 from tests.tiny_models import tiny_recipe
 

@@ -32,14 +32,14 @@ Beside each loader row's measured speed (and its ``overhead_us_per_layer``, the 
 layer step: ``prep/studies/bench/worker.py``), the simulator's model of it (``modelled_tokens_per_s``): the same
 artifact, plan, budget and routing decisions (the replayed trace, or what the resident model's routers did,
 recorded in round 1) replayed by ``prep.sim.simulate.simulate`` with the device profile measured once at the
-start of the run (``prep.sim.device.measure_device``, written to ``device.json``; on CUDA its reads are
+start of the run (``loader.device.measure_device``, written to ``device.json``; on CUDA its reads are
 pinned host-to-device copies, as the loader's host store reads) scaled to the subject's experts; decode tokens
 over the modelled seconds of the decode steps (the replay of prompt + decode less that of the prompt alone).
 The cost model counts expert reads and expert compute only, not attention or the dense layers, so modelled
 speeds are above measured ones by what those take. A row the simulator cannot model (neuron-level loading,
 predictors without recorded router inputs) has None and ``modelled_error`` saying why. Where the loader counts
 its overhead, ``modelled_calibrated_tokens_per_s`` is the same replay with the profile calibrated against this
-run (``prep.sim.device.calibrated``: reads overlap the hits' compute, plus the median measured overhead per MoE
+run (``loader.device.calibrated``: reads overlap the hits' compute, plus the median measured overhead per MoE
 layer call; written to ``device-calibrated.json``): the simulator's model of the loader's step.
 
 The bound of each budget (``physical_bounds``): 1 / max(the compute floor per token, Belady's I/O floor per
@@ -75,6 +75,7 @@ import torch
 from tqdm import tqdm
 
 from loader.codec import DEFAULT_FORMATS, MatrixSpec
+from loader.device import measure_device
 from loader.errors import MoeError
 from loader.io import write_bytes_atomic
 from loader.plan import PolicySpec, read_plan
@@ -83,7 +84,6 @@ from loader.runtime import budget_bytes
 from loader.vocab import PREDICTOR_NAMES
 from prep.errors import MoeprepError
 from prep.methods.trace import MIXTRAL_TRACE_FILE
-from prep.sim.device import measure_device
 from prep.sim.replay import replay_from_routing
 from prep.sim.simulate import PredictionFeed, artifact_spec, simulate
 from prep.studies.bench.llama import QUANT, logit_check, prepare_gguf
@@ -425,7 +425,7 @@ def _host_copies(nbytes: int, block: int = 8 << 20, small: int = 32) -> dict:
 
 
 def device_profile(subjects: list[Subject], sizes: Sizes, device: str, output: Path, store: str = "host"):
-    """This machine's ``prep.sim.device`` profile, measured once for the run (reads from a file on the output's
+    """This machine's ``loader.device`` profile, measured once for the run (reads from a file on the output's
     disk, one expert's compute on ``device``; on CUDA with ``store="host"`` the reads are pinned host-to-GPU
     copies, as the loader's host store reads there), written to ``output/device.json``."""
 
@@ -450,13 +450,13 @@ def device_profile(subjects: list[Subject], sizes: Sizes, device: str, output: P
 
 
 def calibrated_profile(profile, results: list[dict]):
-    """``profile`` calibrated against the loader as measured in this run (``prep.sim.device.calibrated``: reads
+    """``profile`` calibrated against the loader as measured in this run (``loader.device.calibrated``: reads
     overlapping hits' compute, and the loader's own time per MoE layer call, the median ``overhead_us_per_layer``
     of the run's loader rows); None where no loader row counted its overhead."""
     import statistics
 
     try:
-        from prep.sim.device import calibrated
+        from loader.device import calibrated
     except ImportError:
         return None
     overheads = [r["overhead_us_per_layer"] for r in results

@@ -316,8 +316,8 @@ def mixtral_shape_techniques_subject(output: Path, traces: Path, quick: bool, pr
                                      decode_tokens: int, echo=print) -> Subject:
     """The mixtral-shape model and replay, with one artifact per technique (module docstring); ``traces`` must
     hold ``mixtral-8x7b/gsm8k_routing.jsonl`` and ``adapmoe_sensitivity.json`` beside it."""
+    from loader.device import calibrated, load_profile, measure_device, write_profile
     from prep.methods.trace import _find_mixtral_file
-    from prep.sim.device import calibrated, load_profile, measure_device, write_profile
 
     file = _find_mixtral_file(Path(traces)).resolve()
     sensitivity = file.parent / SENSITIVITY_FILE

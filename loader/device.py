@@ -1,6 +1,6 @@
 """Device profiles: what a read and an expert's compute cost on a machine, for the simulator's cost model.
 
-A profile is a small JSON file (``moeprep profile-device`` writes one for this machine):
+A profile is a small JSON file (``moeload profile-device`` writes one for this machine):
 
     {"format": "moeprep-device-profile", "version": 1, "device": "...",
      "read_bandwidth_bytes_per_s": float, "read_latency_s": float, "direct_io": bool,
@@ -52,16 +52,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loader.codec import MatrixSpec, RecordLayout
+from loader.errors import ModelingError
 from loader.forms import choose_form, matrices_forward
 from loader.io import write_json_atomic
 from loader.vocab import BITS
-from prep.errors import MoeprepError
 
+DEVICE_FILE = "device.json"  # in an artifact: the profile its plan was tuned with (``moeload plan`` predicts with it)
 PROFILE_FORMAT = "moeprep-device-profile"
 PROFILE_VERSION = 1
 MIXTRAL_SHAPE = (4096, 14336)  # (hidden H, expert intermediate I) of Mixtral-8x7B
 MEASURED_PRECISIONS = ("float32", "bfloat16", *BITS)
 _ALIGN = 4096
+# calibration a profile keeps for any model (``DeviceProfile.for_model``): seconds per decoder layer per token outside
+# the MoE steps, in decode and in a prompt, fitted by ``moeload profile-device --artifact``
+MODEL_FREE_CALIBRATION = ("outside_layer_s", "prefill_outside_layer_s")
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,40 @@ class DeviceProfile:
         profiles measured before prefill forms)."""
         return self.extra.get("prefill_seconds_per_expert") or {}
 
+    def weight_seconds(self, dtype: str, prompt: bool = False) -> float:
+        """Seconds per weight of a plain ``dtype`` matrix product for one token: a decode step's (``compute_seconds``
+        over the profile's expert weights), or with ``prompt`` one token's share of the largest prompt batch timed
+        (``prefill_seconds``; 0 where the profile has none)."""
+        shape = self.extra.get("expert_shape", {"hidden": MIXTRAL_SHAPE[0], "intermediate": MIXTRAL_SHAPE[1]})
+        weights = self.extra.get("scaled_to_weights_per_expert") or 3 * shape["hidden"] * shape["intermediate"]
+        if not prompt:
+            return self.compute_seconds.get(dtype, self.compute_seconds.get("float32", 0.0)) / weights
+        timed = self.prefill_seconds.get(dtype, {}).get("record")
+        if not timed:
+            return 0.0
+        tokens, seconds = max((int(t), s) for t, s in timed["tokens"].items())
+        return seconds / tokens / weights
+
+    def for_model(self, weights_per_expert: float, dense_weights: int, decoder_layers: int,
+                  dtype: str) -> DeviceProfile:
+        """This profile for one model: compute scaled to its experts (``scaled_to``; a source-dtype record computes in
+        its dtype) and, where the calibration is model-free (``MODEL_FREE_CALIBRATION``, written by ``moeload
+        profile-device --artifact``), the time per token outside the MoE steps for this model: its dense weights at
+        this device's rate plus a fitted time per decoder layer, for decode and for a prompt."""
+        scaled = self.scaled_to(weights_per_expert)
+        compute = dict(scaled.compute_seconds)
+        if dtype in compute:
+            compute["passthrough"] = compute[dtype]
+        calibration = dict(self.calibration)
+        if "outside_layer_s" in calibration:
+            calibration["token_overhead_s"] = (decoder_layers * calibration["outside_layer_s"]
+                                               + dense_weights * self.weight_seconds(dtype))
+        if "prefill_outside_layer_s" in calibration:
+            calibration["prefill_token_overhead_s"] = (decoder_layers * calibration["prefill_outside_layer_s"]
+                                                       + dense_weights * self.weight_seconds(dtype, prompt=True))
+        return DeviceProfile(scaled.read_bandwidth, scaled.read_latency, compute, scaled.device, scaled.extra,
+                             scaled.make_seconds, calibration)
+
     def read_seconds(self, nbytes: int) -> float:
         return self.read_latency + nbytes / self.read_bandwidth
 
@@ -111,8 +149,8 @@ class DeviceProfile:
         try:
             return self.compute_seconds[precision]
         except KeyError:
-            raise MoeprepError(f"the device profile has no compute time for precision {precision!r} (it has "
-                               f"{sorted(self.compute_seconds)}); measure again with `moeprep profile-device` "
+            raise ModelingError(f"the device profile has no compute time for precision {precision!r} (it has "
+                               f"{sorted(self.compute_seconds)}); measure again with `moeload profile-device` "
                                "or add the precision to compute_seconds_per_expert") from None
 
     def make(self, precision: str) -> float:
@@ -141,31 +179,31 @@ class DeviceProfile:
 
     @classmethod
     def from_json(cls, raw: dict, where: str = "device profile") -> DeviceProfile:
-        fix = "write one with `moeprep profile-device --output device.json`"
+        fix = "write one with `moeload profile-device --output device.json`"
         if not isinstance(raw, dict) or raw.get("format") != PROFILE_FORMAT or raw.get("version") != PROFILE_VERSION:
-            raise MoeprepError(f"{where} is not a {PROFILE_FORMAT} version {PROFILE_VERSION} file; {fix}")
+            raise ModelingError(f"{where} is not a {PROFILE_FORMAT} version {PROFILE_VERSION} file; {fix}")
         bw, latency, compute = (raw.get("read_bandwidth_bytes_per_s"), raw.get("read_latency_s"),
                                 raw.get("compute_seconds_per_expert"))
         if not (_positive(bw) and _number(latency) and latency >= 0 and isinstance(compute, dict)
                 and all(isinstance(k, str) and _number(v) and v >= 0 for k, v in compute.items())):
-            raise MoeprepError(f"{where}: read_bandwidth_bytes_per_s (> 0), read_latency_s (>= 0) and "
+            raise ModelingError(f"{where}: read_bandwidth_bytes_per_s (> 0), read_latency_s (>= 0) and "
                                f"compute_seconds_per_expert ({{precision: seconds}}) are required; {fix}")
         make = raw.get("make_seconds_per_expert", {})
         if not (isinstance(make, dict) and all(isinstance(k, str) and _number(v) and v >= 0 for k, v in make.items())):
-            raise MoeprepError(f"{where}: make_seconds_per_expert must be {{precision: seconds >= 0}}; {fix}")
+            raise ModelingError(f"{where}: make_seconds_per_expert must be {{precision: seconds >= 0}}; {fix}")
         calibration = raw.get("calibration", {})
-        seconds = ("layer_overhead_s", "token_overhead_s", "prefill_token_overhead_s")
+        seconds = ("layer_overhead_s", "token_overhead_s", "prefill_token_overhead_s", *MODEL_FREE_CALIBRATION)
         if not (isinstance(calibration, dict) and set(calibration) <= {"overlap", *seconds}
                 and isinstance(calibration.get("overlap", False), bool)
                 and all(_number(calibration.get(k, 0.0)) and calibration.get(k, 0.0) >= 0 for k in seconds)):
-            raise MoeprepError(f"{where}: calibration must be {{overlap: bool, layer_overhead_s: seconds >= 0, "
-                               f"token_overhead_s: seconds >= 0, prefill_token_overhead_s: seconds >= 0}}; {fix}")
+            raise ModelingError(f"{where}: calibration must be {{overlap: bool, and seconds >= 0 for any of "
+                               f"{', '.join(seconds)}}}; {fix}")
         depths, depth = raw.get("read_depths"), raw.get("read_depth")
         if (depths is None) != (depth is None) or depths is not None and not (
                 isinstance(depths, dict) and depths
                 and all(isinstance(k, str) and k.isascii() and k.isdigit() and int(k) > 0 and _positive(v) for k, v in depths.items())
                 and _number(depth) and isinstance(depth, int) and str(depth) in depths):
-            raise MoeprepError(f"{where}: read_depths ({{depth: bytes/s > 0}}) and read_depth (one of its depths) "
+            raise ModelingError(f"{where}: read_depths ({{depth: bytes/s > 0}}) and read_depth (one of its depths) "
                                f"go together or not at all; {fix}")
         known = {"format", "version", "device", "read_bandwidth_bytes_per_s", "read_latency_s",
                  "compute_seconds_per_expert", "make_seconds_per_expert", "calibration"}
@@ -187,11 +225,11 @@ def load_profile(path: str | Path) -> DeviceProfile:
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
-        raise MoeprepError(f"device profile {path} does not exist; write one with "
-                           f"`moeprep profile-device --output {path}`") from None
+        raise ModelingError(f"device profile {path} does not exist; write one with "
+                           f"`moeload profile-device --output {path}`") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MoeprepError(f"device profile {path} is not valid JSON ({e}); measure it again with "
-                           "`moeprep profile-device`") from None
+        raise ModelingError(f"device profile {path} is not valid JSON ({e}); measure it again with "
+                           "`moeload profile-device`") from None
     return DeviceProfile.from_json(raw, str(path))
 
 
@@ -254,14 +292,14 @@ def measure_reads(directory: str | Path | None = None, file_bytes: int = 256 << 
     import random
 
     if file_bytes < block_bytes or block_bytes % _ALIGN:
-        raise MoeprepError(f"read test: file_bytes ({file_bytes}) must hold one block and block_bytes "
+        raise ModelingError(f"read test: file_bytes ({file_bytes}) must hold one block and block_bytes "
                            f"({block_bytes}) be a multiple of {_ALIGN}")
     file_bytes = file_bytes // block_bytes * block_bytes
     if record_bytes <= 0 or record_bytes % _ALIGN or record_bytes > file_bytes:
-        raise MoeprepError(f"read test: record_bytes ({record_bytes}) must be a positive multiple of {_ALIGN} "
+        raise ModelingError(f"read test: record_bytes ({record_bytes}) must be a positive multiple of {_ALIGN} "
                            f"no larger than the test file ({file_bytes} bytes); raise --file-mb")
     if not depths or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in depths):
-        raise MoeprepError(f"read test: depths {depths!r} must be positive numbers of reads in flight")
+        raise ModelingError(f"read test: depths {depths!r} must be positive numbers of reads in flight")
     depth_bytes = min(file_bytes, 64 << 20) if depth_bytes is None else depth_bytes
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="moeprep-profile-", dir=directory) as tmp:
@@ -331,7 +369,7 @@ def _depth_bandwidth(fd: int, direct: bool, file_bytes: int, record_bytes: int, 
         t.join()
     elapsed = time.perf_counter() - start
     if failed:
-        raise MoeprepError(f"read test at depth {depth} failed: {failed[0]}")
+        raise ModelingError(f"read test at depth {depth} failed: {failed[0]}")
     return depth * per_thread * record_bytes / elapsed
 
 
@@ -368,7 +406,7 @@ def measure_compute(expert_shape: tuple[int, int] = MIXTRAL_SHAPE, scale: int = 
 
     hidden, inter = expert_shape[0] // scale, expert_shape[1] // scale
     if hidden < group_size or inter % group_size or hidden % group_size:
-        raise MoeprepError(f"expert shape {expert_shape} / {scale} = ({hidden}, {inter}) must be multiples of the "
+        raise ModelingError(f"expert shape {expert_shape} / {scale} = ({hidden}, {inter}) must be multiples of the "
                            f"group size {group_size}")
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(0)
@@ -502,7 +540,7 @@ def measure_device(directory: str | Path | None = None, file_bytes: int = 256 <<
     import torch
 
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise MoeprepError("--device cuda was asked for but CUDA is not available; use --device cpu")
+        raise ModelingError("--device cuda was asked for but CUDA is not available; use --device cpu")
     reads = measure_reads(directory, file_bytes, record_bytes=record_bytes)
     compute, make = measure_compute(expert_shape, device=device)
     prefill = measure_prefill(expert_shape, device=device)
@@ -530,3 +568,99 @@ def write_profile(profile: DeviceProfile, path: str | Path) -> Path:
     path = Path(path)
     write_json_atomic(path, profile.to_json())
     return path
+
+
+# ------------------------------------------------------------------------------------------ calibration
+
+
+CALIBRATION_PROMPT = 64  # tokens of the prompt the calibration times (after one untimed pass that reads the experts)
+CALIBRATION_DECODE = 16  # decode tokens it times after that prompt
+
+
+def calibrate_on(profile: DeviceProfile, artifact, device: str = "cpu") -> DeviceProfile:
+    """``profile`` calibrated against the loader running ``artifact`` here with every expert held (``memory_budget=
+    "unlimited"``): reads overlap hits' compute, the loader's own time per MoE layer call (``layer_overhead_s``), and
+    the time per token outside the MoE steps, in decode and in a prompt, less the artifact's dense weights at this
+    device's rate, per decoder layer (``outside_layer_s``, ``prefill_outside_layer_s``): what ``for_model`` carries to
+    any model."""
+    import dataclasses
+
+    import torch
+
+    from loader.cli import decode
+    from loader.preview import model_profile
+    from loader.runtime import load
+
+    loaded = load(artifact, device=device, memory_budget="unlimited")
+    try:
+        vocab = loaded.model.config.get_text_config().vocab_size
+        ids = torch.randint(0, vocab, (1, CALIBRATION_PROMPT), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(device)
+        decode(loaded, ids, 2)  # untimed: reads the experts the prompt routes to
+        before = loaded.stats()
+        new, decode_seconds = decode(loaded, ids, CALIBRATION_DECODE + 1)
+        after = loaded.stats()
+        prefill_seconds = loaded.last_prefill.seconds
+    finally:
+        loaded.close()
+    steps = after["decode_timing"]["layer_steps"] - before["decode_timing"]["layer_steps"]
+    tokens = len(new) - 1
+    if steps <= 0 or tokens <= 0:
+        raise ModelingError(f"calibrating on {artifact}: the model stopped before decoding a token (it emitted its end "
+                            "token); calibrate on another artifact, or leave --artifact out for an uncalibrated profile")
+    overhead = after["decode_timing"]["overhead_seconds"] - before["decode_timing"]["overhead_seconds"]
+    decode_steps = after["decode_timing"]["step_seconds"] - before["decode_timing"]["step_seconds"]
+    prompt_steps = after["prefill_timing"]["step_seconds"] - before["prefill_timing"]["step_seconds"]
+    base = dataclasses.replace(profile, calibration={"overlap": True})
+    from loader.format import read_manifest
+
+    manifest = read_manifest(artifact)
+    text = loaded.model.config.get_text_config()
+    model = model_profile(manifest, dataclasses.replace(base, calibration={"overlap": True, "outside_layer_s": 0.0,
+                                                                           "prefill_outside_layer_s": 0.0}))
+    dense_decode = model.calibration["token_overhead_s"]  # the dense weights alone, at this device's rate
+    dense_prompt = model.calibration["prefill_token_overhead_s"]
+    layers = text.num_hidden_layers
+    outside_decode = (decode_seconds - decode_steps) / tokens
+    outside_prompt = (prefill_seconds - prompt_steps) / CALIBRATION_PROMPT
+    calibration = {"overlap": True, "layer_overhead_s": max(0.0, overhead / steps),
+                   "outside_layer_s": max(0.0, outside_decode - dense_decode) / layers,
+                   "prefill_outside_layer_s": max(0.0, outside_prompt - dense_prompt) / layers}
+    return dataclasses.replace(profile, calibration=calibration,
+                               extra=profile.extra | {"calibrated_on": {"artifact": str(manifest.root),
+                                                                        "decode_tokens": tokens,
+                                                                        "prompt_tokens": CALIBRATION_PROMPT}})
+
+
+def profile_device(output, directory=None, file_mb: int = 256, device: str = "cpu", artifact=None,
+                   echo=print) -> DeviceProfile:
+    """What ``moeload profile-device`` (and ``moeprep profile-device``) run: measure this machine (reads at the
+    artifact's record size from ``directory``'s disk, default: the artifact's, else the temp directory; compute per
+    expert and per prompt size), calibrate against the loader on ``artifact`` where one is given, write ``output``."""
+    record_bytes = RECORD_BYTES
+    if artifact is not None:
+        from loader.format import read_manifest
+
+        manifest = read_manifest(artifact)
+        record_bytes = max(s.stride for s in manifest.stores.values())
+        directory = directory if directory is not None else manifest.root.parent
+    echo(f"measuring reads ({file_mb} MB test file) and compute on {device} ...")
+    profile = measure_device(directory, file_mb << 20, device=device, record_bytes=record_bytes)
+    echo(f"read  {profile.read_bandwidth / 1e6:,.0f} MB/s at depth {profile.read_depth} of "
+         f"{record_bytes / 1024:,.0f} KiB reads, latency {profile.read_latency * 1e3:.3f} ms "
+         f"(direct I/O: {'yes' if profile.extra.get('direct_io') else 'no, fadvise'}); sequential "
+         f"{profile.extra['sequential_read_bandwidth_bytes_per_s'] / 1e6:,.0f} MB/s")
+    depths = ", ".join(f"{d}: {bw / 1e6:,.0f}" for d, bw in profile.extra["read_depths"].items())
+    echo(f"record reads in flight -> MB/s: {depths}")
+    compute = ", ".join(f"{p} {s * 1e3:.1f} ms" for p, s in profile.compute_seconds.items())
+    echo(f"compute per expert ({profile.device}): {compute}")
+    if artifact is not None:
+        echo(f"calibrating against the loader on {artifact} (every expert held) ...")
+        profile = calibrate_on(profile, artifact, device)
+        c = profile.calibration
+        echo(f"loader overhead {c['layer_overhead_s'] * 1e6:.0f} us per MoE layer call; outside the MoE steps "
+             f"{c['outside_layer_s'] * 1e6:.0f} us per decoder layer per decode token, "
+             f"{c['prefill_outside_layer_s'] * 1e6:.1f} us per prompt token")
+    write_profile(profile, output)
+    echo(f"wrote {output}")
+    return profile
