@@ -62,10 +62,10 @@ def margin(free_bytes: int) -> int:
     return MARGIN_BYTES + int(MARGIN_SHARE * free_bytes)
 
 
-def auto_budget(device: str = "cpu", cgroup_root: Path = CGROUP_ROOT, meminfo: Path = MEMINFO,
-                self_cgroup: Path = SELF_CGROUP) -> AutoBudget:
-    """The budget ``auto`` means here and now (the paths are parameters so that a test can fake them)."""
-    free = free_memory(device, cgroup_root, meminfo, self_cgroup)
+def auto_budget(device: str = "cpu") -> AutoBudget:
+    """The budget ``auto`` means here and now (from ``CGROUP_ROOT``, ``MEMINFO`` and ``SELF_CGROUP``, read when called:
+    a test points them at fakes)."""
+    free = free_memory(device, CGROUP_ROOT, MEMINFO, SELF_CGROUP)
     keep = margin(free.bytes)
     if free.bytes <= keep:
         raise BudgetError(f"memory budget auto: only {free.bytes:,} bytes are free ({free.source}), not more than the "
