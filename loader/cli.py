@@ -116,16 +116,20 @@ def _store_summary(manifest) -> dict:
                    "with, its device.json).")
 @click.option("--prompt-tokens", default=512, show_default=True, type=click.IntRange(1, 1 << 20),
               help="The prompt whose time to first token is predicted.")
+@click.option("--routing", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="Replay this routing (a safetensors of expert_ids and weights [T, L, K], e.g. recorded on your "
+                   "workload) instead of the sample the artifact carries.")
 @click.option("--expert-dtype", type=click.Choice(list(EXPERT_DTYPES)), default="auto", show_default=True,
               help="The held form of a cached expert, as for generate.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def plan_command(artifact: str, memory_budget: str | None, device: str, store: str, device_profile: str | None,
-                 prompt_tokens: int, expert_dtype: str, as_json: bool) -> None:
+                 prompt_tokens: int, routing: str | None, expert_dtype: str, as_json: bool) -> None:
     """What a load would hold where and how fast it would run, without loading the weights; exit 1 if it does not fit."""
     from loader.preview import describe, preview
 
     check_device(device)
-    view = preview(artifact, memory_budget, device, store, device_profile, prompt_tokens, expert_dtype)
+    view = preview(artifact, memory_budget, device, store, device_profile, prompt_tokens, expert_dtype,
+                   routing=routing)
     if as_json:
         click.echo(json.dumps(view, indent=2, sort_keys=True))
     else:

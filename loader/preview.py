@@ -30,19 +30,20 @@ from loader.plan import read_plan
 from loader.predict import ROUTING_ONLY, make_predictor
 from loader.prefill import chunk_sizes
 from loader.runtime import reader_workers
-from loader.simulate import capacities_spec, read_routing_sample, simulate, simulate_prefill
+from loader.simulate import ROUTING_SAMPLE, capacities_spec, read_routing_sample, simulate, simulate_prefill
 from loader.store import ExpertStore
 
 PROMPT_TOKENS = 512  # the prompt whose time to first token is predicted unless one is given
 
 
 def preview(artifact, memory_budget=None, device: str = "cpu", store: str = "disk", profile=None,
-            prompt_tokens: int = PROMPT_TOKENS, expert_dtype: str = "auto", workers="auto") -> dict:
+            prompt_tokens: int = PROMPT_TOKENS, expert_dtype: str = "auto", workers="auto", routing=None) -> dict:
     """One JSON-ready object: the budget (and what ``auto`` chose), the minimum budget and its parts, whether the
     budget fits (``fits``; ``error`` says why not), the operating point, the held forms, every byte of the budget by
     what holds it (``accounting``), and the predicted decode tokens/s and time to first token of a ``prompt_tokens``
     prompt (``prediction``; its ``why`` says what is missing where it cannot be made). ``profile``: a
-    ``DeviceProfile`` or a path to one (None: the artifact's)."""
+    ``DeviceProfile`` or a path to one (None: the artifact's). ``routing``: a routing file to replay instead of the
+    artifact's sample (``loader.simulate.read_routing_sample``)."""
     manifest = read_manifest(artifact)
     plan = read_plan(manifest.root)
     dev = torch.device(device)
@@ -80,8 +81,8 @@ def preview(artifact, memory_budget=None, device: str = "cpu", store: str = "dis
         out["operating_point"] = _operating_point(manifest, point.budget_bytes) if point is not None else None
         out["held_forms"] = {p: f.name for p, f in sorted(layout.forms.items())}
         out["accounting"] = _accounting(layout, alloc)
-        out["prediction"] = _prediction(manifest, layout, alloc, profile, prompt_tokens, {p: s.record_bytes
-                                                                                         for p, s in stores.items()})
+        out["prediction"] = _prediction(manifest, layout, profile, prompt_tokens,
+                                        {p: s.record_bytes for p, s in stores.items()}, routing)
         return out
     finally:
         for s in stores.values():
@@ -164,14 +165,14 @@ def model_profile(manifest, profile: DeviceProfile) -> DeviceProfile:
     return profile.for_model(per_expert, dense, int(text.get("num_hidden_layers", len(moe["layers"]))), moe["dtype"])
 
 
-def _prediction(manifest, layout, alloc, profile, prompt_tokens: int, record_bytes: dict) -> dict:
+def _prediction(manifest, layout, profile, prompt_tokens: int, record_bytes: dict, routing=None) -> dict:
     try:
         chosen, source = device_profile(manifest, profile)
         if chosen is None:
             return {"available": False, "why": f"no device profile: pass --device-profile (measure one with `moeload "
                                                f"profile-device`); the artifact carries no {DEVICE_FILE}"}
         scaled = model_profile(manifest, chosen)
-        replay, feed = read_routing_sample(manifest)
+        replay, feed = read_routing_sample(manifest, routing)
     except ModelingError as e:
         return {"available": False, "why": str(e)}
     plan, caps = layout.plan, layout.capacities
@@ -199,7 +200,7 @@ def _prediction(manifest, layout, alloc, profile, prompt_tokens: int, record_byt
     except BudgetError as e:  # the prompt does not fit this budget's activations: ``load`` would refuse it too
         out |= {"prefill_chunks": None, "time_to_first_token_s": None, "prefill_tokens_per_s": None,
                 "prefill_why": str(e)}
-    return out | {"available": True, "profile": source, "profile_device": chosen.device,
+    return out | {"available": True, "profile": source, "routing": str(routing or ROUTING_SAMPLE), "profile_device": chosen.device,
             "calibrated": bool(chosen.calibration), "sample_tokens": result.tokens,
             "decode_tokens_per_s": result.tokens / seconds if seconds > 0 else None,
             "decode_seconds_per_token": seconds / result.tokens if result.tokens else None,

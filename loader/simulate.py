@@ -651,22 +651,25 @@ def plan_prefill(replay: Replay, plan: Plan, spec: CacheSpec, profile: DevicePro
 # --------------------------------------------------------------------------------- the artifact's routing sample
 
 
-def read_routing_sample(manifest) -> tuple[Replay, PredictionFeed | None]:
+def read_routing_sample(manifest, path=None) -> tuple[Replay, PredictionFeed | None]:
     """The routing an artifact carries (``routing.safetensors``, written by ``moeprep prepare``'s package stage) as a
     ``Replay``, and what the plan's predictors read when the sample holds the routers' inputs (else None). A missing
-    sample is a ModelingError saying to prepare the artifact again."""
+    sample is a ModelingError saying to prepare the artifact again. ``path``: another file of the same tensors
+    (``expert_ids`` and ``weights`` [T, L, K] at least; without ``sequence_lengths``, one sequence), e.g. routing
+    recorded on the workload the device will run."""
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     from loader.predict import PREDICTORS_FILE
 
-    if ROUTING_SAMPLE not in manifest.files:
-        raise ModelingError(f"{manifest.root} carries no routing sample ({ROUTING_SAMPLE}: artifacts prepared before "
-                            "moeprep 0.x wrote one); prepare it again to get predictions")
-    path = manifest.path(ROUTING_SAMPLE)
+    if path is None and ROUTING_SAMPLE not in manifest.files:
+        raise ModelingError(f"{manifest.root} carries no routing sample ({ROUTING_SAMPLE}: artifacts packaged before "
+                            "package stage version 11 lack it); prepare it again, or pass --routing FILE")
+    path = manifest.path(ROUTING_SAMPLE) if path is None else path
     try:
         tensors = load_file(str(path))
-        ids, weights, lengths = tensors["expert_ids"], tensors["weights"], tensors["sequence_lengths"].tolist()
+        ids, weights = tensors["expert_ids"], tensors["weights"]
+        lengths = tensors["sequence_lengths"].tolist() if "sequence_lengths" in tensors else [int(ids.shape[0])]
         moe = manifest.raw["moe"]
         layers, experts, top_k = len(moe["layers"]), moe["num_experts"], moe["top_k"]
         if (ids.dim() != 3 or tuple(ids.shape[1:]) != (layers, top_k) or weights.shape != ids.shape
