@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-import time
 
 import click
 
@@ -231,40 +230,6 @@ def neuron_switch(artifact: str, neuron: str, theta: float | None):
     return dataclasses.replace(base, theta=NeuronConfig.from_params({"theta": theta}).theta)
 
 
-def decode(loaded, ids, max_new_tokens: int, streamer=None) -> tuple[list[int], float]:
-    """Greedy generation: the prompt prefilled in chunks (``LoadedModel.prefill``: the first token from its
-    logits), then ``generate`` from its KV cache. Returns the new token ids and the seconds after the first."""
-    import torch
-
-    with torch.no_grad():
-        result = loaded.prefill(ids)
-        first = result.logits[-1].argmax().view(1, 1).to(ids.device)
-        if streamer is not None:
-            streamer.next_tokens_are_prompt = False
-            streamer.put(first[0])
-            streamer.next_tokens_are_prompt = True  # generate's first put is the prompt again: skipped
-        eos = loaded.model.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
-        if max_new_tokens == 1 or first.item() in eos:
-            if streamer is not None:
-                streamer.end()
-            return [first.item()], 0.0
-        whole = torch.cat([ids, first], dim=1)
-        start = time.perf_counter()
-        out = loaded.model.generate(input_ids=whole, attention_mask=torch.ones_like(whole), do_sample=False,
-                                    max_new_tokens=max_new_tokens - 1, streamer=streamer,
-                                    pad_token_id=loaded.tokenizer.pad_token_id, **{cache_argument(loaded.model): result.cache})
-        seconds = time.perf_counter() - start
-    return out[0, ids.shape[1]:].tolist(), seconds
-
-
-def cache_argument(model) -> str:
-    """The name the model's forward gives its KV cache: ``cache`` (transformers 5.24), else ``past_key_values``."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 @main.command("generate")
 @click.argument("artifact", type=click.Path())
 @click.option("--prompt", required=True, help="Text to continue.")
@@ -312,6 +277,7 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
     from transformers import TextStreamer
 
     from loader.memory import AutoBudget, auto_budget, is_auto
+    from loader.prefill import decode
     from loader.preview import preview
     from loader.routing import MissPolicy, RoutingPolicy
     from loader.runtime import MAX_WORKERS, load, max_threads

@@ -573,6 +573,29 @@ def write_profile(profile: DeviceProfile, path: str | Path) -> Path:
 # ------------------------------------------------------------------------------------------ calibration
 
 
+def model_profile(manifest, profile: DeviceProfile) -> DeviceProfile:
+    """``profile`` for this artifact's model (``DeviceProfile.for_model``): its experts' weights, its dense weights
+    and decoder layers (the time per token outside the MoE steps)."""
+    import torch
+    from safetensors import safe_open
+
+    from loader.format import read_json
+
+    moe = manifest.raw["moe"]
+    itemsize = torch.empty((), dtype=getattr(torch, moe["dtype"])).element_size()
+    per_expert = int(moe["source_expert_bytes"]) / itemsize / (len(moe["layers"]) * moe["num_experts"])
+    config = read_json(manifest.path("config.json"), "config.json")
+    text = config.get("text_config") or config
+    dense = 0
+    with safe_open(str(manifest.path("dense.safetensors")), framework="pt") as f:
+        for name in f.keys():
+            if name.endswith("embed_tokens.weight") and not text.get("tie_word_embeddings", False):
+                continue  # a lookup, not a product (tied, it is the LM head too)
+            shape = f.get_slice(name).get_shape()
+            dense += math.prod(shape) if len(shape) >= 2 else 0
+    return profile.for_model(per_expert, dense, int(text.get("num_hidden_layers", len(moe["layers"]))), moe["dtype"])
+
+
 CALIBRATION_PROMPT = 64  # tokens of the prompt the calibration times (after one untimed pass that reads the experts)
 CALIBRATION_DECODE = 16  # decode tokens it times after that prompt
 
@@ -587,8 +610,7 @@ def calibrate_on(profile: DeviceProfile, artifact, device: str = "cpu") -> Devic
 
     import torch
 
-    from loader.cli import decode
-    from loader.preview import model_profile
+    from loader.prefill import decode
     from loader.runtime import load
 
     loaded = load(artifact, device=device, memory_budget="unlimited")

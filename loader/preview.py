@@ -22,7 +22,7 @@ from loader.budget import (
     resolve_budget,
 )
 from loader.codec import RecordLayout
-from loader.device import DEVICE_FILE, DeviceProfile, load_profile
+from loader.device import DEVICE_FILE, DeviceProfile, load_profile, model_profile
 from loader.errors import BudgetError, LoaderError, ModelingError
 from loader.format import REPORT, read_json, read_manifest
 from loader.memory import auto_budget, is_auto
@@ -143,26 +143,6 @@ def device_profile(manifest, profile) -> tuple[DeviceProfile | None, str]:
     if DEVICE_FILE in manifest.files:
         return load_profile(manifest.path(DEVICE_FILE)), f"the artifact's {DEVICE_FILE} (the device it was planned for)"
     return None, ""
-
-
-def model_profile(manifest, profile: DeviceProfile) -> DeviceProfile:
-    """``profile`` for this artifact's model (``DeviceProfile.for_model``): its experts' weights, its dense weights
-    and decoder layers (the time per token outside the MoE steps)."""
-    from safetensors import safe_open
-
-    moe = manifest.raw["moe"]
-    itemsize = torch.empty((), dtype=getattr(torch, moe["dtype"])).element_size()
-    per_expert = int(moe["source_expert_bytes"]) / itemsize / (len(moe["layers"]) * moe["num_experts"])
-    config = read_json(manifest.path("config.json"), "config.json")
-    text = config.get("text_config") or config
-    dense = 0
-    with safe_open(str(manifest.path("dense.safetensors")), framework="pt") as f:
-        for name in f.keys():
-            if name.endswith("embed_tokens.weight") and not text.get("tie_word_embeddings", False):
-                continue  # a lookup, not a product (tied, it is the LM head too)
-            shape = f.get_slice(name).get_shape()
-            dense += math.prod(shape) if len(shape) >= 2 else 0
-    return profile.for_model(per_expert, dense, int(text.get("num_hidden_layers", len(moe["layers"]))), moe["dtype"])
 
 
 def _prediction(manifest, layout, profile, prompt_tokens: int, record_bytes: dict, routing=None) -> dict:
