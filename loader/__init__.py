@@ -13,3 +13,12 @@ def load(artifact, **options):
     from loader.runtime import load as _load
 
     return _load(artifact, **options)
+
+
+def preview(artifact, **options) -> dict:
+    """What ``load(artifact, ...)`` would hold where and how fast it would run, without loading a weight (``moeload
+    plan``): ``loader.fit.preview`` (its options and defaults). Named so because ``loader.plan`` is the plan schema's
+    module."""
+    from loader.fit import preview as _preview
+
+    return _preview(artifact, **options)

@@ -313,7 +313,7 @@ class Allocation:
     """The memory ``load`` allocates for a budget, by what holds it: per pool ``(slots, slot bytes)``, the read
     buffers, the reader threads' staging buffers and the prefill forms' buffers, each ``(count, bytes each)``; and
     the prefill forms themselves (precision -> (form, from tokens)). The engine allocates exactly these (``loader/
-    step.py``); ``moeload plan`` prints them (``loader/preview.py``)."""
+    step.py``); ``moeload plan`` prints them (``loader/fit.py``)."""
 
     pools: dict
     read_buffers: tuple[int, int]

@@ -124,7 +124,7 @@ def _store_summary(manifest) -> dict:
 def plan_command(artifact: str, memory_budget: str | None, device: str, store: str, device_profile: str | None,
                  prompt_tokens: int, routing: str | None, expert_dtype: str, as_json: bool) -> None:
     """What a load would hold where and how fast it would run, without loading the weights; exit 1 if it does not fit."""
-    from loader.preview import describe, preview
+    from loader.fit import describe, preview
 
     check_device(device)
     view = preview(artifact, memory_budget, device, store, device_profile, prompt_tokens, expert_dtype,
@@ -276,9 +276,9 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
     import torch
     from transformers import TextStreamer
 
+    from loader.fit import preview
     from loader.memory import AutoBudget, auto_budget, is_auto
     from loader.prefill import decode
-    from loader.preview import preview
     from loader.routing import MissPolicy, RoutingPolicy
     from loader.runtime import MAX_WORKERS, load, max_threads
 

@@ -1,6 +1,6 @@
 """The cost model: recorded routing replayed through the loader's own expert cache and schedule, timed with a
 device profile (``loader/device.py``). The loader's ``moeload plan`` predicts decode tokens/s and time to first
-token with it (``loader/preview.py``); the preparation's simulator and planner (``prep/sim``, ``prep/stages``)
+token with it (``loader/fit.py``); the preparation's simulator and planner (``prep/sim``, ``prep/stages``)
 call the same functions, so the plan a device team is shown and the plan the preparation tuned are modelled alike.
 
 The decode replay (``simulate``) runs one call per token per MoE layer, as in decode:

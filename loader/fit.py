@@ -218,8 +218,12 @@ def describe(view: dict) -> list[str]:
         return lines
     point = view.get("operating_point")
     if point:
-        lines.append(f"operating point  {size(point['budget_bytes'])}  modelled at preparation "
-                     f"{point['modeled_tokens_per_s']} tok/s  accuracy delta {point['accuracy_delta']}")
+        speed = point["modeled_tokens_per_s"]
+        delta = point["accuracy_delta"] or {}
+        lines.append(f"operating point  {size(point['budget_bytes'])}: modelled at preparation "
+                     + (f"{speed:.1f} tok/s" if isinstance(speed, int | float) else "-")
+                     + (", accuracy " + ", ".join(f"{k} {100 * v:+.2f} points" for k, v in delta.items()
+                                                  if isinstance(v, int | float)) if delta else ""))
     lines.append("held forms  " + "  ".join(f"{p} {f}" for p, f in view["held_forms"].items()))
     acc = view["accounting"]
     lines.append(f"  dense weights          {size(acc['dense_bytes'])}")

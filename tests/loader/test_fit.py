@@ -1,4 +1,4 @@
-"""``moeload plan`` (loader/preview.py), ``--memory-budget auto`` (loader/memory.py) and the device profile's hand-off
+"""``moeload plan`` (loader/fit.py), ``--memory-budget auto`` (loader/memory.py) and the device profile's hand-off
 to ``moeprep prepare --device-profile``: the gates of issue 44.
 
 The bytes ``plan`` prints are checked against what ``load`` actually allocated (the engine's slot arenas, buffers and
@@ -19,7 +19,7 @@ import loader.memory as memory
 from loader.cli import main as moeload
 from loader.device import DeviceProfile, write_profile
 from loader.errors import BudgetError
-from loader.preview import preview
+from loader.fit import preview
 from loader.runtime import load
 from tests.tiny_models import tiny_artifact
 
@@ -117,7 +117,7 @@ def test_a_budget_that_does_not_fit_exits_1_with_the_numbers(artifact):
 
 
 def test_the_loader_does_not_import_prep():
-    code = ("import sys, loader.preview, loader.cli, loader.simulate, loader.device, loader.memory; "
+    code = ("import sys, loader.fit, loader.cli, loader.simulate, loader.device, loader.memory; "
             "bad = sorted(m for m in sys.modules if m == 'prep' or m.startswith('prep.')); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
