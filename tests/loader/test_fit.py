@@ -89,6 +89,10 @@ def test_plan_json_is_stable_and_predicts(artifact, profile):
     assert first.exit_code == 0, first.output
     assert first.output == second.output
     view = json.loads(first.output)
+    import loader  # the same object in Python
+
+    same = loader.preview(artifact, memory_budget="50%", profile=str(profile), prompt_tokens=8)
+    assert json.loads(json.dumps(same)) == view
     p = view["prediction"]
     assert p["available"] and p["calibrated"] and p["profile"] == str(profile)
     assert p["decode_tokens_per_s"] > 0 and p["time_to_first_token_s"] > 0 and 0 <= p["hit_rate"] <= 1
