@@ -65,15 +65,14 @@ def preview(artifact, memory_budget=None, device: str = "cpu", store: str = "dis
             layout = None
             out["fits"] = False
             out["error"] = f"{auto.describe()}; that does not fit: {e}" if auto is not None else str(e)
+        smallest = held_layout(manifest, stores, plan, minimum, dev, expert_dtype, n_workers)  # what the minimum holds
+        out["minimum_parts"] = _minimum_parts(smallest, minimum)
         if layout is None:
-            smallest = held_layout(manifest, stores, plan, minimum, dev, expert_dtype, n_workers)
-            out["minimum_parts"] = _minimum_parts(smallest, minimum)
             out["budget"]["bytes"] = _budget_bytes(memory_budget, smallest)
             out["prediction"] = {"available": False, "why": "the budget does not fit"}
             return out
         caps = layout.capacities
         out["budget"]["bytes"] = None if math.isinf(caps.limit_bytes) else int(caps.limit_bytes)
-        out["minimum_parts"] = _minimum_parts(layout, minimum)
         layouts = {p: RecordLayout.from_json(s["layout"]) for p, s in manifest.raw["stores"].items()}
         top_k = manifest.raw["moe"]["top_k"]
         alloc = allocation(layout.plan, layout, layouts, top_k, n_workers, dev)

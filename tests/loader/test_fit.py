@@ -259,3 +259,41 @@ def test_a_damaged_profile_is_refused_by_prepare_naming_the_file(tmp_path):
     bad.write_text("{not json")
     result = CliRunner().invoke(moeprep, ["prepare", "--recipe", "recipes/reference.yaml", "--device-profile", str(bad)])
     assert result.exit_code == 1 and str(bad) in result.output and "not valid JSON" in result.output
+
+
+# ----------------------------------------------------------------------------------------- the routing sample
+
+
+def test_the_artifact_carries_the_traces_first_sequences_as_its_routing_sample(artifact):
+    from safetensors.torch import load_file
+
+    from loader.format import read_manifest
+    from loader.simulate import ROUTING_SAMPLE, read_routing_sample
+    from prep.methods.trace import open_trace
+
+    root = artifact.parent  # the prepare root, whose stage cache holds the trace
+    [trace_dir] = sorted(root.glob("artifacts/*/stages/trace-*/trace"))
+    trace = open_trace(trace_dir)
+    sample = load_file(str(artifact / ROUTING_SAMPLE))
+    lengths = sample["sequence_lengths"].tolist()
+    assert lengths == trace.sequence_tokens[:len(lengths)] and sum(lengths) <= 1024
+    recorded = trace.routing()[:len(lengths)]
+    assert sample["expert_ids"].long().tolist() == [row for r in recorded for row in r.expert_ids.tolist()]
+    replay, _ = read_routing_sample(read_manifest(artifact))
+    assert replay.num_tokens == sum(lengths) and replay.top_k == trace.routing()[0].top_k
+
+
+def test_a_damaged_routing_sample_is_named_and_the_plan_still_prints(artifact, tmp_path, profile):
+    import shutil
+
+    from loader.errors import ModelingError
+    from loader.format import read_manifest
+    from loader.simulate import ROUTING_SAMPLE, read_routing_sample
+
+    copy = tmp_path / "artifact"
+    shutil.copytree(artifact.resolve(), copy)
+    (copy / ROUTING_SAMPLE).write_bytes(b"\x00" * 64)
+    with pytest.raises(ModelingError, match=ROUTING_SAMPLE):
+        read_routing_sample(read_manifest(copy))
+    view = preview(copy, "50%", profile=profile)
+    assert view["fits"] and not view["prediction"]["available"] and ROUTING_SAMPLE in view["prediction"]["why"]
