@@ -37,7 +37,7 @@ eval: setup
 bench: setup
 	$(BIN)/moeprep bench --device $(DEVICE)
 
-# README's "How fast": the bench's headline rows (about 20 minutes on 2 cores), then the block and docs/bench.png.
+# README's "How fast": the bench's headline rows, then that block (it says how long the bench took) and docs/bench.png.
 how-fast: setup
 	$(BIN)/moeprep bench --subject mixtral-shape,mixtral-shape-own --budgets 100%,25%,4bit-25% --repeats 2 --systems resident,accelerate,moeprep,llama.cpp --traces $(TRACES) --output $(HOW_FAST)
 	$(BIN)/python -m prep.studies.bench.readme --bench $(HOW_FAST) --readme README.md
