@@ -12,8 +12,9 @@ BIN := $(VENV)/bin
 GPU_PYTHON ?= python3
 GPU_PY ?= 3.12
 TRACES ?= ../shared/data/traces
+HOW_FAST ?= artifacts/how-fast
 
-.PHONY: setup test prepare eval bench reference-model reference-metrics lint gpu-carry gpu-check
+.PHONY: setup test prepare eval bench how-fast reference-model reference-metrics lint gpu-carry gpu-check
 
 setup: $(VENV)/.installed
 
@@ -35,6 +36,11 @@ eval: setup
 
 bench: setup
 	$(BIN)/moeprep bench --device $(DEVICE)
+
+# README's "How fast": the bench's headline rows, then that block (it says how long the bench took) and docs/bench.png.
+how-fast: setup
+	$(BIN)/moeprep bench --subject mixtral-shape,mixtral-shape-own --budgets 100%,25%,4bit-25% --repeats 2 --systems resident,accelerate,moeprep,llama.cpp --traces $(TRACES) --output $(HOW_FAST)
+	$(BIN)/python -m prep.studies.bench.readme --bench $(HOW_FAST) --readme README.md
 
 reference-model: setup
 	$(BIN)/moeprep reference-model --out recipes/reference

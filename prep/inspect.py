@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 from loader.codec import CodecError, RecordLayout
-from loader.io import write_text_atomic
 from loader.vocab import BITS
 from prep.adapters import build_skeleton, get_adapter, inspect_model, load_config
 from prep.calibration import check_context
@@ -30,6 +29,7 @@ from prep.evals.data import load_benchmarks
 from prep.evals.workload import DEVICES, suite_seconds, suite_workloads
 from prep.pipeline import STAGES
 from prep.quant.hqq_codec import matrix_spec
+from prep.readme_block import update_readme as update_readme  # re-exported: cli, tests
 from prep.recipe import load_recipe
 from prep.stages.quantize import QuantizeSection
 
@@ -245,19 +245,3 @@ def eval_time_table(recipe_paths: list[str | Path], data: str | Path, root: str 
                        for s in suites)
     sources = "; ".join(f"{d.name}: {d.source}" for d in DEVICES)
     return "\n".join(lines) + f"\n\nPer model: {tokens}. Devices: {sources}.\n"
-
-
-def update_readme(readme: str | Path, table: str, markers: tuple[str, str] = MARKERS) -> bool:
-    """Replace the block between ``markers`` in ``readme`` with ``table``; returns whether it changed."""
-
-    path = Path(readme)
-    text = path.read_text()
-    start, end = markers
-    if start not in text or end not in text:
-        raise MoeprepError(f"{path} has no models table block; add the lines {start!r} and {end!r} where it goes")
-    before, rest = text.split(start, 1)
-    _, after = rest.split(end, 1)
-    new = f"{before}{start}\n{table}{end}{after}"
-    if new != text:
-        write_text_atomic(path, new)
-    return new != text

@@ -200,6 +200,11 @@ def test_bench_runs_only_the_systems_asked_for_on_the_store_asked_for(tmp_path, 
                    ("moeprep", "25%")}
     assert {c["store"] for c in calls} == {"host"} and report["store"] == "host"
     assert "Loader expert stores: `host`" in (tmp_path / "bench.md").read_text()
+    # the command as given and the code's commit, for the README's How fast block (prep/studies/bench/readme.py)
+    assert report["options"] | {"output": None, "traces": None} == {
+        "subject": "mixtral-shape", "budgets": "25%", "repeats": None, "quick": True, "device": "cpu", "store": "host",
+        "systems": "naive,moeprep", "prefill": None, "decode": True, "output": None, "traces": None}
+    assert report["commit"] == bench_run.source_commit() != ""
     with pytest.raises(MoeprepError, match="--systems .*unknown"):
         bench_run.run_bench("mixtral-shape", "25%", quick=True, output=tmp_path, traces=TRACES_ROOT,
                             echo=lambda m: None, only="naive,fast")

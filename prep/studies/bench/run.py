@@ -184,6 +184,23 @@ def machine_info(device: str) -> dict:
     return info
 
 
+def source_commit() -> str:
+    """The git commit of the checkout the bench's code runs from, with ``-dirty`` where its tracked files under
+    prep/ or loader/ differ from it; ``unknown`` outside a git checkout (or without git)."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+        if head.returncode != 0 or not head.stdout.strip():
+            return "unknown"
+        top = subprocess.run(["git", "-C", str(here), "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                             timeout=30).stdout.strip()
+        changed = subprocess.run(["git", "-C", top, "status", "--porcelain", "--untracked-files=no", "--", "prep",
+                                  "loader"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head.stdout.strip() + ("-dirty" if changed.returncode != 0 or changed.stdout.strip() else "")
+
+
 def read_bandwidth(path: Path, limit: int, chunk: int = 16 << 20) -> dict:
     """Sequential read bandwidth of the disk holding ``path``: O_DIRECT reads of up to ``limit`` bytes.
 
@@ -804,6 +821,9 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
                            "(or install a CUDA build of torch on a machine with a GPU)")
     if store not in ("auto", "disk", "host"):
         raise MoeprepError(f"--store {store!r} unknown; use auto, disk or host")
+    options = {"subject": subject, "budgets": budgets, "repeats": repeats, "quick": quick, "device": device,
+               "store": store, "systems": only, "prefill": prefill, "decode": decode, "output": str(output),
+               "traces": None if traces is None else str(traces)}  # as given: the command that made the report
     store = store if store != "auto" else ("host" if device == "cuda" else "disk")
     chosen_systems = _only_systems(only)  # checked before anything is built
     prompts = parse_prompts(prefill)
@@ -1053,6 +1073,8 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
         "notes": notes,
         "wall_seconds": round(time.time() - started, 1),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": source_commit(),
+        "options": options,
     }
     _write_atomic(output / "bench.json", json.dumps(report, indent=2) + "\n")
     _write_atomic(output / "bench.md", write_markdown(report))
