@@ -320,8 +320,11 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
     stats = loaded.stats()
     # what `moeload plan` predicts for this budget and this prompt's length (nothing loaded: a replay of the routing
     # sample the artifact carries), beside what was measured
-    stats["predicted"] = preview(artifact, memory_budget, device, store, device_profile, ids.shape[1], expert_dtype,
-                                 workers if workers == "auto" else int(workers))["prediction"]
+    try:
+        stats["predicted"] = preview(artifact, memory_budget, device, store, device_profile, ids.shape[1],
+                                     expert_dtype, workers if workers == "auto" else int(workers))["prediction"]
+    except MoeError as e:  # a prediction never fails a run that worked
+        stats["predicted"] = {"available": False, "why": str(e)}
     stats["generate"] = {"time_to_first_token_s": loaded.last_prefill.seconds,
                          "prefill_tokens_per_second": loaded.last_prefill.tokens_per_second,
                          "decode_tokens": len(new) - 1, "decode_seconds": seconds,

@@ -23,7 +23,7 @@ from loader.budget import (
 )
 from loader.codec import RecordLayout
 from loader.device import DEVICE_FILE, DeviceProfile, load_profile, model_profile
-from loader.errors import BudgetError, LoaderError, ModelingError
+from loader.errors import ArtifactError, BudgetError, LoaderError, ModelingError
 from loader.format import REPORT, read_json, read_manifest
 from loader.memory import auto_budget, is_auto
 from loader.plan import read_plan
@@ -104,8 +104,12 @@ def _minimum_parts(layout, minimum: int) -> dict:
 
 
 def _operating_point(manifest, budget_bytes: int) -> dict:
-    report = read_json(manifest.path(REPORT), REPORT) if REPORT in manifest.files else {}
-    points = report.get("operating_points") or [] if isinstance(report, dict) else []
+    """The point's figures from report.json, which is informational: missing or unreadable, they are None."""
+    try:
+        report = read_json(manifest.path(REPORT), REPORT) if REPORT in manifest.files else {}
+    except (ArtifactError, OSError):
+        report = {}
+    points = (report.get("operating_points") or []) if isinstance(report, dict) else []
     found = next((p for p in points if p.get("budget_bytes") == budget_bytes), {})
     return {"budget_bytes": budget_bytes, "modeled_tokens_per_s": found.get("modeled_tokens_per_s"),
             "accuracy_delta": found.get("accuracy_delta")}
