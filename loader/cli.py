@@ -115,6 +115,8 @@ def _store_summary(manifest) -> dict:
                    "with, its device.json).")
 @click.option("--prompt-tokens", default=512, show_default=True, type=click.IntRange(1, 1 << 20),
               help="The prompt whose time to first token is predicted.")
+@click.option("--sample-tokens", default=256, show_default=True, type=click.IntRange(1, 1 << 20),
+              help="Decode steps the prediction replays: the routing's first tokens (more: slower, steadier).")
 @click.option("--routing", default=None, type=click.Path(dir_okay=False, exists=True),
               help="Replay this routing (a safetensors of expert_ids and weights [T, L, K], e.g. recorded on your "
                    "workload) instead of the sample the artifact carries.")
@@ -122,13 +124,14 @@ def _store_summary(manifest) -> dict:
               help="The held form of a cached expert, as for generate.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def plan_command(artifact: str, memory_budget: str | None, device: str, store: str, device_profile: str | None,
-                 prompt_tokens: int, routing: str | None, expert_dtype: str, as_json: bool) -> None:
+                 prompt_tokens: int, sample_tokens: int, routing: str | None, expert_dtype: str,
+                 as_json: bool) -> None:
     """What a load would hold where and how fast it would run, without loading the weights; exit 1 if it does not fit."""
     from loader.fit import describe, preview
 
     check_device(device)
     view = preview(artifact, memory_budget, device, store, device_profile, prompt_tokens, expert_dtype,
-                   routing=routing)
+                   routing=routing, sample_tokens=sample_tokens)
     if as_json:
         click.echo(json.dumps(view, indent=2, sort_keys=True))
     else:

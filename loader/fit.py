@@ -30,20 +30,32 @@ from loader.plan import read_plan
 from loader.predict import ROUTING_ONLY, make_predictor
 from loader.prefill import chunk_sizes
 from loader.runtime import reader_workers
-from loader.simulate import ROUTING_SAMPLE, capacities_spec, read_routing_sample, simulate, simulate_prefill
+from loader.simulate import (
+    ROUTING_SAMPLE,
+    capacities_spec,
+    first_tokens,
+    read_routing_sample,
+    simulate,
+    simulate_prefill,
+)
 from loader.store import ExpertStore
 
 PROMPT_TOKENS = 512  # the prompt whose time to first token is predicted unless one is given
+# decode steps replayed for the prediction: the routing sample's first tokens (every token of a 1,024-token sample
+# replays in ~3.5 s on the reference model here, with its predictors and routing policy in Python)
+SAMPLE_TOKENS = 256
 
 
 def preview(artifact, memory_budget=None, device: str = "cpu", store: str = "disk", profile=None,
-            prompt_tokens: int = PROMPT_TOKENS, expert_dtype: str = "auto", workers="auto", routing=None) -> dict:
+            prompt_tokens: int = PROMPT_TOKENS, expert_dtype: str = "auto", workers="auto", routing=None,
+            sample_tokens: int = SAMPLE_TOKENS) -> dict:
     """One JSON-ready object: the budget (and what ``auto`` chose), the minimum budget and its parts, whether the
     budget fits (``fits``; ``error`` says why not), the operating point, the held forms, every byte of the budget by
     what holds it (``accounting``), and the predicted decode tokens/s and time to first token of a ``prompt_tokens``
     prompt (``prediction``; its ``why`` says what is missing where it cannot be made). ``profile``: a
     ``DeviceProfile`` or a path to one (None: the artifact's). ``routing``: a routing file to replay instead of the
-    artifact's sample (``loader.simulate.read_routing_sample``)."""
+    artifact's sample (``loader.simulate.read_routing_sample``); ``sample_tokens``: how many of its first tokens the
+    decode prediction replays."""
     manifest = read_manifest(artifact)
     plan = read_plan(manifest.root)
     dev = torch.device(device)
@@ -81,7 +93,7 @@ def preview(artifact, memory_budget=None, device: str = "cpu", store: str = "dis
         out["held_forms"] = {p: f.name for p, f in sorted(layout.forms.items())}
         out["accounting"] = _accounting(layout, alloc)
         out["prediction"] = _prediction(manifest, layout, profile, prompt_tokens,
-                                        {p: s.record_bytes for p, s in stores.items()}, routing)
+                                        {p: s.record_bytes for p, s in stores.items()}, routing, sample_tokens)
         return out
     finally:
         for s in stores.values():
@@ -148,17 +160,19 @@ def device_profile(manifest, profile) -> tuple[DeviceProfile | None, str]:
     return None, ""
 
 
-def _prediction(manifest, layout, profile, prompt_tokens: int, record_bytes: dict, routing=None) -> dict:
+def _prediction(manifest, layout, profile, prompt_tokens: int, record_bytes: dict, routing=None,
+                sample_tokens: int = SAMPLE_TOKENS) -> dict:
     try:
         chosen, source = device_profile(manifest, profile)
         if chosen is None:
             return {"available": False, "why": f"no device profile: pass --device-profile (measure one with `moeload "
                                                f"profile-device`); the artifact carries no {DEVICE_FILE}"}
         scaled = model_profile(manifest, chosen)
-        replay, feed = read_routing_sample(manifest, routing)
+        full, feed = read_routing_sample(manifest, routing)
     except ModelingError as e:
         return {"available": False, "why": str(e)}
     plan, caps = layout.plan, layout.capacities
+    replay, feed = first_tokens(full, feed, sample_tokens)
     spec = capacities_spec(plan, caps, record_bytes, dict(layout.sizes.record_bytes))
     names = [s.name for s in plan.predictors]
     runnable = names if feed is not None else [n for n in names if n in ROUTING_ONLY]
@@ -176,7 +190,7 @@ def _prediction(manifest, layout, profile, prompt_tokens: int, record_bytes: dic
     try:
         chunks = (chunk_sizes(shape, caps.prefill_bytes, chunk, prompt_tokens) if shape is not None
                   else [min(chunk, prompt_tokens - start) for start in range(0, prompt_tokens, chunk)])
-        prefill = simulate_prefill(replay, spec, scaled, prompt_tokens, chunks, plan.prefill,
+        prefill = simulate_prefill(full, spec, scaled, prompt_tokens, chunks, plan.prefill,
                                    {p: f.name for p, f in layout.forms.items()})
         out |= {"prefill_chunks": len(chunks), "time_to_first_token_s": prefill.seconds,
                 "prefill_tokens_per_s": prefill.tokens_per_second, "prefill_why": None}

@@ -705,6 +705,26 @@ def read_routing_sample(manifest, path=None) -> tuple[Replay, PredictionFeed | N
     return replay, feed
 
 
+def first_tokens(replay: Replay, feed: PredictionFeed | None, tokens: int) -> tuple[Replay, PredictionFeed | None]:
+    """The first ``tokens`` tokens of ``replay`` (whole sequences, the last one cut) and of its feed."""
+    keep, total = [], 0
+    for sequence in replay.sequences:
+        if total >= tokens:
+            break
+        keep.append(min(len(sequence), tokens - total))
+        total += keep[-1]
+    cut = slice(0, len(keep))
+    replay = dataclasses.replace(
+        replay, sequences=tuple(seq[:n] for seq, n in zip(replay.sequences[cut], keep, strict=True)),
+        weights=tuple(w[:n] for w, n in zip(replay.weights[cut], keep, strict=True)) if replay.weights else None,
+        logits=tuple(x[:n] for x, n in zip(replay.logits[cut], keep, strict=True)) if replay.logits else None)
+    if feed is not None and feed.router_inputs is not None:
+        feed = dataclasses.replace(
+            feed, router_inputs=[x[:n] for x, n in zip(feed.router_inputs[cut], keep, strict=True)],
+            head_inputs=[x[:n] for x, n in zip(feed.head_inputs[cut], keep, strict=True)] if feed.head_inputs else None)
+    return replay, feed
+
+
 @dataclass(frozen=True)
 class _Routing:
     """One sequence of a routing sample, shaped as ``replay_from_routing`` reads it."""
