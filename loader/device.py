@@ -63,9 +63,10 @@ PROFILE_VERSION = 1
 MIXTRAL_SHAPE = (4096, 14336)  # (hidden H, expert intermediate I) of Mixtral-8x7B
 MEASURED_PRECISIONS = ("float32", "bfloat16", *BITS)
 _ALIGN = 4096
-# calibration a profile keeps for any model (``DeviceProfile.for_model``): seconds per decoder layer per token outside
-# the MoE steps, in decode and in a prompt, fitted by ``moeload profile-device --artifact``
-MODEL_FREE_CALIBRATION = ("outside_layer_s", "prefill_outside_layer_s")
+# calibration a profile keeps for any model (``DeviceProfile.for_model``): seconds per token and per decoder layer per
+# token outside the MoE steps and the dense weights' products, in decode and in a prompt, fitted by ``moeload
+# profile-device --artifact``
+MODEL_FREE_CALIBRATION = ("outside_token_s", "outside_layer_s", "prefill_outside_token_s", "prefill_outside_layer_s")
 
 
 @dataclass(frozen=True)
@@ -122,23 +123,32 @@ class DeviceProfile:
         tokens, seconds = max((int(t), s) for t, s in timed["tokens"].items())
         return seconds / tokens / weights
 
-    def for_model(self, weights_per_expert: float, dense_weights: int, decoder_layers: int,
-                  dtype: str) -> DeviceProfile:
+    def for_model(self, weights_per_expert: float, layer_weights: int, head_weights: int, decoder_layers: int,
+                  dtype: str, package_key: str | None = None) -> DeviceProfile:
         """This profile for one model: compute scaled to its experts (``scaled_to``; a source-dtype record computes in
         its dtype) and, where the calibration is model-free (``MODEL_FREE_CALIBRATION``, written by ``moeload
-        profile-device --artifact``), the time per token outside the MoE steps for this model: its dense weights at
-        this device's rate plus a fitted time per decoder layer, for decode and for a prompt."""
+        profile-device --artifact``), the time per token outside the MoE steps for this model: its decoder layers'
+        dense weights (attention, norms, routers) and its LM head's at this device's rate, plus the fitted time per
+        decoder layer and per token beyond them, for decode and for a prompt; for the artifact the profile was
+        calibrated on (``package_key``), what its techniques add per decoder layer too."""
         scaled = self.scaled_to(weights_per_expert)
         compute = dict(scaled.compute_seconds)
         if dtype in compute:
             compute["passthrough"] = compute[dtype]
         calibration = dict(self.calibration)
+        weights = layer_weights + head_weights
+        own = self.extra.get("calibrated_on") or {}
+        own = own if package_key is not None and own.get("package_key") == package_key else {}
         if "outside_layer_s" in calibration:
-            calibration["token_overhead_s"] = (decoder_layers * calibration["outside_layer_s"]
-                                               + dense_weights * self.weight_seconds(dtype))
+            calibration["token_overhead_s"] = (calibration.get("outside_token_s", 0.0)
+                                               + decoder_layers * (calibration["outside_layer_s"]
+                                                                   + own.get("technique_layer_s", 0.0))
+                                               + weights * self.weight_seconds(dtype))
         if "prefill_outside_layer_s" in calibration:
-            calibration["prefill_token_overhead_s"] = (decoder_layers * calibration["prefill_outside_layer_s"]
-                                                       + dense_weights * self.weight_seconds(dtype, prompt=True))
+            calibration["prefill_token_overhead_s"] = (calibration.get("prefill_outside_token_s", 0.0)
+                                                       + decoder_layers * (calibration["prefill_outside_layer_s"]
+                                                                           + own.get("prefill_technique_layer_s", 0.0))
+                                                       + weights * self.weight_seconds(dtype, prompt=True))
         return DeviceProfile(scaled.read_bandwidth, scaled.read_latency, compute, scaled.device, scaled.extra,
                              scaled.make_seconds, calibration)
 
@@ -573,85 +583,147 @@ def write_profile(profile: DeviceProfile, path: str | Path) -> Path:
 # ------------------------------------------------------------------------------------------ calibration
 
 
-def model_profile(manifest, profile: DeviceProfile) -> DeviceProfile:
-    """``profile`` for this artifact's model (``DeviceProfile.for_model``): its experts' weights, its dense weights
-    and decoder layers (the time per token outside the MoE steps)."""
-    import torch
+def dense_weights(manifest) -> tuple[int, int, int]:
+    """(the decoder layers' dense matrix weights, the other products' (the LM head), the decoder layers) of an
+    artifact, from its config and the dense file's header: an untied input embedding is a lookup, not a product."""
     from safetensors import safe_open
 
     from loader.format import read_json
 
+    config = read_json(manifest.path("config.json"), "config.json")
+    text = config.get("text_config") or config
+    layers = int(text.get("num_hidden_layers", len(manifest.raw["moe"]["layers"])))
+    prefix = manifest.raw["moe"]["last_decoder_layer"].rsplit(".", 1)[0] + "."  # e.g. "model.layers."
+    in_layers = head = 0
+    with safe_open(str(manifest.path("dense.safetensors")), framework="pt") as f:
+        for name in f.keys():
+            shape = f.get_slice(name).get_shape()
+            if len(shape) < 2 or (name.endswith("embed_tokens.weight") and not text.get("tie_word_embeddings", False)):
+                continue
+            if name.startswith(prefix):
+                in_layers += math.prod(shape)
+            else:
+                head += math.prod(shape)
+    return in_layers, head, layers
+
+
+def model_profile(manifest, profile: DeviceProfile) -> DeviceProfile:
+    """``profile`` for this artifact's model (``DeviceProfile.for_model``): its experts' weights, its dense weights
+    and decoder layers (the time per token outside the MoE steps)."""
+    import torch
+
     moe = manifest.raw["moe"]
     itemsize = torch.empty((), dtype=getattr(torch, moe["dtype"])).element_size()
     per_expert = int(moe["source_expert_bytes"]) / itemsize / (len(moe["layers"]) * moe["num_experts"])
-    config = read_json(manifest.path("config.json"), "config.json")
-    text = config.get("text_config") or config
-    dense = 0
-    with safe_open(str(manifest.path("dense.safetensors")), framework="pt") as f:
-        for name in f.keys():
-            if name.endswith("embed_tokens.weight") and not text.get("tie_word_embeddings", False):
-                continue  # a lookup, not a product (tied, it is the LM head too)
-            shape = f.get_slice(name).get_shape()
-            dense += math.prod(shape) if len(shape) >= 2 else 0
-    return profile.for_model(per_expert, dense, int(text.get("num_hidden_layers", len(moe["layers"]))), moe["dtype"])
+    in_layers, head, layers = dense_weights(manifest)
+    return profile.for_model(per_expert, in_layers, head, layers, moe["dtype"], manifest.raw.get("package_key"))
 
 
 CALIBRATION_PROMPT = 64  # tokens of the prompt the calibration times (after one untimed pass that reads the experts)
 CALIBRATION_DECODE = 16  # decode tokens it times after that prompt
 
 
-def calibrate_on(profile: DeviceProfile, artifact, device: str = "cpu") -> DeviceProfile:
-    """``profile`` calibrated against the loader running ``artifact`` here with every expert held (``memory_budget=
-    "unlimited"``): reads overlap hits' compute, the loader's own time per MoE layer call (``layer_overhead_s``), and
-    the time per token outside the MoE steps, in decode and in a prompt, less the artifact's dense weights at this
-    device's rate, per decoder layer (``outside_layer_s``, ``prefill_outside_layer_s``): what ``for_model`` carries to
-    any model."""
-    import dataclasses
+class _PhaseTimer:
+    """Seconds in the decoder layers and in the experts modules, apart for prompt forwards and decode steps (a decode
+    step runs one token): forward hooks, so the timing is of the loader's own forwards."""
 
+    def __init__(self, layers: list, experts: list) -> None:
+        self.seconds = {(phase, part): 0.0 for phase in ("prompt", "decode") for part in ("layers", "experts")}
+        self.phase = "decode"
+        self.layers = set(layers)
+        self.handles = []
+        for module, part in [(m, "layers") for m in layers] + [(m, "experts") for m in experts]:
+            self.handles.append(module.register_forward_pre_hook(self._start, with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._stop(part), with_kwargs=True))
+        self._started: dict = {}
+
+    def _start(self, module, args, kwargs):
+        if module in self.layers:
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            self.phase = "decode" if hidden is not None and hidden.shape[-2] == 1 else "prompt"
+        self._started[id(module)] = time.perf_counter()
+
+    def _stop(self, part):
+        def stop(module, args, kwargs, output):
+            self.seconds[(self.phase, part)] += time.perf_counter() - self._started.pop(id(module))
+        return stop
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _timed_run(artifact, manifest, device: str, plain: bool) -> dict:
+    """One calibration run with every expert held: an untimed prompt (it reads the experts), then a timed prompt and
+    decode. ``plain``: the router's own top-k, no predictors, every miss at its planned precision (the model's own
+    cost); else the plan's techniques as they run."""
     import torch
 
     from loader.prefill import decode
+    from loader.routing import MissPolicy, RoutingPolicy
     from loader.runtime import load
 
-    loaded = load(artifact, device=device, memory_budget="unlimited")
+    options = {"predictors": [], "routing": RoutingPolicy(), "miss_policy": MissPolicy()} if plain else {}
+    loaded = load(artifact, device=device, memory_budget="unlimited", **options)
     try:
-        vocab = loaded.model.config.get_text_config().vocab_size
-        ids = torch.randint(0, vocab, (1, CALIBRATION_PROMPT), generator=torch.Generator().manual_seed(0))
-        ids = ids.to(device)
-        decode(loaded, ids, 2)  # untimed: reads the experts the prompt routes to
-        before = loaded.stats()
-        new, decode_seconds = decode(loaded, ids, CALIBRATION_DECODE + 1)
-        after = loaded.stats()
-        prefill_seconds = loaded.last_prefill.seconds
+        model = loaded.model
+        vocab = model.config.get_text_config().vocab_size
+        layers = list(model.get_submodule(manifest.raw["moe"]["last_decoder_layer"].rsplit(".", 1)[0]))
+        experts = [model.get_submodule(path) for path in manifest.raw["moe"]["experts_modules"]]
+        ids = torch.randint(0, vocab, (1, CALIBRATION_PROMPT), generator=torch.Generator().manual_seed(0)).to(device)
+        decode(loaded, ids, 2)
+        before = loaded.stats()["decode_timing"]
+        timer = _PhaseTimer(layers, experts)
+        try:
+            new, decode_seconds = decode(loaded, ids, CALIBRATION_DECODE + 1)
+        finally:
+            timer.close()
+        after = loaded.stats()["decode_timing"]
+        return {"tokens": len(new) - 1, "decode_seconds": decode_seconds, "prompt_seconds": loaded.last_prefill.seconds,
+                "seconds": timer.seconds, "steps": after["layer_steps"] - before["layer_steps"],
+                "overhead": after["overhead_seconds"] - before["overhead_seconds"], "depth": len(layers)}
     finally:
         loaded.close()
-    steps = after["decode_timing"]["layer_steps"] - before["decode_timing"]["layer_steps"]
-    tokens = len(new) - 1
-    if steps <= 0 or tokens <= 0:
-        raise ModelingError(f"calibrating on {artifact}: the model stopped before decoding a token (it emitted its end "
-                            "token); calibrate on another artifact, or leave --artifact out for an uncalibrated profile")
-    overhead = after["decode_timing"]["overhead_seconds"] - before["decode_timing"]["overhead_seconds"]
-    decode_steps = after["decode_timing"]["step_seconds"] - before["decode_timing"]["step_seconds"]
-    prompt_steps = after["prefill_timing"]["step_seconds"] - before["prefill_timing"]["step_seconds"]
-    base = dataclasses.replace(profile, calibration={"overlap": True})
+
+
+def calibrate_on(profile: DeviceProfile, artifact, device: str = "cpu") -> DeviceProfile:
+    """``profile`` calibrated against the loader running ``artifact`` here with every expert held (``memory_budget=
+    "unlimited"``): reads overlap hits' compute, the loader's own time per MoE layer call (``layer_overhead_s``), and,
+    in decode and in a prompt, the time outside the MoE steps less the dense weights' products at this device's rate,
+    per decoder layer (the decoder layers' time less their experts') and per token (the rest: embedding, LM head, the
+    generation loop), measured with the router's own top-k and no predictors: those carry to any model
+    (``for_model``). A second run with the plan's techniques gives what they add per decoder layer (predictors,
+    routing policy), kept for this artifact only (``calibrated_on``)."""
+    import dataclasses
+
     from loader.format import read_manifest
 
     manifest = read_manifest(artifact)
-    text = loaded.model.config.get_text_config()
-    model = model_profile(manifest, dataclasses.replace(base, calibration={"overlap": True, "outside_layer_s": 0.0,
-                                                                           "prefill_outside_layer_s": 0.0}))
-    dense_decode = model.calibration["token_overhead_s"]  # the dense weights alone, at this device's rate
-    dense_prompt = model.calibration["prefill_token_overhead_s"]
-    layers = text.num_hidden_layers
-    outside_decode = (decode_seconds - decode_steps) / tokens
-    outside_prompt = (prefill_seconds - prompt_steps) / CALIBRATION_PROMPT
-    calibration = {"overlap": True, "layer_overhead_s": max(0.0, overhead / steps),
-                   "outside_layer_s": max(0.0, outside_decode - dense_decode) / layers,
-                   "prefill_outside_layer_s": max(0.0, outside_prompt - dense_prompt) / layers}
-    return dataclasses.replace(profile, calibration=calibration,
-                               extra=profile.extra | {"calibrated_on": {"artifact": str(manifest.root),
-                                                                        "decode_tokens": tokens,
-                                                                        "prompt_tokens": CALIBRATION_PROMPT}})
+    plain = _timed_run(artifact, manifest, device, plain=True)
+    planned = _timed_run(artifact, manifest, device, plain=False)
+    if min(plain["tokens"], planned["tokens"], plain["steps"]) <= 0:
+        raise ModelingError(f"calibrating on {artifact}: the model stopped before decoding a token (it emitted its end "
+                            "token); calibrate on another artifact, or leave --artifact out for an uncalibrated profile")
+    in_layers, head, depth = dense_weights(manifest)
+    dtype = manifest.raw["moe"]["dtype"]
+    fitted, added = {}, {}
+    for phase, prompt in (("decode", False), ("prompt", True)):
+        key = "" if phase == "decode" else "prefill_"
+        rate = profile.weight_seconds(dtype, prompt=prompt)
+        per_layer = {}
+        for name, run in (("plain", plain), ("planned", planned)):
+            count = run["tokens"] if phase == "decode" else CALIBRATION_PROMPT
+            wall = run["decode_seconds"] if phase == "decode" else run["prompt_seconds"]
+            t = run["seconds"]
+            per_layer[name] = (t[(phase, "layers")] - t[(phase, "experts")]) / count / depth
+            if name == "plain":
+                fitted[f"{key}outside_layer_s"] = max(0.0, per_layer[name] - in_layers / depth * rate)
+                fitted[f"{key}outside_token_s"] = max(0.0, (wall - t[(phase, "layers")]) / count - head * rate)
+        added[f"{key}technique_layer_s"] = max(0.0, per_layer["planned"] - per_layer["plain"])
+    calibration = {"overlap": True, "layer_overhead_s": max(0.0, plain["overhead"] / plain["steps"])} | fitted
+    return dataclasses.replace(profile, calibration=calibration, extra=profile.extra | {"calibrated_on": {
+        "artifact": str(manifest.root), "package_key": manifest.raw["package_key"], "decode_tokens": plain["tokens"],
+        "prompt_tokens": CALIBRATION_PROMPT} | added})
 
 
 def profile_device(output, directory=None, file_mb: int = 256, device: str = "cpu", artifact=None,
@@ -680,9 +752,12 @@ def profile_device(output, directory=None, file_mb: int = 256, device: str = "cp
         echo(f"calibrating against the loader on {artifact} (every expert held) ...")
         profile = calibrate_on(profile, artifact, device)
         c = profile.calibration
-        echo(f"loader overhead {c['layer_overhead_s'] * 1e6:.0f} us per MoE layer call; outside the MoE steps "
-             f"{c['outside_layer_s'] * 1e6:.0f} us per decoder layer per decode token, "
-             f"{c['prefill_outside_layer_s'] * 1e6:.1f} us per prompt token")
+        own = profile.extra["calibrated_on"]
+        echo(f"loader overhead {c['layer_overhead_s'] * 1e6:.0f} us per MoE layer call; beyond the dense weights, "
+             f"{c['outside_layer_s'] * 1e6:.0f} us per decoder layer and {c['outside_token_s'] * 1e6:.0f} us per "
+             f"decode token; {c['prefill_outside_layer_s'] * 1e6:.1f} us per decoder layer and "
+             f"{c['prefill_outside_token_s'] * 1e6:.1f} us per prompt token; this artifact's techniques add "
+             f"{own['technique_layer_s'] * 1e6:.0f} us per decoder layer in decode")
     write_profile(profile, output)
     echo(f"wrote {output}")
     return profile
