@@ -159,7 +159,7 @@ def plan_command(artifact: str, memory_budget: str | None, device: str, store: s
 def profile_device_command(output, artifact, directory, file_mb, device) -> None:
     """Measure what the cost model needs on this device: reads at the loader's sizes and depths, each held form's
     compute, and with --artifact the loader's own overhead; writes device.json."""
-    from loader.device import profile_device
+    from loader.calibrate import profile_device
 
     check_device(device)
     profile_device(output, directory, file_mb, device, artifact, echo=click.echo)

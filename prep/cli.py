@@ -602,7 +602,7 @@ def profile_device_command(output, directory, file_mb, device, artifact):
     """Measure this machine's read bandwidth and latency (page cache bypassed), the record reads in flight
     that read fastest, and per-expert compute; with --artifact, calibrate against the loader on it (the same
     command as `moeload profile-device`)."""
-    from loader.device import profile_device
+    from loader.calibrate import profile_device
 
     profile_device(output, directory, file_mb, device, artifact, echo=click.echo)
 
