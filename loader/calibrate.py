@@ -151,7 +151,7 @@ def _read_fit(profile: DeviceProfile, artifact, manifest, device: str) -> dict:
     from loader.budget import cache_layout, minimum_budget
     from loader.prefill import decode
     from loader.routing import MissPolicy, ReplayRouting, RoutingPolicy
-    from loader.runtime import load
+    from loader.runtime import load, reader_workers
     from loader.simulate import capacities_spec, first_tokens, read_routing_sample, simulate
 
     replay, _ = read_routing_sample(manifest)
@@ -169,6 +169,7 @@ def _read_fit(profile: DeviceProfile, artifact, manifest, device: str) -> dict:
     finally:
         loaded.close()
     layout = cache_layout(artifact, budget, device=device)
+    workers = reader_workers("auto", layout.plan)  # what the load above ran
     spec = capacities_spec(layout.plan, layout.capacities, layout.record_bytes, layout.slot_bytes)
     tail, _ = first_tokens(replay, None, READ_FIT_TOKENS + 1)
     scaled = model_profile(manifest, profile)
@@ -176,7 +177,7 @@ def _read_fit(profile: DeviceProfile, artifact, manifest, device: str) -> dict:
     def modelled(overhead: float) -> float:
         trial = dataclasses.replace(scaled, calibration=scaled.calibration | {"read_overhead_s": overhead,
                                                                               "token_overhead_s": 0.0})
-        result = simulate(tail, spec, profile=trial, routing=RoutingPolicy(), miss=MissPolicy())
+        result = simulate(tail, spec, profile=trial, routing=RoutingPolicy(), miss=MissPolicy(), workers=workers)
         return (result.seconds or 0.0) * timing["layer_steps"] / max(1, result.tokens * replay.num_layers)
 
     measured = timing["step_seconds"]

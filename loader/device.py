@@ -153,6 +153,10 @@ class DeviceProfile:
         return DeviceProfile(scaled.read_bandwidth, scaled.read_latency, compute, scaled.device, scaled.extra,
                              scaled.make_seconds, calibration)
 
+    def transfer_seconds(self, nbytes: int) -> float:
+        """The part of a read the disk's bandwidth sets (the rest is per read: ``read_seconds``)."""
+        return nbytes / self.read_bandwidth
+
     def read_seconds(self, nbytes: int) -> float:
         """One record read: latency + bytes / bandwidth, plus a calibrated profile's ``read_overhead_s`` (what the
         loader adds per read: ``loader/calibrate.py``)."""

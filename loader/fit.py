@@ -93,7 +93,8 @@ def preview(artifact, memory_budget=None, device: str = "cpu", store: str = "dis
         out["held_forms"] = {p: f.name for p, f in sorted(layout.forms.items())}
         out["accounting"] = _accounting(layout, alloc)
         out["prediction"] = _prediction(manifest, layout, profile, prompt_tokens,
-                                        {p: s.record_bytes for p, s in stores.items()}, routing, sample_tokens)
+                                        {p: s.record_bytes for p, s in stores.items()}, routing, sample_tokens,
+                                        n_workers)
         return out
     finally:
         for s in stores.values():
@@ -161,7 +162,7 @@ def device_profile(manifest, profile) -> tuple[DeviceProfile | None, str]:
 
 
 def _prediction(manifest, layout, profile, prompt_tokens: int, record_bytes: dict, routing=None,
-                sample_tokens: int = SAMPLE_TOKENS) -> dict:
+                sample_tokens: int = SAMPLE_TOKENS, workers: int = 1) -> dict:
     try:
         chosen, source = device_profile(manifest, profile)
         if chosen is None:
@@ -182,7 +183,7 @@ def _prediction(manifest, layout, profile, prompt_tokens: int, record_bytes: dic
         feed = PredictionFeed(None, None, [], {})
     knobs = {s.name: s.params for s in plan.predictors}
     result = simulate(replay, spec, profile=scaled, predictors=[make_predictor(n, knobs.get(n)) for n in runnable],
-                      feed=feed if runnable else None)
+                      feed=feed if runnable else None, workers=workers)
     seconds = result.seconds or 0.0
     shape = layout.sizes.activation
     chunk = caps.prefill_chunk or plan.prefill.chunk
@@ -191,7 +192,7 @@ def _prediction(manifest, layout, profile, prompt_tokens: int, record_bytes: dic
         chunks = (chunk_sizes(shape, caps.prefill_bytes, chunk, prompt_tokens) if shape is not None
                   else [min(chunk, prompt_tokens - start) for start in range(0, prompt_tokens, chunk)])
         prefill = simulate_prefill(full, spec, scaled, prompt_tokens, chunks, plan.prefill,
-                                   {p: f.name for p, f in layout.forms.items()})
+                                   {p: f.name for p, f in layout.forms.items()}, workers)
         out |= {"prefill_chunks": len(chunks), "time_to_first_token_s": prefill.seconds,
                 "prefill_tokens_per_s": prefill.tokens_per_second, "prefill_why": None}
     except BudgetError as e:  # the prompt does not fit this budget's activations: ``load`` would refuse it too

@@ -302,6 +302,13 @@ class SimResult:
 # ------------------------------------------------------------------------------------------- replay
 
 
+def layer_reads(transfer: float, fixed: float, reads: int, workers: int) -> float:
+    """Seconds a layer's ``reads`` reads take: their transfers one after another through the disk (the profile's
+    bandwidth is the aggregate at the reads in flight), and the rest of each read (latency, the loader's own time,
+    making the form) spread over the ``workers`` reader threads."""
+    return transfer + fixed / max(1, min(workers, reads))
+
+
 def policy_builder(policy: str, params: dict | None, extra_policies: dict | None = None):
     """(cache policy factory, the object told each sequence before it replays or None) for ``policy``: one of the
     loader's (``loader.policies``) or of ``extra_policies`` ({name: builder(params) -> (factory, lookahead)})."""
@@ -330,7 +337,7 @@ class PredictionFeed:
 def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params: dict | None = None,
              profile: DeviceProfile | None = None, cold_start: bool = True, predictors: list | None = None,
              feed: PredictionFeed | None = None, routing=None, miss=None,
-             cpu_misses: CpuMissRule | None = None, extra_policies: dict | None = None) -> SimResult:
+             cpu_misses: CpuMissRule | None = None, extra_policies: dict | None = None, workers: int = 1) -> SimResult:
     """Replay ``replay`` through an ``ExpertCache`` built from ``spec`` with eviction ``policy``.
 
     policy: a name of ``loader.policies.POLICIES`` (or of ``extra_policies``, see ``policy_builder``) with
@@ -415,7 +422,8 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
                         prefetch(p.after_router(layer, x, chosen))
                 decisions, skipped = schedule.begin(layer, [experts], idx, w)
                 counts.requests += len(decisions) + len(skipped)
-                held_compute = reads = 0.0
+                held_compute = transfer = fixed = 0.0
+                n_reads = 0
                 for d in decisions:
                     if profile is not None:
                         counts.compute_seconds += profile.compute(d.precision)
@@ -428,8 +436,11 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
                     if entry is not None:
                         cache.complete(entry)
                     if profile is not None:  # the read, then the held form made on the reader thread
-                        reads += profile.read_seconds(nbytes) + profile.make(d.precision)
+                        transfer += profile.transfer_seconds(nbytes)
+                        fixed += profile.read_seconds(nbytes) - profile.transfer_seconds(nbytes) + profile.make(d.precision)
+                        n_reads += 1
                 if profile is not None:
+                    reads = layer_reads(transfer, fixed, n_reads, workers)
                     # calibrated: the hits compute while the reads run; the layer waits for what is left
                     stall = max(0.0, reads - held_compute) if profile.overlap else reads
                     counts.read_seconds += stall
@@ -580,7 +591,8 @@ def held_form_of(profile: DeviceProfile, precision: str) -> str | None:
 
 
 def simulate_prefill(replay: Replay, spec: CacheSpec, profile: DeviceProfile, tokens: int, chunks: list[int],
-                     prefill: PrefillSpec | None = None, held_forms: dict | None = None) -> PrefillModel:
+                     prefill: PrefillSpec | None = None, held_forms: dict | None = None,
+                     workers: int = 1) -> PrefillModel:
     """Model a prompt of ``tokens`` tokens run as ``chunks`` (their sizes: ``loader.prefill.chunk_sizes``) on the
     cache of ``spec``, starting cold. ``prefill``: the plan's prefill forms; ``held_forms``: precision -> the held
     form (default: the one the profile timed first)."""
@@ -606,7 +618,8 @@ def simulate_prefill(replay: Replay, spec: CacheSpec, profile: DeviceProfile, to
                 for e in row:
                     given[e] = given.get(e, 0) + 1
             decisions, _ = schedule.begin(layer, rows)
-            all_compute = layer_reads = last = 0.0
+            all_compute = transfer = fixed = last = 0.0
+            n_reads = 0
             for d in decisions:
                 n = given.get(d.expert, 0)
                 form = held.get(d.precision) or held_form_of(profile, d.precision)
@@ -626,13 +639,16 @@ def simulate_prefill(replay: Replay, spec: CacheSpec, profile: DeviceProfile, to
                 seconds = expert_seconds(profile, d.precision, form, n)
                 all_compute += seconds
                 last = seconds
-                layer_reads += profile.read_seconds(nbytes) + make_seconds(profile, d.precision, form)
+                transfer += profile.transfer_seconds(nbytes)
+                fixed += profile.read_seconds(nbytes) - profile.transfer_seconds(nbytes) + make_seconds(profile, d.precision, form)
+                n_reads += 1
                 reads += 1
                 read_bytes += nbytes
             schedule.end(layer)
-            step += max(all_compute, layer_reads + last)
+            layer_read = layer_reads(transfer, fixed, n_reads, workers)
+            step += max(all_compute, layer_read + last)
             compute += all_compute
-            reads_s += layer_reads
+            reads_s += layer_read
             overhead += profile.layer_overhead
         done += size
     token_overhead = float(profile.calibration.get("prefill_token_overhead_s", 0.0)) * tokens
