@@ -553,18 +553,28 @@ def measure_device(directory: str | Path | None = None, file_bytes: int = 256 <<
                    expert_shape: tuple[int, int] = MIXTRAL_SHAPE, device: str = "cpu",
                    record_bytes: int = RECORD_BYTES) -> DeviceProfile:
     """Measure this machine: reads from ``directory``'s disk (``record_bytes``: one read of a miss, see
-    ``measure_reads``) and one expert's compute on ``device``."""
+    ``measure_reads``) and one expert's compute on ``device``: a decode step's on the torch threads the loader's decode
+    steps run on beside ``read_depth`` reader threads (``loader.runtime.compute_threads``), a prompt's on torch's own
+    count (as ``load(threads="auto")`` runs them)."""
     import torch
+
+    from loader.runtime import compute_threads
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelingError("--device cuda was asked for but CUDA is not available; use --device cpu")
     reads = measure_reads(directory, file_bytes, record_bytes=record_bytes)
-    compute, make = measure_compute(expert_shape, device=device)
+    own = torch.get_num_threads()
+    decode_threads = compute_threads(torch.device(device), reads["read_depth"]) or own
+    torch.set_num_threads(decode_threads)
+    try:
+        compute, make = measure_compute(expert_shape, device=device)
+    finally:
+        torch.set_num_threads(own)
     prefill = measure_prefill(expert_shape, device=device)
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else (platform.processor() or platform.machine())
     extra = {k: v for k, v in reads.items() if not k.startswith("read_bandwidth") and k != "read_latency_s"}
     extra |= {"expert_shape": {"hidden": expert_shape[0], "intermediate": expert_shape[1]},
-              "compute_device": device, "torch_threads": torch.get_num_threads(),
+              "compute_device": device, "torch_threads": own, "decode_torch_threads": decode_threads,
               "prefill_seconds_per_expert": prefill,
               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     return DeviceProfile(reads["read_bandwidth_bytes_per_s"], reads["read_latency_s"], compute,
