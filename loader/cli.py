@@ -280,7 +280,7 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
     from transformers import TextStreamer
 
     from loader.fit import preview
-    from loader.memory import AutoBudget, auto_budget, is_auto
+    from loader.memory import auto_budget, is_auto
     from loader.prefill import decode
     from loader.routing import MissPolicy, RoutingPolicy
     from loader.runtime import MAX_WORKERS, load, max_threads
@@ -297,16 +297,18 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
     if workers != "auto":
         bounded_count(workers, "--workers", MAX_WORKERS, "auto or a number of reader threads")
     chosen = None if predictors is None else [p for p in predictors.replace(" ", "").split(",") if p and p != "none"]
+    chosen_auto = None
     if memory_budget is not None and is_auto(memory_budget):
-        memory_budget = auto_budget(device)  # once: the prediction and the load take the same number
-        click.echo(memory_budget.describe(), err=True)
-    if isinstance(memory_budget, AutoBudget):
-        memory_budget = memory_budget.budget_bytes
+        chosen_auto = auto_budget(device)  # once: the load and the prediction take the same number
+        click.echo(chosen_auto.describe(), err=True)
+        memory_budget = chosen_auto.budget_bytes
     loaded = load(artifact, device=device, memory_budget=memory_budget, store=store, predictors=chosen,
                   routing=RoutingPolicy() if exact_routing else None,
                   miss_policy=MissPolicy() if planned_precision else None,
                   neuron=neuron_switch(artifact, neuron, theta), expert_dtype=expert_dtype, threads=threads_arg,
                   workers=workers if workers == "auto" else int(workers))
+    if chosen_auto is not None:
+        loaded.budget |= {"requested": "auto", "auto": chosen_auto.to_json()}
     tok = loaded.tokenizer
     try:
         ids = torch.tensor([tok(prompt)["input_ids"]], dtype=torch.long, device=device)
