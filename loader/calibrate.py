@@ -129,7 +129,10 @@ def calibrate_on(profile: DeviceProfile, artifact, device: str = "cpu") -> Devic
         added[f"{key}technique_layer_s"] = max(0.0, per_layer["planned"] - per_layer["plain"])
     calibration = {"overlap": True, "layer_overhead_s": max(0.0, plain["overhead"] / plain["steps"])} | fitted
     profile = dataclasses.replace(profile, calibration=calibration)
-    reads = _read_fit(profile, artifact, manifest, device)
+    try:
+        reads = _read_fit(profile, artifact, manifest, device)
+    except ModelingError as e:  # an artifact without a routing sample: the rest of the calibration stands
+        reads = {"read_overhead_s": 0.0, "read_fit": {"skipped": str(e)}}
     return dataclasses.replace(profile, calibration=calibration | {"read_overhead_s": reads["read_overhead_s"]},
                                extra=profile.extra | {"calibrated_on": {
                                    "artifact": str(manifest.root), "package_key": manifest.raw["package_key"],

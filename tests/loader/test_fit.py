@@ -297,3 +297,42 @@ def test_a_damaged_routing_sample_is_named_and_the_plan_still_prints(artifact, t
         read_routing_sample(read_manifest(copy))
     view = preview(copy, "50%", profile=profile)
     assert view["fits"] and not view["prediction"]["available"] and ROUTING_SAMPLE in view["prediction"]["why"]
+
+
+# ----------------------------------------------------------------------------------------- the cost model
+
+
+def test_a_layers_reads_transfer_in_turn_and_do_the_rest_on_the_reader_threads():
+    """Computed by hand on a two-layer, two-token replay (token 2: layer 0 one hit, layer 1 two hits): a read
+    transfers 1 ms, then costs 0.5 ms of the loader's own (``read_overhead_s``) and 0.1 ms of making its form; two
+    reader threads do the second part of a layer's two reads side by side, one thread one after the other."""
+    from loader.cache import PoolConfig
+    from loader.simulate import CacheSpec, Replay, simulate
+
+    replay = Replay(((((0, 1), (2, 3)), ((0, 2), (2, 3))),), 2, 4, 2)
+    spec = CacheSpec((PoolConfig("main", "int4", "layer", {0: 4000, 1: 4000}, 1000),),
+                     (("int4",) * 4, ("int4",) * 4), {"int4": 1000}, 4, "layer")
+    profile = DeviceProfile(1e6, 0.0, {"int4": 4e-4}, make_seconds={"int4": 1e-4},
+                            calibration={"overlap": True, "layer_overhead_s": 5e-5, "read_overhead_s": 5e-4})
+    # token 1, each layer: 2 ms of transfers + 1.2 ms of the rest over 2 threads = 2.6 ms stall, 0.8 ms compute
+    # token 2, layer 0: one read (1.6 ms) against one hit's 0.4 ms: 1.2 ms stall + 0.8 ms compute; layer 1: 0.8 ms
+    two = 2 * (2.6e-3 + 0.8e-3) + (1.2e-3 + 0.8e-3) + 0.8e-3 + 4 * 5e-5
+    assert simulate(replay, spec, profile=profile, workers=2).seconds == pytest.approx(two)
+    one = 2 * (3.2e-3 + 0.8e-3) + (1.2e-3 + 0.8e-3) + 0.8e-3 + 4 * 5e-5
+    assert simulate(replay, spec, profile=profile, workers=1).seconds == pytest.approx(one)
+
+
+def test_a_profile_for_a_model_adds_its_dense_weights_and_layers_and_its_own_techniques():
+    shape = {"hidden": 256, "intermediate": 512}
+    weights = 3 * 256 * 512
+    base = DeviceProfile(1e9, 0.0, {"float32": 2e-3, "int4": 1e-3}, "cpu", {"expert_shape": shape},
+                         calibration={"overlap": True, "outside_token_s": 1e-3, "outside_layer_s": 2e-4},)
+    own = DeviceProfile(base.read_bandwidth, 0.0, base.compute_seconds, "cpu",
+                        {"expert_shape": shape, "calibrated_on": {"package_key": "k", "technique_layer_s": 1e-4}},
+                        calibration=base.calibration)
+    for profile, key, techniques in ((base, None, 0.0), (own, "other", 0.0), (own, "k", 4 * 1e-4)):
+        model = profile.for_model(2 * weights, 1000, 500, 4, "float32", key)
+        assert model.compute_seconds["int4"] == pytest.approx(2e-3)  # twice the weights of the profile's expert
+        assert model.compute_seconds["passthrough"] == pytest.approx(4e-3)  # the source dtype's product
+        want = 1e-3 + 4 * 2e-4 + 1500 * 2e-3 / weights + techniques
+        assert model.token_overhead == pytest.approx(want)
