@@ -88,7 +88,7 @@ def _timed_run(artifact, manifest, device: str, plain: bool) -> dict:
         after = loaded.stats()["decode_timing"]
         return {"tokens": len(new) - 1, "decode_seconds": decode_seconds, "prompt_seconds": loaded.last_prefill.seconds,
                 "seconds": timer.seconds, "steps": after["layer_steps"] - before["layer_steps"],
-                "overhead": after["overhead_seconds"] - before["overhead_seconds"], "depth": len(layers)}
+                "overhead": after["overhead_seconds"] - before["overhead_seconds"]}
     finally:
         loaded.close()
 
@@ -174,13 +174,12 @@ def _read_fit(profile: DeviceProfile, artifact, manifest, device: str) -> dict:
     layout = cache_layout(artifact, budget, device=device)
     workers = reader_workers("auto", layout.plan)  # what the load above ran
     spec = capacities_spec(layout.plan, layout.capacities, layout.record_bytes, layout.slot_bytes)
-    tail, _ = first_tokens(replay, None, READ_FIT_TOKENS + 1)
     scaled = model_profile(manifest, profile)
 
     def modelled(overhead: float) -> float:
         trial = dataclasses.replace(scaled, calibration=scaled.calibration | {"read_overhead_s": overhead,
                                                                               "token_overhead_s": 0.0})
-        result = simulate(tail, spec, profile=trial, routing=RoutingPolicy(), miss=MissPolicy(), workers=workers)
+        result = simulate(replay, spec, profile=trial, routing=RoutingPolicy(), miss=MissPolicy(), workers=workers)
         return (result.seconds or 0.0) * timing["layer_steps"] / max(1, result.tokens * replay.num_layers)
 
     measured = timing["step_seconds"]

@@ -103,11 +103,13 @@ def _store_summary(manifest) -> dict:
     return out
 
 
+BUDGET_HELP = ("Bytes, a size like 1.5GiB, a share like 25%, unlimited, or auto (the memory free for this process less "
+               "a margin). Default: the plan's.")
+
+
 @main.command("plan")
 @click.argument("artifact", type=click.Path())
-@click.option("--memory-budget", default=None,
-              help="Bytes, a size like 1.5GiB, a share like 25%, unlimited, or auto (the memory free for this process "
-                   "less a margin). Default: the plan's.")
+@click.option("--memory-budget", default=None, help=BUDGET_HELP)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--store", default="disk", show_default=True, type=click.Choice(["disk", "host"]))
 @click.option("--device-profile", "device_profile", default=None, type=click.Path(dir_okay=False),
@@ -237,9 +239,7 @@ def neuron_switch(artifact: str, neuron: str, theta: float | None):
 @click.argument("artifact", type=click.Path())
 @click.option("--prompt", required=True, help="Text to continue.")
 @click.option("--max-new-tokens", default=32, show_default=True, type=int)
-@click.option("--memory-budget", default=None,
-              help="Bytes, a size like 1.5GiB, a share like 25%, unlimited, or auto (the memory free for this process "
-                   "less a margin).")
+@click.option("--memory-budget", default=None, help=BUDGET_HELP)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--store", default="disk", show_default=True, type=click.Choice(["disk", "host"]))
 @click.option("--device-profile", "device_profile", default=None, type=click.Path(dir_okay=False),

@@ -495,8 +495,6 @@ def _policies(spec: CacheSpec, replay: Replay, routing, miss):
 def _route(routing, weights: tuple, experts: tuple, layer: int, cache: ExpertCache, logits=None):
     """(the experts wanted, indices [1, K], weights [1, K]) of one token at one layer after ``routing``
     (logits [1, E]: the recorded router logits, for policies that re-rank)."""
-    import torch
-
     idx, w = torch.tensor([list(experts)]), torch.tensor([list(weights)], dtype=torch.float32)
     if routing is not None:
         w, idx = routing.route(layer, logits, w, idx, cache.view(layer))

@@ -1,26 +1,10 @@
-"""Replay recorded routing through the loader's own expert cache and schedule, and count what the loader
-would do.
+"""The preparation's side of the simulator: traces on disk, N-experts-per-layer caches, sweeps, Belady and the
+command line, over the loader's cost model.
 
-The cache is ``loader.cache.ExpertCache`` with the loader's eviction policies (plus ``belady``, the
-clairvoyant floor, which exists only here); entries hold sizes, never tensors. Every decision is the
-loader's own schedule (``loader.schedule.LayerSchedule``), called as the loader calls it, one call per
-token per MoE layer as in decode:
-
-    cache.clock.token = t                                 # the token's position in its sequence
-    for each MoE layer l in order:
-        schedule.routed(l, experts); predictors' prefetches -> schedule.prefetch(...)   (with predictors)
-        decisions, skipped = schedule.begin(l, [token's experts at l], idx, w)
-        for each decision without an entry and not served on the CPU, in order:
-            entry = schedule.admit(l, e, precision, slot_bytes[precision], record_bytes[precision])
-            cache.complete(entry) if entry is not None        # else: read into a buffer and used once
-        schedule.end(l)
-
-``begin`` protects all of a token's experts before any is admitted, so a token's experts are inserted
-together and neither can evict the other (the convention of SOURCES.md and of the loader). Each sequence
-starts cold (``cache.clear()``) unless ``cold_start=False``, in which case it only ``reset()``s
-(per-sequence policy records forgotten, contents kept). Every call is a one-token step, so the schedule's
-CPU rule (``loader.schedule.CpuMissRule``, ``simulate(cpu_misses=...)``) applies to every miss, as in the
-loader's decode steps: a miss it serves on the CPU is counted (``cpu_computed``), not read or cached.
+The replay itself (one call per token per MoE layer through the loader's own ``ExpertCache`` and ``LayerSchedule``,
+a token's experts protected together, each sequence cold unless ``cold_start=False``, the CPU rule applied to every
+miss) lives in ``loader/simulate.py``, whose docstring gives the call order; ``simulate`` here adds ``belady``, the
+clairvoyant floor, which exists only in the simulator.
 
 Capacity comes from a ``loader.plan.Plan`` and a budget through ``loader.budget.capacities`` (the same
 arithmetic as the loader: ``plan_spec``; ``artifact_spec`` also takes the artifact's held-form and read
