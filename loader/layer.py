@@ -1,14 +1,96 @@
 """What one MoE layer step works with, shared by the whole-expert step (``loader/step.py``) and the neuron step
-(``loader/neuron.py``): ``Held``, the runtime state of a cache entry; ``Mixer``, the weighted sum of the experts'
-outputs; ``renormalized``, the weights after skips."""
+(``loader/neuron.py``): ``StepHost``, the typed interface of the engine they run on (``loader/engine.py``), the only
+members of it a step may use; ``LayerStart``, what the schedule decided for the call; ``Held``, the runtime state of
+a cache entry; ``Mixer``, the weighted sum of the experts' outputs; ``renormalized``, the weights after skips."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from loader.store import ReadJob
+
+@dataclass
+class StepTimes:
+    """One layer call's seconds: computing experts, waiting for reads, and the one device sync of its routing."""
+
+    computed: float = 0.0
+    stalled: float = 0.0
+    synced: float = 0.0
+
+    def reset(self) -> None:
+        self.computed = self.stalled = self.synced = 0.0
+
+
+@dataclass(frozen=True)
+class LayerStart:
+    """The schedule's answer for one layer call (``StepHost.begin``): the decisions (``loader.schedule.Decision``,
+    every miss placed), the routing after skips as lists (rows [T][K] of expert ids, -1 where a selection has
+    weight 0, and their weights) and as weights [T, K], and the layer's prefetched entries before the call."""
+
+    decisions: list
+    rows: list
+    weights: list
+    top_k_weights: torch.Tensor
+    prefetched: dict
+
+    def mixer(self, hidden: torch.Tensor, top_k_index: torch.Tensor) -> Mixer:
+        """The weighted sum this call's experts add to, zero to begin with."""
+        return Mixer(hidden, self.rows, self.weights, top_k_index, self.top_k_weights, torch.zeros_like(hidden))
+
+
+class StepHost(Protocol):
+    """What a layer step may use of the engine (``loader.engine.ExpertEngine``): its state and its I/O primitives.
+    A test holds both steps to these members, so a step's needs are written here, once."""
+
+    plan: Any  # loader.plan.Plan
+    cache: Any  # loader.cache.ExpertCache
+    schedule: Any  # loader.schedule.LayerSchedule
+    stores: dict  # precision -> store
+    forms: dict  # precision -> held form
+    arenas: dict  # pool name -> SlotArena
+    buffers: Any  # SlotArena: the read buffers
+    prefill_buffers: Any  # SlotArena of the prefill forms, or None
+    prefill_forms: dict  # precision -> (prefill form, from tokens)
+    read_bytes: dict  # precision -> bytes of one record read
+    slot_bytes: dict  # precision -> bytes of one slot
+    modules: list  # the experts module of each MoE layer
+    counters: Any  # loader.engine.Counters
+    step_times: StepTimes
+    num_layers: int
+    num_experts: int
+
+    def begin(self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *, cpu: bool = True,
+              read_bytes: dict | None = None, prefill_forms: bool = True) -> LayerStart: ...
+
+    def finish_layer(self, layer: int) -> None: ...
+
+    def key(self, layer: int, expert: int) -> str: ...
+
+    def submit(self, job: Any) -> Any: ...
+
+    def take_slot(self, entry: Any) -> Held: ...
+
+    def read_entry(self, entry: Any, priority: int) -> Any: ...
+
+    def note_read(self, expert: int) -> None: ...
+
+    def take_buffer(self, arena: Any = None) -> int: ...
+
+    def give_buffer(self, slot: int, arena: Any = None) -> None: ...
+
+    def await_job(self, layer: int, job: Any) -> None: ...
+
+    def land(self, layer: int, entry: Any) -> None: ...
+
+    def reap(self) -> None: ...
+
+    def track_prefetch(self, entry: Any) -> None: ...
+
+    def compute(self, module: Any, d: Any, weights: Any, mix: Mixer, form: Any = None) -> None: ...
+
+    def cpu_form(self, precision: str) -> Any: ...
 
 
 @dataclass(eq=False)
@@ -17,11 +99,11 @@ class Held:
     form made, and for neuron-layout records which rows are in the slot."""
 
     slot: int
-    job: ReadJob | None = None
+    job: Any = None  # the ``loader.store.ReadJob`` in flight
     weights: object = None
     read_seconds: float = 0.0  # how long the read took (a landed prefetch: what a demand would have waited)
     neurons: object = None  # bool [I] rows in the slot (None: the whole record)
-    row_job: ReadJob | None = None  # a neuron read in flight, and the rows it brings
+    row_job: Any = None  # a neuron read in flight, and the rows it brings
     row_mask: object = None
     predicted: object = None  # the rows a predictor named for this expert
 

@@ -11,8 +11,8 @@ A neuron-layout record (``loader.codec.NeuronLayout``) holds W1 whole in its hea
 row per neuron (up row, down column). The runtime reads the header, finds the active set, and reads the
 rows it lacks, or the whole rest above ``crossover`` (CORM's 75% rule); each cached expert keeps a mask
 of its resident neurons, grown as the union of what it read (C3). The plan's ``neuron`` entry holds the
-knobs (``NeuronConfig``). ``NeuronStep`` is the layer step on this path; the whole-expert step
-(``loader/step.py``) delegates to it, and both take their decisions from ``loader/schedule.py``.
+knobs (``NeuronConfig``). ``NeuronStep`` is the layer step on this path, a peer of the whole-expert step
+(``loader/step.py``) on the engine (``loader/engine.py``); both take their decisions from ``loader/schedule.py``.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import torch
 
 from loader.codec import NeuronLayout
 from loader.errors import LoaderError, MoeError
-from loader.layer import Held, Mixer
+from loader.layer import StepHost
 from loader.plan import PLAN_FILE, Plan, PlanError
 from loader.routing import RoutingPolicy, selection_weights
+from loader.schedule import BUFFER, Decision
 from loader.store import DEMAND, PREFETCH, ReadJob
 
 COMPUTE = ("resident", "active")
@@ -201,15 +202,33 @@ class NeuronRecordForm:
         return neuron_forward(module, self.layout, record, self.pairing, x)
 
 
-class NeuronStep:
-    """The layer step with neuron-level loading, on the engine's cache, schedule, reader and slots: a miss
-    reads the record's header (W1), W1 names the active neurons, and only the rows the slot lacks are read
-    (``to_read``); hits add their missing active rows the same way. Headers are read for every miss first,
-    then each expert's rows, so reads overlap."""
+@dataclass(eq=False)
+class NeuronMiss:
+    """One expert of a neuron layer call on its way to compute: the schedule's decision, the entry it computes
+    from (None: a read buffer, ``buffer``), the read in flight, and once its header has landed: the header, the
+    active neurons, the rows resident, the record in its slot and the row read that completes it."""
 
-    def __init__(self, engine, cfg: NeuronConfig, pairings: dict) -> None:
-        self.engine, self.cfg, self.pairings = engine, cfg, pairings
-        self.layouts = {p: engine.forms[p].layout for p in pairings}
+    decision: Decision
+    entry: object = None
+    buffer: int | None = None
+    job: object = None
+    brought: torch.Tensor | None = None  # rows the header's read brought along (a buffer's)
+    header: dict | None = None
+    wanted: torch.Tensor | None = None
+    resident: torch.Tensor | None = None
+    record: torch.Tensor | None = None
+    rows: tuple | None = None  # (rows the read brings, its job)
+
+
+class NeuronStep:
+    """The layer step with neuron-level loading, a peer of the whole-expert step (``loader/step.py``) on the same
+    host (``loader.layer.StepHost``): a miss reads the record's header (W1), W1 names the active neurons, and
+    only the rows the slot lacks are read (``to_read``); hits add their missing active rows the same way.
+    Headers are read for every miss first, then each expert's rows, so reads overlap."""
+
+    def __init__(self, host: StepHost, cfg: NeuronConfig, pairings: dict) -> None:
+        self.host, self.cfg, self.pairings = host, cfg, pairings
+        self.layouts = {p: host.forms[p].layout for p in pairings}
         self._pending: list = []  # (entry, router input): predicted experts whose header is on its way
         self._inputs: dict = {}
         self.counts = dict.fromkeys(
@@ -224,10 +243,10 @@ class NeuronStep:
     def _rows_job(self, layer: int, store, arena, slot: int, expert: int, rows: torch.Tensor, priority: int):
         """Read the neuron rows of the bool mask ``rows`` into ``slot``: (the job, every row the read brings,
         which with O_DIRECT's whole blocks may be more than asked). The bytes fetched count as read."""
-        engine, layout = self.engine, self.layouts[store.precision]
+        host, layout = self.host, self.layouts[store.precision]
         spans = store.spans(layout.ranges(rows))
-        job = engine.reader.submit(ReadJob(store, engine.key(layer, expert), arena, slot, priority, spans))
-        engine.cache.count_read(layer, sum(length for _s, length in spans))
+        job = host.submit(ReadJob(store, host.key(layer, expert), arena, slot, priority, spans))
+        host.cache.count_read(layer, sum(length for _s, length in spans))
         brought = rows | layout.covered(spans)
         self.counts["rows_read"] += int(brought.sum())
         return job, brought
@@ -235,10 +254,10 @@ class NeuronStep:
     def _header_job(self, layer: int, store, arena, slot: int, expert: int, priority: int):
         """Read a neuron record's header (W1 and the biases) into ``slot``: (the job, the rows its read brings
         along, the rest of its last 4 KiB block with O_DIRECT)."""
-        engine, layout = self.engine, self.layouts[store.precision]
+        host, layout = self.host, self.layouts[store.precision]
         spans = store.spans([(0, layout.rows_offset)])
-        job = engine.reader.submit(ReadJob(store, engine.key(layer, expert), arena, slot, priority, spans))
-        engine.cache.count_read(layer, sum(length for _s, length in spans))
+        job = host.submit(ReadJob(store, host.key(layer, expert), arena, slot, priority, spans))
+        host.cache.count_read(layer, sum(length for _s, length in spans))
         return job, layout.covered(spans)
 
     def _land_rows(self, layer: int, held, wait: bool = True) -> None:
@@ -247,7 +266,7 @@ class NeuronStep:
         if job is None or (not wait and job.state not in ("done", "failed", "cancelled")):
             return
         if wait:
-            self.engine.await_job(layer, job)
+            self.host.await_job(layer, job)
         if job.state == "done":
             held.neurons = held.neurons | held.row_mask
         held.row_job = held.row_mask = None
@@ -257,15 +276,15 @@ class NeuronStep:
         held = entry.payload
         if held is None or held.neurons is None:
             return
-        engine = self.engine
+        host = self.host
         self._land_rows(layer, held)
         missing = ~held.neurons
         if bool(missing.any()):
-            job, _ = self._rows_job(layer, engine.stores[entry.precision], engine.arenas[entry.pool], held.slot,
+            job, _ = self._rows_job(layer, host.stores[entry.precision], host.arenas[entry.pool], held.slot,
                                     entry.expert, missing, 0)
-            engine.await_job(layer, job)
+            host.await_job(layer, job)
         held.neurons = None
-        held.weights = engine.arenas[entry.pool].tensor(held.slot, engine.stores[entry.precision].record_bytes)
+        held.weights = host.arenas[entry.pool].tensor(held.slot, host.stores[entry.precision].record_bytes)
 
     def to_read(self, resident: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """The rows to read for ``active`` given ``resident``: the active ones missing, or every missing row
@@ -279,114 +298,121 @@ class NeuronStep:
         return need
 
     # ------------------------------------------------------------------------------------ the layer step
-    def run_layer(self, layer: int, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                  top_k_weights: torch.Tensor) -> torch.Tensor:
-        engine = self.engine
-        # partial reads are this path's way to cut a miss's cost: its misses are never served on the CPU
-        decisions, top_k_weights, rows, weights, _ = engine.begin(layer, top_k_index, top_k_weights, cpu=False)
-        out = torch.zeros_like(hidden)
-        mix = Mixer(hidden, rows, weights, top_k_index, top_k_weights, out)
+    def run(self, layer: int, module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+            top_k_weights: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H], top_k_index [T, K], top_k_weights [T, K] -> [T, H]."""
+        host = self.host
+        # partial reads are this path's way to cut a miss's cost: its misses are never served on the CPU, never
+        # in a prefill form, and the reads of neuron-layout records are counted here, by the bytes fetched
+        whole = {p: b for p, b in host.read_bytes.items() if p not in self.layouts}
+        start = host.begin(layer, top_k_index, top_k_weights, cpu=False, read_bytes=whole, prefill_forms=False)
+        mix = start.mixer(hidden, top_k_index)
         self._pending = [(e, x) for e, x in self._pending if e.layer != layer]
         batch = []
-        for d in decisions:
-            item = {"decision": d, "entry": d.entry}
-            if d.entry is None:
-                item["entry"] = engine.schedule.admit(layer, d.expert, d.precision, engine.slot_bytes[d.precision], 0)
-                if item["entry"] is None and not engine.buffers.free:
-                    self._batch(layer, module, hidden, mix, batch)
-                    batch = []
+        for d in start.decisions:
+            item = NeuronMiss(d, d.entry)
+            if d.served == BUFFER and not host.buffers.free:
+                self._batch(layer, module, mix, batch)
+                batch = []
+            if d.miss:
                 self._start_miss(layer, item)
             batch.append(item)
-        self._batch(layer, module, hidden, mix, batch)
-        engine.finish_layer(layer)
-        self.advance()
-        return out
+        self._batch(layer, module, mix, batch)
+        host.finish_layer(layer)
+        return mix.out
 
-    def _start_miss(self, layer: int, item: dict) -> None:
+    def _start_miss(self, layer: int, item: NeuronMiss) -> None:
         """A miss: take a slot (the admitted entry's, else a read buffer) and start reading the header (a
         neuron record) or the whole record."""
-
-        engine = self.engine
-        entry, d = item["entry"], item["decision"]
-        store = engine.stores[d.precision]
+        host, entry, d = self.host, item.entry, item.decision
+        store = host.stores[d.precision]
         if entry is not None:
-            arena = engine.arenas[entry.pool]
-            held = entry.payload = Held(arena.take())
-            slot = held.slot
+            arena, slot = host.arenas[entry.pool], host.take_slot(entry).slot
         else:
-            arena, slot = engine.buffers, engine.take_buffer()
-            item["buffer"] = slot
+            arena, slot = host.buffers, host.take_buffer()
+            item.buffer = slot
         if d.precision in self.layouts:
-            job, item["brought"] = self._header_job(layer, store, arena, slot, d.expert, DEMAND)
+            job, item.brought = self._header_job(layer, store, arena, slot, d.expert, DEMAND)
             if entry is not None:
-                entry.payload.neurons = item["brought"]
+                entry.payload.neurons = item.brought
         else:
-            job = engine.reader.submit(ReadJob(store, engine.key(layer, d.expert), arena, slot, DEMAND,
-                                               form=engine.forms[d.precision]))
-            engine.cache.count_read(layer, store.record_bytes)
+            job = host.submit(ReadJob(store, host.key(layer, d.expert), arena, slot, DEMAND, form=host.forms[d.precision]))
         if entry is not None:
             entry.payload.job = job
-        item["job"] = job
+        item.job = job
 
-    def _batch(self, layer: int, module, hidden, mix, items: list) -> None:
+    def _batch(self, layer: int, module, mix, items: list) -> None:
         """Wait for each item's header, read the rows its active set lacks, then compute each over its rows."""
-        engine, cfg = self.engine, self.cfg
         for item in items:
-            entry, d = item["entry"], item["decision"]
-            if entry is not None and entry.payload is not None and (entry.in_flight or entry.payload.job is not None):
-                engine.land(layer, entry)
-            elif entry is None and "job" in item:
-                engine.await_job(layer, item["job"])
-            if d.precision not in self.layouts:
-                continue
-            layout = self.layouts[d.precision]
+            self._land_header(layer, item)
+            if item.decision.precision in self.layouts:
+                self._plan_rows(layer, module, mix, item)
+        for item in items:
+            self._compute_item(layer, module, mix, item)
+            if item.buffer is not None:
+                self.host.give_buffer(item.buffer)
+
+    def _land_header(self, layer: int, item: NeuronMiss) -> None:
+        host, entry = self.host, item.entry
+        if entry is not None and entry.payload is not None and (entry.in_flight or entry.payload.job is not None):
+            host.land(layer, entry)
+        elif entry is None and item.job is not None:
+            host.await_job(layer, item.job)
+
+    def _plan_rows(self, layer: int, module, mix, item: NeuronMiss) -> None:
+        """The header has landed: find the active neurons and start reading the rows the slot lacks."""
+        host, cfg, entry, d = self.host, self.cfg, item.entry, item.decision
+        layout = self.layouts[d.precision]
+        if entry is not None:
+            held = entry.payload
+            self._land_rows(layer, held)
+            arena, slot = host.arenas[entry.pool], held.slot
+            resident = held.neurons if held.neurons is not None else torch.ones(layout.intermediate, dtype=torch.bool)
+        else:
+            arena, slot = host.buffers, item.buffer
+            resident = item.brought if item.brought is not None else torch.zeros(layout.intermediate, dtype=torch.bool)
+        record = arena.tensor(slot, host.stores[d.precision].record_bytes)
+        _tokens, x, _ = mix.inputs(d.expert)
+        header = layout.header(record)
+        wanted = active_set(module, header, x, self.pairings[d.precision], cfg.theta)
+        predicted = self._count_active(layout, wanted, entry)
+        need = torch.zeros_like(wanted) if cfg.trust_prediction and predicted is not None else self.to_read(resident, wanted)
+        item.header, item.wanted, item.resident, item.record = header, wanted, resident, record
+        if bool(need.any()):
+            job, brought = self._rows_job(layer, host.stores[d.precision], arena, slot, d.expert, need, DEMAND)
+            item.rows = (brought, job)
+
+    def _count_active(self, layout: NeuronLayout, wanted: torch.Tensor, entry) -> torch.Tensor | None:
+        """Count the expert's active neurons, and against them the rows a predictor named (returned, then cleared)."""
+        counts = self.counts
+        counts["experts"] += 1
+        counts["neurons"] += layout.intermediate
+        counts["active"] += int(wanted.sum())
+        predicted = entry.payload.predicted if entry is not None else None
+        if predicted is not None:
+            counts["predicted_experts"] += 1
+            counts["predicted_rows"] += int(predicted.sum())
+            counts["predicted_active"] += int((predicted & wanted).sum())
+            counts["active_predicted"] += int(wanted.sum())
+            entry.payload.predicted = None
+        return predicted
+
+    def _compute_item(self, layer: int, module, mix, item: NeuronMiss) -> None:
+        host, entry, d = self.host, item.entry, item.decision
+        if d.precision not in self.layouts:
+            weights = entry.payload.weights if entry is not None else item.job.weights
+            host.compute(module, d, weights, mix)
+            return
+        resident = item.resident
+        if item.rows is not None:
+            need, job = item.rows
+            host.await_job(layer, job)
+            resident = resident | need
             if entry is not None:
-                held = entry.payload
-                self._land_rows(layer, held)
-                arena, slot = engine.arenas[entry.pool], held.slot
-                resident = held.neurons if held.neurons is not None else torch.ones(layout.intermediate, dtype=torch.bool)
-            else:
-                arena, slot = engine.buffers, item["buffer"]
-                resident = item.get("brought", torch.zeros(layout.intermediate, dtype=torch.bool))
-            record = arena.tensor(slot, engine.stores[d.precision].record_bytes)
-            tokens, x, _ = mix.inputs(d.expert)
-            header = layout.header(record)
-            wanted = active_set(module, header, x, self.pairings[d.precision], cfg.theta)
-            counts = self.counts
-            counts["experts"] += 1
-            counts["neurons"] += layout.intermediate
-            counts["active"] += int(wanted.sum())
-            predicted = entry.payload.predicted if entry is not None else None
-            if predicted is not None:
-                counts["predicted_experts"] += 1
-                counts["predicted_rows"] += int(predicted.sum())
-                counts["predicted_active"] += int((predicted & wanted).sum())
-                counts["active_predicted"] += int(wanted.sum())
-                entry.payload.predicted = None
-            trusted = cfg.trust_prediction and predicted is not None
-            need = torch.zeros_like(wanted) if trusted else self.to_read(resident, wanted)
-            item.update(header=header, wanted=wanted, resident=resident, record=record)
-            if bool(need.any()):
-                job, brought = self._rows_job(layer, engine.stores[d.precision], arena, slot, d.expert, need, DEMAND)
-                item["rows"] = (brought, job)
-        for item in items:
-            entry, d = item["entry"], item["decision"]
-            if d.precision not in self.layouts:
-                weights = entry.payload.weights if entry is not None else item["job"].weights
-                engine.compute(module, d, weights, mix)
-            else:
-                resident = item["resident"]
-                if "rows" in item:
-                    need, job = item["rows"]
-                    engine.await_job(layer, job)
-                    resident = resident | need
-                    if entry is not None:
-                        entry.payload.neurons = resident
-                rows = resident if cfg.compute == "resident" else item["wanted"] & resident
-                self.counts["computed"] += int(rows.sum())
-                self._compute(module, d, item["record"], rows, item["header"], mix)
-            if "buffer" in item:
-                engine.give_buffer(item["buffer"])
+                entry.payload.neurons = resident
+        rows = resident if self.cfg.compute == "resident" else item.wanted & resident
+        self.counts["computed"] += int(rows.sum())
+        self._compute(module, d, item.record, rows, item.header, mix)
 
     def _compute(self, module, d, record, rows: torch.Tensor, header: dict, mix) -> None:
         """The expert over the neurons of the bool mask ``rows``, each token over its own active ones with
@@ -398,40 +424,51 @@ class NeuronStep:
         y = neuron_forward(module, self.layouts[d.precision], record, self.pairings[d.precision], x, index, header,
                            per_token)
         mix.add(tokens, y, w)
-        self.engine._computed += time.perf_counter() - start
+        self.host.step_times.computed += time.perf_counter() - start
 
     # -------------------------------------------------------------------------------------- prediction
-    def take_inputs(self, requests: list) -> list:
+    def prefetch(self, requests: list) -> None:
+        """The engine's prefetch on this path: each admitted request with router inputs for a neuron-layout
+        expert reads its header first (``_prefetch_header``), any other the whole record; requested experts held
+        already get their neurons predicted now."""
+        host = self.host
+        self._take_inputs(requests)
+        for entry in host.schedule.prefetch(requests, host.slot_bytes):
+            if not self._prefetch_header(entry):
+                host.read_entry(entry, PREFETCH)
+                host.cache.count_read(entry.layer, host.read_bytes[entry.precision])
+            host.track_prefetch(entry)
+        self._predict_held()
+
+    def _take_inputs(self, requests: list) -> None:
         """Keep the router inputs of requests for neuron-layout experts (their rows are predicted from them)."""
+        host = self.host
         self._inputs = {}
         for r in requests:
             if r.inputs is None or not self.applies(r.inputs.shape[0]):
                 continue
-            precision = r.precision or self.engine.plan.expert_precision[r.layer][r.expert] \
-                if 0 <= r.layer < self.engine.num_layers and 0 <= r.expert < self.engine.num_experts else None
+            precision = r.precision or host.plan.expert_precision[r.layer][r.expert] \
+                if 0 <= r.layer < host.num_layers and 0 <= r.expert < host.num_experts else None
             if precision in self.layouts:
                 self._inputs[(r.layer, r.expert, precision)] = r.inputs
-        return requests
 
-    def prefetch_header(self, entry) -> bool:
+    def _prefetch_header(self, entry) -> bool:
         """CORM: an admitted prefetch with router inputs reads its header (W1) first; its neurons once the
-        header has landed. False: not such a prefetch (the engine reads the whole record)."""
-
+        header has landed. False: not such a prefetch (the whole record is read)."""
         x = self._inputs.pop((entry.layer, entry.expert, entry.precision), None)
         if x is None:
             return False
-        engine = self.engine
-        arena = engine.arenas[entry.pool]
-        held = entry.payload = Held(arena.take())
-        held.job, held.neurons = self._header_job(entry.layer, engine.stores[entry.precision], arena, held.slot,
-                                                  entry.expert, PREFETCH)
+        host = self.host
+        held = host.take_slot(entry)
+        held.job, held.neurons = self._header_job(entry.layer, host.stores[entry.precision], host.arenas[entry.pool],
+                                                  held.slot, entry.expert, PREFETCH)
         self._pending.append((entry, x))
         return True
 
-    def predict_held(self) -> None:
+    def _predict_held(self) -> None:
         """Requested experts held already: predict their neurons now."""
         for (layer, expert, precision), x in self._inputs.items():
-            entry = self.engine.cache.find(layer, expert, precision)
+            entry = self.host.cache.find(layer, expert, precision)
             if entry is not None and not entry.in_flight:
                 self._predict_rows(entry, x)
         self._inputs = {}
@@ -442,23 +479,23 @@ class NeuronStep:
         held = entry.payload
         if held is None or entry.in_flight or held.neurons is None or held.row_job is not None:
             return
-        engine = self.engine
+        host = self.host
         layout = self.layouts[entry.precision]
-        record = engine.arenas[entry.pool].tensor(held.slot, engine.stores[entry.precision].record_bytes)
-        predicted = active_set(engine.modules[entry.layer], layout.header(record), x, self.pairings[entry.precision],
+        record = host.arenas[entry.pool].tensor(held.slot, host.stores[entry.precision].record_bytes)
+        predicted = active_set(host.modules[entry.layer], layout.header(record), x, self.pairings[entry.precision],
                                self.cfg.theta)
         held.predicted = predicted
         need = self.to_read(held.neurons, predicted)
         if bool(need.any()):
-            held.row_job, held.row_mask = self._rows_job(entry.layer, engine.stores[entry.precision],
-                                                         engine.arenas[entry.pool], held.slot, entry.expert, need,
+            held.row_job, held.row_mask = self._rows_job(entry.layer, host.stores[entry.precision],
+                                                         host.arenas[entry.pool], held.slot, entry.expert, need,
                                                          PREFETCH)
 
     def advance(self) -> None:
         """After a layer's compute: predicted experts whose header has landed get their neuron rows prefetched."""
         if not self._pending:
             return
-        self.engine._reap()  # headers that have landed become resident (they are prefetches like any other)
+        self.host.reap()  # headers that have landed become resident (they are prefetches like any other)
         still = []
         for entry, x in self._pending:
             if entry.payload is None:

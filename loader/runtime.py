@@ -67,7 +67,7 @@ from loader.routing import (
     plan_routing,
 )
 from loader.schedule import CpuMissRule
-from loader.step import ExpertEngine, measure_miss_costs
+from loader.engine import EngineSetup, ExpertEngine, measure_miss_costs
 from loader.store import ExpertStore
 from loader.transfer import link_for
 from loader.vocab import CPU_MISSES
@@ -426,10 +426,9 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
         model.tie_weights()
     _rebuild_meta_buffers(model, dev)
 
-    engine = ExpertEngine(
-        layout.plan if layout.capacities is not None else plan, layout, stores, layouts, moe["top_k"], dev, workers,
-        miss_policy,
-        chosen, list(moe["layers"]), neuron_cfg, pairings, cleanup, link)
+    setup = EngineSetup(stores, layouts, moe["top_k"], dev, workers, miss_policy, chosen, list(moe["layers"]),
+                        neuron_cfg, pairings, link)
+    engine = ExpertEngine(layout.plan if layout.capacities is not None else plan, layout, setup, cleanup)
     for position, path in enumerate(moe["experts_modules"]):
         module = _submodule(model, path, "experts")
         if getattr(module, "num_experts", moe["num_experts"]) != moe["num_experts"]:

@@ -1,39 +1,60 @@
 """The layer schedule: the rules around the expert cache that decide what one MoE layer call reads and
 computes. Torch-free, and the one implementation: the loader's steps (``loader/step.py``,
-``loader/neuron.py``) and the simulator (``prep/sim/simulate.py``) both call it, so what the simulator
+``loader/neuron.py``) and the cost model (``loader/simulate.py``) all call ``serve``, so what the cost model
 counts is what the loader does.
 
 Per MoE layer call, in order:
 
 1. ``routed(layer, experts)``: the router has chosen; its experts are protected before any predictor's
    prefetch may make room (only where predictors run);
-2. ``begin(layer, rows, ...)``: the wanted experts (``ordered_experts``: token by token, best-weighted
-   first, first use wins) are classified by the cache (hit, join of a read in flight, miss); each miss goes
-   to the miss policy, which keeps its planned precision, lowers it (a held lower copy then serves it) or
-   skips it; then, in a one-token step, the CPU rule (``CpuMissRule``) may serve a miss on the CPU from
-   the host store instead (``Decision.served == "cpu"``: counted, not admitted, nothing read or cached);
-   every computed expert is recorded as used at the precision it is computed at. Returns the ``Decision``
-   per computed expert and the skipped experts;
-3. per decision without an entry that is read (not served on the CPU), in order, ``admit``: room is made
-   in the pool (or None: the read goes to a read buffer and is used once); the read's bytes are counted
-   either way;
-4. ``end(layer)``: protection ends; an unused prefetch for the layer is wasted.
+2. ``serve(layer, rows, ...)`` decides how each wanted expert is served (``Decision.served``):
+
+   a. the wanted experts (``ordered_experts``: token by token, best-weighted first, first use wins) are
+      classified by the cache: ``HELD`` (a hit, or a join of a read in flight) or a miss; each miss goes to
+      the miss policy, which keeps its planned precision, lowers it (a held lower copy then serves it) or
+      skips it (listed in ``skipped``); in a one-token step the CPU rule (``CpuMissRule``) may serve a miss
+      on the CPU from the host store (``CPU``: counted, nothing read or cached); every computed expert is
+      recorded as used at the precision it is computed at;
+   b. cancellation: a prefetch for this layer that the router did not choose and whose read has not
+      started is cancelled (where the caller can cancel reads: the loader; the cost model's prefetches
+      have always landed);
+   c. each miss left is placed, in order: in a prompt chunk, one given to at least its precision's
+      ``from_tokens`` tokens is read once in the prefill form (``PROMPT``, not cached); otherwise room is
+      made in its pool (``CACHE``, the admitted entry) or, where nothing can be evicted, it is read into a
+      read buffer and used once (``BUFFER``). The bytes of every read are counted.
+
+3. ``end(layer)``: protection ends; an unused prefetch for the layer is wasted.
 
 ``prefetch(requests, slot_bytes)`` is the admission of a predictor's requests at any time: a request for
 a precision the artifact has no store or pool for, or outside the model, is dropped; the rest are
-protected together, then admitted unless held.
+protected together, then admitted unless held. ``begin`` and ``admit`` are steps a and c on their own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from loader.cache import Entry, ExpertCache
 from loader.errors import LoaderError
 from loader.vocab import CPU_MISSES, SKIP
 
-READ = "read"  # a decision computed from its entry, or from a read of its record (into the cache or a buffer)
+HELD = "held"  # computed from its entry: resident, or a read in flight joined
+READ = "read"  # a miss to read, not yet placed (``begin``; ``serve`` places it: CACHE, BUFFER or PROMPT)
+CACHE = "cache"  # a miss read into the entry admitted for it in its pool
+BUFFER = "buffer"  # a miss read into a read buffer and used once (nothing in its pool could be evicted)
+PROMPT = "prompt"  # a miss of a prompt chunk read once into a prefill buffer, in its precision's prefill form
 CPU = "cpu"  # a miss computed on the CPU from the host store's record: nothing read, nothing cached
+MISSES = (READ, CACHE, BUFFER, PROMPT, CPU)
+
+
+def _token_counts(rows) -> dict[int, int]:
+    """expert -> how many of a call's tokens it is given (rows [T][K])."""
+    given: dict[int, int] = {}
+    for row in rows:
+        for e in row:
+            given[e] = given.get(e, 0) + 1
+    return given
 
 
 def ordered_experts(indices, num_experts: int) -> list[int]:
@@ -49,13 +70,28 @@ def ordered_experts(indices, num_experts: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Decision:
-    """One expert a layer computes: at ``precision``, from ``entry`` (held or being read; None: a miss),
-    ``served`` by a read (``READ``: the entry, or a read of the record) or on the CPU (``CPU``: a miss only)."""
+    """One expert a layer computes, at ``precision``, and how it is ``served``: ``HELD`` from ``entry`` (resident
+    or being read), or a miss: ``CACHE`` (``entry`` is the one admitted for its read), ``BUFFER``, ``PROMPT``,
+    ``CPU`` (``entry`` None), or ``READ`` (not placed yet: ``begin`` alone)."""
 
     expert: int
     precision: str
     entry: Entry | None
-    served: str = READ
+    served: str = HELD
+
+    @property
+    def miss(self) -> bool:
+        return self.served != HELD
+
+
+@dataclass(frozen=True)
+class Served:
+    """What ``serve`` decided for one layer call: the decisions in visiting order, the experts the miss policy
+    skipped, and the layer's prefetched entries as they stood before the call (the loader counts what they saved)."""
+
+    decisions: list
+    skipped: list
+    prefetched: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -151,13 +187,50 @@ class LayerSchedule:
                 raise LoaderError(f"the miss policy asked for precision {precision!r}, which the artifact has no "
                                   f"store for (stores: {sorted(self.readable)})")
             precision = entry.precision if entry is not None else precision
-            served = READ
+            served = HELD if entry is not None else READ
             if entry is None and on_cpu is not None and on_cpu.serves(precision):
                 served = CPU
                 cache.count_cpu(layer)
             cache.use(layer, req.expert, precision)
             decisions.append(Decision(req.expert, precision, entry, served))
         return decisions, skipped
+
+    def serve(self, layer: int, rows, top_k_index=None, top_k_weights=None, *, cpu: bool = True,
+              slot_bytes: dict, read_bytes: dict, prompt_forms: dict | None = None,
+              cancel: Callable[[Entry], bool] | None = None) -> Served:
+        """The layer call's decisions, every miss placed (steps a to c of the module's docstring).
+
+        rows, top_k_index, top_k_weights, cpu: as ``begin``. slot_bytes / read_bytes: per precision, a slot's and a
+        read's bytes; a precision missing from ``read_bytes`` is counted by the caller (the neuron step reads parts
+        of records). prompt_forms: precision -> from tokens, the prefill forms of a prompt chunk (None: not one).
+        cancel(entry) -> whether the read of an in-flight prefetch could still be stopped (None: never)."""
+        prefetched = self.prefetched(layer) if cancel is not None else {}
+        decisions, skipped = self.begin(layer, rows, top_k_index, top_k_weights, cpu)
+        if cancel is not None and prefetched:
+            self.cancel_unwanted(prefetched, {d.expert for d in decisions} | set(skipped), cancel)
+        given = _token_counts(rows) if prompt_forms else {}
+        placed = []
+        for d in decisions:
+            if d.served == READ:
+                d = self._place(layer, d, slot_bytes, read_bytes, prompt_forms, given)
+            placed.append(d)
+        return Served(placed, skipped, prefetched)
+
+    def cancel_unwanted(self, prefetched: dict, wanted: set, cancel: Callable[[Entry], bool]) -> None:
+        """The router has decided: a prefetch for the layer that was not chosen and whose read has not started is
+        cancelled (its slot freed); one already read or reading is left to land (and is wasted)."""
+        for expert, entry in prefetched.items():
+            if expert not in wanted and entry.in_flight and cancel(entry):
+                self.cache.cancel(entry)
+
+    def _place(self, layer: int, d: Decision, slot_bytes: dict, read_bytes: dict, prompt_forms: dict | None,
+               given: dict) -> Decision:
+        nbytes = read_bytes.get(d.precision, 0)
+        if prompt_forms and d.precision in prompt_forms and given.get(d.expert, 0) >= prompt_forms[d.precision]:
+            self.cache.count_read(layer, nbytes)
+            return Decision(d.expert, d.precision, None, PROMPT)
+        entry = self.admit(layer, d.expert, d.precision, slot_bytes[d.precision], nbytes)
+        return Decision(d.expert, d.precision, entry, CACHE if entry is not None else BUFFER)
 
     def admit(self, layer: int, expert: int, precision: str, slot_bytes: int, read_bytes: int) -> Entry | None:
         """A miss to read: its entry in the pool, or None (a read buffer); ``read_bytes`` counted either way."""

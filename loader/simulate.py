@@ -8,13 +8,11 @@ The decode replay (``simulate``) runs one call per token per MoE layer, as in de
     cache.clock.token = t                                 # the token's position in its sequence
     for each MoE layer l in order:
         schedule.routed(l, experts); predictors' prefetches -> schedule.prefetch(...)   (with predictors)
-        decisions, skipped = schedule.begin(l, [token's experts at l], idx, w)
-        for each decision without an entry and not served on the CPU, in order:
-            entry = schedule.admit(l, e, precision, slot_bytes[precision], record_bytes[precision])
-            cache.complete(entry) if entry is not None        # else: read into a buffer and used once
+        served = schedule.serve(l, [token's experts at l], idx, w, ...)   # every miss placed, as in the loader
+        for each decision served CACHE: cache.complete(entry)    # BUFFER: read into a buffer and used once
         schedule.end(l)
 
-``begin`` protects all of a token's experts before any is admitted, so a token's experts are inserted together and
+``serve`` protects all of a token's experts before any is admitted, so a token's experts are inserted together and
 neither can evict the other. Each sequence starts cold unless ``cold_start=False``. The prefill replay
 (``simulate_prefill``) runs a prompt in the loader's chunks (``loader/prefill.py``). Policies beyond the loader's
 (the simulator's clairvoyant ``belady``) come in through ``simulate(..., extra_policies=...)``.
@@ -39,7 +37,7 @@ from loader.policies import POLICIES, policy_factory
 from loader.predict import ROUTING_ONLY, PredictorContext
 from loader.prefill import PrefillSpec
 from loader.routing import MISS_POLICIES, ROUTING_POLICIES, RoutingError
-from loader.schedule import CPU, CpuMissRule, LayerSchedule, PrefetchGate
+from loader.schedule import CACHE, CPU, HELD, PROMPT, CpuMissRule, LayerSchedule, PrefetchGate
 
 ROUTING_SAMPLE = "routing.safetensors"  # in an artifact: recorded routing to replay (``read_routing_sample``)
 MAX_EXPERTS = 65536  # experts per layer a routing sample may name (a trace's bound, ``prep.methods.trace``)
@@ -372,33 +370,13 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
                            f"cache is for {spec.num_layers} x {spec.num_experts}; use a plan made for this model")
     factory, future = policy_builder(policy, params, extra_policies)
     cache = ExpertCache(spec.pools, spec.num_layers, spec.num_experts, factory)
-    layers = [LayerResult() for _ in range(spec.num_layers)]
-    precision, record_bytes = spec.expert_precision, spec.record_bytes
-    slot_bytes = spec.slot_bytes if spec.slot_bytes is not None else record_bytes
     routing, miss = _policies(spec, replay, routing, miss)
-    decide = routing is not None or miss is not None
     if miss is not None:
         miss.view = cache.view
     predictors = list(predictors or [])
     if predictors:
-
         _bind_predictors(predictors, cache, spec, replay, feed)
-
-    schedule = LayerSchedule(cache, precision, miss, readable=record_bytes, cpu_rule=cpu_misses,
-                             prefetch_gate=PrefetchGate() if predictors else None)  # as the loader's step
-
-    token_io = [0.0, 0.0]  # this token's reads (demand and prefetch) and its layers' path, in modelled seconds
-    io_bound = 0.0
-
-    def prefetch(requests) -> None:
-        for entry in schedule.prefetch(requests, slot_bytes):
-            cache.count_read(entry.layer, record_bytes[entry.precision])
-            cache.complete(entry)
-            if profile is not None:  # the read and the form made on a reader thread, behind compute
-                seconds = profile.read_seconds(record_bytes[entry.precision]) + profile.make(entry.precision)
-                layers[entry.layer].prefetch_read_seconds += seconds
-                token_io[0] += seconds
-
+    run = _DecodeReplay(spec, cache, profile, routing, miss, predictors, feed, cpu_misses, workers)
     for s, sequence in enumerate(replay.sequences):
         cache.clear() if cold_start else cache.reset()
         for p in predictors:
@@ -406,62 +384,102 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
         if future is not None:
             future.start(sequence)
         for t, token in enumerate(sequence):
-            cache.clock.token = t
-            token_io[0] = token_io[1] = 0.0
-            for layer, experts in enumerate(token):
-                counts = layers[layer]
-                idx = w = None
-                if decide:
-                    logits = replay.logits[s][t, layer][None] if replay.logits is not None else None
-                    experts, idx, w = _route(routing, replay.weights[s][t][layer], experts, layer, cache, logits)
-                if predictors and schedule.prefetching:  # the router has decided: protect its experts, then predict
-                    schedule.routed(layer, experts)
-                    x = feed.router_inputs[s][t, layer][None].float() if feed.router_inputs is not None else None
-                    chosen = torch.tensor([list(experts)])
-                    for p in predictors:
-                        prefetch(p.after_router(layer, x, chosen))
-                decisions, skipped = schedule.begin(layer, [experts], idx, w)
-                counts.requests += len(decisions) + len(skipped)
-                held_compute = transfer = fixed = 0.0
-                n_reads = 0
-                for d in decisions:
-                    if profile is not None:
-                        counts.compute_seconds += profile.compute(d.precision)
-                    if d.entry is not None or d.served == CPU:  # computed while the reads run
-                        held_compute += profile.compute(d.precision) if profile is not None else 0.0
-                        continue
-                    nbytes = record_bytes[d.precision]
-                    entry = schedule.admit(layer, d.expert, d.precision, slot_bytes[d.precision], nbytes)
-                    counts.demand_bytes += nbytes
-                    if entry is not None:
-                        cache.complete(entry)
-                    if profile is not None:  # the read, then the held form made on the reader thread
-                        transfer += profile.transfer_seconds(nbytes)
-                        fixed += profile.read_seconds(nbytes) - profile.transfer_seconds(nbytes) + profile.make(d.precision)
-                        n_reads += 1
-                if profile is not None:
-                    reads = layer_reads(transfer, fixed, n_reads, workers)
-                    # calibrated: the hits compute while the reads run; the layer waits for what is left
-                    stall = max(0.0, reads - held_compute) if profile.overlap else reads
-                    counts.read_seconds += stall
-                    counts.compute_seconds += profile.layer_overhead
-                    token_io[0] += reads
-                    token_io[1] += stall + profile.layer_overhead + sum(profile.compute(d.precision) for d in decisions)
-                schedule.end(layer)
-            if predictors and schedule.prefetching and feed.head_inputs is not None:
-                for p in predictors:
-                    prefetch(p.after_last_layer(feed.head_inputs[s][t][None].float()))
-            if profile is not None and profile.overlap:  # one disk: a token takes at least its reads
-                io_bound += max(0.0, token_io[0] - token_io[1] - profile.token_overhead)
-    for layer, counts in enumerate(layers):
+            run.token(replay, s, t, token)
+    for layer, counts in enumerate(run.layers):
         c = cache.counters[layer]
         counts.hits, counts.misses, counts.joins, counts.bytes_read = c.hits, c.misses, c.joins, c.bytes_read
         counts.prefetches, counts.prefetch_used, counts.prefetch_wasted = c.prefetches, c.prefetch_used, c.prefetch_wasted
         counts.skipped, counts.cpu_computed = c.skipped, c.cpu_computed
     return SimResult(policy, dict(params or {}), spec.capacity, spec.group, replay.source, len(replay.sequences),
-                     replay.num_tokens, dict(record_bytes), cold_start, layers, profile, [p.name for p in predictors],
+                     replay.num_tokens, dict(spec.record_bytes), cold_start, run.layers, profile,
+                     [p.name for p in predictors],
                      cpu_misses=cpu_misses.to_json() if cpu_misses is not None and not cpu_misses.off else None,
-                     io_bound_seconds=io_bound)
+                     io_bound_seconds=run.io_bound)
+
+
+class _DecodeReplay:
+    """``simulate``'s state: the cache's schedule as the loader's step builds it, the per-layer results, and the
+    modelled seconds of the token being replayed (its reads, demand and prefetch, and its layers' path)."""
+
+    def __init__(self, spec: CacheSpec, cache: ExpertCache, profile: DeviceProfile | None, routing, miss,
+                 predictors: list, feed: PredictionFeed | None, cpu_misses: CpuMissRule | None, workers: int) -> None:
+        self.cache, self.profile, self.routing, self.miss = cache, profile, routing, miss
+        self.predictors, self.feed, self.workers = predictors, feed, workers
+        self.record_bytes = spec.record_bytes
+        self.slot_bytes = spec.slot_bytes if spec.slot_bytes is not None else spec.record_bytes
+        self.schedule = LayerSchedule(cache, spec.expert_precision, miss, readable=spec.record_bytes,
+                                      cpu_rule=cpu_misses,
+                                      prefetch_gate=PrefetchGate() if predictors else None)  # as the loader's step
+        self.layers = [LayerResult() for _ in range(spec.num_layers)]
+        self.token_io = [0.0, 0.0]
+        self.io_bound = 0.0
+
+    def token(self, replay: Replay, s: int, t: int, token) -> None:
+        """One token of sequence ``s`` through every MoE layer, then the predictors' look past the last."""
+        self.cache.clock.token = t
+        self.token_io[0] = self.token_io[1] = 0.0
+        for layer, experts in enumerate(token):
+            idx = w = None
+            if self.routing is not None or self.miss is not None:
+                logits = replay.logits[s][t, layer][None] if replay.logits is not None else None
+                experts, idx, w = _route(self.routing, replay.weights[s][t][layer], experts, layer, self.cache, logits)
+            if self.predictors and self.schedule.prefetching:  # the router has decided: protect, then predict
+                self.schedule.routed(layer, experts)
+                x = self.feed.router_inputs[s][t, layer][None].float() if self.feed.router_inputs is not None else None
+                chosen = torch.tensor([list(experts)])
+                for p in self.predictors:
+                    self.prefetch(p.after_router(layer, x, chosen))
+            self.layer(layer, experts, idx, w)
+        if self.predictors and self.schedule.prefetching and self.feed.head_inputs is not None:
+            for p in self.predictors:
+                self.prefetch(p.after_last_layer(self.feed.head_inputs[s][t][None].float()))
+        profile = self.profile
+        if profile is not None and profile.overlap:  # one disk: a token takes at least its reads
+            self.io_bound += max(0.0, self.token_io[0] - self.token_io[1] - profile.token_overhead)
+
+    def layer(self, layer: int, experts, idx, w) -> None:
+        """One MoE layer call: the schedule serves it; hits compute while the misses' reads run."""
+        profile, counts = self.profile, self.layers[layer]
+        served = self.schedule.serve(layer, [experts], idx, w, slot_bytes=self.slot_bytes,
+                                     read_bytes=self.record_bytes)
+        counts.requests += len(served.decisions) + len(served.skipped)
+        held_compute = transfer = fixed = 0.0
+        n_reads = 0
+        for d in served.decisions:
+            compute = profile.compute(d.precision) if profile is not None else 0.0
+            counts.compute_seconds += compute
+            if d.served in (HELD, CPU):  # computed while the reads run
+                held_compute += compute
+                continue
+            nbytes = self.record_bytes[d.precision]
+            counts.demand_bytes += nbytes
+            if d.served == CACHE:
+                self.cache.complete(d.entry)
+            if profile is not None:  # the read, then the held form made on the reader thread
+                transfer += profile.transfer_seconds(nbytes)
+                fixed += profile.read_seconds(nbytes) - profile.transfer_seconds(nbytes) + profile.make(d.precision)
+                n_reads += 1
+        if profile is not None:
+            reads = layer_reads(transfer, fixed, n_reads, self.workers)
+            # calibrated: the hits compute while the reads run; the layer waits for what is left
+            stall = max(0.0, reads - held_compute) if profile.overlap else reads
+            counts.read_seconds += stall
+            counts.compute_seconds += profile.layer_overhead
+            self.token_io[0] += reads
+            self.token_io[1] += stall + profile.layer_overhead + sum(profile.compute(d.precision)
+                                                                     for d in served.decisions)
+        self.schedule.end(layer)
+
+    def prefetch(self, requests) -> None:
+        """A predictor's requests admitted; each modelled as landing before its layer runs, its read and form
+        made on a reader thread behind compute."""
+        for entry in self.schedule.prefetch(requests, self.slot_bytes):
+            self.cache.count_read(entry.layer, self.record_bytes[entry.precision])
+            self.cache.complete(entry)
+            if self.profile is not None:
+                seconds = self.profile.read_seconds(self.record_bytes[entry.precision]) + self.profile.make(entry.precision)
+                self.layers[entry.layer].prefetch_read_seconds += seconds
+                self.token_io[0] += seconds
 
 
 def _policies(spec: CacheSpec, replay: Replay, routing, miss):
@@ -602,7 +620,9 @@ def simulate_prefill(replay: Replay, spec: CacheSpec, profile: DeviceProfile, to
     record_bytes = spec.record_bytes
     slot_bytes = spec.slot_bytes if spec.slot_bytes is not None else record_bytes
     schedule = LayerSchedule(cache, spec.expert_precision, None, readable=record_bytes)
-    held = dict(held_forms or {})
+    held = {p: (held_forms or {}).get(p) or held_form_of(profile, p) for p in record_bytes}
+    in_prefill_form = {p: f for p in record_bytes if (f := prefill.form_for(p)) is not None and f.form != held[p]}
+    prompt_forms = {p: f.from_tokens for p, f in in_prefill_form.items()}
     step = compute = reads_s = overhead = 0.0
     reads = read_bytes = in_form = 0
     done = 0
@@ -615,25 +635,22 @@ def simulate_prefill(replay: Replay, spec: CacheSpec, profile: DeviceProfile, to
             for row in rows:
                 for e in row:
                     given[e] = given.get(e, 0) + 1
-            decisions, _ = schedule.begin(layer, rows)
+            served = schedule.serve(layer, rows, slot_bytes=slot_bytes, read_bytes=record_bytes,
+                                    prompt_forms=prompt_forms or None)
             all_compute = transfer = fixed = last = 0.0
             n_reads = 0
-            for d in decisions:
+            for d in served.decisions:
                 n = given.get(d.expert, 0)
-                form = held.get(d.precision) or held_form_of(profile, d.precision)
-                if d.entry is not None:
+                form = held[d.precision]
+                if not d.miss:
                     all_compute += expert_seconds(profile, d.precision, form, n)
                     continue
                 nbytes = record_bytes[d.precision]
-                chosen = prefill.form_for(d.precision)
-                if chosen is not None and n >= chosen.from_tokens and chosen.form != form:
-                    cache.count_read(layer, nbytes)  # read once into a prefill buffer, not cached
-                    form = chosen.form
+                if d.served == PROMPT:  # read once into a prefill buffer, not cached
+                    form = in_prefill_form[d.precision].form
                     in_form += 1
-                else:
-                    entry = schedule.admit(layer, d.expert, d.precision, slot_bytes[d.precision], nbytes)
-                    if entry is not None:
-                        cache.complete(entry)
+                elif d.served == CACHE:
+                    cache.complete(d.entry)
                 seconds = expert_seconds(profile, d.precision, form, n)
                 all_compute += seconds
                 last = seconds
