@@ -38,6 +38,7 @@ from loader.budget import (  # noqa: F401
 )
 from loader.cache import ExpertCache, MemoryMeter
 from loader.codec import RecordLayout
+from loader.engine import EngineSetup, ExpertEngine, measure_miss_costs
 from loader.errors import BudgetError, LoaderError
 from loader.format import (
     ArtifactError,
@@ -67,7 +68,6 @@ from loader.routing import (
     plan_routing,
 )
 from loader.schedule import CpuMissRule
-from loader.engine import EngineSetup, ExpertEngine, measure_miss_costs
 from loader.store import ExpertStore
 from loader.transfer import link_for
 from loader.vocab import CPU_MISSES

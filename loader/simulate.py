@@ -376,7 +376,7 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
     predictors = list(predictors or [])
     if predictors:
         _bind_predictors(predictors, cache, spec, replay, feed)
-    run = _DecodeReplay(spec, cache, profile, routing, miss, predictors, feed, cpu_misses, workers)
+    run = _DecodeReplay(spec, cache, profile, _Deciders(routing, miss, cpu_misses, predictors, feed), workers)
     for s, sequence in enumerate(replay.sequences):
         cache.clear() if cold_start else cache.reset()
         for p in predictors:
@@ -397,19 +397,32 @@ def simulate(replay: Replay, spec: CacheSpec, policy: str | None = None, params:
                      io_bound_seconds=run.io_bound)
 
 
+@dataclass(frozen=True)
+class _Deciders:
+    """What decides besides the cache in ``simulate``: the routing and miss policies, the CPU rule, and the
+    predictors with what they read."""
+
+    routing: object
+    miss: object
+    cpu_misses: CpuMissRule | None
+    predictors: list
+    feed: PredictionFeed | None
+
+
 class _DecodeReplay:
     """``simulate``'s state: the cache's schedule as the loader's step builds it, the per-layer results, and the
     modelled seconds of the token being replayed (its reads, demand and prefetch, and its layers' path)."""
 
-    def __init__(self, spec: CacheSpec, cache: ExpertCache, profile: DeviceProfile | None, routing, miss,
-                 predictors: list, feed: PredictionFeed | None, cpu_misses: CpuMissRule | None, workers: int) -> None:
-        self.cache, self.profile, self.routing, self.miss = cache, profile, routing, miss
-        self.predictors, self.feed, self.workers = predictors, feed, workers
+    def __init__(self, spec: CacheSpec, cache: ExpertCache, profile: DeviceProfile | None, deciders: _Deciders,
+                 workers: int) -> None:
+        self.cache, self.profile, self.workers = cache, profile, workers
+        self.routing, self.miss = deciders.routing, deciders.miss
+        self.predictors, self.feed = deciders.predictors, deciders.feed
         self.record_bytes = spec.record_bytes
         self.slot_bytes = spec.slot_bytes if spec.slot_bytes is not None else spec.record_bytes
-        self.schedule = LayerSchedule(cache, spec.expert_precision, miss, readable=spec.record_bytes,
-                                      cpu_rule=cpu_misses,
-                                      prefetch_gate=PrefetchGate() if predictors else None)  # as the loader's step
+        self.schedule = LayerSchedule(cache, spec.expert_precision, deciders.miss, readable=spec.record_bytes,
+                                      cpu_rule=deciders.cpu_misses,
+                                      prefetch_gate=PrefetchGate() if deciders.predictors else None)  # as the loader's
         self.layers = [LayerResult() for _ in range(spec.num_layers)]
         self.token_io = [0.0, 0.0]
         self.io_bound = 0.0
