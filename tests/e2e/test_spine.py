@@ -12,14 +12,13 @@ import time
 import torch
 from xxhash import xxh3_64_intdigest
 
-from loader.format import sha256_file, write_manifest
-from loader.plan import Plan, Pool, read_plan
+from loader.plan import read_plan
 from loader.predict import Predictor, PrefetchRequest
 from loader.prefill import PrefillSpec
 from loader.routing import SKIP, MissPolicy, RoutingPolicy
 from loader.runtime import load, minimum_budget
 from loader.store import DEMAND, PREFETCH, Reader, ReadJob, SlotArena
-from tests.tiny_models import tiny_artifact
+from tests.tiny_models import mixed_precision_artifact, tiny_artifact
 
 
 class _SlowStore:
@@ -184,32 +183,8 @@ def test_prefetching_never_changes_greedy_outputs(tmp_path_factory):
             if loaded.budget["limit_bytes"] else True
 
 
-def _mixed_artifact(tmp_path_factory, tmp_path):
-    """A passthrough artifact of the tiny Mixtral with the int4 store of the same model added, and a plan
-    that puts half of each layer's experts at int4 (records of two sizes, two pools: one per layer, one
-    global)."""
-    model, full = tiny_artifact(tmp_path_factory, "mixtral", "passthrough")
-    _, low = tiny_artifact(tmp_path_factory, "mixtral", "int4")
-    art = tmp_path / "mixed"
-    shutil.copytree(full.resolve(), art)
-    manifest = json.loads((art / "manifest.json").read_text())
-    low_manifest = json.loads((low / "manifest.json").read_text())
-    store = low_manifest["stores"]["int4"]
-    shutil.copy(low / store["file"], art / store["file"])
-    manifest["stores"]["int4"] = store
-    n_layers, n_experts = len(manifest["moe"]["layers"]), manifest["moe"]["num_experts"]
-    plan = Plan(n_layers, n_experts,
-                tuple(tuple("int4" if e % 2 else "passthrough" for e in range(n_experts)) for _ in range(n_layers)),
-                (Pool("high", "passthrough", 0.6, "layer"), Pool("low", "int4", 0.4, "global")))
-    (art / "plan.json").write_text(json.dumps(plan.to_json()))
-    for name in (store["file"], "plan.json"):
-        manifest["files"][name] = {"bytes": (art / name).stat().st_size, "sha256": sha256_file(art / name)}
-    write_manifest(art, manifest)
-    return model, art, full, low
-
-
 def test_mixed_precision_records_stay_inside_the_budget(tmp_path_factory, tmp_path):
-    model, art, _, low = _mixed_artifact(tmp_path_factory, tmp_path)
+    model, art, _, low = mixed_precision_artifact(tmp_path_factory, tmp_path)
     from loader.codec import RecordLayout
     from loader.format import expert_key, read_record_offsets
 

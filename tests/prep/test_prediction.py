@@ -1,4 +1,4 @@
-"""Prediction and prefetching (issue 17): path statistics and their backoff, next-gate recall against a
+"""Prediction and prefetching: path statistics and their backoff, next-gate recall against a
 brute-force loop, the loader's three predictors against hand-made contexts, and greedy outputs that stay
 the same with every predictor on and off on all seven tiny architectures."""
 
@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import ARCHITECTURES, prepare_tiny_artifact, tiny_recipe
 
 from loader.predict import (
     FirstGatePredictor,
@@ -25,6 +24,7 @@ from loader.predict import (
 from loader.runtime import LoaderError, load, minimum_budget
 from prep.errors import MoeprepError
 from prep.methods.routing_stats import fit_path_stats, next_gate_recall, path_stats_recall
+from tests.tiny_models import ARCHITECTURES, prepare_tiny_artifact, tiny_recipe
 
 E, K, L = 8, 2, 4
 

@@ -421,7 +421,7 @@ def mixed_artifact(tmp_path_factory):
 
 @pytest.mark.parametrize("rule", ["always", "int2"])
 def test_a_cpu_computed_miss_replays_identically_in_the_simulator(mixed_artifact, one_thread, monkeypatch, rule):
-    """Issue 41's gate: the loader (the accelerated path on ``FakeLink``, the store in host RAM) decoding one
+    """The replay gate: the loader (the accelerated path on ``FakeLink``, the store in host RAM) decoding one
     token at a time under a CPU rule, and the simulator given the same rule on the same routing, take the same
     decisions in the same order per layer: which experts were served on the CPU, read, or hit. The CPU-served
     misses compute the same logits as reading them, and every count agrees."""
