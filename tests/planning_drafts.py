@@ -45,3 +45,9 @@ def tune_section(trials: int, **tune_knobs):
     recipe = recipe_from_dict({"name": "t", "model": {"path": "m"},
                                "plan": {"tune": {"enabled": True, "trials": trials, "share": 0.4} | tune_knobs}})
     return recipe.plan
+
+
+def small_model_sizes(record=100, layers=2, experts=4) -> ModelSizes:
+    """Sizes of a 2-layer, 4-expert model: 1000 dense bytes, ``record`` bytes an int4 record, 80 an int3 one."""
+    return ModelSizes(layers, experts, 2, dense_bytes=1000, source_expert_bytes=layers * experts * record * 4,
+                      record_bytes={"int4": record, "int3": 80})

@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from loader.budget import ModelSizes, capacities, minimum_bytes
-from loader.plan import OperatingPoint, Plan, PlanError, PolicySpec, Pool
+from loader.budget import capacities
+from loader.plan import Plan, PolicySpec, Pool
 from prep.errors import MoeprepError
 from prep.methods.allocation import allocate, closed_form_curve
 from prep.recipe import recipe_from_dict
@@ -110,72 +110,6 @@ def test_no_cell_gets_more_than_its_experts():
 def test_an_allocation_that_cannot_fit_says_so():
     with pytest.raises(MoeprepError, match="raise the budget"):
         allocate([[1.0, 0.0]], [10], 5, [1])
-
-
-# --------------------------------------------------------------------------- plan: pools and points
-
-
-def _sizes(record=100, layers=2, experts=4):
-    return ModelSizes(layers, experts, 2, dense_bytes=1000, source_expert_bytes=layers * experts * record * 4,
-                      record_bytes={"int4": record, "int3": 80})
-
-
-def test_a_pools_layer_split_can_leave_a_layer_empty():
-    plan = Plan(2, 4, (("int4",) * 4, ("int4",) * 4), (Pool("main", "int4", 1.0, "layer", (3.0, 0.0)),))
-    sizes = _sizes()
-    caps = capacities(plan, 1000 + 200 + 300, sizes)  # dense + 2 read buffers + 3 records
-    assert caps.pools["main"] == {0: 300, 1: 0}
-    assert capacities(plan, "unlimited", sizes).pools["main"] == {0: 400, 1: 400}  # every expert fits
-    assert minimum_bytes(plan, sizes) == 1000 + 200 + 100  # one record in the only group given bytes
-
-
-def test_operating_points_round_trip_and_are_picked_by_budget():
-    pools = (Pool("main", "int4", 1.0, "layer"),)
-    small = OperatingPoint(1500, (Pool("main", "int4", 1.0, "layer", (1.0, 2.0)),))
-    large = OperatingPoint(1800, (Pool("main", "int4", 1.0, "layer", (2.0, 1.0)),))
-    plan = Plan(2, 4, (("int4",) * 4,) * 2, pools, operating_points=(small, large))
-    again = Plan.from_json(json.loads(json.dumps(plan.to_json())))
-    assert again == plan
-    assert plan.for_budget(1700).pools == small.pools
-    assert plan.for_budget(1800).pools == large.pools
-    assert plan.for_budget(10).pools == small.pools  # below every point: the smallest
-    caps = capacities(plan, 1200 + 300, _sizes())
-    assert caps.pools["main"] == {0: 100, 1: 200}
-
-
-def test_a_budget_below_the_smallest_allocation_runs_its_pools_split_equally():
-    """The smallest point gives layer 1 three times layer 0 (it needs 4 records to give layer 0 one): a budget
-    with room for 2 records runs those pools split equally instead of being refused, and the minimum the loader
-    states is that of the equal split."""
-    from loader.budget import lowest_budget
-
-    pools = (Pool("main", "int4", 1.0, "layer"),)
-    small = OperatingPoint(1600, (Pool("main", "int4", 1.0, "layer", (1.0, 3.0)),))
-    plan = Plan(2, 4, (("int4",) * 4,) * 2, pools, operating_points=(small,))
-    sizes = _sizes()
-    assert minimum_bytes(dataclasses.replace(plan, pools=small.pools), sizes) == 1200 + 400
-    assert lowest_budget(plan, sizes) == 1200 + 200  # one record per layer, split equally
-    caps = capacities(plan, 1200 + 200, sizes)
-    assert caps.pools["main"] == {0: 100, 1: 100}
-    assert capacities(plan, 1200 + 400, sizes).pools["main"] == {0: 100, 1: 300}  # the point's own split
-    with pytest.raises(PlanError, match="below the minimum of 1,400 bytes"):
-        capacities(plan, 1200 + 199, sizes)
-
-
-@pytest.mark.parametrize("edit, match", [
-    (lambda raw: raw["operating_points"][0].update(pools=[{"name": "other", "precision": "int4", "share": 1.0,
-                                                           "group": "layer"}]), "names, precisions, groups"),
-    (lambda raw: raw["operating_points"].reverse(), "rising"),
-    (lambda raw: raw["pools"][0].update(layers=[0, 0]), "not all 0"),
-    (lambda raw: raw["pools"][0].update(layers=[1]), "non-negative"),
-])
-def test_malformed_points_and_splits_are_refused(edit, match):
-    pools = (Pool("main", "int4", 1.0, "layer"),)
-    points = tuple(OperatingPoint(b, pools) for b in (1500, 1800))
-    raw = Plan(2, 4, (("int4",) * 4,) * 2, pools, operating_points=points).to_json()
-    edit(raw)
-    with pytest.raises(PlanError, match=match):
-        Plan.from_json(raw)
 
 
 # ------------------------------------------------------------------------------------- tune_policy
