@@ -258,6 +258,13 @@ def tiny_recipe(precision: str = "int4", group_size: int = 16, **sections):
                              "quantize": quantize, **sections})
 
 
+def sweep_recipe(**executor):
+    """``tiny_recipe`` at int4 with int2 also quantized and the edgemoe bit-width search on, so the sensitivity
+    sweep runs; ``executor`` fills the recipe's executor section."""
+    return tiny_recipe("int4", quantize={"also": ["int2"]}, bitwidth={"method": "edgemoe", "tolerance": 0.02},
+                       **({"executor": executor} if executor else {}))
+
+
 def prepare_tiny_artifact(root: Path, arch: str = "mixtral", precision: str = "passthrough", until: str | None = None,
                           recipe=None):
     """(source model, artifact dir): a tiny ``arch`` saved under ``root/model`` and prepared to ``root/artifact``
@@ -278,6 +285,36 @@ def tiny_artifact(tmp_path_factory, arch: str = "mixtral", precision: str = "pas
         _BUILT[(arch, precision)] = prepare_tiny_artifact(tmp_path_factory.mktemp(f"{arch}-{precision}"), arch,
                                                           precision)
     return _BUILT[(arch, precision)]
+
+
+def mixed_precision_artifact(tmp_path_factory, tmp_path):
+    """A passthrough artifact of the tiny Mixtral with the int4 store of the same model added, and a plan
+    that puts half of each layer's experts at int4 (records of two sizes, two pools: one per layer, one
+    global): (source model, mixed artifact, passthrough artifact, int4 artifact)."""
+    import json
+    import shutil
+
+    from loader.format import sha256_file, write_manifest
+    from loader.plan import Plan, Pool
+
+    model, full = tiny_artifact(tmp_path_factory, "mixtral", "passthrough")
+    _, low = tiny_artifact(tmp_path_factory, "mixtral", "int4")
+    art = tmp_path / "mixed"
+    shutil.copytree(full.resolve(), art)
+    manifest = json.loads((art / "manifest.json").read_text())
+    low_manifest = json.loads((low / "manifest.json").read_text())
+    store = low_manifest["stores"]["int4"]
+    shutil.copy(low / store["file"], art / store["file"])
+    manifest["stores"]["int4"] = store
+    n_layers, n_experts = len(manifest["moe"]["layers"]), manifest["moe"]["num_experts"]
+    plan = Plan(n_layers, n_experts,
+                tuple(tuple("int4" if e % 2 else "passthrough" for e in range(n_experts)) for _ in range(n_layers)),
+                (Pool("high", "passthrough", 0.6, "layer"), Pool("low", "int4", 0.4, "global")))
+    (art / "plan.json").write_text(json.dumps(plan.to_json()))
+    for name in (store["file"], "plan.json"):
+        manifest["files"][name] = {"bytes": (art / name).stat().st_size, "sha256": sha256_file(art / name)}
+    write_manifest(art, manifest)
+    return model, art, full, low
 
 
 def decoded_reference(model, artifact: Path, precision: str):

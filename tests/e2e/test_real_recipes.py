@@ -1,4 +1,4 @@
-"""The seven real-model recipes (issue 22): each one prepares a tiny checkpoint of its architecture saved in the
+"""The seven real-model recipes: each one prepares a tiny checkpoint of its architecture saved in the
 hub's naming, and the artifact's loader logits equal transformers' for that checkpoint.
 
 The tiny checkpoints are written by ``save_pretrained`` with a small shard size: sharded safetensors with an

@@ -1,65 +1,21 @@
-"""The loader's spine: the reader's queue, the routing/miss/predictor hooks, sequence resets, mixed-size
-records under a budget. Each hook is driven by a toy implementation that proves it gets the right data."""
+"""The loader's spine: the routing/miss/predictor hooks, sequence resets, mixed-size records under a budget
+(the reader's queue and the stores are in ``tests/loader/test_store.py``). Each hook is driven by a toy
+implementation that proves it gets the right data."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import shutil
-import threading
-import time
 
 import torch
-from xxhash import xxh3_64_intdigest
 
-from loader.format import sha256_file, write_manifest
-from loader.plan import Plan, Pool, read_plan
+from loader.plan import read_plan
 from loader.predict import Predictor, PrefetchRequest
 from loader.prefill import PrefillSpec
 from loader.routing import SKIP, MissPolicy, RoutingPolicy
 from loader.runtime import load, minimum_budget
-from loader.store import DEMAND, PREFETCH, Reader, ReadJob, SlotArena
-from tests.tiny_models import tiny_artifact
-
-
-class _SlowStore:
-    """A store stand-in whose reads record their order; the first read blocks until released."""
-
-    precision, record_bytes = "x", 16
-
-    def __init__(self) -> None:
-        self.order: list[str] = []
-        self.gate = threading.Event()
-
-    def read_into(self, key, dest, start=0, length=None):
-        if key == "block":
-            self.gate.wait(5)
-        self.order.append(key)
-        dest[:4] = b"abcd"
-        return 16
-
-
-def test_reader_serves_demand_before_queued_prefetch_and_cancels():
-    store, arena = _SlowStore(), SlotArena(5, 64, torch.device("cpu"))
-    reader = Reader(workers=1)
-    try:
-        jobs = {k: ReadJob(store, k, arena, i, p) for i, (k, p) in
-                enumerate([("block", DEMAND), ("p1", PREFETCH), ("p2", PREFETCH), ("p3", PREFETCH), ("d1", DEMAND)])}
-        reader.submit(jobs["block"])
-        time.sleep(0.05)  # the worker is now inside the blocking read
-        for k in ("p1", "p2", "p3", "d1"):
-            reader.submit(jobs[k])
-        assert reader.cancel(jobs["p2"])
-        reader.promote(jobs["p3"])  # a demand now waits on p3
-        store.gate.set()
-        for k in ("block", "p1", "p3", "d1"):
-            jobs[k].wait()
-        assert store.order == ["block", "d1", "p3", "p1"]  # demands first (the promoted one too), p2 never read
-        assert jobs["p2"].state == "cancelled" and not reader.cancel(jobs["p1"])
-        assert bytes(arena.host_view(1)[:4]) == b"abcd"  # read into its slot, no buffer of its own
-    finally:
-        store.gate.set()
-        reader.close()
+from tests.tiny_models import mixed_precision_artifact, tiny_artifact
 
 
 def _ids(n=9, seed=0):
@@ -184,32 +140,8 @@ def test_prefetching_never_changes_greedy_outputs(tmp_path_factory):
             if loaded.budget["limit_bytes"] else True
 
 
-def _mixed_artifact(tmp_path_factory, tmp_path):
-    """A passthrough artifact of the tiny Mixtral with the int4 store of the same model added, and a plan
-    that puts half of each layer's experts at int4 (records of two sizes, two pools: one per layer, one
-    global)."""
-    model, full = tiny_artifact(tmp_path_factory, "mixtral", "passthrough")
-    _, low = tiny_artifact(tmp_path_factory, "mixtral", "int4")
-    art = tmp_path / "mixed"
-    shutil.copytree(full.resolve(), art)
-    manifest = json.loads((art / "manifest.json").read_text())
-    low_manifest = json.loads((low / "manifest.json").read_text())
-    store = low_manifest["stores"]["int4"]
-    shutil.copy(low / store["file"], art / store["file"])
-    manifest["stores"]["int4"] = store
-    n_layers, n_experts = len(manifest["moe"]["layers"]), manifest["moe"]["num_experts"]
-    plan = Plan(n_layers, n_experts,
-                tuple(tuple("int4" if e % 2 else "passthrough" for e in range(n_experts)) for _ in range(n_layers)),
-                (Pool("high", "passthrough", 0.6, "layer"), Pool("low", "int4", 0.4, "global")))
-    (art / "plan.json").write_text(json.dumps(plan.to_json()))
-    for name in (store["file"], "plan.json"):
-        manifest["files"][name] = {"bytes": (art / name).stat().st_size, "sha256": sha256_file(art / name)}
-    write_manifest(art, manifest)
-    return model, art, full, low
-
-
 def test_mixed_precision_records_stay_inside_the_budget(tmp_path_factory, tmp_path):
-    model, art, _, low = _mixed_artifact(tmp_path_factory, tmp_path)
+    model, art, _, low = mixed_precision_artifact(tmp_path_factory, tmp_path)
     from loader.codec import RecordLayout
     from loader.format import expert_key, read_record_offsets
 
@@ -304,35 +236,6 @@ def test_an_oracle_prefetch_turns_misses_into_hits_without_double_reads(tmp_path
     assert sum(s["misses"] for s in later) == 0  # every later layer's experts were prefetched in time
     assert sum(s["prefetch_used"] for s in later) > 0
     assert stats["bytes_read"] == (stats["misses"] + stats["prefetches"]) * record
-
-
-def test_store_reads_whole_records_and_byte_ranges_into_given_memory(tmp_path):
-    from loader.store import ExpertStore
-    from prep.quant.records import write_aligned_records
-
-    gen = torch.Generator().manual_seed(0)
-    records = {f"layers.0.experts.{e}": torch.randint(0, 256, (10000,), dtype=torch.uint8, generator=gen).numpy().tobytes()
-               for e in range(3)}
-    hashes = write_aligned_records(tmp_path / "s.safetensors", records, 10000)
-    assert hashes == {k: xxh3_64_intdigest(v) for k, v in records.items()}
-    checked = []
-
-    def check(key, data):
-        checked.append(key)
-        if xxh3_64_intdigest(data) != hashes[key]:
-            raise ValueError(key)
-
-    for mode in ("disk", "host"):
-        store = ExpertStore(tmp_path / "s.safetensors", "x", mode=mode, check=check)
-        arena = SlotArena(2, store.stride, torch.device("cpu"))
-        for key, data in records.items():
-            assert store.read_into(key, arena.host_view(0)) == 10000
-            assert bytes(arena.host_view(0)[:10000]) == data
-            for start, length in ((4096, 4096), (10, 777), (9000, 1000)):
-                assert store.read_into(key, arena.host_view(1), start, length) == length
-                assert bytes(arena.host_view(1)[:length]) == data[start:start + length]
-        store.close()
-    assert checked == list(records) * 2  # whole-record reads are checked, ranges are not
 
 
 def test_a_load_racing_a_swap_retries_on_the_new_version(tmp_path_factory, tmp_path, monkeypatch):

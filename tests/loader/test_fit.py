@@ -1,5 +1,5 @@
 """``moeload plan`` (loader/fit.py), ``--memory-budget auto`` (loader/memory.py) and the device profile's hand-off
-to ``moeprep prepare --device-profile``: the gates of issue 44.
+to ``moeprep prepare --device-profile``: the plan's fit, the budget's resolution and the profile's checks.
 
 The bytes ``plan`` prints are checked against what ``load`` actually allocated (the engine's slot arenas, buffers and
 reserves, and the dense weights the model holds); ``auto`` against faked cgroup and meminfo files.

@@ -1,4 +1,4 @@
-"""The artifact format's guarantees (issue 14 items 4, 5, 7 and 10; issue 15 section 8), one test per
+"""The artifact format's guarantees, one test per
 reproduction: paths that leave the artifact, a manifest that protects nothing, malformed headers and
 JSON, the error root and the command lines' input edges."""
 

@@ -1,4 +1,4 @@
-"""Fuzz: seeded random mutations of a real artifact give 0 tracebacks and 0 silent successes (issue 14).
+"""Fuzz: seeded random mutations of a real artifact give 0 tracebacks and 0 silent successes.
 
 Each case copies a tiny prepared artifact, applies one mutation to ``manifest.json``, ``plan.json``, the
 expert store's safetensors header or ``dense.safetensors``'s header (bit flips, truncations, length

@@ -1,4 +1,4 @@
-"""CORM's neuron-level loading (issue 20): the neuron-major record layout, partial reads, the neuron cache's
+"""CORM's neuron-level loading: the neuron-major record layout, partial reads, the neuron cache's
 union rule, the budget with partial records, the neuron_gates predictor, and the neuron stage."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Dynamic precision without a second pool (issue 41, part 4): a low-precision miss is lodged in a slot of the
+"""Dynamic precision without a second pool: a low-precision miss is lodged in a slot of the
 main pool (``loader.cache.host_pool``) or read into a read buffer, so a plan with dynamic precision loads at
 every budget the same artifact's plain plan does; plans written with a ``low`` pool are run the same way."""
 

@@ -81,7 +81,7 @@ def test_nan_and_negative_numbers_in_the_plan_are_refused_by_verify_and_load(pla
     ("tokenizer.json", lambda tokenizer: tokenizer.pop("model"), "tokenizer files"),
 ])
 def test_verify_refuses_what_load_refuses(planned, tmp_path, name, change, named):
-    """Issue 42: each check ``load`` runs that needs no weights (the plan's policies, gating sensitivities per layer,
+    """Each check ``load`` runs that needs no weights (the plan's policies, gating sensitivities per layer,
     neuron entry, default budget, the tokenizer) and each bound of a sealed plan value (forms' precisions, HOBBIT's
     weights) is refused by ``verify`` and by ``load`` alike, with the same cause named; hashes recomputed, so the
     check under test is the one that fires."""

@@ -12,7 +12,6 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from tiny_models import ARCHITECTURES, build_tiny_model, deepseek_v2_config, mixtral_config, tiny_llama
 
 from prep.adapters import (
     ExpertWeights,
@@ -23,6 +22,7 @@ from prep.adapters import (
     read_expert,
 )
 from prep.errors import MoeprepError
+from tests.tiny_models import ARCHITECTURES, build_tiny_model, deepseek_v2_config, mixtral_config, tiny_llama
 
 _MODELS: dict[str, torch.nn.Module] = {}
 

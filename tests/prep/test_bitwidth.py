@@ -1,4 +1,4 @@
-"""Mixed-precision experts end to end (issue 16): the bit-width methods, the stores per precision, the loader.
+"""Mixed-precision experts end to end: the bit-width methods, the stores per precision, the loader.
 
 The parity reference is built from the artifact's own store files, decoded record by record with the
 layout the manifest declares, and written into a fresh transformers model: no pipeline code in between.

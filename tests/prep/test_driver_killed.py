@@ -25,8 +25,8 @@ import yaml
 
 from prep.pipeline import prepare
 from prep.recipe import load_recipe
-from tests.prep.test_executor import stage_files, sweep_recipe
-from tests.tiny_models import build_tiny_model, qwen3_moe_config, tiny_tokenizer
+from tests.interrupt import sigkill, stage_files
+from tests.tiny_models import build_tiny_model, qwen3_moe_config, sweep_recipe, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 LAYERS = 4
@@ -66,7 +66,7 @@ def test_a_sigkilled_prepare_resumes_with_the_units_it_finished(root, tmp_path_f
             assert time.monotonic() < deadline, "no sweep unit finished in 300 s"
             time.sleep(0.005)
     finally:
-        os.killpg(driver.pid, signal.SIGKILL)
+        sigkill(driver.pid, group=True)
         driver.wait()
     assert driver.returncode == -signal.SIGKILL
     (work,) = stages.glob(".work-sensitivity-*")

@@ -156,7 +156,7 @@ def test_original_layout_is_read():
     assert data.items["mmlu"][0]["answer"] in range(4)
 
 
-# ------------------------------------------------------------------ merging into the artifact (issue 14 item 9)
+# ------------------------------------------------------------------ merging into the artifact
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +248,7 @@ def test_merge_never_reblesses_a_report_it_did_not_write(artifact):
     assert result.exit_code == 1 and result.output.startswith("error: ") and "Traceback" not in result.output
 
 
-# ------------------------------------------------------------------------- input edges (issue 14 item 10)
+# ------------------------------------------------------------------------- input edges
 
 
 @pytest.mark.parametrize("limit", ["0", "-1"])

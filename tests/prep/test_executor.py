@@ -1,4 +1,4 @@
-"""The executor (issue 35): stage units run in-process or on Ray and give the same bytes; a failed or lost unit is
+"""The executor: stage units run in-process or on Ray and give the same bytes; a failed or lost unit is
 retried; a killed driver resumes with the units it has; without Ray, asking for it is one clear error.
 
 The Ray tests start a 2-CPU Ray instance on this machine (``ray.init(num_cpus=2)``, Ray's local mode for tests).
@@ -7,7 +7,6 @@ workers cannot import the tests)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -23,7 +22,9 @@ from prep.errors import MoeprepError
 from prep.executor import ExecutorSection, LocalExecutor, Unit, UnitPaths, unit_seed
 from prep.pipeline import prepare
 from prep.recipe import load_recipe
-from tests.tiny_models import tiny_recipe
+from tests.interrupt import dying, interrupted, stage_files, uninterrupted
+from tests.planning_drafts import locality_replay, planning_draft, tune_section
+from tests.tiny_models import sweep_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 REAL_QUANTIZE_LAYER = quantize_stage.quantize_layer
@@ -120,71 +121,14 @@ def test_without_ray_executor_ray_is_a_clear_error(root, monkeypatch):
 # --- a killed driver resumes -------------------------------------------------------------------------------
 
 
-def sweep_recipe(**executor):
-    return tiny_recipe("int4", quantize={"also": ["int2"]}, bitwidth={"method": "edgemoe", "tolerance": 0.02},
-                       **({"executor": executor} if executor else {}))
-
-
-TIMINGS = ("seconds", "crossover_measured")  # measured on this machine's clock and disk, never the same twice
-
-
-def _untimed(value):
-    """A JSON value without its timings, at any depth."""
-    if isinstance(value, dict):
-        return {k: _untimed(v) for k, v in value.items() if k not in TIMINGS}
-    if isinstance(value, list):
-        return [_untimed(v) for v in value]
-    return value
-
-
-def stage_files(root: Path) -> dict[str, str]:
-    """{path: sha256} of every file of every stage directory and of the artifact (``artifact`` links to its
-    versioned directory), JSON without its timings: report.json, and so the manifest's digests of it, hold the
-    sweep's seconds, so for the manifest its other fields (package_key, record stores, files) are compared."""
-    out = {}
-    artifacts = root / "artifacts"
-    files = [(p, str(p.relative_to(artifacts))) for p in sorted(artifacts.rglob("*"))
-             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(artifacts).parts)]
-    for link in sorted(artifacts.glob("*/artifact")):
-        files += [(p, str(link.relative_to(artifacts) / p.relative_to(link.resolve())))
-                  for p in sorted(link.resolve().rglob("*")) if p.is_file()]
-    for path, name in files:
-        if path.suffix == ".journal":  # Optuna's log of the search: when each trial ran, and in which process
-            continue  # (its trials, their values and the choice are in tune_policy's result.json, compared)
-        data = path.read_bytes()
-        if path.suffix == ".json":
-            raw = _untimed(json.loads(data))
-            if path.name == "manifest.json":
-                raw.pop("digest")
-                for timed in ("report.json", "report.md"):
-                    raw["files"].pop(timed)
-            data = json.dumps(raw, sort_keys=True).encode()
-        out[name] = hashlib.sha256(data).hexdigest()
-    return out
-
-
 def test_a_driver_killed_during_sensitivity_resumes_with_the_finished_units(root, tmp_path_factory, monkeypatch):
-    from tests.tiny_models import save_tiny_model
-
-    clean = tmp_path_factory.mktemp("clean")
-    save_tiny_model("qwen3_moe", clean / "model")
-    prepare(sweep_recipe(), root=clean, until="sensitivity")
-
-    calls = {"n": 0}
-
-    def interrupted_after_one(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt  # Ctrl-C (or a kill) of the driver while the second unit runs
-        return REAL_SWEEP_LAYER(*args, **kwargs)
-
-    monkeypatch.setattr(sensitivity_stage, "sweep_layer", interrupted_after_one)
-    with pytest.raises(KeyboardInterrupt):
+    clean, _ = uninterrupted(tmp_path_factory, sweep_recipe(), until="sensitivity")
+    # Ctrl-C (or a kill) of the driver while the second unit runs
+    with interrupted(monkeypatch, sensitivity_stage, "sweep_layer", on_call=2):
         prepare(sweep_recipe(), root=root, until="sensitivity")
     work = next((root / "artifacts/tiny/stages").glob(".work-sensitivity-*"))
     assert sorted(p.name for p in work.glob("layer-*.json")) == ["layer-0.json"]
 
-    monkeypatch.setattr(sensitivity_stage, "sweep_layer", REAL_SWEEP_LAYER)
     resumed = prepare(sweep_recipe(), root=root, until="sensitivity")
     assert resumed["quantize"]["cached"] and not resumed["sensitivity"]["cached"]
     assert resumed["sensitivity"]["units"] | {"seconds": 0} == {"ran": 1, "reused": 1, "retried": 0, "seconds": 0}
@@ -251,20 +195,16 @@ def _tune_worker(storage: str, trials: int, die_after: int | None) -> None:
     import time
 
     from prep.stages.tune_policy import tune
-    from tests.prep.test_planning import _cfg, _draft, _replay
 
-    draft = _draft(_replay(seed=2))
-    real, calls = draft.simulate, {"n": 0}
+    draft = planning_draft(locality_replay(seed=2))
+    real = draft.simulate
 
     def slow(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == die_after:
-            os._exit(1)
         time.sleep(0.05)  # so the two workers' trials interleave
         return real(*args, **kwargs)
 
-    draft.simulate = slow
-    tune(draft, _cfg(trials, storage=storage), Path(storage).parent, progress=False, study_name="shared")
+    draft.simulate = dying(slow, on_call=die_after, raising=None)
+    tune(draft, tune_section(trials, storage=storage), Path(storage).parent, progress=False, study_name="shared")
     os._exit(0)
 
 
@@ -274,7 +214,6 @@ def test_two_optuna_workers_share_one_journal_and_a_killed_one_is_resumed(tmp_pa
     import optuna
 
     from prep.stages.tune_policy import open_storage, tune
-    from tests.prep.test_planning import _cfg, _draft, _replay
 
     storage = str(tmp_path / "shared.journal")
     fork = multiprocessing.get_context("fork")
@@ -289,7 +228,9 @@ def test_two_optuna_workers_share_one_journal_and_a_killed_one_is_resumed(tmp_pa
     by_worker = {t.user_attrs["worker"] for t in complete}
     assert len(complete) >= 12 and len(by_worker) == 2  # one study holds the trials of both
     # the study resumes: a later run finds its trials finished and runs none, whatever the killed worker left
-    tuned = tune(_draft(_replay(seed=2)), _cfg(12, storage=storage), tmp_path, progress=False, study_name="shared")
+    tuned = tune(planning_draft(locality_replay(seed=2)), tune_section(12, storage=storage), tmp_path, progress=False,
+                 study_name="shared")
     assert sorted(t[0] for t in tuned.trials) == sorted(t.number for t in complete)
     with pytest.raises(MoeprepError, match="does not exist"):
-        tune(_draft(_replay(seed=2)), _cfg(2, storage=str(tmp_path / "no/such/dir/j")), tmp_path, progress=False)
+        tune(planning_draft(locality_replay(seed=2)), tune_section(2, storage=str(tmp_path / "no/such/dir/j")), tmp_path,
+             progress=False)

@@ -6,10 +6,10 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from tiny_models import ARCHITECTURES, build_tiny_model, tiny_llama
 
 from prep.adapters import describe
 from prep.cli import main
+from tests.tiny_models import ARCHITECTURES, build_tiny_model, tiny_llama
 
 EXPECTED = {  # (moe_layers, num_experts, top_k, num_shared_experts) by construction of tests/tiny_models.py
     "mixtral": ([0, 1], 4, 2, 0),

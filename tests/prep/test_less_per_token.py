@@ -1,4 +1,4 @@
-"""Doing less per token (issue 18): AdapMoE's Fisher sensitivity against an independent autograd pass,
+"""Doing less per token: AdapMoE's Fisher sensitivity against an independent autograd pass,
 the adaptive-gating rule (the digest's worked numbers, a dropped expert never read, the loader equal to
 the same policy on plain transformers), HOBBIT's unimportance score and precision split (the real Mixtral
 traces' 64.8 / 32.1 / 3.1), and the dynamic-precision miss policy in the loader."""
@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import build_tiny_model, random_sequences, tiny_artifact
 
 from loader.plan import PolicySpec, read_plan
 from loader.routing import (
@@ -28,6 +27,7 @@ from loader.runtime import load, minimum_budget, renormalized
 from prep.adapters import get_adapter
 from prep.methods.fisher import fisher_sensitivity
 from prep.methods.routing_stats import gating_share, precision_split, split_thresholds
+from tests.tiny_models import build_tiny_model, mixed_precision_artifact, random_sequences, tiny_artifact
 
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
 
@@ -199,9 +199,7 @@ def test_renormalized_rescales_each_tokens_rest_to_its_former_total():
 def test_dynamic_precision_in_the_loader_reads_low_copies_and_skips(tmp_path_factory, tmp_path):
     """A passthrough + int4 artifact: t1 = 0, t2 = 1 reads every non-top-1 miss at int4; t2 = 0 skips them
     (with renormalize, the top-1 carries the token alone). Outputs stay finite and the stores read agree."""
-    from test_spine import _mixed_artifact
-
-    _model, art, _full, _low = _mixed_artifact(tmp_path_factory, tmp_path)
+    _model, art, _full, _low = mixed_precision_artifact(tmp_path_factory, tmp_path)
     plan = json.loads((art / "plan.json").read_text())
     ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(2))
     results = {}
@@ -228,16 +226,15 @@ def test_dynamic_precision_in_the_loader_reads_low_copies_and_skips(tmp_path_fac
 
 
 def _recipe(**sections):
-    from tiny_models import tiny_recipe
+    from tests.tiny_models import tiny_recipe
 
     return tiny_recipe("passthrough", calibration={"num_sequences": 4, "sequence_length": 24}, **sections)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v2"])
 def test_gating_from_the_recipe_runs_in_the_loader_exactly_as_on_plain_transformers(tmp_path, arch):
-    from tiny_models import prepare_tiny_artifact
-
     from prep.stages.gating import threshold_for_share
+    from tests.tiny_models import prepare_tiny_artifact
 
     model, artifact = prepare_tiny_artifact(tmp_path, arch, recipe=_recipe(gating={"enabled": True, "target_single": 0.3,
                                                                                     "num_sequences": 2}))
@@ -263,7 +260,7 @@ def test_gating_from_the_recipe_runs_in_the_loader_exactly_as_on_plain_transform
 
 
 def test_gating_with_a_tolerance_keeps_the_kl_within_it(tmp_path):
-    from tiny_models import prepare_tiny_artifact
+    from tests.tiny_models import prepare_tiny_artifact
 
     tolerance = 1e-4
     _, artifact = prepare_tiny_artifact(tmp_path, "mixtral", recipe=_recipe(gating={
@@ -275,7 +272,7 @@ def test_gating_with_a_tolerance_keeps_the_kl_within_it(tmp_path):
 
 
 def test_dynamic_precision_from_the_recipe_ships_low_copies_and_no_pool_of_their_own(tmp_path):
-    from tiny_models import prepare_tiny_artifact
+    from tests.tiny_models import prepare_tiny_artifact
 
     recipe = _recipe(quantize={"precision": "int4", "also": ["int2"]},
                      dynamic_precision={"enabled": True, "low": "int2", "high_share": 0.6, "skip_share": 0.1})
@@ -322,11 +319,10 @@ def test_the_simulator_and_the_loader_make_identical_gating_and_precision_decisi
     routers replaced by the recorded decisions, then the plan's gating; the plan's dynamic precision) and
     through the simulator with the same policies. Hits, misses, skips and bytes agree per layer, and so do
     the policies' own counts."""
-    from tiny_models import prepare_tiny_artifact
-
     from loader.routing import ChainedRouting, ReplayRouting
     from prep.sim.replay import load_replay
     from prep.sim.simulate import artifact_spec, simulate
+    from tests.tiny_models import prepare_tiny_artifact
 
     recipe = _recipe(quantize={"precision": "int4", "also": ["int2"]}, gating={"enabled": True, "target_single": 0.3},
                      dynamic_precision={"enabled": True, "low": "int2", "high_share": 0.5, "skip_share": 0.15})
@@ -468,11 +464,10 @@ def test_the_tokens_of_one_call_see_the_cache_as_decode_would():
 
 
 def test_cache_routing_from_the_recipe_is_exact_at_zero_and_the_simulator_agrees_with_the_loader(tmp_path):
-    from tiny_models import prepare_tiny_artifact
-
     from prep.methods.trace import RoutingRecorder
     from prep.sim.replay import Replay
     from prep.sim.simulate import artifact_spec, simulate
+    from tests.tiny_models import prepare_tiny_artifact
 
     recipe = _recipe(cache_routing={"enabled": True, "method": "prior", "lam": 0.0})
     model, artifact = prepare_tiny_artifact(tmp_path, "qwen3_moe", recipe=recipe)
@@ -516,10 +511,10 @@ def test_cache_routing_from_the_recipe_is_exact_at_zero_and_the_simulator_agrees
 
 def test_the_routing_study_measures_every_method_and_lands_in_report_json(tmp_path):
     import yaml
-    from tiny_models import save_tiny_model, write_tiny_suites
 
     from loader.verify import verify
     from prep.studies.routing import merge_into, run_study
+    from tests.tiny_models import save_tiny_model, write_tiny_suites
 
     save_tiny_model("mixtral", tmp_path / "model")
     write_tiny_suites(tmp_path / "suites")
@@ -549,7 +544,7 @@ def test_the_routing_study_measures_every_method_and_lands_in_report_json(tmp_pa
 
 @pytest.mark.parametrize("method, knob", [("prior", {"lam": 4.0}), ("max_rank", {"m": 8})])
 def test_cache_routing_with_a_tolerance_lowers_its_knob_until_the_kl_is_within(tmp_path, method, knob):
-    from tiny_models import prepare_tiny_artifact
+    from tests.tiny_models import prepare_tiny_artifact
 
     tolerance = 1e-3
     recipe = _recipe(cache_routing={"enabled": True, "method": method, "tolerance": tolerance, "cache_share": 0.25,
@@ -580,9 +575,9 @@ def test_latency_first_uses_a_held_low_copy_where_strict_reads_the_planned_preci
 
 def test_moeload_generate_switches_the_plans_routing_and_miss_policies_off(tmp_path):
     from click.testing import CliRunner
-    from tiny_models import prepare_tiny_artifact
 
     from loader.cli import main as moeload
+    from tests.tiny_models import prepare_tiny_artifact
 
     recipe = _recipe(quantize={"precision": "int4", "also": ["int2"]}, gating={"enabled": True, "target_single": 0.3},
                      dynamic_precision={"enabled": True, "low": "int2"})

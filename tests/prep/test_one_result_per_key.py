@@ -1,4 +1,4 @@
-"""One stage key, one result (issue 42): a stage run in the driver computes at the units' thread count, so its bytes
+"""One stage key, one result: a stage run in the driver computes at the units' thread count, so its bytes
 do not depend on the machine's cores or on the executor; and ``moeprep prepare`` run as two processes, locally
 and on a local Ray instance, writes the same stage files and the same plan."""
 

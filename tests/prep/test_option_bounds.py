@@ -1,5 +1,5 @@
-"""Every option has a type and a bound, checked before any work, and the dry run refuses what the run refuses
-(issue 42): each row gives both command lines one out-of-range value and expects one clear error, no traceback,
+"""Every option has a type and a bound, checked before any work, and the dry run refuses what the run refuses:
+each row gives both command lines one out-of-range value and expects one clear error, no traceback,
 the same from ``moeprep prepare --dry-run`` as from ``moeprep prepare``."""
 
 from __future__ import annotations

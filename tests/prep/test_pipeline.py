@@ -14,7 +14,8 @@ from prep.fingerprint import model_fingerprint
 from prep.pipeline import prepare
 from prep.recipe import load_recipe, recipe_from_dict
 from prep.stages import quantize as quantize_stage
-from tests.tiny_models import file_hashes, save_tiny_model, tiny_recipe
+from tests.interrupt import interrupted, uninterrupted
+from tests.tiny_models import file_hashes, tiny_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -100,27 +101,14 @@ def test_retrained_weights_of_the_same_shapes_are_not_served_from_cache(root, mo
 
 
 def test_killed_quantize_resumes_to_identical_artifact(root, tmp_path_factory, monkeypatch):
-    clean_root = tmp_path_factory.mktemp("clean")
-    save_tiny_model("qwen3_moe", clean_root / "model")
-    prepare(tiny_recipe(), root=clean_root)
-
-    real = quantize_stage.encode_expert
-    calls = {"n": 0}
-
-    def dies_in_second_layer(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] > 10:  # the tiny model has 8 experts per layer: layer one done, layer two not
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(quantize_stage, "encode_expert", dies_in_second_layer)
-    with pytest.raises(KeyboardInterrupt):
+    clean_root, _ = uninterrupted(tmp_path_factory, tiny_recipe())
+    # the tiny model has 8 experts per layer: layer one done, layer two not
+    with interrupted(monkeypatch, quantize_stage, "encode_expert", on_call=11):
         prepare(tiny_recipe(), root=root)
     assert not (root / "artifacts/tiny/artifact").exists()
     work = next((root / "artifacts/tiny/stages").glob(".work-quantize-*"))
     assert [p.name for p in work.glob("int4/layer-*.safetensors")] == ["layer-0.safetensors"]
 
-    monkeypatch.setattr(quantize_stage, "encode_expert", real)
     resumed = prepare(tiny_recipe(), root=root)
     assert resumed["trace"]["cached"] and not resumed["quantize"]["cached"]
     assert file_hashes(root / "artifacts/tiny/artifact") == file_hashes(clean_root / "artifacts/tiny/artifact")
@@ -158,7 +146,7 @@ def test_manifest_is_schema_2(root):
 
 
 def test_changing_a_setting_and_back_serves_the_right_artifact(root):
-    """Issue 15 §7: int4 -> int8 -> int4 must not serve the int8 artifact as "cached"."""
+    """A setting changed and changed back: int4 -> int8 -> int4 must not serve the int8 artifact as "cached"."""
     import json
 
     first = prepare(tiny_recipe(), root=root)

@@ -10,15 +10,16 @@ import random
 
 import pytest
 
-from loader.budget import ModelSizes, capacities, minimum_bytes
-from loader.plan import OperatingPoint, Plan, PlanError, PolicySpec, Pool
+from loader.budget import capacities
+from loader.plan import Plan, PolicySpec, Pool
 from prep.errors import MoeprepError
 from prep.methods.allocation import allocate, closed_form_curve
 from prep.recipe import recipe_from_dict
-from prep.sim.replay import Replay
 from prep.sim.simulate import capacities_spec, simulate
 from prep.stages.planning import Draft
 from prep.stages.tune_policy import JOURNAL, STUDY, tune
+from tests.interrupt import interrupted
+from tests.planning_drafts import locality_replay, planning_draft, tune_section
 from tests.tiny_models import prepare_tiny_artifact, tiny_recipe
 
 # ------------------------------------------------------------------------------------------- the DP
@@ -111,110 +112,12 @@ def test_an_allocation_that_cannot_fit_says_so():
         allocate([[1.0, 0.0]], [10], 5, [1])
 
 
-# --------------------------------------------------------------------------- plan: pools and points
-
-
-def _sizes(record=100, layers=2, experts=4):
-    return ModelSizes(layers, experts, 2, dense_bytes=1000, source_expert_bytes=layers * experts * record * 4,
-                      record_bytes={"int4": record, "int3": 80})
-
-
-def test_a_pools_layer_split_can_leave_a_layer_empty():
-    plan = Plan(2, 4, (("int4",) * 4, ("int4",) * 4), (Pool("main", "int4", 1.0, "layer", (3.0, 0.0)),))
-    sizes = _sizes()
-    caps = capacities(plan, 1000 + 200 + 300, sizes)  # dense + 2 read buffers + 3 records
-    assert caps.pools["main"] == {0: 300, 1: 0}
-    assert capacities(plan, "unlimited", sizes).pools["main"] == {0: 400, 1: 400}  # every expert fits
-    assert minimum_bytes(plan, sizes) == 1000 + 200 + 100  # one record in the only group given bytes
-
-
-def test_operating_points_round_trip_and_are_picked_by_budget():
-    pools = (Pool("main", "int4", 1.0, "layer"),)
-    small = OperatingPoint(1500, (Pool("main", "int4", 1.0, "layer", (1.0, 2.0)),))
-    large = OperatingPoint(1800, (Pool("main", "int4", 1.0, "layer", (2.0, 1.0)),))
-    plan = Plan(2, 4, (("int4",) * 4,) * 2, pools, operating_points=(small, large))
-    again = Plan.from_json(json.loads(json.dumps(plan.to_json())))
-    assert again == plan
-    assert plan.for_budget(1700).pools == small.pools
-    assert plan.for_budget(1800).pools == large.pools
-    assert plan.for_budget(10).pools == small.pools  # below every point: the smallest
-    caps = capacities(plan, 1200 + 300, _sizes())
-    assert caps.pools["main"] == {0: 100, 1: 200}
-
-
-def test_a_budget_below_the_smallest_allocation_runs_its_pools_split_equally():
-    """The smallest point gives layer 1 three times layer 0 (it needs 4 records to give layer 0 one): a budget
-    with room for 2 records runs those pools split equally instead of being refused, and the minimum the loader
-    states is that of the equal split."""
-    from loader.budget import lowest_budget
-
-    pools = (Pool("main", "int4", 1.0, "layer"),)
-    small = OperatingPoint(1600, (Pool("main", "int4", 1.0, "layer", (1.0, 3.0)),))
-    plan = Plan(2, 4, (("int4",) * 4,) * 2, pools, operating_points=(small,))
-    sizes = _sizes()
-    assert minimum_bytes(dataclasses.replace(plan, pools=small.pools), sizes) == 1200 + 400
-    assert lowest_budget(plan, sizes) == 1200 + 200  # one record per layer, split equally
-    caps = capacities(plan, 1200 + 200, sizes)
-    assert caps.pools["main"] == {0: 100, 1: 100}
-    assert capacities(plan, 1200 + 400, sizes).pools["main"] == {0: 100, 1: 300}  # the point's own split
-    with pytest.raises(PlanError, match="below the minimum of 1,400 bytes"):
-        capacities(plan, 1200 + 199, sizes)
-
-
-@pytest.mark.parametrize("edit, match", [
-    (lambda raw: raw["operating_points"][0].update(pools=[{"name": "other", "precision": "int4", "share": 1.0,
-                                                           "group": "layer"}]), "names, precisions, groups"),
-    (lambda raw: raw["operating_points"].reverse(), "rising"),
-    (lambda raw: raw["pools"][0].update(layers=[0, 0]), "not all 0"),
-    (lambda raw: raw["pools"][0].update(layers=[1]), "non-negative"),
-])
-def test_malformed_points_and_splits_are_refused(edit, match):
-    pools = (Pool("main", "int4", 1.0, "layer"),)
-    points = tuple(OperatingPoint(b, pools) for b in (1500, 1800))
-    raw = Plan(2, 4, (("int4",) * 4,) * 2, pools, operating_points=points).to_json()
-    edit(raw)
-    with pytest.raises(PlanError, match=match):
-        Plan.from_json(raw)
-
-
 # ------------------------------------------------------------------------------------- tune_policy
 
 
-def _replay(seed=0, sequences=4, tokens=120, layers=3, experts=8) -> Replay:
-    """Routing with locality: each layer keeps a favourite pair for a while, plus noise."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(sequences):
-        favourite = [rng.sample(range(experts), 2) for _ in range(layers)]
-        seq = []
-        for _ in range(tokens):
-            token = []
-            for layer in range(layers):
-                if rng.random() < 0.1:
-                    favourite[layer] = rng.sample(range(experts), 2)
-                pair = favourite[layer] if rng.random() < 0.6 else rng.sample(range(experts), 2)
-                token.append(tuple(pair))
-            seq.append(tuple(token))
-        out.append(tuple(seq))
-    return Replay(tuple(out), layers, experts, 2, "synthetic")
-
-
-def _draft(replay: Replay) -> Draft:
-    plan = Plan.default(replay.num_layers, replay.num_experts, "int4")
-    sizes = ModelSizes(replay.num_layers, replay.num_experts, 2, 1000, 4 * 100 * replay.num_layers * replay.num_experts,
-                       {"int4": 100})
-    return Draft(plan, sizes, {"int4": 100}, replay, None, None, 100 * replay.num_layers * replay.num_experts)
-
-
-def _cfg(trials: int, **tune_knobs):
-    recipe = recipe_from_dict({"name": "t", "model": {"path": "m"},
-                               "plan": {"tune": {"enabled": True, "trials": trials, "share": 0.4} | tune_knobs}})
-    return recipe.plan
-
-
 def test_tuned_policy_is_never_worse_than_the_defaults(tmp_path):
-    draft = _draft(_replay())
-    cfg = _cfg(8)
+    draft = planning_draft(locality_replay())
+    cfg = tune_section(8)
     tuned = tune(draft, cfg, tmp_path, progress=False)
     plan = tuned.apply(draft.plan)
     budget = draft.budget_for_share(0.4)
@@ -241,8 +144,8 @@ def test_the_planning_stages_put_the_profiles_read_depth_in_the_plan(tmp_path):
     from prep.stages.tune_policy import TunedPolicy
 
     profile = DeviceProfile(1e9, 1e-4, {"int4": 1e-4}, "test", {"read_depths": {"1": 5e8, "4": 1e9}, "read_depth": 4})
-    draft = dataclasses.replace(_draft(_replay()), profile=profile)
-    tuned = tune(draft, _cfg(2), tmp_path, progress=False)
+    draft = dataclasses.replace(planning_draft(locality_replay()), profile=profile)
+    tuned = tune(draft, tune_section(2), tmp_path, progress=False)
     cfg = recipe_from_dict({"name": "t", "model": {"path": "m"},
                             "plan": {"allocate": {"enabled": True}, "points": [0.5]}}).plan
     allocation = allocate_plan(draft, cfg, progress=False)
@@ -264,7 +167,7 @@ def test_modelled_seconds_that_never_change_still_fill_the_budget_with_the_recor
     from prep.stages.allocate_cache import allocate_plan
 
     profile = DeviceProfile(1e9, 0.0, {"int4": 1e-2}, "test", calibration={"overlap": True})
-    draft = dataclasses.replace(_draft(_replay()), profile=profile)
+    draft = dataclasses.replace(planning_draft(locality_replay()), profile=profile)
     monkeypatch.setattr(Draft, "layer_costs", lambda self, result: [0.0] * len(result.layers))
     cfg = recipe_from_dict({"name": "t", "model": {"path": "m"},
                             "plan": {"allocate": {"enabled": True}, "points": [0.5]}}).plan
@@ -275,20 +178,10 @@ def test_modelled_seconds_that_never_change_still_fill_the_budget_with_the_recor
     assert point["allocated"]["demand_bytes_per_token"] <= point["uniform"]["demand_bytes_per_token"] + 1e-9
 
 
-def test_a_killed_study_resumes_with_its_finished_trials(tmp_path):
-    draft = _draft(_replay(seed=1))
-    calls = {"n": 0}
-    original = draft.simulate
-
-    def dies_on_the_fourth(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt  # the process is killed during trial 3
-        return original(*args, **kwargs)
-
-    draft.simulate = dies_on_the_fourth
-    with pytest.raises(KeyboardInterrupt):
-        tune(draft, _cfg(6), tmp_path, progress=False)
+def test_a_killed_study_resumes_with_its_finished_trials(tmp_path, monkeypatch):
+    draft = planning_draft(locality_replay(seed=1))
+    with interrupted(monkeypatch, draft, "simulate", on_call=4):  # the process is killed during trial 3
+        tune(draft, tune_section(6), tmp_path, progress=False)
     import optuna
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
@@ -297,8 +190,7 @@ def test_a_killed_study_resumes_with_its_finished_trials(tmp_path):
     study = optuna.load_study(study_name=STUDY, storage=JournalStorage(JournalFileBackend(str(tmp_path / JOURNAL))))
     before = [(t.number, t.params, t.value) for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(before) == 3
-    draft.simulate = original
-    tuned = tune(draft, _cfg(6), tmp_path, progress=False)
+    tuned = tune(draft, tune_section(6), tmp_path, progress=False)
     assert len(tuned.trials) == 6
     assert [tuple(t) for t in tuned.trials[:3]] == before  # kept, not re-run
 
@@ -401,7 +293,7 @@ def test_a_predictor_enters_the_plan_only_where_the_simulator_says_it_saves_time
 
     from loader.device import DeviceProfile
 
-    draft = _draft(_replay(seed=2))
+    draft = planning_draft(locality_replay(seed=2))
     draft.plan = dataclasses.replace(draft.plan, predictors=(
         PolicySpec("next_gates", {"depth": 1}), PolicySpec("path_stats"), PolicySpec("first_gate")))
     draft.profile = DeviceProfile(1e9, 0.0, {"int4": 1e-3})
@@ -412,7 +304,7 @@ def test_a_predictor_enters_the_plan_only_where_the_simulator_says_it_saves_time
         return SimpleNamespace(seconds=seconds, tokens=1)
 
     draft.simulate = simulate
-    tuned = tune(draft, _cfg(3), tmp_path, progress=False)
+    tuned = tune(draft, tune_section(3), tmp_path, progress=False)
     assert tuned.predictors == ["path_stats"]
     assert [p.name for p in tuned.apply(draft.plan).predictors] == ["path_stats"]
     assert tuned.objective["predictors: none"] == pytest.approx(1.0)
@@ -422,7 +314,7 @@ def test_a_predictor_enters_the_plan_only_where_the_simulator_says_it_saves_time
     draft.profile = None
     draft.simulate = lambda plan, caps, sequences=None: SimpleNamespace(layers=[SimpleNamespace(demand_bytes=1)], tokens=1)
     (tmp_path / "bytes").mkdir()
-    kept = tune(draft, _cfg(3), tmp_path / "bytes", progress=False)
+    kept = tune(draft, tune_section(3), tmp_path / "bytes", progress=False)
     assert kept.predictors is None and len(kept.apply(draft.plan).predictors) == 3
 
 

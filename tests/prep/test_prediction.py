@@ -1,6 +1,6 @@
-"""Prediction and prefetching (issue 17): path statistics and their backoff, next-gate recall against a
-brute-force loop, the loader's three predictors against hand-made contexts, and greedy outputs that stay
-the same with every predictor on and off on all seven tiny architectures."""
+"""Prediction and prefetching: path statistics and their backoff, next-gate recall against a brute-force loop,
+and greedy outputs that stay the same with every predictor on and off on all seven tiny architectures (the
+loader's predictors on hand-made contexts are in ``tests/loader/test_predict.py``)."""
 
 from __future__ import annotations
 
@@ -11,43 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import ARCHITECTURES, prepare_tiny_artifact, tiny_recipe
 
 from loader.predict import (
-    FirstGatePredictor,
-    NextGates,
     PathStats,
-    PathStatsPredictor,
-    PredictorContext,
-    PredictorError,
-    make_predictor,
 )
 from loader.runtime import LoaderError, load, minimum_budget
 from prep.errors import MoeprepError
 from prep.methods.routing_stats import fit_path_stats, next_gate_recall, path_stats_recall
-
-E, K, L = 8, 2, 4
-
-
-def _deterministic_routing(n_seq: int = 3, tokens: int = 40, seed: int = 0) -> list[torch.Tensor]:
-    """Layer 0 random; every later layer's pair is a fixed function of the previous layer's pair."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n_seq):
-        rows = []
-        for _ in range(tokens):
-            first = torch.randperm(E, generator=gen)[:K].tolist()
-            layers = [first]
-            for _ in range(1, L):
-                a, b = sorted(layers[-1])
-                layers.append([(a + b) % E, (a + b + 1) % E])
-            rows.append(layers)
-        out.append(torch.tensor(rows))
-    return out
+from tests.predict_contexts import E, K, L, deterministic_routing
+from tests.tiny_models import ARCHITECTURES, prepare_tiny_artifact, tiny_recipe
 
 
 def test_path_stats_put_probability_one_on_a_deterministic_path_and_unseen_keys_back_off():
-    routing = _deterministic_routing()
+    routing = deterministic_routing()
     stats = PathStats.from_tensors(fit_path_stats(routing, E), min_count=1)
     token = routing[0][5].tolist()
     for layer in (1, 2, 3):
@@ -90,7 +66,7 @@ def test_path_counts_equal_a_brute_force_count():
 
 
 def test_path_recall_is_perfect_on_a_deterministic_path_and_the_marginal_is_not():
-    routing = _deterministic_routing()
+    routing = deterministic_routing()
     result = path_stats_recall(fit_path_stats(routing[:2], E), routing[2:], None, routing[:2], E, min_count=1)
     for row in result["layers"][1:]:
         assert row["path"]["top2_recall"] == 1.0
@@ -118,63 +94,6 @@ def test_next_gate_recall_equals_a_brute_force_loop():
             recall += len(set(predicted) & set(chosen)) / K
         assert row["gate"]["top1"] == pytest.approx(top1 / n)
         assert row["gate"]["top2_recall"] == pytest.approx(recall / n)
-
-
-def _context(held=lambda layer, expert, precision: False, tensors=None, routers=None) -> PredictorContext:
-    return PredictorContext(L, E, K, routers or [], tensors or {}, held=held, precision_of=lambda layer, e: "int4")
-
-
-def test_next_gates_walk_to_the_first_layer_with_a_missing_expert():
-    gen = torch.Generator().manual_seed(3)
-    hidden = 5
-    routers = [(torch.randn(E, hidden, generator=gen), None) for _ in range(L)]
-    x = torch.randn(1, hidden, generator=gen)
-    predicted = {layer: F.linear(x, w).topk(K).indices[0].tolist() for layer, (w, _) in enumerate(routers)}
-    held = {(1, e) for e in predicted[1]}  # layer 1's prediction is resident; layer 2 misses one
-    gates = NextGates(depth=3)
-    gates.bind(_context(lambda layer, e, p: (layer, e) in held, routers=routers))
-    requests = gates.after_router(0, x, torch.tensor([[0, 1]]))
-    assert [(r.layer, r.expert) for r in requests] == [(1, e) for e in predicted[1]] + [(2, e) for e in predicted[2]]
-    # everything resident: the walk goes to the end of the model (depth) and stops there, no wrap
-    everything = NextGates(depth=5)
-    everything.bind(_context(lambda layer, e, p: True, routers=routers))
-    assert {r.layer for r in everything.after_router(1, x, torch.tensor([[0, 1]]))} == {2, 3}
-    assert everything.after_router(L - 1, x, torch.tensor([[0, 1]])) == []
-    one = NextGates(depth=1, experts=1)
-    one.bind(_context(routers=routers))
-    assert [(r.layer, r.expert) for r in one.after_router(0, x, torch.tensor([[0, 1]]))] == [(1, predicted[1][0])]
-
-
-def test_path_stats_predictor_takes_the_ranked_next_layer_with_a_cap_and_a_floor():
-    routing = _deterministic_routing()
-    tensors = fit_path_stats(routing, E)
-    token = routing[0][0].tolist()
-    predictor = PathStatsPredictor(max_preload=3, floor=0.05, min_count=1)
-    predictor.bind(_context(tensors=tensors))
-    assert predictor.after_router(0, torch.zeros(1, 4), torch.tensor([token[0]])) != []
-    got = predictor.after_router(1, torch.zeros(1, 4), torch.tensor([token[1]]))
-    assert sorted(r.expert for r in got) == sorted(token[2]) and {r.layer for r in got} == {2}  # floor drops p=0
-    capped = PathStatsPredictor(max_preload=1, floor=0.0, min_count=1)
-    capped.bind(_context(tensors=tensors))
-    capped.after_router(0, torch.zeros(1, 4), torch.tensor([token[0]]))
-    assert len(capped.after_router(1, torch.zeros(1, 4), torch.tensor([token[1]]))) == 1
-    with pytest.raises(PredictorError, match="path_stats in predict.predictors"):
-        PathStatsPredictor().bind(_context())
-
-
-def test_first_gate_predictor_names_the_top_k_of_the_last_position():
-    weight = torch.randn(E, 6, generator=torch.Generator().manual_seed(4))
-    hidden = torch.randn(1, 3, 6)
-    predictor = FirstGatePredictor()
-    predictor.bind(_context(tensors={"first_gate.weight": weight}))
-    requests = predictor.after_last_layer(hidden)
-    assert [(r.layer, r.expert) for r in requests] == [(0, e) for e in (hidden[0, -1] @ weight.T).topk(K).indices.tolist()]
-    with pytest.raises(PredictorError, match="first_gate in predict.predictors"):
-        FirstGatePredictor().bind(_context())
-    with pytest.raises(PredictorError, match="unknown"):
-        make_predictor("oracle")
-    with pytest.raises(PredictorError, match="depth"):
-        make_predictor("next_gates", {"depth": 0})
 
 
 ALL = ["next_gates", "path_stats", "first_gate"]

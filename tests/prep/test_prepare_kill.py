@@ -1,5 +1,5 @@
-"""SIGKILL during prepare, at seeded points spread over trace, quantize, package and the artifact swap
-(issue 14, Tests): after every kill the previous artifact (or the new one, once swapped in) is loadable,
+"""SIGKILL during prepare, at seeded points spread over trace, quantize, package and the artifact swap:
+after every kill the previous artifact (or the new one, once swapped in) is loadable,
 it stays loadable at every moment a watcher looks, and a rerun produces an artifact whose files hash
 the same as an uninterrupted run.
 
@@ -30,6 +30,7 @@ from loader.format import read_manifest
 from loader.verify import verify
 from prep.pipeline import prepare
 from prep.recipe import recipe_from_dict
+from tests.interrupt import sigkill, uninterrupted
 from tests.tiny_models import file_hashes, save_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -228,9 +229,8 @@ def test_sigkill_at_seeded_points_never_loses_the_artifact_and_resumes_identical
     def clean(recipe: dict) -> dict[str, str]:  # an uninterrupted run in a fresh root
         key = json.dumps(recipe, sort_keys=True)
         if key not in clean_cache:
-            home = tmp_path_factory.mktemp("clean")
-            save_tiny_model("qwen3_moe", home / "model")
-            clean_cache[key] = file_hashes(Path(prepare(recipe_from_dict(recipe), root=home)["artifact"]))
+            _, summary = uninterrupted(tmp_path_factory, recipe_from_dict(recipe))
+            clean_cache[key] = file_hashes(Path(summary["artifact"]))
         return clean_cache[key]
 
     child = Child(tmp_path_factory.mktemp("log") / "child.stderr")
@@ -267,10 +267,7 @@ def test_sigkill_at_seeded_points_never_loses_the_artifact_and_resumes_identical
                     began = forked if point == "load" else child.wait_for(point)
                     if began is not None:
                         time.sleep(max(0.0, began + delay - time.perf_counter()))
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:  # it finished first; reported as not killed
-                        pass
+                    sigkill(pid)  # when it finished first, it is reported as not killed
                 else:
                     child.start(work, recipe, die_at=point)
                 lines, status = child.finish()

@@ -1,8 +1,8 @@
 """prepare never destroys a user's files, swaps an artifact atomically, repairs a damaged one, validates
-names, locks, and refuses hostile recipes (issue 14 items 1, 2, 3, 6, 8 and the prepare parts of 10).
+names, locks, and refuses hostile recipes.
 
-Each test is built from the reproduction in the issue. "Killed" runs here raise ``_Killed`` (a
-BaseException nothing in prep catches) at the exact step named; tests/prep/test_prepare_kill.py kills a real
+Each test is built from a reproduction of the failure it guards against. "Killed" runs here raise ``Killed`` (a
+BaseException nothing in prep catches, ``tests/interrupt.py``) at the exact step named; tests/prep/test_prepare_kill.py kills a real
 subprocess with SIGKILL.
 """
 
@@ -26,13 +26,8 @@ from prep.errors import MoeprepError
 from prep.pipeline import prepare
 from prep.recipe import load_recipe, recipe_from_dict
 from prep.store import ArtifactOutput, exclusive_lock
-from tests.tiny_models import file_hashes, save_tiny_model, tiny_recipe
-
-
-class _Killed(BaseException):
-    """Stands for a kill at one exact step: nothing catches it, so no cleanup code runs."""
-
-
+from tests.interrupt import Killed, interrupted, uninterrupted
+from tests.tiny_models import file_hashes, tiny_recipe
 
 
 def _loadable(artifact: Path) -> bool:
@@ -122,28 +117,12 @@ def test_a_symlink_moeprep_did_not_make_is_replaced_only_with_overwrite(root):
 # ------------------------------------------------------------------- 2. the swap is one atomic rename
 
 
-def _kill_when(monkeypatch, name: str, when):
-    """Make ``os.<name>`` raise _Killed before (when(args) == "before") or after ("after") the call."""
-    real = getattr(os, name)
-
-    def wrapped(*args, **kwargs):
-        moment = when(*args)
-        if moment == "before":
-            raise _Killed(name)
-        out = real(*args, **kwargs)
-        if moment == "after":
-            raise _Killed(name)
-        return out
-
-    monkeypatch.setattr(os, name, wrapped)
-
-
 def _clean_hashes(tmp_path_factory, **quantize) -> dict[str, str]:
-    clean = tmp_path_factory.mktemp("clean")
-    save_tiny_model("qwen3_moe", clean / "model")
-    return file_hashes(Path(prepare(tiny_recipe(**quantize), root=clean)["artifact"]))
+    _, summary = uninterrupted(tmp_path_factory, tiny_recipe(**quantize))
+    return file_hashes(Path(summary["artifact"]))
 
 
+# os.<name> killed before ("before") or after ("after") the call, as the moment says of its arguments
 KILL_POINTS = {
     # a kill while the new version is written: nothing published yet
     "while building": ("replace", lambda src, dst, *a: "before" if Path(dst).name == "plan.json" else None),
@@ -162,10 +141,8 @@ def test_a_kill_at_any_step_of_the_swap_leaves_a_loadable_artifact(root, tmp_pat
     old = file_hashes(artifact)
     new = _clean_hashes(tmp_path_factory, precision="int8")
     name, when = KILL_POINTS[point]
-    with monkeypatch.context() as m:
-        _kill_when(m, name, when)
-        with pytest.raises(_Killed):
-            prepare(tiny_recipe(precision="int8"), root=root)
+    with interrupted(monkeypatch, os, name, when=when, raising=Killed):
+        prepare(tiny_recipe(precision="int8"), root=root)
     assert _loadable(artifact)
     assert file_hashes(artifact) in (old, new)
     rerun = prepare(tiny_recipe(precision="int8"), root=root)
@@ -186,16 +163,12 @@ def test_a_plain_artifact_of_an_older_moeprep_is_exchanged_in_one_step(root, tmp
     artifact = Path(prepare(tiny_recipe(), root=root)["artifact"])
     _make_plain(artifact)
     new = _clean_hashes(tmp_path_factory, precision="int8")
-    with monkeypatch.context() as m:  # killed right after the exchange: the old directory is not yet removed
-        real = prep.store._remove
-        def remove(path):
-            if ".link-" in path.name and path.is_dir() and not path.is_symlink():  # the exchanged old directory
-                raise _Killed()
-            real(path)
+    def exchanged_old_directory(path: Path) -> bool:
+        return ".link-" in path.name and path.is_dir() and not path.is_symlink()
 
-        m.setattr(prep.store, "_remove", remove)
-        with pytest.raises(_Killed):
-            prepare(tiny_recipe(precision="int8"), root=root)
+    # killed right after the exchange: the old directory is not yet removed
+    with interrupted(monkeypatch, prep.store, "_remove", when=exchanged_old_directory, raising=Killed):
+        prepare(tiny_recipe(precision="int8"), root=root)
     assert artifact.is_symlink() and file_hashes(artifact) == new
     prepare(tiny_recipe(precision="int8"), root=root)
     _only_one_version(artifact)
@@ -208,8 +181,7 @@ def test_without_rename_exchange_the_migration_is_repaired_by_the_next_run(root,
     new = _clean_hashes(tmp_path_factory, precision="int8")
     with monkeypatch.context() as m:  # the documented window: killed between the fallback's two renames
         m.setattr(prep.store, "_exchange", lambda a, b: False)
-        _kill_when(m, "replace", lambda src, dst, *a: "before" if Path(dst).name == "artifact" else None)
-        with pytest.raises(_Killed):
+        with interrupted(m, os, "replace", when=lambda src, dst, *a: Path(dst).name == "artifact", raising=Killed):
             prepare(tiny_recipe(precision="int8"), root=root)
     assert not artifact.exists()
     ArtifactOutput(artifact, protected=[]).tidy()  # what the next run does first, before any work

@@ -1,6 +1,6 @@
 """Recorded routing fed to the real stages (``trace.recorded``): the decisions Mixtral-8x7B made on GSM8K, imported
 into a model of its shape, drive gating (AdapMoE's own sensitivity), dynamic precision and path statistics exactly
-as a traced model's routing would (issue 33)."""
+as a traced model's routing would."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import json
 
 import pytest
 import torch
-from mixtral_traces import REAL_FILE, REAL_SENSITIVITY, real_traces, synthetic_traces
-from tiny_models import COMMON, tiny_tokenizer
 from transformers import AutoModelForCausalLM, MixtralConfig
 
 from prep.errors import MoeprepError
@@ -19,6 +17,8 @@ from prep.recipe import recipe_from_dict
 from prep.stages import StageResult
 from prep.stages.gating import GatingChoice
 from prep.stages.predict import PredictionStats
+from tests.mixtral_traces import REAL_FILE, REAL_SENSITIVITY, real_traces, synthetic_traces
+from tests.tiny_models import COMMON, tiny_tokenizer
 
 
 def _mixtral_shaped(root, layers: int, experts: int = 8):

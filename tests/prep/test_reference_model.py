@@ -107,7 +107,7 @@ def test_drill_arithmetic_is_right_and_never_a_suite_sum(suites):
     assert {op for _, op, _, _ in lines} == set("+-*/")
 
 
-# Targets the committed model does not reach yet (issue 2 stays open on them). Strict: once a retrained
+# Targets the committed model does not reach yet (still open work). Strict: once a retrained
 # model meets one, its xfail turns into a failure and must be removed from this set.
 NOT_YET_MET = {"int2_mmlu_drop"}
 
@@ -115,7 +115,7 @@ NOT_YET_MET = {"int2_mmlu_drop"}
 @pytest.mark.parametrize("key", sorted(TARGETS))
 def test_metric_meets_target(metrics, key):
     if key in NOT_YET_MET:
-        pytest.xfail(reason=f"issue 2: {key} = {metrics[key]:.3f}, target {TARGETS[key]}")
+        pytest.xfail(reason=f"target not met yet: {key} = {metrics[key]:.3f}, target {TARGETS[key]}")
     assert metrics[key] >= TARGETS[key], f"{key} = {metrics[key]} below {TARGETS[key]}"
 
 

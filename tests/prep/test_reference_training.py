@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from prep.reference.metrics import gaussian_noise, load_model, perturb_experts, quantize_all_experts
@@ -17,8 +19,9 @@ from prep.reference.train import (
     query_log_attention,
     weighted_lm_loss,
 )
-from tests.prep.test_reference_model import REF
 from tests.tiny_models import tiny_mixtral
+
+REF = Path(__file__).resolve().parents[2] / "recipes" / "reference"
 
 
 def test_weighted_loss_with_unit_weights_is_transformers_loss():

@@ -14,12 +14,12 @@ import math
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, build_tiny_model, random_sequences
 
 from prep.adapters import ExpertWeights, get_adapter
 from prep.errors import MoeprepError
 from prep.methods.sensitivity import kl_sweep, spearman, trace_prerank
 from prep.methods.trace import RoutingRecorder
+from tests.tiny_models import ARCHITECTURES, build_tiny_model, random_sequences
 
 _MODELS: dict[str, torch.nn.Module] = {}
 

@@ -1,4 +1,4 @@
-"""The simulator validates its traces as the loader validates an artifact (issue 42, item 4).
+"""The simulator validates its traces as the loader validates an artifact.
 
 A small real trace is written the way the pipeline writes one (``write_routing_trace`` for imported routing,
 ``record_traces`` on a tiny model for one with router logits) and the real Mixtral JSONL format
@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from mixtral_traces import synthetic_traces
 from safetensors.torch import load_file, save_file
 
 from loader.errors import MoeError
@@ -33,6 +32,7 @@ from prep.methods.trace import (
     write_routing_trace,
 )
 from prep.sim import load_replay, replay_from_routing, simulate_trace
+from tests.mixtral_traces import synthetic_traces
 
 SIMULATE = ["--policy", "lru", "--capacity", "2"]
 FIX = "moeprep prepare --force trace"  # the fix every damaged project trace names (RECORD_AGAIN)
@@ -58,9 +58,8 @@ def routing_trace(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def model_trace(tmp_path_factory) -> Path:
     """A trace recorded from a tiny model's forward (router logits included; hidden_size in the index)."""
-    from tiny_models import build_tiny_model, random_sequences
-
     from prep.methods.trace import record_traces
+    from tests.tiny_models import build_tiny_model, random_sequences
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

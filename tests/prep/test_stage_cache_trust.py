@@ -1,4 +1,4 @@
-"""Reused files are checked (issue 42): a damaged unit file of an interrupted run, or a damaged file of a cached stage,
+"""Reused files are checked: a damaged unit file of an interrupted run, or a damaged file of a cached stage,
 is computed again with a notice, never carried into the artifact (``prep/integrity.py``).
 
 Each case damages a real run's files, reruns ``prepare`` and compares the artifact with a clean build's: a rerun must
@@ -18,6 +18,7 @@ import prep.stages.quantize as quantize_stage
 from prep.errors import MoeprepError
 from prep.integrity import SEAL, sidecar, stage_damage
 from prep.pipeline import prepare
+from tests.interrupt import interrupted
 from tests.tiny_models import file_hashes, save_tiny_model, tiny_recipe
 
 ARTIFACT = Path("artifacts/tiny/artifact")
@@ -76,18 +77,8 @@ def _nan(path: Path) -> None:
 def _interrupted(root: Path, monkeypatch) -> list[Path]:
     """Run ``prepare`` until the quantize stage's third unit, then stop it as a Ctrl-C would; the two unit files
     it finished."""
-    real, calls = quantize_stage.quantize_layer, {"n": 0}
-
-    def dies_in_the_third(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(quantize_stage, "quantize_layer", dies_in_the_third)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted(monkeypatch, quantize_stage, "quantize_layer", on_call=3):
         prepare(_recipe(), root=root)
-    monkeypatch.setattr(quantize_stage, "quantize_layer", real)
     work = next((root / STAGES).glob(".work-quantize-*"))
     done = sorted(work.glob("*/layer-*.safetensors"))
     assert len(done) == 2
@@ -182,15 +173,8 @@ def test_a_merged_trace_left_by_an_interrupted_run_is_checked_before_it_is_reuse
     clean_root, want = clean
     root = tmp_path / "run"
     save_tiny_model("mixtral", root / "model")
-    real = trace_stage.open_trace
-
-    def stop_after_the_merge(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(trace_stage, "open_trace", stop_after_the_merge)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted(monkeypatch, trace_stage, "open_trace", on_call=1):  # stopped right after the merge
         prepare(_recipe(), root=root)
-    monkeypatch.setattr(trace_stage, "open_trace", real)
     (work,) = (root / STAGES).glob(".work-trace-*")
     shard = sorted(p for p in (work / "trace").rglob("*") if p.is_file() and p.suffix == ".safetensors")[0]
     _flip(shard)

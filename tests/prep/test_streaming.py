@@ -1,4 +1,4 @@
-"""Streaming preparation (issue 22): the source model with its experts read from the shards a layer at a time.
+"""Streaming preparation: the source model with its experts read from the shards a layer at a time.
 
 The reference everywhere is transformers' ``from_pretrained`` of the same directory, loaded whole.
 The slow test prepares a generated model with 1.5 GB of experts and checks the peak RSS of ``moeprep prepare``

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import ARCHITECTURES, build_tiny_model, random_sequences
 
 from prep.adapters import get_adapter
 from prep.errors import MoeprepError
@@ -19,6 +18,7 @@ from prep.methods.trace import (
     read_mixtral_traces,
     record_traces,
 )
+from tests.tiny_models import ARCHITECTURES, build_tiny_model, random_sequences
 
 TRACES_ROOT = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
 

@@ -1,4 +1,4 @@
-"""The bit-width stage's candidate losses and the bit-width study's rows as work units (issue 35).
+"""The bit-width stage's candidate losses and the bit-width study's rows as work units.
 
 A unit's loss is checked against the plain computation (a fresh transformers model, its experts written from the
 decoded records, at one torch thread); a driver killed mid-search or mid-study resumes with what its units
@@ -22,11 +22,10 @@ from prep.methods.decoded import DecodedExperts, mean_kl, next_token_logprobs, o
 from prep.pipeline import _Sources, prepare
 from prep.stages.bitwidth import _moved_down, _uniform, edgemoe_search, flat_order, held_out
 from prep.stages.quantize import PackedExperts
+from tests.interrupt import interrupted, uninterrupted
 from tests.tiny_models import save_tiny_model, tiny_recipe, write_tiny_suites
 
 REPO = Path(__file__).resolve().parents[2]
-REAL_EVALUATE = bitwidth_stage.evaluate_candidate
-REAL_ROW = bitwidth_study.study_row
 
 
 def edgemoe_recipe(**sections):
@@ -93,26 +92,14 @@ def test_unit_losses_equal_the_direct_computation_at_one_thread(root):
 
 
 def test_an_interrupted_search_resumes_with_its_finished_evaluations(root, tmp_path_factory, monkeypatch):
-    clean = tmp_path_factory.mktemp("clean")
-    save_tiny_model("qwen3_moe", clean / "model")
-    prepare(edgemoe_recipe(), root=clean, until="bitwidth")
-
-    calls = {"n": 0}
-
-    def interrupted(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 5:  # the 3 bounds and the first search round are written; Ctrl-C in the second round
-            raise KeyboardInterrupt
-        return REAL_EVALUATE(*args, **kwargs)
-
-    monkeypatch.setattr(bitwidth_stage, "evaluate_candidate", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    clean, _ = uninterrupted(tmp_path_factory, edgemoe_recipe(), until="bitwidth")
+    # the 3 bounds and the first search round are written; Ctrl-C in the second round
+    with interrupted(monkeypatch, bitwidth_stage, "evaluate_candidate", on_call=5):
         prepare(edgemoe_recipe(), root=root, until="bitwidth")
     (work,) = (root / "artifacts/tiny/stages").glob(".work-bitwidth-*")
     written = sorted(p.name for p in work.glob("*.json"))
     assert len(written) == 4 and sum(name.startswith("bound-") for name in written) == 3
 
-    monkeypatch.setattr(bitwidth_stage, "evaluate_candidate", REAL_EVALUATE)
     resumed = prepare(edgemoe_recipe(), root=root, until="bitwidth")
     units = len(result_of(clean)["details"]["trail"]) + 3
     assert resumed["bitwidth"]["units"] | {"seconds": 0} == {"ran": units - 4, "reused": 4, "retried": 0,
@@ -215,21 +202,11 @@ def test_a_killed_study_resumes_with_its_finished_rows(tmp_path, monkeypatch):
     """Rows are units: a driver killed in the third row keeps the two before it, and a later run evaluates only the
     rows not finished; each row's file is its entry of study.json."""
     kwargs = study_root(tmp_path)
-    calls = {"n": 0}
-
-    def killed_in_the_third(*args, **kw):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return REAL_ROW(*args, **kw)
-
-    monkeypatch.setattr(bitwidth_study, "study_row", killed_in_the_third)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted(monkeypatch, bitwidth_study, "study_row", on_call=3):
         bitwidth_study.run_study(tmp_path / "tiny.yaml", tmp_path / "out", **kwargs)
     finished = {p.parent.name: p.read_bytes() for p in (tmp_path / "out/rows").glob("*/row.json")}
     assert sorted(finished) == ["uniform-int4", "uniform-int8"]
 
-    monkeypatch.setattr(bitwidth_study, "study_row", REAL_ROW)
     evaluated, real = [], bitwidth_study.evaluate_artifact
 
     def counted(artifact, *args, **kw):

@@ -1,4 +1,4 @@
-"""The trace and neuron stages as work units (issue 35): the trace's units are its forwards, merged into the very
+"""The trace and neuron stages as work units: the trace's units are its forwards, merged into the very
 files one ``record_traces`` call writes; the neuron stage's units pack one precision and MoE layer each, the records
 ``encode_neuron_expert`` makes of each expert; a driver interrupted inside either resumes with the units written;
 on Ray both write the same bytes as in this process."""
@@ -22,10 +22,8 @@ from prep.methods.trace import batch_ranges, record_traces
 from prep.pipeline import prepare
 from prep.quant.hqq_codec import encode_neuron_expert
 from prep.recipe import recipe_from_dict
+from tests.interrupt import interrupted, uninterrupted
 from tests.tiny_models import file_hashes, save_tiny_model
-
-REAL_TRACE_BATCH = trace_stage.trace_batch
-REAL_PACK_LAYER = neuron_stage.pack_neuron_layer
 
 
 def recipe(**executor):
@@ -112,27 +110,15 @@ def test_batch_ranges_are_record_traces_forwards():
 
 
 def test_a_trace_interrupted_after_one_forward_resumes_with_it(gpt_oss_root, tmp_path_factory, monkeypatch):
-    clean = tmp_path_factory.mktemp("clean")
-    save_tiny_model("gpt_oss", clean / "model")
-    prepare(recipe(), root=clean, until="trace")
-
-    calls = {"n": 0}
-
-    def interrupted_in_the_second(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt  # Ctrl-C (or a kill) of the driver while the second forward runs
-        return REAL_TRACE_BATCH(*args, **kwargs)
-
-    monkeypatch.setattr(trace_stage, "trace_batch", interrupted_in_the_second)
-    with pytest.raises(KeyboardInterrupt):
+    clean, _ = uninterrupted(tmp_path_factory, recipe(), "gpt_oss", until="trace")
+    # Ctrl-C (or a kill) of the driver while the second forward runs
+    with interrupted(monkeypatch, trace_stage, "trace_batch", on_call=2):
         prepare(recipe(), root=gpt_oss_root, until="trace")
     work = next((gpt_oss_root / "artifacts/tiny/stages").glob(".work-trace-*"))
     assert sorted(p.name for p in (work / "batches").glob("batch-*")) == ["batch-00000.safetensors"]
     (work / ".trace.tmp-99999").mkdir()  # what a driver killed in the middle of the merge leaves
     (work / ".trace.tmp-99999" / "shard-00000.safetensors").write_bytes(b"half")
 
-    monkeypatch.setattr(trace_stage, "trace_batch", REAL_TRACE_BATCH)
     resumed = prepare(recipe(), root=gpt_oss_root, until="trace")
     assert resumed["trace"]["units"] | {"seconds": 0} == {"ran": 2, "reused": 1, "retried": 0, "seconds": 0}
     assert stage_files(gpt_oss_root) == stage_files(clean)
@@ -168,22 +154,9 @@ def test_neuron_units_write_each_experts_encoded_record(gpt_oss_root):
 
 
 def test_neuron_packing_interrupted_resumes_with_the_layers_written(gpt_oss_root, tmp_path_factory, monkeypatch):
-    clean = tmp_path_factory.mktemp("clean")
-    save_tiny_model("gpt_oss", clean / "model")
-    prepare(recipe(), root=clean, until="neuron")
-
-    calls = {"n": 0}
-
-    def interrupted_in_the_third(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return REAL_PACK_LAYER(*args, **kwargs)
-
-    monkeypatch.setattr(neuron_stage, "pack_neuron_layer", interrupted_in_the_third)
-    with pytest.raises(KeyboardInterrupt):
+    clean, _ = uninterrupted(tmp_path_factory, recipe(), "gpt_oss", until="neuron")
+    with interrupted(monkeypatch, neuron_stage, "pack_neuron_layer", on_call=3):
         prepare(recipe(), root=gpt_oss_root, until="neuron")
-    monkeypatch.setattr(neuron_stage, "pack_neuron_layer", REAL_PACK_LAYER)
     resumed = prepare(recipe(), root=gpt_oss_root, until="neuron")
     assert resumed["trace"]["cached"] and resumed["quantize"]["cached"] and not resumed["neuron"]["cached"]
     assert resumed["neuron"]["units"] | {"seconds": 0} == {"ran": 2, "reused": 2, "retried": 0, "seconds": 0}

@@ -19,6 +19,7 @@ from loader.device import DeviceProfile, write_profile
 from prep.executor import LocalExecutor, UnitContext, UnitPaths, run_unit
 from prep.pipeline import prepare
 from prep.stages.tune_policy import DRAFT, DRAFT_TENSORS, STUDY, open_storage, tune, worker_units
+from tests.interrupt import dying, interrupted
 from tests.tiny_models import tiny_recipe
 
 optuna = pytest.importorskip("optuna", reason="tune_policy's units need optuna (a GPU machine may lack it)")
@@ -56,17 +57,13 @@ def test_workers_are_units_of_one_study_and_a_killed_driver_reuses_them(root, mo
 
     assert tune_policy.STAGE.units(recipe(2), 2) == 2 and tune_policy.STAGE.units(recipe(1), 2) == 0
 
-    def killed(*args, **kwargs):
-        raise KeyboardInterrupt  # the driver dies after the search, before the stage is committed
-
-    real = tune_policy._predictor_set  # called by the driver only, after the units (with a device profile)
-    monkeypatch.setattr(tune_policy, "_predictor_set", killed)
-    with pytest.raises(KeyboardInterrupt):
+    # the driver dies after the search, before the stage is committed: ``_predictor_set`` is called by the driver
+    # only, after the units (with a device profile)
+    with interrupted(monkeypatch, tune_policy, "_predictor_set", on_call=1):
         prepare(recipe(2), root=root, until="tune_policy")
     work = next((root / "artifacts/tiny/stages").glob(".work-tune_policy-*"))
     assert sorted(p.name for p in work.glob("worker-*.json")) == ["worker-0.json", "worker-1.json"]
 
-    monkeypatch.setattr(tune_policy, "_predictor_set", real)
     two = prepare(recipe(2), root=root, until="tune_policy")
     assert two["tune_policy"]["units"] | {"seconds": 0} == {"ran": 0, "reused": 2, "retried": 0, "seconds": 0}
     final = stage_dir(root, two)
@@ -124,20 +121,15 @@ def test_a_worker_unit_that_fails_is_retried_and_continues_the_study(root, tmp_p
 def _side_by_side(unit, work: str, die_after: int | None) -> None:
     """One worker process running ``unit``, each simulation slowed so that the two interleave; with ``die_after``,
     killed (os._exit) in that simulation."""
-    calls = {"n": 0}
-
-    def slow_draft(path):
+    def slow_draft(path):  # called once per worker process
         draft = REAL_LOAD_DRAFT(path)
         real = draft.simulate
 
         def simulate(*args, **kwargs):
-            calls["n"] += 1
-            if calls["n"] == die_after:
-                os._exit(1)
             time.sleep(0.05)
             return real(*args, **kwargs)
 
-        draft.simulate = simulate
+        draft.simulate = dying(simulate, on_call=die_after, raising=None)
         return draft
 
     tune_policy.load_draft = slow_draft  # this forked process only

@@ -1,4 +1,4 @@
-"""The ``mixtral-shape-techniques`` bench subject (issue 33): one artifact per technique, each prepared by the real
+"""The ``mixtral-shape-techniques`` bench subject: one artifact per technique, each prepared by the real
 stages from Mixtral's recorded decisions on the problems not replayed, run by the bench in ``--quick`` form; and
 dynamic precision replayed on those decisions, where the loader and the simulator must decide alike.
 

@@ -19,6 +19,7 @@ from prep.cli import main as moeprep
 from prep.integrity import seal_unit
 from prep.sim.replay import load_replay
 from prep.sim.simulate import artifact_spec, simulate
+from tests.interrupt import interrupted
 
 KNOBS = {"gating": (0.3,), "dynamic_precision": ((0.6, 0.1),), "cache_prior": (1.0,), "max_rank": (3,)}
 METHODS = ["exact", "gating", "dynamic_precision", "cache_prior", "max_rank"]
@@ -26,7 +27,7 @@ REAL_POINT = routing.study_point
 
 
 def _root(root):
-    from tiny_models import save_tiny_model, tiny_recipe, write_tiny_suites
+    from tests.tiny_models import save_tiny_model, tiny_recipe, write_tiny_suites
 
     save_tiny_model("mixtral", root / "model")
     write_tiny_suites(root / "suites")
@@ -121,22 +122,13 @@ def test_a_rerun_reuses_every_point_file_and_measures_again_only_a_changed_one(m
 def test_an_interrupted_study_resumes_with_the_points_written(measured, monkeypatch):
     root, run, study, _ = measured
     out = root / "interrupted"
-    calls = []
-
-    def killed_in_the_third(*args, **kw):
-        calls.append(kw["method"])
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return REAL_POINT(*args, **kw)
-
-    monkeypatch.setattr(routing, "study_point", killed_in_the_third)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted(monkeypatch, routing, "study_point", on_call=3):
         routing.run_study(root / "tiny.yaml", out, root, **run)
     written = {f.name: f.read_bytes() for f in (out / "points").glob("*.json")}
     assert len(written) == 2 and not (out / "study.json").exists()
     assert all(p.name.endswith(".xxh3") for p in (out / "points").glob(".*"))  # no half-written file, only seals
 
-    calls.clear()
+    calls = []
     monkeypatch.setattr(routing, "study_point", lambda *a, **kw: calls.append(kw["method"]) or REAL_POINT(*a, **kw))
     resumed = routing.run_study(root / "tiny.yaml", out, root, **run)
     assert calls == METHODS[2:]
