@@ -13,21 +13,23 @@ from tests.cache_steps import REC, resident
 
 
 def test_the_schedule_has_one_implementation():
-    """The rules around the cache (classify, decide a miss, skip, lower, use, admit, prefetch admission, end)
-    live in loader/schedule.py: the loader's steps and the simulator call it and never the cache's rule
-    methods themselves."""
+    """The rules around the cache (classify, decide a miss, skip, lower, use, admit, place a miss, cancel an unwanted
+    prefetch, prefetch admission, end) live in loader/schedule.py: the engine, its steps and the cost model ask
+    ``serve`` and never call the cache's rule methods, nor admit or cancel on their own."""
     import re
 
     root = Path(__file__).resolve().parents[2]
-    rules = re.compile(r"\.(begin_layer|use|skip|end_layer|decide)\(|cache\.(admit|prefetch)\(")
-    for path in ("loader/step.py", "loader/neuron.py", "loader/runtime.py", "prep/sim/simulate.py"):
+    rules = re.compile(r"\.(begin_layer|use|skip|end_layer|decide|admit|cancel_unwanted)\(|cache\.(admit|prefetch)\(")
+    users = ("loader/engine.py", "loader/step.py", "loader/neuron.py", "loader/runtime.py", "loader/simulate.py",
+             "prep/sim/simulate.py")
+    for path in users:
         found = [line.strip() for line in (root / path).read_text().splitlines()
                  if rules.search(line) and "matplotlib" not in line]
         assert not found, (path, found)
     schedule = (root / "loader/schedule.py").read_text()
-    assert "import torch" not in schedule  # torch-free: the simulator runs it on sizes alone
-    for user in ("loader/step.py", "prep/sim/simulate.py"):
-        assert "LayerSchedule" in (root / user).read_text() or "schedule." in (root / user).read_text()
+    assert "import torch" not in schedule  # torch-free: the cost model runs it on sizes alone
+    for caller in ("loader/engine.py", "loader/simulate.py"):  # the loader's layer call and the cost model's
+        assert "schedule.serve(" in (root / caller).read_text(), caller
 
 
 def test_the_schedule_serves_decode_misses_on_the_cpu_by_its_rule():
@@ -111,3 +113,57 @@ def test_the_prefetch_gate_stops_predictions_that_do_not_pay():
     for t in range(6):
         token(ungated, 2 + t % 3, 7)
     assert ungated.prefetching and sum(c.prefetch_wasted for c in ungated.cache.counters) >= 5
+
+
+def _served_cache(slots: int):
+    """One layer of 8 experts at int4 in a pool of ``slots`` 100-byte slots, and its schedule."""
+    from loader.cache import ExpertCache, PoolConfig
+    from loader.policies import policy_factory
+    from loader.schedule import LayerSchedule
+
+    cache = ExpertCache([PoolConfig("main", "int4", "layer", {0: slots * 100}, 100)], 1, 8, policy_factory("lru", {}))
+    return cache, LayerSchedule(cache, [("int4",) * 8], readable={"int4"})
+
+
+def test_serve_places_each_miss_in_the_cache_a_buffer_or_its_prefill_form_and_counts_every_read():
+    """A prompt chunk's expert given to ``from_tokens`` tokens is read in its prefill form (not cached); the rest
+    are admitted while the pool has room, then read into buffers; every read's bytes are counted once."""
+    from loader.schedule import BUFFER, CACHE, HELD, PROMPT
+
+    cache, schedule = _served_cache(slots=2)
+    rows = [[0, 1], [0, 2], [3, 4]]  # expert 0 given to 2 tokens, the others to one
+    served = schedule.serve(0, rows, slot_bytes={"int4": 100}, read_bytes={"int4": 70}, prompt_forms={"int4": 2})
+    got = [(d.expert, d.served) for d in served.decisions]
+    assert got == [(0, PROMPT), (1, CACHE), (2, CACHE), (3, BUFFER), (4, BUFFER)]
+    assert all(d.miss for d in served.decisions) and served.skipped == []
+    assert [d.entry is not None for d in served.decisions] == [False, True, True, False, False]
+    assert cache.counters[0].bytes_read == 5 * 70
+    for d in served.decisions:
+        if d.served == CACHE:
+            cache.complete(d.entry)
+    schedule.end(0)
+    again = schedule.serve(0, [[1, 2]], slot_bytes={"int4": 100}, read_bytes={"int4": 70})
+    assert [(d.expert, d.served, d.miss) for d in again.decisions] == [(1, HELD, False), (2, HELD, False)]
+    assert cache.counters[0].bytes_read == 5 * 70  # hits read nothing
+
+
+def test_serve_cancels_an_unwanted_prefetch_only_where_its_read_can_still_be_stopped():
+    """A prefetch for the layer the router did not choose is dropped when ``cancel`` stops its read; one whose read
+    has started (cancel False) stays and is wasted at the layer's end; a chosen one is a hit."""
+    from loader.predict import PrefetchRequest
+    from loader.schedule import HELD
+
+    for stoppable in (True, False):
+        cache, schedule = _served_cache(slots=4)
+        admitted = schedule.prefetch([PrefetchRequest(0, 5), PrefetchRequest(0, 6)], {"int4": 100})
+        assert sorted(e.expert for e in admitted) == [5, 6] and all(e.in_flight for e in admitted)
+        asked = []
+        served = schedule.serve(0, [[6, 1]], slot_bytes={"int4": 100}, read_bytes={"int4": 100},
+                                cancel=lambda entry: asked.append(entry.expert) or stoppable)
+        assert asked == [5]  # only the unwanted one, and only while in flight
+        assert sorted(served.prefetched) == [5, 6]
+        assert (served.decisions[0].expert, served.decisions[0].served) == (6, HELD)
+        assert (cache.find(0, 5, "int4") is None) == stoppable
+        assert cache.counters[0].prefetch_cancelled == int(stoppable)
+        schedule.end(0)
+        assert cache.counters[0].prefetch_wasted == int(not stoppable)

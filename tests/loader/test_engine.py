@@ -1,11 +1,11 @@
-"""The layer step's accounting (loader/step.py): decode timing splits a step's seconds into compute, stall and the
+"""The engine's accounting (loader/engine.py): decode timing splits a step's seconds into compute, stall and the
 overhead left, per layer step, as the bench reports them; with no step yet, the per-step figures are None."""
 
 from __future__ import annotations
 
 import pytest
 
-from loader.step import DecodeTiming, PrefillTiming
+from loader.engine import DecodeTiming, PrefillTiming
 
 
 def test_decode_timing_reports_the_overhead_left_after_compute_and_stall_per_layer_step():
