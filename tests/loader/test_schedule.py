@@ -158,8 +158,12 @@ def test_serve_cancels_an_unwanted_prefetch_only_where_its_read_can_still_be_sto
         admitted = schedule.prefetch([PrefetchRequest(0, 5), PrefetchRequest(0, 6)], {"int4": 100})
         assert sorted(e.expert for e in admitted) == [5, 6] and all(e.in_flight for e in admitted)
         asked = []
-        served = schedule.serve(0, [[6, 1]], slot_bytes={"int4": 100}, read_bytes={"int4": 100},
-                                cancel=lambda entry: asked.append(entry.expert) or stoppable)
+
+        def cancel(entry, asked=asked, stoppable=stoppable) -> bool:
+            asked.append(entry.expert)
+            return stoppable
+
+        served = schedule.serve(0, [[6, 1]], slot_bytes={"int4": 100}, read_bytes={"int4": 100}, cancel=cancel)
         assert asked == [5]  # only the unwanted one, and only while in flight
         assert sorted(served.prefetched) == [5, 6]
         assert (served.decisions[0].expert, served.decisions[0].served) == (6, HELD)
