@@ -196,15 +196,18 @@ def _expert_memory(text: str) -> int | str | None:
               "the checkpoint every forward).")
 def eval_command(artifact, original, suites, data, limit, num_fewshot, gsm8k_format, memory_budget, output,
                  reuse_original, expert_memory):
-    """Compare the prepared model (through the loader) with the original, item by item."""
+    """Compare the prepared model (through the loader) with the original, item by item; the artifact's report.json
+    and report.md show the new check afterwards."""
     from pathlib import Path
 
     from prep.evals.compare import evaluate_artifact, summary_markdown
+    from prep.stages.table import REPORT
 
     output = output or str(Path(artifact).parent / "eval.json")
     report = evaluate_artifact(artifact, original, _names(suites), data,
                                limit, num_fewshot, memory_budget, gsm8k_format, output=output,
-                               reuse_original=reuse_original, expert_memory=_expert_memory(expert_memory))
+                               reuse_original=reuse_original, expert_memory=_expert_memory(expert_memory),
+                               layout=REPORT)
     click.echo(summary_markdown(report))
     click.echo(f"wrote {output}")
 

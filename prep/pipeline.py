@@ -33,12 +33,10 @@ from prep.fingerprint import model_fingerprint
 from prep.integrity import notice
 from prep.recipe import Recipe
 from prep.stages import Stage, StageResult
-from prep.stages.table import STAGE_NAMES, STAGES
+from prep.stages.table import REPORT, STAGE_NAMES, STAGES
 from prep.store import ArtifactOutput, StageStore, exclusive_lock, stage_key
 from prep.streaming import check_device, load_streamed
 
-# the recipe key of each stage's config type
-SECTIONS = {stage.config: stage.section for stage in STAGES}
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -108,14 +106,14 @@ class _Sources:
         """The resolved recipe ``stage``'s output derives from: name, model, the sections of its lineage,
         and the calibration section when one of them reads calibration data."""
         chain = lineage(stage, recipe=self.recipe)
-        names = ["name", "model"] + [SECTIONS[s.config] for s in chain]
+        names = ["name", "model"] + [s.section for s in chain]
         if any("calibration" in s.needs and (s.enabled is None or s.enabled(self.recipe)) for s in chain):
             names.append("calibration")
         return {k: v for k, v in self.sections.items() if k in names}
 
     def key_inputs(self, stage: Stage) -> tuple[dict, dict]:
         """(config, fingerprints) of ``stage``'s key: exactly what it declares."""
-        config: dict = {"section": self.sections[SECTIONS[stage.config]]}
+        config: dict = {"section": self.sections[stage.section]}
         fingerprints: dict = {}
         if "model" in stage.needs:
             fingerprints["model"] = self.model_fingerprint
@@ -136,7 +134,8 @@ class StageInputs:
     def __init__(self, stage: Stage, sources: _Sources, store: StageStore, keys: dict[str, str],
                  artifact: ArtifactOutput, executor=None) -> None:
         self.stage, self._sources, self._store, self._keys, self._artifact = stage, sources, store, keys, artifact
-        self.config = getattr(sources.recipe, SECTIONS[stage.config])
+        self.config = getattr(sources.recipe, stage.section)
+        self.report_layout = REPORT  # report.md's sections, for a stage that renders it (package, evaluate)
         self.key = keys[stage.name]
         self.root, self.model_dir = sources.root, sources.model_dir
         self.work: Path | None = None
@@ -172,11 +171,16 @@ class StageInputs:
                                f"switches off; enable it")
         return self._store.final_dir(name, key), self._store.load(reader, key)
 
+    def read_results(self) -> list[tuple[type[StageResult], StageResult | None]]:
+        """(result type, result) of each stage this one reads, in the table's order, the result None where the
+        recipe switches that stage off: what ``prep.stages.report_entries`` folds into report.json."""
+        found = ((s.result, self.upstream(s.name, optional=True)) for s in STAGES if s.name in self.stage.reads)
+        return [(kind, f[1] if f is not None else None) for kind, f in found]
+
     def contributions(self) -> list[StageResult]:
         """The results of the stages this one reads that the recipe switches on, in the table's order: what
         ``prep.stages.planning.compose_plan`` applies (``StageResult.apply``)."""
-        found = (self.upstream(s.name, optional=True) for s in STAGES if s.name in self.stage.reads)
-        return [f[1] for f in found if f is not None]
+        return [result for _, result in self.read_results() if result is not None]
 
     @property
     def model(self):

@@ -27,7 +27,7 @@ from prep.evals import templates as tpl
 from prep.evals.data import SUITES, BenchmarkData, load_benchmarks
 from prep.evals.power import paired_verdict
 from prep.fingerprint import model_fingerprint
-from prep.report import PENDING, current_report, update_artifact_report  # noqa: F401 (PENDING: where eval's marker lives)
+from prep.report import PENDING, ReportLayout, current_report, merge_section  # noqa: F401 (PENDING: where eval's marker lives)
 from prep.streaming import load_streamed
 
 DEFAULT_SHOTS = {"gsm8k": 8, "mmlu": 5, "truthfulqa": 0}  # gsm8k_cot uses 8, the 5-shot format 5
@@ -160,7 +160,7 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
                       memory_budget=None, gsm8k_format: str = "cot", batch_rows: int = 16,
                       max_new_tokens: int = 256, output: str | Path | None = None,
                       reuse_original: str | Path | None = None, plan=None,
-                      expert_memory: int | str | None = "auto") -> dict:
+                      expert_memory: int | str | None = "auto", layout: ReportLayout | None = None) -> dict:
     """Compare ``artifact`` (through the loader) with its original model; returns and writes the report.
 
     ``expert_memory``: the original's routed-expert bytes kept in memory between forwards (``load_streamed``:
@@ -169,8 +169,9 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
     ``reuse_original``: a directory keeping the original model's per-item results (keyed by the model's
     content, the items and every scoring setting), so comparing many artifacts of one model runs it once.
 
-    The summary is merged into the artifact's report.json (``merge_into_artifact``), unless ``plan`` (a
-    ``loader.plan.Plan`` the loader runs instead of the artifact's) made it a variant's figures.
+    The summary is merged into the artifact's report.json (``merge_into_artifact``), and report.md rendered again
+    with ``layout`` (the stage table's sections, ``prep.stages.table.REPORT``, which this module cannot import),
+    unless ``plan`` (a ``loader.plan.Plan`` the loader runs instead of the artifact's) made it a variant's figures.
     """
     import transformers
 
@@ -231,7 +232,7 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
     if output:
         write_report(report, Path(output))
     if plan is None:
-        merge_into_artifact(artifact, report, package_key=manifest.raw["package_key"])
+        merge_into_artifact(artifact, report, package_key=manifest.raw["package_key"], layout=layout)
     return report
 
 
@@ -258,11 +259,12 @@ def writable(*directories) -> None:
                                                             "choose another place")) from None
 
 
-def merge_into_artifact(artifact: str | Path, report: dict, package_key: str | None = None) -> None:
-    """Put the eval summary into the artifact's report.json (``update_artifact_report``: the artifact verifies at
-    every step; report.md is rendered again by the next stage or study that writes a section)."""
-    update_artifact_report(artifact, {"eval": {"suites": eval_summary(report), "data": report["data"],
-                                               "memory_budget": report["memory_budget"]}}, package_key=package_key)
+def merge_into_artifact(artifact: str | Path, report: dict, package_key: str | None = None,
+                        layout: ReportLayout | None = None) -> None:
+    """Put the eval summary into the artifact's report.json and render report.md with ``layout`` (``merge_section``:
+    the artifact verifies before and after; without a layout report.md is left as it is)."""
+    merge_section(artifact, {"eval": {"suites": eval_summary(report), "data": report["data"],
+                                      "memory_budget": report["memory_budget"]}}, layout, package_key=package_key)
 
 
 def summary_markdown(report: dict) -> str:

@@ -1,9 +1,11 @@
-"""The artifact's report: report.json (a section per stage or study), report.md rendered from it, plots under
-``reports/``. One owner, below the stages and the studies: they hand it a section, it merges, renders and
-re-lists the files in the manifest. It imports no stage and no study.
+"""The artifact's report: report.json (an entry per stage or study), report.md rendered from it, plots under
+``reports/``. One owner, below the stages and the studies: they hand it entries, it merges, renders and re-lists
+the files in the manifest. It imports no stage and no study.
 
-A study's section carries its own markdown (``section["markdown"]``); the stages' sections are rendered here
-(``prep/report/sections.py``). ``report.md`` is a header, then the sections in the fixed order ``ORDER``.
+report.md is a header, then the sections of a ``ReportLayout`` (``prep/report/sections.py``): each stage result
+declares the sections it renders, the stage table gathers them (``prep.stages.table.REPORT``), and whoever writes
+hands that layout here. ``report_files`` renders both files; the package stage writes them into a new artifact,
+``merge_section`` into an existing one.
 """
 
 from __future__ import annotations
@@ -24,65 +26,23 @@ from loader.format import (
     write_manifest,
 )
 from prep.errors import MoeprepError
-from prep.report.sections import (
-    PLAN_PLOT,
-    accuracy_markdown,
-    neuron_markdown,
-    operating_points_markdown,
-    prediction_markdown,
-)
+from prep.report.sections import ReportLayout, ReportSection, study_section
+
+__all__ = ["BITWIDTH_PLOT", "MARKDOWN", "PENDING", "ROUTING_PLOT", "ReportLayout", "ReportSection", "current_report",
+           "merge_section", "report_files", "study_section"]
 
 BITWIDTH_PLOT = f"{REPORTS_DIR}report.png"
 ROUTING_PLOT = f"{REPORTS_DIR}report-routing.png"
+MARKDOWN = "report.md"
 
 
-def _study(key: str, plot: str | None = None, alt: str = ""):
-    """A study's section: the markdown it carries, and its plot."""
-    def render(report: dict) -> list[str]:
-        section = report.get(key) or {}
-        text = section.get("markdown") if isinstance(section, dict) else None
-        if not text:
-            return []
-        return [text.rstrip(), *([f"![{alt}]({plot})"] if plot else []), ""]
-    return render
-
-
-def _neuron(report: dict) -> list[str]:
-    return [neuron_markdown(report["neuron"]), ""] if report.get("neuron") else []
-
-
-def _prediction(report: dict) -> list[str]:
-    return [prediction_markdown(report["prediction"]), ""] if report.get("prediction") else []
-
-
-def _accuracy(report: dict) -> list[str]:
-    return [accuracy_markdown(report), ""] if (report.get("eval") or {}).get("suites") else []
-
-
-def _operating_points(report: dict) -> list[str]:
-    if not report.get("operating_points"):
-        return []
-    return [operating_points_markdown(report), "", f"![operating points]({PLAN_PLOT})", ""]
-
-
-# report.md's sections, in this order: (report.json key, renderer)
-ORDER = (("eval", _accuracy), ("bitwidth_study", _study("bitwidth_study", BITWIDTH_PLOT, "accuracy delta against expert bytes")), ("prediction", _prediction),
-         ("prediction_study", _study("prediction_study")), ("operating_points", _operating_points),
-         ("routing_study", _study("routing_study", ROUTING_PLOT, "accuracy delta against miss rate")), ("neuron", _neuron))
-
-
-def report_markdown(name: str, report: dict) -> str:
-    """The artifact's report.md, a function of report.json: what the artifact holds, then each section."""
-    sizes, bw = report["sizes"], report.get("bitwidth", {})
-    mix = ", ".join(f"{p} {n}" for p, n in bw.get("experts", {}).items())
-    lines = [f"# {name}: {report.get('architecture', '')}", "",
-             f"- Experts: {mix} ({bw.get('method', 'uniform')}); {sizes['expert_bytes'] / 2**20:.2f} MiB, "
-             f"{report['compression']['bfloat16']:.2f}x smaller than bfloat16, "
-             f"{report['compression']['source']:.2f}x than the source; dense weights "
-             f"{sizes['dense_bytes'] / 2**20:.2f} MiB.", ""]
-    for _key, render in ORDER:
-        lines += render(report)
-    return "\n".join(lines)
+def report_files(name: str, report: dict, layout: ReportLayout | None) -> dict[str, bytes]:
+    """report.json and report.md of ``report`` (the artifact ``name``'s) as written, report.json only without a
+    ``layout``: the one place both are rendered, for a new artifact and for an update alike."""
+    files = {REPORT: (json.dumps(report, indent=2) + "\n").encode()}
+    if layout is not None:
+        files[MARKDOWN] = layout.markdown(name, report).encode()
+    return files
 
 
 def current_report(manifest) -> dict:
@@ -113,32 +73,22 @@ def current_report(manifest) -> dict:
     return current
 
 
-def merge_section(artifact: str | Path, sections: dict, files: dict[str, bytes] | None = None,
-                  package_key: str | None = None) -> dict:
-    """Merge ``sections`` (report.json keys) into the artifact's report, render report.md again, write ``files``
-    (plots, named under ``reports/``) and re-list everything in the manifest; returns the new report.json."""
-    manifest = read_manifest(artifact)
-    report = read_json(manifest.path(REPORT), REPORT) | sections
-    text = report_markdown(manifest.raw.get("recipe", {}).get("name", "artifact"), report)
-    update_artifact_report(manifest.root, sections, files={"report.md": text.encode()} | (files or {}),
-                           package_key=package_key)
-    return report
-
-
 PENDING = ".eval-pending.json"  # the hash of a report.json being blessed, while eval updates the artifact
 
 
-def update_artifact_report(artifact: str | Path, sections: dict, files: dict[str, bytes] | None = None,
-                           package_key: str | None = None) -> None:
-    """Merge ``sections`` into the artifact's report.json, write the informational ``files`` (report.md,
-    report.png) beside it, and list the new hashes in the manifest.
+def merge_section(artifact: str | Path, sections: dict, layout: ReportLayout | None,
+                  files: dict[str, bytes] | None = None, package_key: str | None = None) -> dict:
+    """Merge ``sections`` (report.json entries) into the artifact's report, render report.md again with ``layout``,
+    write the informational ``files`` (plots, named under ``reports/``) and list the new hashes in the manifest;
+    returns the new report.json. ``layout`` None leaves report.md as it is: only for a caller that cannot know the
+    stage table (``prep.evals.compare`` scoring a study's row); every other writer passes ``prep.stages.table.REPORT``.
 
     Never re-blesses a report.json it did not write: the current one must hash as the manifest says (or
     as ``PENDING`` says, when an earlier eval was killed between its two renames), else the artifact
     was altered and this refuses. The update is two atomic renames, report.json then manifest.json,
-    after the new hash is recorded in ``PENDING``. Loading never depends on report.json's hash, so the
-    artifact loads at every instant; ``verify`` passes before and after (and between the renames names
-    report.json only). ``package_key``: the artifact evaluated; if it was re-prepared meanwhile, refuse.
+    after the new hash is recorded in ``PENDING`` (report.md and the plots are written first, each atomically).
+    Loading never depends on report.json's hash, so the artifact loads at every instant; ``verify`` passes before
+    and after. ``package_key``: the artifact evaluated; if it was re-prepared meanwhile, refuse.
     """
     manifest = read_manifest(artifact)
     root = manifest.root
@@ -146,12 +96,12 @@ def update_artifact_report(artifact: str | Path, sections: dict, files: dict[str
         raise MoeprepError(f"{root} was prepared again while eval ran; its report.json is left as it is. "
                            "Run `moeprep eval` again on the new artifact")
     path, pending = manifest.path(REPORT), root / PENDING
-    current = current_report(manifest)
-    current |= sections
-    data = (json.dumps(current, indent=2) + "\n").encode()
+    current = current_report(manifest) | sections
+    rendered = report_files(manifest.raw.get("recipe", {}).get("name", "artifact"), current, layout)
+    data = rendered.pop(REPORT)
     entry = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     extra = {}
-    for name, content in (files or {}).items():
+    for name, content in (rendered | (files or {})).items():
         if not is_informational(name):
             raise MoeprepError(f"{name!r} is not an informational file of the artifact (report.json, report.md, "
                                f"or a file under {REPORTS_DIR})")
@@ -162,3 +112,4 @@ def update_artifact_report(artifact: str | Path, sections: dict, files: dict[str
     loader.io.write_bytes_atomic(path, data)
     write_manifest(root, manifest.raw | {"files": manifest.files | extra | {REPORT: entry}})
     pending.unlink(missing_ok=True)
+    return current

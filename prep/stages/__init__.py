@@ -8,7 +8,10 @@ A stage declares
   ``quantize`` writes), run by ``load_recipe`` and ``--dry-run``;
 - ``result``: a frozen ``StageResult`` subclass, saved as ``result.json`` (+ an optional
   ``tensors.safetensors``, + any files the stage writes itself) in its stage directory; its
-  ``apply(plan, context)`` is the stage's contribution to the artifact's plan (none by default);
+  ``apply(plan, context)`` is the stage's contribution to the artifact's plan (none by default), its
+  ``report(entries)`` its contribution to the artifact's report.json (``REPORT_OFF``: its entries when the recipe
+  switches the stage off) and ``REPORT_SECTIONS`` the sections of report.md it renders from them
+  (``prep.report.ReportSection``; the table gathers them into ``prep.stages.table.REPORT``);
 - ``reads``: the upstream stages whose results it reads (``EARLIER_CONTRIBUTIONS``: also every earlier stage
   whose result contributes to the plan, as the package stage reads them, so a new stage's contribution
   reaches the artifact without editing the package stage);
@@ -39,9 +42,10 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from loader.io import write_text_atomic
+from prep.report import ReportSection
 
 RESULT = "result.json"
 # in ``reads``: every earlier stage of the table whose result contributes to the plan (overrides ``apply``)
@@ -67,6 +71,15 @@ class StageResult:
         result a stage reads to this, in the table's order, with a ``prep.stages.planning.PlanContext``. By
         default a result contributes nothing."""
         return plan
+
+    # report.md's sections this result's entries are shown in, and its report.json entries when switched off
+    REPORT_SECTIONS: ClassVar[tuple[ReportSection, ...]] = ()
+    REPORT_OFF: ClassVar[dict] = {}
+
+    def report(self, entries: dict) -> dict:
+        """This result's contribution to the artifact's report.json: the package stage hands every result it reads
+        the entries so far, in the table's order (``report_entries``). By default a result contributes nothing."""
+        return entries
 
     @classmethod
     def from_json(cls, raw: dict) -> StageResult:
@@ -96,6 +109,15 @@ class StageResult:
         from safetensors.torch import load_file
 
         return load_file(str(Path(directory) / TENSORS))
+
+
+def report_entries(read: list[tuple[type[StageResult], StageResult | None]]) -> dict:
+    """The report.json entries of ``read`` (the result type and result of each stage read, in the table's order;
+    None where the recipe switches it off): each result's ``report``, each switched-off type's ``REPORT_OFF``."""
+    entries: dict = {}
+    for kind, result in read:
+        entries = entries | kind.REPORT_OFF if result is None else result.report(entries)
+    return entries
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from loader.plan import OperatingPoint, Plan, Pool
 from prep.errors import MoeprepError
 from prep.methods.allocation import allocate, closed_form_curve
 from prep.stages import Stage, StageResult
+from prep.stages.operating_points import OPERATING_POINTS, point_figures
 from prep.stages.planning import PlanSection, draft_from_inputs, with_prefill
 
 VERSION = 7  # 7: prefill forms chosen on the device profile, the prefill reserve in the sizes; 6: equal modelled seconds go to fewer bytes read (a budget left empty where reads hid behind compute); 3: slots in the held form's size (the loader's), the sizes kept in the result; 4: kernel-layout int4 on a CPU; 5: prefetches gated
@@ -74,6 +75,20 @@ class CacheAllocation(StageResult):
         points = tuple(OperatingPoint(b, pools(raw[b])) for b in sorted(raw))
         return dataclasses.replace(plan, pools=pools(own), operating_points=points,
                                    read_depth=self.read_depth or plan.read_depth, prefill=with_prefill(plan, self.prefill))
+
+    def report(self, entries: dict) -> dict:
+        """report.json's ``planning`` (the allocation's inputs) and ``operating_points``: per budget the allocated
+        plan's modelled figures beside the plan without an allocation and the closed-form allocation, all three with
+        the plan's default policy (tune_policy rescores the first with its own; evaluate fills ``accuracy_delta``)."""
+        points = [{"budget_bytes": p["budget_bytes"], "share": p["share"], "slots": p["slots"],
+                   **point_figures(p["allocated"]), "allocated_default_policy": p["allocated"], "uniform": p["uniform"],
+                   "closed_form": p["closed_form"], "accuracy_delta": None} for p in self.points]
+        return entries | {"planning": {"allocate_cache": {"cost": self.cost, "unit": self.unit, "inputs": self.inputs,
+                                                          "cells": self.cells}, "tolerance": self.tolerance},
+                          "operating_points": points}
+
+    REPORT_OFF = {"planning": None, "operating_points": []}
+    REPORT_SECTIONS = (OPERATING_POINTS,)
 
 
 def solve(plan: Plan, sizes: ModelSizes, cells: list[dict], curves: list, budget: float,

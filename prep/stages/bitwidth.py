@@ -48,6 +48,7 @@ from prep.methods.decoded import (
     original_experts,
     save_sequences,
 )
+from prep.report import BITWIDTH_PLOT, study_section
 from prep.stages import Stage, StageResult
 from prep.stages.quantize import PackedExperts
 
@@ -99,6 +100,9 @@ class BitwidthChoice(StageResult):
     counts: dict  # precision -> number of experts
     expert_bytes: int  # bytes of one record per expert at its precision
     details: dict  # metric, loss, and the method's own figures (edgemoe: bounds, b_hi, b_lo, K, trail)
+
+    # the shipped mix is the package stage's own entry (``bitwidth``, also for a uniform artifact); the study shows here
+    REPORT_SECTIONS = (study_section("bitwidth_study", 20, BITWIDTH_PLOT, "accuracy delta against expert bytes"),)
 
 
 def held_out(sequences: list, n: int | None) -> list:

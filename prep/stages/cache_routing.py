@@ -26,6 +26,7 @@ from loader.routing import CACHE_METHODS, CacheConditionalRouting, install_routi
 from prep.errors import MoeprepError
 from prep.methods.decoded import mean_kl, next_token_logprobs
 from prep.methods.trace import open_trace
+from prep.report import ROUTING_PLOT, study_section
 from prep.stages import Stage, StageResult
 from prep.stages.bitwidth import held_out
 from prep.stages.trace import RoutingTraces
@@ -75,6 +76,14 @@ class CacheRoutingChoice(StageResult):
         """Cache-conditional routing as the plan's routing policy, with the router's weight function."""
         return dataclasses.replace(plan, routing=PolicySpec("cache_routing", self.knobs | {
             "weights": context.routing_weights}))
+
+    def report(self, entries: dict) -> dict:
+        """report.json's ``cache_routing``: the stage's figures."""
+        return entries | {"cache_routing": self.to_json()}
+
+    REPORT_OFF = {"cache_routing": None}
+    # the routing study (gating, dynamic precision and cache routing against the miss rate) shows here
+    REPORT_SECTIONS = (study_section("routing_study", 60, ROUTING_PLOT, "accuracy delta against miss rate"),)
 
 
 class _ColdView:

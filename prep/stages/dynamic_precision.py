@@ -71,6 +71,12 @@ class PrecisionThresholds(StageResult):
         """HOBBIT's miss policy; the pools stay as they are (a low copy is lodged in a main-pool slot)."""
         return dataclasses.replace(plan, miss=PolicySpec("dynamic_precision", self.knobs))
 
+    def report(self, entries: dict) -> dict:
+        """report.json's ``dynamic_precision``: the stage's figures."""
+        return entries | {"dynamic_precision": self.to_json()}
+
+    REPORT_OFF = {"dynamic_precision": None}
+
 
 def choose_thresholds(trace_dir, cfg: DynamicPrecisionSection) -> PrecisionThresholds:
 

@@ -9,7 +9,7 @@ When the artifact has operating points (the ``allocate_cache`` stage), each gets
 per suite. A cache decides only which reads happen, not what is computed, so with the plan's routing
 independent of the cache every point has the measured delta; with cache-conditional routing the outputs
 depend on what is resident, and each point is evaluated at its own budget (``eval-<bytes>.json``).
-report.md is written again with the points.
+report.md is written again with the check and the points; the accuracy check is its first section.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from prep.errors import MoeprepError
 from prep.evals.compare import eval_summary, evaluate_artifact
 from prep.evals.data import SUITES
 from prep.evals.power import paired_verdict
-from prep.report import merge_section
-from prep.report.sections import PLAN_PLOT, operating_points_plot
+from prep.report import ReportLayout, ReportSection, merge_section
 from prep.stages import Stage, StageResult
+from prep.stages.operating_points import PLAN_PLOT, operating_points_plot
 
 VERSION = 4  # 4: per-suite limits; each operating point's delta as a paired test per suite
 
@@ -92,8 +92,37 @@ class AccuracyCheck(StageResult):
     def report_entry(self) -> dict:
         return {"suites": self.suites, "data": self.data, "memory_budget": self.memory_budget}
 
+    REPORT_SECTIONS = (ReportSection("eval", 10, lambda report: [accuracy_markdown(report), ""]
+                                     if (report.get("eval") or {}).get("suites") else []),)
 
-def check_accuracy(artifact: Path, model_dir: Path, cfg: EvaluateSection, work: Path, root: Path) -> AccuracyCheck:
+
+def accuracy_markdown(report: dict) -> str:
+    """The accuracy check (report.json ``eval``) as a paired test per suite: the delta, McNemar's p on the flips,
+    the tolerance (the plan's, points per suite) and what the suite can resolve (``prep.evals.power``)."""
+    check = report["eval"]
+    tolerance = (report.get("planning") or {}).get("tolerance")
+    lines = ["## Accuracy check", "",
+             f"The prepared model through the loader (budget {check.get('memory_budget') or 'the plan default'}) "
+             "against its original, item by item on the same prompts. A suite of n items moves 100/n points per "
+             "item; McNemar's exact test on the flips says whether a delta is more than noise; the last column is "
+             "how many items would resolve a one-point difference (alpha 0.05, power 0.8) at the flip rate measured "
+             "here. " + (f"Tolerance: |delta| <= {tolerance:g} points per suite." if tolerance is not None
+                         else "No tolerance is stated (plan.tolerance)."), "",
+             "| suite | n | points per item | delta (points) | right->wrong | wrong->right | McNemar p | within "
+             "tolerance | items to resolve 1 point |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    for name, s in check["suites"].items():
+        t = paired_verdict(s["delta"], s["flips"], s["n"], s["mcnemar_p"], tolerance)
+        within = "-" if t["within_tolerance"] is None else ("yes" if t["within_tolerance"] else "**no**")
+        lines.append(f"| {name} | {s['n']} | {t['resolution_points']:.2f} | {t['delta_points']:+.2f} | "
+                     f"{s['flips']['right_to_wrong']} | {s['flips']['wrong_to_right']} | {s['mcnemar_p']:.3g} | "
+                     f"{within} | {t['items_for_one_point'] if t['items_for_one_point'] is not None else 'no flips'} |")
+    return "\n".join(lines)
+
+
+def check_accuracy(artifact: Path, model_dir: Path, cfg: EvaluateSection, work: Path, root: Path,
+                   layout: ReportLayout | None = None) -> AccuracyCheck:
+    """The accuracy check of ``artifact`` (``cfg``'s settings), merged into its report.json and report.md
+    (rendered with ``layout``, the stage table's sections), each operating point with its delta."""
 
     data = Path(cfg.data) if cfg.data else None
     if data is not None and not data.is_absolute():
@@ -101,7 +130,7 @@ def check_accuracy(artifact: Path, model_dir: Path, cfg: EvaluateSection, work: 
 
     def run(budget, output: Path, plan=None) -> dict:
         return evaluate_artifact(artifact, model_dir, cfg.suites, data, cfg.limits(), cfg.num_fewshot, budget,
-                                 cfg.gsm8k_format, output=output, plan=plan)
+                                 cfg.gsm8k_format, output=output, plan=plan, layout=layout)
 
     report = run(cfg.memory_budget, work / "eval.json")
     check = AccuracyCheck(suites=eval_summary(report), data=report["data"], memory_budget=report["memory_budget"],
@@ -109,7 +138,6 @@ def check_accuracy(artifact: Path, model_dir: Path, cfg: EvaluateSection, work: 
     manifest = read_manifest(artifact)
     artifact_report = read_json(manifest.path("report.json"), "report.json")
     if not artifact_report.get("operating_points"):
-        merge_section(manifest.root, {}, package_key=manifest.raw["package_key"])  # report.md with the check
         return check
     plan = read_plan(manifest.root)
     tolerance = (artifact_report.get("planning") or {}).get("tolerance")
@@ -130,8 +158,8 @@ def check_accuracy(artifact: Path, model_dir: Path, cfg: EvaluateSection, work: 
                                          all(t["within_tolerance"] for t in q["accuracy_test"].values()))}
                for p, q in zip(artifact_report["operating_points"], points, strict=True)]
     artifact_report |= {"operating_points": updated}
-    merge_section(manifest.root, {"operating_points": updated}, files={PLAN_PLOT: operating_points_plot(artifact_report)},
-                  package_key=manifest.raw["package_key"])
+    merge_section(manifest.root, {"operating_points": updated}, layout,
+                  files={PLAN_PLOT: operating_points_plot(artifact_report)}, package_key=manifest.raw["package_key"])
     return AccuracyCheck(check.suites, check.data, check.memory_budget, points)
 
 
@@ -150,7 +178,7 @@ STAGE = Stage(
     name="evaluate", version=VERSION, config=EvaluateSection, result=AccuracyCheck,
     reads=("package",), needs=frozenset({"artifact"}),
     run=lambda inputs: check_accuracy(inputs.artifact.path, inputs.model_dir, inputs.config, inputs.work,
-                                      inputs.root),
+                                      inputs.root, inputs.report_layout),
     enabled=lambda recipe: recipe.evaluate.enabled,
     output_ok=_in_report,
     section="evaluate",

@@ -83,6 +83,12 @@ class GatingChoice(StageResult):
         """AdapMoE's gating as the plan's routing policy."""
         return dataclasses.replace(plan, routing=PolicySpec("adaptive_gating", self.knobs))
 
+    def report(self, entries: dict) -> dict:
+        """report.json's ``gating``: the stage's figures (its knobs are the plan's)."""
+        return entries | {"gating": {k: v for k, v in self.to_json().items() if k != "knobs"}}
+
+    REPORT_OFF = {"gating": None}
+
 
 def threshold_for_share(weights: torch.Tensor, sensitivity: list[float], target: float) -> float:
     """The smallest T whose rule gives at least ``target`` single-expert decisions on ``weights`` [N, L, K]

@@ -35,6 +35,7 @@ from prep.methods.decoded import mean_kl, next_token_logprobs
 from prep.methods.neuron import activity_profile, dropped_neurons, measure_crossover, pairing_of
 from prep.methods.trace import open_trace
 from prep.quant.hqq_codec import encode_neuron_expert, neuron_layout
+from prep.report import ReportSection
 from prep.stages import Stage, StageResult
 from prep.stages.bitwidth import held_out
 from prep.stages.quantize import PackedExperts
@@ -111,6 +112,34 @@ class NeuronChoice(StageResult):
 
     def packed_experts(self) -> PackedExperts:
         return PackedExperts.from_json(self.packed)
+
+    def report(self, entries: dict) -> dict:
+        """report.json's ``neuron``: the stage's figures (the records are the artifact's store) and the layout."""
+        return entries | {"neuron": {k: v for k, v in self.to_json().items() if k != "packed"} | {"layout": "neuron"}}
+
+    REPORT_OFF = {"neuron": None}
+    REPORT_SECTIONS = (ReportSection("neuron", 70, lambda report: [neuron_markdown(report["neuron"]), ""]
+                                     if report.get("neuron") else []),)
+
+
+def neuron_markdown(neuron: dict) -> str:
+    """report.md's neuron-level loading section: the stage's theta, crossover and profile, and the study's
+    table when one was merged in."""
+    profile = neuron["profile"]
+    lines = ["## Neuron-level loading (CORM)", "",
+             f"theta {neuron['theta']:g}, crossover {neuron['crossover']:.0%} of the neurons"
+             + (" (measured on the preparing machine's disk)" if neuron.get("crossover_measured") else " (given)")
+             + f", compute {neuron['knobs']['compute']}, predictor {'on' if neuron['predictor'] else 'off'}"
+             + (f"; theta trail (theta, KL): {neuron['trail']}" if neuron.get("trail") else "") + ".", "",
+             "Share of the selected experts' neurons active (|act(W1 x)| > theta) on the calibration traces:", "",
+             "| theta | " + " | ".join(f"layer {i}" for i in range(len(profile["layers"]))) + " | mean |",
+             "| ---: | " + " | ".join("---:" for _ in profile["layers"]) + " | ---: |"]
+    for i, theta in enumerate(profile["thetas"]):
+        lines.append(f"| {theta:g} | " + " | ".join(f"{row[i]:.3f}" for row in profile["layers"])
+                     + f" | {profile['mean'][i]:.3f} |")
+    if neuron.get("study"):
+        lines += ["", neuron["study"]["markdown"]]
+    return "\n".join(lines)
 
 
 def pack_neuron_layer(context, out: Path, *, precision: str, layer: int, group: int, meta: int) -> None:

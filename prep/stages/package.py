@@ -14,7 +14,8 @@ has its recorded size; otherwise it builds it again. Every file is a pure functi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,10 +35,10 @@ from prep.adapters.model_state import dense_state, expert_parameters
 from prep.errors import MoeprepError
 from prep.methods.trace import open_trace
 from prep.quant.records import write_aligned_records
-from prep.report import report_markdown
-from prep.report.sections import PLAN_PLOT, operating_points_plot
-from prep.stages import EARLIER_CONTRIBUTIONS, Stage, StageResult
+from prep.report import ReportLayout, report_files
+from prep.stages import EARLIER_CONTRIBUTIONS, Stage, StageResult, report_entries
 from prep.stages.bitwidth import BitwidthChoice, uniform_choice
+from prep.stages.operating_points import PLAN_PLOT, operating_points_plot
 from prep.stages.planning import PlanContext, compose_plan, model_sizes, shipped_layout
 from prep.stages.predict import predictor_tensors
 from prep.stages.quantize import PackedExperts
@@ -76,7 +77,8 @@ class PackageSection:
 
 @dataclass(frozen=True)
 class ArtifactReport(StageResult):
-    """What the artifact holds and how much smaller it is; also written as the artifact's report.json."""
+    """What the artifact holds and how much smaller it is, then the entries of the stages it derives from (each
+    result's ``report``, in the table's order); also written, flat, as the artifact's report.json."""
 
     architecture: str
     sizes: dict
@@ -84,13 +86,16 @@ class ArtifactReport(StageResult):
     record_bytes: dict  # precision -> bytes of one record
     bits_per_weight: dict  # precision -> stored bits per weight, metadata included
     bitwidth: dict  # the bitwidth stage's method, knobs, expert counts and measured loss
-    prediction: dict | None  # the predict stage's figures (None when no predictor is on)
-    gating: dict | None  # the gating stage's T, S_l and shares (None when off)
-    dynamic_precision: dict | None  # the dynamic_precision stage's thresholds and split (None when off)
-    cache_routing: dict | None  # the cache_routing stage's knobs and logit ranges (None when off)
-    planning: dict | None  # the tune_policy and allocate_cache stages' figures (None when both are off)
-    operating_points: list  # per budget the allocation's modelled tokens/s; accuracy_delta from evaluate
-    neuron: dict | None = None  # the neuron stage's layout, theta, crossover and activation profile (None: off)
+    contributed: dict = field(default_factory=dict)  # report.json entry -> value, from the stages read
+
+    def to_json(self) -> dict:
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "contributed"}
+        return own | self.contributed
+
+    @classmethod
+    def from_json(cls, raw: dict) -> ArtifactReport:
+        own = {f.name for f in dataclasses.fields(cls)} - {"contributed"}
+        return cls(**{k: raw[k] for k in own}, contributed={k: v for k, v in raw.items() if k not in own})
 
 
 def _producer() -> dict:
@@ -107,21 +112,22 @@ def _producer() -> dict:
 def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quantize_dir: Path,
                      quantize: PackedExperts, choice: BitwidthChoice, cfg: PackageSection, package_key: str,
                      out: Path, techniques: dict | None = None, contributions: list | None = None,
-                     trace_dir: Path | None = None, device_profile: dict | None = None) -> ArtifactReport:
+                     trace_dir: Path | None = None, device_profile: dict | None = None, contributed: dict | None = None,
+                     report_layout: ReportLayout | None = None) -> ArtifactReport:
     """Write every artifact file into the empty directory ``out``, ``manifest.json`` last; returns the report.
 
     ``recipe`` is the resolved recipe the artifact derives from, ``source`` the source model's
     {path, revision, fingerprint}, ``package_key`` this stage's cache key. ``techniques``: the results of the
-    stages the recipe switched on: ``predict`` ((stage dir, PredictionStats)), ``gating`` (GatingChoice),
-    ``dynamic_precision`` (PrecisionThresholds), ``cache_routing`` (CacheRoutingChoice), ``tune_policy``
-    (TunedPolicy), ``allocate_cache`` (CacheAllocation). ``contributions``: the results the plan is composed
-    of, in the stage table's order (``StageInputs.contributions``). ``trace_dir``: the trace stage's routing, whose
+    stages the recipe switched on whose files the artifact carries: ``predict`` ((stage dir, PredictionStats)),
+    ``neuron`` ((stage dir, NeuronChoice)), ``dynamic_precision`` (PrecisionThresholds). ``contributions``: the results
+    the plan is composed of, in the stage table's order (``StageInputs.contributions``). ``trace_dir``: the trace stage's routing, whose
     first tokens the artifact carries (``routing_sample``); ``device_profile``: the profile the plan was tuned with
     (its JSON), carried as ``device.json``: ``moeload plan`` predicts speed from both without ``prep``.
+    ``contributed``: report.json's entries from the stages read (``prep.stages.report_entries``); ``report_layout``:
+    the sections report.md renders them in (``prep.stages.table.REPORT``; None: report.md holds the header only).
     """
     techniques = techniques or {}
-    prediction, gating, dynamic, cache_routing, tuned, allocation = (techniques.get(k) for k in (
-        "predict", "gating", "dynamic_precision", "cache_routing", "tune_policy", "allocate_cache"))
+    prediction, dynamic = techniques.get("predict"), techniques.get("dynamic_precision")
     neuron = techniques.get("neuron")  # (stage dir, NeuronChoice): its neuron-layout records replace quantize's
     if neuron is not None:
         quantize_dir, quantize = neuron[0], neuron[1].packed_experts()
@@ -168,10 +174,8 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
     sizes = model_sizes(model, adapter, shipped)
     plan = compose_plan(grid, {p: shipped[p] for p in planned}, budget, contributions or [],
                         PlanContext(sizes, adapter.routing_weights()))
-    summary = None
     if prediction is not None:
         save_file(predictor_tensors(stage_dir, stats.predictors), str(out / PREDICTORS_FILE), metadata={"format": "pt"})
-        summary = {k: v for k, v in stats.to_json().items() if k != "seconds"}  # files hold no timings
     write_json_atomic(out / PLAN_FILE, plan.to_json())
     if trace_dir is not None:
         write_routing_sample(trace_dir, out / ROUTING_SAMPLE, with_inputs=bool(plan.predictors))
@@ -192,20 +196,15 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
         bits_per_weight={p: round(RecordLayout.from_json(stores[p]["layout"]).bits_per_weight, 4) for p in used},
         bitwidth={"method": choice.method, **choice.knobs, "experts": choice.counts,
                   **{k: v for k, v in choice.details.items() if k in REPORTED_DETAILS}},
-        prediction=summary,
-        gating=({k: v for k, v in gating.to_json().items() if k != "knobs"} if gating is not None else None),
-        dynamic_precision=dynamic.to_json() if dynamic is not None else None,
-        cache_routing=cache_routing.to_json() if cache_routing is not None else None,
-        planning=planning_summary(tuned, allocation),
-        operating_points=operating_points(allocation, tuned),
-        neuron=({k: v for k, v in neuron[1].to_json().items() if k != "packed"} | {"layout": "neuron"}
-                if neuron is not None else None),
+        contributed=contributed or {},
     )
-    write_json_atomic(out / REPORT, report.to_json())
-    write_bytes_atomic(out / "report.md", report_markdown(recipe.get("name", "artifact"), report.to_json()).encode())
-    if report.operating_points:
+    reported = report.to_json()
+    name = recipe.get("name", "artifact")
+    for file, content in report_files(name, reported, report_layout or ReportLayout(())).items():
+        write_bytes_atomic(out / file, content)
+    if reported.get("operating_points"):
         (out / PLAN_PLOT).parent.mkdir(exist_ok=True)
-        write_bytes_atomic(out / PLAN_PLOT, operating_points_plot(report.to_json()))
+        write_bytes_atomic(out / PLAN_PLOT, operating_points_plot(reported))
 
     for path in out.rglob("*"):  # safetensors writes 0600; every file of an artifact is readable alike
         if path.is_file():
@@ -296,56 +295,22 @@ class _InLayout:
             yield key, converted.numpy().tobytes()
 
 
-def planning_summary(tuned, allocation) -> dict | None:
-    """What report.json keeps of the planning stages: the policy search and the allocation's inputs."""
-    if tuned is None and allocation is None:
-        return None
-    out = {}
-    if tuned is not None:
-        out["tune_policy"] = {k: v for k, v in tuned.to_json().items() if k != "trials"} | {"trials": len(tuned.trials)}
-    if allocation is not None:
-        out["allocate_cache"] = {"cost": allocation.cost, "unit": allocation.unit, "inputs": allocation.inputs,
-                                 "cells": allocation.cells}
-        out["tolerance"] = allocation.tolerance
-    return out
-
-
-def operating_points(allocation, tuned=None) -> list:
-    """report.json's operating points: per budget the allocated plan's modelled figures (with the tuned
-    policy when it ran) beside the plan without an allocation and the closed-form allocation, both with
-    the plan's default policy; ``accuracy_delta`` is filled by evaluate."""
-    if allocation is None:
-        return []
-    rescored = {p["budget_bytes"]: p["tuned"] for p in tuned.points} if tuned is not None else {}
-    out = []
-    for point in allocation.points:
-        allocated = rescored.get(point["budget_bytes"], point["allocated"])
-        out.append({"budget_bytes": point["budget_bytes"], "share": point["share"], "slots": point["slots"],
-                    "modeled_tokens_per_s": allocated.get("modeled_tokens_per_s"),
-                    "modeled_prefill": allocated.get("modeled_prefill"),
-                    "cost": allocated.get("cost"), "miss_rate": allocated.get("miss_rate"),
-                    "demand_bytes_per_token": allocated.get("demand_bytes_per_token"),
-                    "allocated_default_policy": point["allocated"], "uniform": point["uniform"],
-                    "closed_form": point["closed_form"], "accuracy_delta": None})
-    return out
-
-
 def _run(inputs) -> ArtifactReport:
     quantize_dir, quantize = inputs.upstream("quantize")
     chosen = inputs.upstream("bitwidth", optional=True)
     choice = chosen[1] if chosen is not None else uniform_choice(quantize)
+    dynamic = inputs.upstream("dynamic_precision", optional=True)
     techniques = {"predict": inputs.upstream("predict", optional=True),
-                  "neuron": inputs.upstream("neuron", optional=True)}
-    for name in ("gating", "dynamic_precision", "cache_routing", "tune_policy", "allocate_cache"):
-        found = inputs.upstream(name, optional=True)
-        techniques[name] = found[1] if found is not None else None
+                  "neuron": inputs.upstream("neuron", optional=True),
+                  "dynamic_precision": dynamic[1] if dynamic is not None else None}
     traced = inputs.upstream("trace", optional=True)
     device = (inputs.recipe.get("plan") or {}).get("device")
     profile = load_profile(Path(inputs.root) / device).to_json() if device else None
     with inputs.artifact.build() as out:
         return package_artifact(inputs.model, inputs.adapter, inputs.tokenizer, inputs.recipe, inputs.source,
                                 quantize_dir, quantize, choice, inputs.config, inputs.key, out, techniques,
-                                inputs.contributions(), traced[0] if traced is not None else None, profile)
+                                inputs.contributions(), traced[0] if traced is not None else None, profile,
+                                report_entries(inputs.read_results()), inputs.report_layout)
 
 
 STAGE = Stage(

@@ -31,6 +31,7 @@ from prep.errors import MoeprepError
 from prep.methods.first_gate import first_gate_data, gate_pairs, prediction_metrics, train_first_gate
 from prep.methods.routing_stats import fit_path_stats, next_gate_recall, path_stats_recall
 from prep.methods.trace import open_trace
+from prep.report import ReportSection, study_section
 from prep.stages import TENSORS, Stage, StageResult
 from prep.stages.trace import RoutingTraces
 
@@ -128,6 +129,70 @@ class PredictionStats(StageResult):
         if not self.predictors:
             return plan
         return dataclasses.replace(plan, predictors=tuple(PolicySpec(n, self.knobs[n]) for n in self.predictors))
+
+    def report(self, entries: dict) -> dict:
+        """report.json's ``prediction``: the figures, without the timing (an artifact's files hold none)."""
+        return entries | {"prediction": {k: v for k, v in self.to_json().items() if k != "seconds"}}
+
+    REPORT_OFF = {"prediction": None}
+    REPORT_SECTIONS = (
+        ReportSection("prediction", 30, lambda report: [prediction_markdown(report["prediction"]), ""]
+                      if report.get("prediction") else []),
+        study_section("prediction_study", 40),
+    )
+
+
+def recall_key(row: dict) -> str:
+    """The ``top{k}_recall`` key of a row of recall figures (k is the model's top-k)."""
+    return next(k for k in row if k.endswith("_recall"))
+
+
+def prediction_markdown(prediction: dict) -> str:
+    """The report.md section of the predict stage's figures (report.json ``prediction``)."""
+    seqs = prediction["sequences"]
+    lines = ["## Prediction", "",
+             f"Predictors in the plan: {', '.join(prediction['predictors'])}. Measured on the last "
+             f"{seqs['held_out']} calibration sequences ({seqs['tokens_held_out']} tokens), never fitted on; "
+             f"the baseline ranks each layer's experts by their frequency in the other {seqs['fitted']}.", ""]
+    gates = prediction["next_gates"]
+    if gates["layers"]:
+        key = recall_key(gates["layers"][0]["gate"])
+        k = key.removeprefix("top").removesuffix("_recall")
+        lines += ["Next-layer gates (layer l+d's router on layer l's router input), mean over layers:", "",
+                  f"| distance | top-1 | top-{k} recall | marginal top-1 | marginal top-{k} recall |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        for d, m in gates["by_distance"].items():
+            lines.append(f"| {d} | {m['gate']['top1']:.3f} | {m['gate'][key]:.3f} | {m['marginal']['top1']:.3f} | "
+                         f"{m['marginal'][key]:.3f} |")
+        lines += ["", "Per layer and distance:", "",
+                  f"| layer | d | target | top-1 | top-{k} recall | marginal top-1 | marginal top-{k} recall |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in gates["layers"]:
+            lines.append(f"| {r['layer']} | {r['distance']} | {r['target']} | {r['gate']['top1']:.3f} | "
+                         f"{r['gate'][key]:.3f} | {r['marginal']['top1']:.3f} | {r['marginal'][key]:.3f} |")
+        lines.append("")
+    path = prediction["path_stats"]
+    if path["layers"]:
+        key = recall_key(path["layers"][0]["path"])
+        k = key.removeprefix("top").removesuffix("_recall")
+        lines += ["Path statistics P(E_l | E_l-2, E_l-1) with backoff, per layer:", "",
+                  f"| layer | top-1 | top-{k} recall | marginal top-1 | marginal top-{k} recall | answered by "
+                  "full key / previous layer / marginal |", "| ---: | ---: | ---: | ---: | ---: | --- |"]
+        for r in path["layers"]:
+            t = r["tables"]
+            lines.append(f"| {r['layer']} | {r['path']['top1']:.3f} | {r['path'][key]:.3f} | "
+                         f"{r['marginal']['top1']:.3f} | {r['marginal'][key]:.3f} | "
+                         f"{t['prev2']:.2f} / {t['prev1']:.2f} / {t['marginal']:.2f} |")
+        lines.append("")
+    first = prediction.get("first_gate")
+    if first:
+        held, base = first["held_out"], first["marginal"]
+        key = recall_key(held)
+        lines += [f"First-layer gate (init {first['init']}, {first['epochs']} epochs, best {first['best_epoch']}; "
+                  f"{first['pairs']['train']} training pairs, {first['pairs']['held_out']} held out): "
+                  f"KL {held['kl']:.4f}, top-1 {held['top1']:.3f}, {key.replace('_', ' ')} {held[key]:.3f}; the "
+                  f"marginal: KL {base['kl']:.4f}, top-1 {base['top1']:.3f}, {key.replace('_', ' ')} {base[key]:.3f}.", ""]
+    return "\n".join(lines)
 
 
 def plan_knobs(cfg: PredictSection) -> dict:

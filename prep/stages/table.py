@@ -1,11 +1,12 @@
 """The stage table: every stage of ``moeprep prepare``, in the order they run. Adding a stage is its module, one
 row here, and its test: the recipe's sections (``SECTIONS``, from which ``prep.recipe.Recipe`` is made), the
-recipe checks and the plan come from the rows; ``prep/pipeline.py`` walks the table and has no per-stage code."""
+recipe checks, the plan, report.json's entries and report.md's sections (``REPORT``) come from the rows; ``prep/pipeline.py`` walks the table and has no per-stage code."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from prep.report import ReportLayout
 from prep.stages import (
     EARLIER_CONTRIBUTIONS,
     Stage,
@@ -80,3 +81,4 @@ def check_table(stages: tuple[Stage, ...]) -> None:
 
 check_table(STAGES)
 SECTIONS = sections(STAGES)
+REPORT = ReportLayout.of(stage.result for stage in STAGES)  # report.md's sections, from the results' declarations

@@ -52,6 +52,7 @@ from prep.errors import MoeprepError
 from prep.executor import Unit
 from prep.stages import Stage, StageResult
 from prep.stages.allocate_cache import score_plan
+from prep.stages.operating_points import point_figures
 from prep.stages.planning import AllocateKnobs, PlanSection, TuneKnobs, draft_from_inputs, with_prefill
 from prep.stages.trace import RoutingTraces
 
@@ -96,6 +97,16 @@ class TunedPolicy(StageResult):
                                    eviction=PolicySpec(self.eviction["name"], dict(self.eviction["params"])),
                                    read_depth=self.read_depth or plan.read_depth,
                                    prefill=with_prefill(plan, self.prefill))
+
+    def report(self, entries: dict) -> dict:
+        """report.json's ``planning.tune_policy`` (the search, its trials counted) and the operating points' figures
+        scored with the chosen policy."""
+        rescored = {p["budget_bytes"]: p["tuned"] for p in self.points}
+        points = [p | point_figures(rescored[p["budget_bytes"]]) if p["budget_bytes"] in rescored else p
+                  for p in entries.get("operating_points") or []]
+        summary = {k: v for k, v in self.to_json().items() if k != "trials"} | {"trials": len(self.trials)}
+        return entries | {"planning": {"tune_policy": summary} | (entries.get("planning") or {}),
+                          "operating_points": points}
 
 
 def _finite(value: float) -> float | None:

@@ -35,6 +35,7 @@ from prep.executor import Unit, UnitPaths, executor_overrides, make_executor
 from prep.pipeline import prepare
 from prep.recipe import load_recipe, recipe_from_dict
 from prep.report import BITWIDTH_PLOT, merge_section
+from prep.stages.table import REPORT
 from prep.studies.common import figure_png, write_outputs
 
 PRECISIONS = tuple(BITS)  # the quantized precisions, highest first
@@ -325,4 +326,4 @@ def merge_study_into(artifact: str | Path, study: dict) -> None:
                                                                if k not in ("trail", "sensitivity")}}
                        for r in study["rows"]]
     summary["markdown"] = study_markdown(study)
-    merge_section(artifact, {"bitwidth_study": summary}, files={BITWIDTH_PLOT: study_plot(study)})
+    merge_section(artifact, {"bitwidth_study": summary}, REPORT, files={BITWIDTH_PLOT: study_plot(study)})

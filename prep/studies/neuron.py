@@ -39,6 +39,7 @@ from prep.evals.data import SUITES
 from prep.pipeline import prepare
 from prep.recipe import load_recipe
 from prep.report import merge_section
+from prep.stages.table import REPORT
 from prep.studies.common import write_outputs
 
 PREPARE_OVERRIDES = ("neuron.layout=neuron", "neuron.enabled=true", "neuron.predictor=true", "evaluate.enabled=false")
@@ -195,4 +196,4 @@ def merge_into(artifact: str | Path, study: dict) -> None:
                     "bytes_per_token_measured_crossover": p["measured_crossover"]["bytes_per_token"],
                     "deltas": {k: v["delta"] for k, v in p["suites"].items()}} for p in study["points"]],
         "markdown": study_markdown(study)}
-    merge_section(manifest.root, {"neuron": neuron})
+    merge_section(manifest.root, {"neuron": neuron}, REPORT)

@@ -20,6 +20,7 @@ from prep.methods.routing_stats import cross_fit_path_recall
 from prep.methods.trace import MIXTRAL_TRACE_FILE, read_mixtral_traces
 from prep.report import merge_section
 from prep.sim.simulate import simulate_trace
+from prep.stages.table import REPORT
 
 PREDICTOR_ROWS = ("none", "next_gates", "path_stats", "first_gate", "plan")
 
@@ -83,7 +84,7 @@ def run_study(artifact: str | Path, trace: Path, budgets: list[str], profile=Non
 def merge_into(artifact: str | Path, study: dict) -> None:
     """``prediction_study`` into the artifact's report.json, and report.md rendered again."""
 
-    merge_section(artifact, {"prediction_study": study | {"markdown": prediction_study_markdown(study)}})
+    merge_section(artifact, {"prediction_study": study | {"markdown": prediction_study_markdown(study)}}, REPORT)
 
 
 def prediction_study_markdown(study: dict) -> str:

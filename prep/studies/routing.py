@@ -49,6 +49,7 @@ from prep.sim.replay import load_replay
 from prep.sim.simulate import artifact_spec, simulate
 from prep.stages.cache_routing import measure_ranges
 from prep.stages.gating import threshold_for_share
+from prep.stages.table import REPORT
 from prep.stages.trace import RoutingTraces
 from prep.store import StageStore
 from prep.studies.common import figure_png, fresh_trace, write_outputs
@@ -336,4 +337,4 @@ def merge_into(artifact: str | Path, study: dict, png: bytes) -> None:
             "bytes_per_token": p["bytes_per_token"], "deltas": {k: v["delta"] for k, v in p["suites"].items()}})
     section = {"routing_curves": curves, "routing_study": {k: study[k] for k in ("recipe", "settings", "budgets", "goals")
                                                            if k in study} | {"markdown": study_markdown(study)}}
-    merge_section(artifact, section, files={ROUTING_PLOT: png})
+    merge_section(artifact, section, REPORT, files={ROUTING_PLOT: png})
