@@ -77,7 +77,7 @@ def operating_points_markdown(report: dict) -> str:
              "| ---: | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
 
     def cost(entry):
-        return f"{entry['cost']:.4g}" if entry and "cost" in entry else "refused"
+        return f"{entry['cost']:.4g}" if entry and entry.get("cost") is not None else "refused"
 
     for p in report["operating_points"]:
         tps = f"{p['modeled_tokens_per_s']:.1f}" if p.get("modeled_tokens_per_s") else "-"
