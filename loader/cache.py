@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from loader.policies import Clock, EvictionPolicy
-from loader.vocab import precision_rank
+from loader.vocab import GROUPS, precision_rank
 
 
 @dataclass(eq=False)
@@ -185,7 +185,7 @@ class ExpertCache:
         self.group_kind: dict[str, str] = {}
         self._precision: dict[str, str] = {}  # pool name -> the precision it holds
         for pool in pools:
-            if pool.group not in ("layer", "global"):
+            if pool.group not in GROUPS:
                 raise ValueError(f"pool {pool.name}: group must be 'layer' or 'global', not {pool.group!r}")
             self.pools[pool.name] = {key: _Group(int(nbytes), policy(self.clock, num_experts))
                                      for key, nbytes in pool.capacity.items()}

@@ -38,6 +38,7 @@ from loader.predict import ROUTING_ONLY, PredictorContext
 from loader.prefill import PrefillSpec
 from loader.routing import MISS_POLICIES, ROUTING_POLICIES, RoutingError
 from loader.schedule import CACHE, CPU, HELD, PROMPT, CpuMissRule, LayerSchedule, PrefetchGate
+from loader.vocab import DEFAULT_HOOKS
 
 ROUTING_SAMPLE = "routing.safetensors"  # in an artifact: recorded routing to replay (``read_routing_sample``)
 MAX_EXPERTS = 65536  # experts per layer a routing sample may name (a trace's bound, ``prep.methods.trace``)
@@ -143,7 +144,6 @@ class CacheSpec:
         return len(self.expert_precision[0])
 
 
-_DEFAULT_HOOKS = ("topk", "plan", "none")  # the names that mean "off" for routing and the miss policy
 
 
 def capacities_spec(plan: Plan, caps: Capacities, record_bytes: dict, slot_bytes: dict | None = None) -> CacheSpec:
@@ -502,7 +502,7 @@ def _policies(spec: CacheSpec, replay: Replay, routing, miss):
         if given is not None:
             return given
         name, params = named
-        if name in _DEFAULT_HOOKS and not params:
+        if name in DEFAULT_HOOKS and not params:
             return None
         if name not in registry:
             raise ModelingError(f"the plan's {what} {name!r} is unknown to this moeprep (known: {sorted(registry)})")

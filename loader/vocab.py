@@ -21,6 +21,8 @@ FORM_NAMES = ("record", "float32", "bfloat16", "float16", "int4pack")
 EXPERT_DTYPES = ("auto", "float32", "bfloat16", "float16", "int4pack", "packed")
 PREDICTOR_NAMES = ("next_gates", "path_stats", "first_gate", "neuron_gates")
 CPU_MISSES = ("auto", "always", "never")  # CUDA + host store: compute a decode miss on the CPU
+# Routing and miss policy names that mean "the model's own top-k, every miss read at its planned precision".
+DEFAULT_HOOKS = ("topk", "plan", "none")
 
 
 def precision_rank(precision: str) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from loader.errors import MoeError, user_error
+from loader.vocab import GROUPS
 
 
 class MoeprepGroup(click.Group):
@@ -529,7 +530,7 @@ def bench_command(subject, budgets, repeats, quick, device, store, only, output,
               help="Eviction policy: lru, lfu, lfu-global, lhu, fld, edgemoe, hobbit, belady; comma-separated or 'all' "
               "for a sweep. Default: the plan's, else lru.")
 @click.option("--capacity", default=None, help="Experts cached per layer, e.g. 4, or 2,4,6 for a sweep.")
-@click.option("--group", type=click.Choice(["layer", "global", "both"]), default="layer", show_default=True,
+@click.option("--group", type=click.Choice([*GROUPS, "both"]), default="layer", show_default=True,
               help="One eviction group per layer, or one global pool of N x layers records.")
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE", help="A policy parameter (JSON value), repeatable.")
 @click.option("--record-bytes", type=int, default=None,
@@ -574,7 +575,7 @@ def simulate_command(trace, plan, budget, policy, capacity, group, params, recor
                            "decode steps (an upper bound); measure it again with `moeprep profile-device`")
         return
 
-    groups = ("layer", "global") if group == "both" else (group,)
+    groups = GROUPS if group == "both" else (group,)
     replay, runs = simulate_trace(trace, plan, budget, policy, capacity, groups, parse_params(params), record_bytes,
                                   profile=profile, cold_start=not warm, predictors=predictors, cpu_misses=cpu_misses)
     if plot:

@@ -38,13 +38,13 @@ from loader.simulate import (  # noqa: F401  (the cost model's home is the loade
     plan_spec,
 )
 from loader.simulate import simulate as replay_decode
+from loader.vocab import GROUPS
 from prep.errors import MoeprepError
 from prep.methods.trace import open_trace
 from prep.sim.belady import BeladyPolicy, FutureUses
 from prep.sim.replay import load_replay
 
 POLICY_NAMES = (*POLICIES, "belady")  # every policy the simulator runs; belady only here
-GROUPS = ("layer", "global")
 MIXTRAL_GROUP_SIZE = 64
 
 
