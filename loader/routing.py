@@ -54,6 +54,7 @@ import torch
 from loader.cache import precision_rank
 from loader.errors import MoeError
 from loader.plan import PLAN_FILE, Plan, PlanError, PolicySpec
+from loader.vocab import weights_spec_problem
 
 ROUTER_NAMES = ("gate", "router")
 SKIP = "skip"  # a miss policy's answer: do not compute this expert
@@ -294,16 +295,10 @@ class ChainedRouting(RoutingPolicy):
         return found[-1] if found else None
 
 
-WEIGHT_FUNCTIONS = ("softmax", "softmax_selected", "sparsemixer")
-
-
 def check_weights_spec(spec) -> dict:
     """A ``routing_weights`` spec (the manifest's), checked; RoutingError names what is wrong."""
-    if (not isinstance(spec, dict) or spec.get("function") not in WEIGHT_FUNCTIONS
-            or not isinstance(spec.get("renormalize"), bool)
-            or any(isinstance(spec.get(k), bool) or not isinstance(spec.get(k), int | float) for k in ("scale", "jitter_eps"))):
-        raise RoutingError(f"routing_weights must be {{function: {'|'.join(WEIGHT_FUNCTIONS)}, renormalize: bool, "
-                           f"scale: number, jitter_eps: number}}, got {spec!r:.120}; prepare the artifact again")
+    if problem := weights_spec_problem(spec):
+        raise RoutingError(f"{problem}; prepare the artifact again")
     return spec
 
 

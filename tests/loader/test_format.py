@@ -15,6 +15,8 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from loader.artifact import open_artifact, store_offsets
+from loader.binding import check_model
 from loader.cli import main as moeload
 from loader.codec import CodecError
 from loader.errors import MoeError
@@ -23,15 +25,12 @@ from loader.format import (
     DIGEST_REQUIRED,
     SCHEMA_VERSION,
     ArtifactError,
-    check_model,
-    check_record,
-    open_artifact,
     read_manifest,
     read_record_offsets,
-    read_safetensors_header,
-    store_offsets,
     write_manifest,
 )
+from loader.hashing import check_record
+from loader.io import read_safetensors_header
 from loader.plan import PlanError, read_plan
 from loader.verify import verify
 from prep.cli import main as moeprep

@@ -381,7 +381,8 @@ def _wide_neuron_artifact(tmp_path, **knobs):
 def _corrupt_rows(artifact, blocks: slice) -> list[str]:
     """Flip a byte in each of the ``blocks`` (4 KiB blocks of every neuron-layout record past its header), leaving
     the manifest as it is, as a damaged disk would; returns the record keys."""
-    from loader.format import BLOCK, open_artifact, store_offsets
+    from loader.artifact import open_artifact, store_offsets
+    from loader.hashing import BLOCK
 
     manifest = open_artifact(artifact)
     precision, info = next(iter(manifest.stores.items()))
