@@ -340,6 +340,12 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
                                "stats": stats}))
         return
     click.echo()
+    _print_generate_stats(stats)
+
+
+def _print_generate_stats(stats: dict) -> None:
+    """``moeload generate``'s summary of a run, for a person: speeds, the cache, each technique, each layer, and
+    what ``moeload plan`` predicted beside what was measured."""
     g, pre = stats["generate"], stats["prefill"]
     click.echo(f"time to first token {g['time_to_first_token_s']:.3f} s  prefill {pre['tokens']} tokens at "
                f"{pre['tokens_per_second'] or 0:.1f} tokens/s in {pre['chunks']} chunk(s)  decode {g['decode_tokens']} "
