@@ -226,7 +226,7 @@ class NeuronStep:
         which with O_DIRECT's whole blocks may be more than asked). The bytes fetched count as read."""
         engine, layout = self.engine, self.layouts[store.precision]
         spans = store.spans(layout.ranges(rows))
-        job = engine.reader.submit(ReadJob(store, engine.key(layer, expert), arena, slot, priority, spans))
+        job = engine.reader.submit(ReadJob(store, engine.key(layer, expert), (arena, slot), priority, spans))
         engine.cache.count_read(layer, sum(length for _s, length in spans))
         brought = rows | layout.covered(spans)
         self.counts["rows_read"] += int(brought.sum())
@@ -237,7 +237,7 @@ class NeuronStep:
         along, the rest of its last 4 KiB block with O_DIRECT)."""
         engine, layout = self.engine, self.layouts[store.precision]
         spans = store.spans([(0, layout.rows_offset)])
-        job = engine.reader.submit(ReadJob(store, engine.key(layer, expert), arena, slot, priority, spans))
+        job = engine.reader.submit(ReadJob(store, engine.key(layer, expert), (arena, slot), priority, spans))
         engine.cache.count_read(layer, sum(length for _s, length in spans))
         return job, layout.covered(spans)
 
@@ -321,7 +321,7 @@ class NeuronStep:
             if entry is not None:
                 entry.payload.neurons = item["brought"]
         else:
-            job = engine.reader.submit(ReadJob(store, engine.key(layer, d.expert), arena, slot, DEMAND,
+            job = engine.reader.submit(ReadJob(store, engine.key(layer, d.expert), (arena, slot), DEMAND,
                                                form=engine.forms[d.precision]))
             engine.cache.count_read(layer, store.record_bytes)
         if entry is not None:

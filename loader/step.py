@@ -207,7 +207,7 @@ class ExpertEngine:
         """Take a slot of the entry's pool and read its record there (making the held form)."""
         arena = self.arenas[entry.pool]
         held = entry.payload = Held(arena.take())
-        held.job = ReadJob(self.stores[entry.precision], self.key(entry.layer, entry.expert), arena, held.slot,
+        held.job = ReadJob(self.stores[entry.precision], self.key(entry.layer, entry.expert), (arena, held.slot),
                            priority, form=self.forms[entry.precision])
         self._note_read(entry.expert)
         return self.reader.submit(held.job)
@@ -359,7 +359,7 @@ class ExpertEngine:
                 self.cache.count_read(layer, self.read_bytes[d.precision])
                 self._note_read(d.expert)
                 job = self.reader.submit(ReadJob(self.stores[d.precision], self.key(layer, d.expert),
-                                                 self.prefill_buffers, slot, DEMAND, form=form))
+                                                 (self.prefill_buffers, slot), DEMAND, form=form))
                 reads.append((d, None, -1 - slot, job))
             while queue:
                 d = queue.pop(0)
@@ -373,8 +373,8 @@ class ExpertEngine:
                 d = unbuffered.pop(0)
                 slot = self.take_buffer()
                 self._note_read(d.expert)
-                job = self.reader.submit(ReadJob(self.stores[d.precision], self.key(layer, d.expert), self.buffers,
-                                                 slot, DEMAND, form=self.forms[d.precision]))
+                job = self.reader.submit(ReadJob(self.stores[d.precision], self.key(layer, d.expert),
+                                                 (self.buffers, slot), DEMAND, form=self.forms[d.precision]))
                 reads.append((d, None, slot, job))
 
         submit()

@@ -285,11 +285,12 @@ class ReadJob:
     stream waits on before it uses the slot (the copy and the making are queued, not finished, when the job is
     done)."""
 
-    def __init__(self, store: ExpertStore, key: str, arena: SlotArena, slot: int, priority: int,
+    def __init__(self, store: ExpertStore, key: str, into: tuple[SlotArena, int], priority: int,
                  ranges: list[tuple[int, int]] | None = None, form=None) -> None:
-        """ranges: (start, length) byte ranges of the record, each landing at its own place in the slot
-        (a neuron read); None reads the whole record."""
-        self.store, self.key, self.arena, self.slot = store, key, arena, slot
+        """into: the arena and the slot of it the record lands in. ranges: (start, length) byte ranges of the
+        record, each landing at its own place in the slot (a neuron read); None reads the whole record."""
+        self.store, self.key = store, key
+        self.arena, self.slot = into
         self.priority = priority
         self.ranges = ranges
         self.form = form

@@ -88,7 +88,7 @@ def test_a_refilled_bounce_buffer_waits_for_its_last_copy(int4, tmp_path):
     reader = Reader(1, link=link)
     keys = list(store.offsets)[:6]
     try:
-        jobs = [reader.submit(ReadJob(store, key, arena, slot, 0)) for slot, key in enumerate(keys)]
+        jobs = [reader.submit(ReadJob(store, key, (arena, slot), 0)) for slot, key in enumerate(keys)]
         for job in jobs:
             job.wait()
             link.wait(job.ready)
