@@ -4,6 +4,7 @@ JSON, the error root and the command lines' input edges."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -25,6 +26,7 @@ from loader.format import (
     DIGEST_REQUIRED,
     SCHEMA_VERSION,
     ArtifactError,
+    MoeSection,
     read_manifest,
     read_record_offsets,
     write_manifest,
@@ -104,6 +106,20 @@ def test_the_sound_artifact_passes_every_check(built):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     check_model(manifest, model)
+
+
+
+def test_the_moe_section_is_typed_and_gives_back_what_was_written(built):
+    manifest = read_manifest(built)
+    moe, raw = manifest.moe, manifest.raw["moe"]
+    assert isinstance(moe, MoeSection) and moe.to_json() == raw
+    assert moe.layers == tuple(raw["layers"]) and moe.num_experts == raw["num_experts"] and moe.top_k == raw["top_k"]
+    assert len(moe.experts_modules) == len(moe.router_modules) == len(moe.layers)
+    assert manifest.expert_keys()[0] == f"layers.{moe.layers[0]}.experts.0"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        moe.top_k = 1
+    without = {k: v for k, v in raw.items() if k != "routing_weights"}  # an older manifest records no weight function
+    assert MoeSection.from_json(without).routing_weights is None and MoeSection.from_json(without).to_json() == without
 
 
 # ------------------------------------------------------------------------------- one error root (15 §8)
