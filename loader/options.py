@@ -2,7 +2,8 @@
 
 Every option that can be checked without the artifact is checked here, once, when the options are made, and a bad
 one is a ``LoaderError`` naming the value and the fix; what needs the artifact (the plan's read depth for
-``workers="auto"``, the budget against the model, the neuron knobs against the stores) is resolved by
+``workers="auto"``, the budget against the model, the neuron knobs against the stores, ``cpu_misses="always"``
+against the device's link) is resolved by
 ``loader.runtime`` as it builds the model. The thread and worker counts live here too, so a module that only needs
 them (the planner, the device profile) does not import the runtime.
 """
@@ -18,7 +19,6 @@ from loader.errors import LoaderError
 from loader.forms import check_expert_dtype
 from loader.plan import Plan
 from loader.policies import policy_factory
-from loader.transfer import link_for
 from loader.vocab import CPU_MISSES
 
 DEFAULT_WORKERS = 2  # reader threads where neither the caller nor the plan says (two reads in flight)
@@ -115,11 +115,15 @@ class LoadOptions:
                               f"[{self.predictors!r}]), got the string {self.predictors!r}")
 
     def _check_device(self) -> None:
-        """The device exists, and ``cpu_misses`` fits it and the store."""
-        device = parse_device(self.device)
+        """The device exists, and ``cpu_misses`` is known (whether it fits the device's link is
+        ``check_cpu_misses``'s, given the link)."""
+        parse_device(self.device)
         if self.cpu_misses not in CPU_MISSES:
             raise LoaderError(f"cpu_misses {self.cpu_misses!r} unknown; use one of {', '.join(CPU_MISSES)}")
-        if self.cpu_misses == "always" and (not link_for(device).accelerated or self.store != "host"):
+
+    def check_cpu_misses(self, link) -> None:
+        """``cpu_misses="always"`` needs a GPU (``link``, ``loader.transfer.Link``, is accelerated) and the host store."""
+        if self.cpu_misses == "always" and (not link.accelerated or self.store != "host"):
             raise LoaderError("cpu_misses='always' computes GPU misses on the CPU from a store held in host RAM; it "
                               "needs device='cuda' and store='host' (or leave it at 'auto')")
 

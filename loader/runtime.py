@@ -361,6 +361,8 @@ def _resolve(manifest: Manifest, options: LoadOptions) -> _Resolved:
     """The options against this artifact: the plan (the artifact's, the caller's, the eviction policy overridden),
     the reader threads, the "auto" budget and threads, the routing, miss and predictor objects."""
     dev = options.torch_device
+    link = link_for(dev)
+    options.check_cpu_misses(link)
     plan = options.plan or manifest.plan
     workers = reader_workers(options.workers, plan)
     memory_budget, auto = options.memory_budget, None
@@ -371,7 +373,7 @@ def _resolve(manifest: Manifest, options: LoadOptions) -> _Resolved:
     if options.policy is not None:
         plan = dataclasses.replace(plan, eviction=PolicySpec(options.policy))
     policy_factory(plan.eviction.name, plan.eviction.params)
-    return _Resolved(dev, link_for(dev), plan, workers, memory_budget, auto,
+    return _Resolved(dev, link, plan, workers, memory_budget, auto,
                      compute_threads(dev, workers) if threads == "auto" else None,
                      None if threads == "auto" else threads, _predictors(plan, options.predictors),
                      options.routing if options.routing is not None else plan_routing(plan),

@@ -43,7 +43,6 @@ def test_the_defaults_are_sound_and_frozen():
     ({"threads": 0}, "threads 0 must be None, 'auto' or a number of torch threads"),
     ({"threads": "many"}, "threads 'many' must be"),
     ({"cpu_misses": "sometimes"}, "cpu_misses 'sometimes' unknown"),
-    ({"cpu_misses": "always"}, "needs device='cuda' and store='host'"),
     ({"expert_dtype": "int9"}, "expert dtype 'int9' unknown"),
     ({"predictors": "next_gates"}, r"predictors must be a list .* \['next_gates'\]"),
     ({"policy": "no_such_policy"}, "no_such_policy"),
