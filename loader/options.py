@@ -1,11 +1,11 @@
 """What ``load`` is asked for: its keyword arguments as one frozen, validated ``LoadOptions``.
 
 Every option that can be checked without the artifact is checked here, once, when the options are made, and a bad
-one is a ``LoaderError`` naming the value and the fix; what needs the artifact (the plan's read depth for
-``workers="auto"``, the budget against the model, the neuron knobs against the stores, ``cpu_misses="always"``
-against the device's link) is resolved by
-``loader.runtime`` as it builds the model. The thread and worker counts live here too, so a module that only needs
-them (the planner, the device profile) does not import the runtime.
+one is a ``LoaderError`` naming the value and the fix; what needs the artifact or the device's link (the plan's read
+depth for ``workers="auto"``, the budget against the model, the neuron knobs against the stores,
+``cpu_misses="always"`` against the link) is resolved by ``loader.runtime`` as it builds the model. The thread and
+worker counts live here too, so a module that only needs them (the planner, the device profile) does not import the
+runtime.
 """
 
 from __future__ import annotations
