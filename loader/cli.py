@@ -68,10 +68,10 @@ def info_command(artifact: str, as_json: bool) -> None:
         "schema_version": raw["schema_version"],
         "producer": raw["producer"],
         "source_model": raw["source_model"],
-        "architecture": raw["moe"]["architecture"],
-        "moe_layers": len(raw["moe"]["layers"]),
-        "num_experts": raw["moe"]["num_experts"],
-        "top_k": raw["moe"]["top_k"],
+        "architecture": manifest.moe.architecture,
+        "moe_layers": len(manifest.moe.layers),
+        "num_experts": manifest.moe.num_experts,
+        "top_k": manifest.moe.top_k,
         "stores": _store_summary(manifest),
         "plan": raw["plan_summary"],
         "neuron": read_plan(manifest.root).neuron.to_json(),  # CORM's neuron-level loading ("off" or its knobs)
@@ -340,6 +340,12 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
                                "stats": stats}))
         return
     click.echo()
+    _print_generate_stats(stats)
+
+
+def _print_generate_stats(stats: dict) -> None:
+    """``moeload generate``'s summary of a run, for a person: speeds, the cache, each technique, each layer, and
+    what ``moeload plan`` predicted beside what was measured."""
     g, pre = stats["generate"], stats["prefill"]
     click.echo(f"time to first token {g['time_to_first_token_s']:.3f} s  prefill {pre['tokens']} tokens at "
                f"{pre['tokens_per_second'] or 0:.1f} tokens/s in {pre['chunks']} chunk(s)  decode {g['decode_tokens']} "

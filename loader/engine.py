@@ -238,8 +238,8 @@ class ExpertEngine:
     def read_entry(self, entry, priority: int) -> ReadJob:
         """Take a slot of the entry's pool and read its record there (making the held form)."""
         held = self.take_slot(entry)
-        held.job = ReadJob(self.stores[entry.precision], self.key(entry.layer, entry.expert), self.arenas[entry.pool],
-                           held.slot, priority, form=self.forms[entry.precision])
+        held.job = ReadJob(self.stores[entry.precision], self.key(entry.layer, entry.expert),
+                           (self.arenas[entry.pool], held.slot), priority, form=self.forms[entry.precision])
         self.note_read(entry.expert)
         return self.submit(held.job)
 

@@ -245,7 +245,7 @@ class NeuronStep:
         which with O_DIRECT's whole blocks may be more than asked). The bytes fetched count as read."""
         host, layout = self.host, self.layouts[store.precision]
         spans = store.spans(layout.ranges(rows))
-        job = host.submit(ReadJob(store, host.key(layer, expert), arena, slot, priority, spans))
+        job = host.submit(ReadJob(store, host.key(layer, expert), (arena, slot), priority, spans))
         host.cache.count_read(layer, sum(length for _s, length in spans))
         brought = rows | layout.covered(spans)
         self.counts["rows_read"] += int(brought.sum())
@@ -256,7 +256,7 @@ class NeuronStep:
         along, the rest of its last 4 KiB block with O_DIRECT)."""
         host, layout = self.host, self.layouts[store.precision]
         spans = store.spans([(0, layout.rows_offset)])
-        job = host.submit(ReadJob(store, host.key(layer, expert), arena, slot, priority, spans))
+        job = host.submit(ReadJob(store, host.key(layer, expert), (arena, slot), priority, spans))
         host.cache.count_read(layer, sum(length for _s, length in spans))
         return job, layout.covered(spans)
 
@@ -336,7 +336,7 @@ class NeuronStep:
             if entry is not None:
                 entry.payload.neurons = item.brought
         else:
-            job = host.submit(ReadJob(store, host.key(layer, d.expert), arena, slot, DEMAND, form=host.forms[d.precision]))
+            job = host.submit(ReadJob(store, host.key(layer, d.expert), (arena, slot), DEMAND, form=host.forms[d.precision]))
         if entry is not None:
             entry.payload.job = job
         item.job = job

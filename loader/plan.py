@@ -250,21 +250,7 @@ class Plan:
             parse_budget(budget)
         except PlanError as e:
             raise bad(f"default_budget: {e}") from None
-        points_raw = raw.get("operating_points", [])
-        if not isinstance(points_raw, list):
-            raise bad("operating_points must be a list")
-        points = []
-        for i, point in enumerate(points_raw):
-            if not isinstance(point, dict) or set(point) != {"budget_bytes", "pools"} or not _is_int(point["budget_bytes"]) \
-                    or point["budget_bytes"] <= 0:
-                raise bad(f"operating_points[{i}] must be {{budget_bytes: a positive int, pools: [...]}}")
-            points.append(OperatingPoint(point["budget_bytes"], _pools(point["pools"], f"operating_points[{i}].pools",
-                                                                        n_layers)))
-            if [(p.name, p.precision, p.group) for p in points[-1].pools] != [(p.name, p.precision, p.group) for p in pools]:
-                raise bad(f"operating_points[{i}] must list the plan's pools (names, precisions, groups) in order; "
-                          "only shares and layer splits differ")
-        if [p.budget_bytes for p in points] != sorted({p.budget_bytes for p in points}):
-            raise bad("operating_points must be in rising budget_bytes, each once")
+        points = _operating_points(raw.get("operating_points", []), pools, n_layers, bad)
         forms = raw.get("forms", {})
         if not isinstance(forms, dict) or not all(k in PRECISIONS and v in FORM_NAMES for k, v in forms.items()):
             raise bad(f"forms must map precisions (of {list(PRECISIONS)}) to one of {list(FORM_NAMES)}, got "
@@ -289,6 +275,26 @@ class Plan:
         if missing := sorted({p for row in plan.expert_precision for p in row} - pooled):
             raise bad(f"experts planned at precisions {missing} that no pool holds")
         return without_low_pool(plan)
+
+
+def _operating_points(raw, pools: tuple[Pool, ...], num_layers: int, bad) -> list[OperatingPoint]:
+    """A plan's ``operating_points``: each the plan's pools (names, precisions, groups, in order) with other shares
+    and layer splits, by rising budget; ``bad(what)`` makes the PlanError."""
+    if not isinstance(raw, list):
+        raise bad("operating_points must be a list")
+    points = []
+    for i, point in enumerate(raw):
+        if not isinstance(point, dict) or set(point) != {"budget_bytes", "pools"} or not _is_int(point["budget_bytes"]) \
+                or point["budget_bytes"] <= 0:
+            raise bad(f"operating_points[{i}] must be {{budget_bytes: a positive int, pools: [...]}}")
+        points.append(OperatingPoint(point["budget_bytes"], _pools(point["pools"], f"operating_points[{i}].pools",
+                                                                    num_layers)))
+        if [(p.name, p.precision, p.group) for p in points[-1].pools] != [(p.name, p.precision, p.group) for p in pools]:
+            raise bad(f"operating_points[{i}] must list the plan's pools (names, precisions, groups) in order; "
+                      "only shares and layer splits differ")
+    if [p.budget_bytes for p in points] != sorted({p.budget_bytes for p in points}):
+        raise bad("operating_points must be in rising budget_bytes, each once")
+    return points
 
 
 def without_low_pool(plan: Plan) -> Plan:

@@ -48,12 +48,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
 
 import torch
 
 from loader.cache import precision_rank
 from loader.errors import MoeError
 from loader.plan import PLAN_FILE, Plan, PlanError, PolicySpec
+from loader.vocab import weights_spec_problem
 
 ROUTER_NAMES = ("gate", "router")
 SKIP = "skip"  # a miss policy's answer: do not compute this expert
@@ -294,16 +296,10 @@ class ChainedRouting(RoutingPolicy):
         return found[-1] if found else None
 
 
-WEIGHT_FUNCTIONS = ("softmax", "softmax_selected", "sparsemixer")
-
-
 def check_weights_spec(spec) -> dict:
     """A ``routing_weights`` spec (the manifest's), checked; RoutingError names what is wrong."""
-    if (not isinstance(spec, dict) or spec.get("function") not in WEIGHT_FUNCTIONS
-            or not isinstance(spec.get("renormalize"), bool)
-            or any(isinstance(spec.get(k), bool) or not isinstance(spec.get(k), int | float) for k in ("scale", "jitter_eps"))):
-        raise RoutingError(f"routing_weights must be {{function: {'|'.join(WEIGHT_FUNCTIONS)}, renormalize: bool, "
-                           f"scale: number, jitter_eps: number}}, got {spec!r:.120}; prepare the artifact again")
+    if problem := weights_spec_problem(spec):
+        raise RoutingError(f"{problem}; prepare the artifact again")
     return spec
 
 
@@ -338,29 +334,49 @@ def selection_weights(spec: dict, logits: torch.Tensor, indices: torch.Tensor) -
 CACHE_METHODS = ("prior", "max_rank", "threshold")
 
 
+@dataclass(frozen=True)
+class CacheRoutingKnobs:
+    """cache_routing's knobs (the plan's ``routing.params`` but ``method`` and ``weights``), checked when made:
+    ``lam`` (prior's boost), ``m`` (max_rank's window; None: K), ``tau`` (threshold's mass), ``top_j`` (the best
+    experts kept whatever is cached), ``logit_range`` (per layer, the calibration's mean logit range, where prior's
+    running mean starts)."""
+
+    lam: float = 0.0
+    m: int | None = None
+    tau: float = 0.0
+    top_j: int = 1
+    logit_range: list | None = None
+
+    def __post_init__(self) -> None:
+        for what, v in (("lam", self.lam), ("tau", self.tau)):
+            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+                raise RoutingError(f"cache_routing.{what} must be a number >= 0, got {v!r}")
+        m = self.m
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise RoutingError(f"cache_routing.m must be a whole number >= 1 (or null), got {m!r}")
+        if isinstance(self.top_j, bool) or not isinstance(self.top_j, int) or self.top_j < 0:
+            raise RoutingError(f"cache_routing.top_j must be a whole number >= 0, got {self.top_j!r}")
+
+
 class CacheConditionalRouting(RoutingPolicy):
     """Cache-conditional routing (see the module docstring). method: ``prior`` (knob ``lam``), ``max_rank``
-    (``m``) or ``threshold`` (``tau``); ``top_j``: the best experts kept whatever is cached; ``weights``: the
-    router's weight function (``selection_weights``). Needs the layer's cache view; without one (a plain
-    model) it routes exactly. Counts decisions and how many selections it changed."""
+    (``m``) or ``threshold`` (``tau``); ``weights``: the router's weight function (``selection_weights``); the
+    other knobs are ``CacheRoutingKnobs``'. Needs the layer's cache view; without one (a plain model) it routes
+    exactly. Counts decisions and how many selections it changed."""
 
     name = "cache_routing"
 
-    def __init__(self, method: str, weights: dict, lam: float = 0.0, m: int | None = None, tau: float = 0.0,
-                 top_j: int = 1, logit_range: list | None = None) -> None:
+    def __init__(self, method: str, weights: dict, **knobs) -> None:
         if method not in CACHE_METHODS:
             raise RoutingError(f"cache_routing.method {method!r} unknown; use one of {CACHE_METHODS}")
-        for what, v in (("lam", lam), ("tau", tau)):
-            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
-                raise RoutingError(f"cache_routing.{what} must be a number >= 0, got {v!r}")
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-            raise RoutingError(f"cache_routing.m must be a whole number >= 1 (or null), got {m!r}")
-        if isinstance(top_j, bool) or not isinstance(top_j, int) or top_j < 0:
-            raise RoutingError(f"cache_routing.top_j must be a whole number >= 0, got {top_j!r}")
+        if unknown := sorted(set(knobs) - {f.name for f in fields(CacheRoutingKnobs)}):
+            raise RoutingError(f"cache_routing has no knobs {unknown}; its knobs are method, weights, "
+                               f"{', '.join(f.name for f in fields(CacheRoutingKnobs))}")
+        checked = CacheRoutingKnobs(**knobs)
         self.method, self.weights = method, check_weights_spec(weights)
-        self.lam, self.m, self.tau, self.top_j = float(lam), m, float(tau), top_j
+        self.lam, self.m, self.tau, self.top_j = float(checked.lam), checked.m, float(checked.tau), checked.top_j
         # the running mean of each layer's logit range, started at the calibration estimate when given
-        self.range_sum: dict[int, float] = dict(enumerate(float(v) for v in logit_range or []))
+        self.range_sum: dict[int, float] = dict(enumerate(float(v) for v in checked.logit_range or []))
         self.range_n: dict[int, int] = {layer: 1 for layer in self.range_sum}
         self.counts = {"decisions": 0, "changed": 0}
 

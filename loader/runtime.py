@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from loader.artifact import open_artifact
+from loader.binding import check_model, check_predictors, read_predictor_tensors, read_tokenizer
 from loader.budget import (  # noqa: F401
     budget_bytes,
     cache_layout,
@@ -40,21 +42,21 @@ from loader.cache import ExpertCache, MemoryMeter
 from loader.codec import RecordLayout
 from loader.engine import EngineSetup, ExpertEngine, measure_miss_costs
 from loader.errors import BudgetError, LoaderError
-from loader.format import (
-    ArtifactError,
-    check_model,
-    check_predictors,
-    check_record,
-    open_artifact,
-    read_block_table,
-    read_predictor_tensors,
-    read_tokenizer,
-    resolve_artifact,
-)
+from loader.format import DENSE, ArtifactError, Manifest, MoeSection, resolve_artifact
+from loader.hashing import check_record, read_block_table
 from loader.io import hold_for_reading
 from loader.layer import renormalized  # noqa: F401 (part of the loader's API)
 from loader.memory import auto_budget, is_auto
 from loader.neuron import NeuronConfig, TrustedPrediction, neuron_config
+from loader.options import (  # noqa: F401 (DEFAULT_WORKERS, MAX_WORKERS, max_threads, parse_device: the loader's API)
+    DEFAULT_WORKERS,
+    MAX_WORKERS,
+    LoadOptions,
+    compute_threads,
+    max_threads,
+    parse_device,
+    reader_workers,
+)
 from loader.plan import Plan, PolicySpec
 from loader.policies import policy_factory
 from loader.predict import Predictor, PredictorError, make_predictor
@@ -70,11 +72,8 @@ from loader.routing import (
 from loader.schedule import CpuMissRule
 from loader.store import ExpertStore
 from loader.transfer import link_for
-from loader.vocab import CPU_MISSES
 
 IMPLEMENTATION = "moeprep_offload"
-DEFAULT_WORKERS = 2  # reader threads where neither the caller nor the plan says (two reads in flight)
-MAX_WORKERS = 64  # reader threads: each holds a read buffer, and a disk gains nothing past a few dozen in flight
 
 
 def process_rss_bytes() -> int | None:
@@ -84,52 +83,6 @@ def process_rss_bytes() -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
-
-
-def compute_threads(device: torch.device, workers: int) -> int | None:
-    """torch's intra-op threads for decode steps on ``device``: on a CPU, the cores the ``workers`` reader threads
-    leave free, at least one. A decode step's products are small, and torch splits each over its OpenMP team,
-    which waits at every product's end for its slowest thread: when a reader thread (or any other process) wakes
-    on one of the team's cores, the whole product waits for the preempted thread. On this project's 2-core
-    machine one expert's products of the reference model took 1.0-1.6x as long beside a reader thread with one
-    torch thread, 3-14x with two (loader/README.md, "Threads"), and 2 threads decoded
-    mixtral-shape at 21.5 tok/s with every expert cached against 25.5 with 1. None on CUDA (the products run on
-    the GPU)."""
-    import os
-
-    if device.type != "cpu":
-        return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - workers)
-
-
-def reader_workers(workers: int | str, plan: Plan) -> int:
-    """The reader threads of a load: ``workers`` itself, or for "auto" the plan's ``read_depth`` (the reads in
-    flight that measured best on the planned device), else ``DEFAULT_WORKERS``."""
-    if workers == "auto":
-        return plan.read_depth or DEFAULT_WORKERS
-    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
-        raise LoaderError(f"workers {workers!r} must be 'auto' or a number of reader threads from 1 to {MAX_WORKERS}")
-    return workers
-
-
-def max_threads() -> int:
-    """The most torch threads a load may ask for: four per core of this machine (more only slows it down, and a
-    huge count makes torch fail, or crash, while it starts them)."""
-    return 4 * (os.cpu_count() or 1)
-
-
-def parse_device(device: str) -> torch.device:
-    """'cpu', 'cuda' or 'cuda:N'; anything else (or CUDA on a machine without one) is a LoaderError."""
-    text = str(device).strip().lower()
-    if text != "cpu" and not (text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit())):
-        raise LoaderError(f"device {device!r} is not supported; use 'cpu', 'cuda' or 'cuda:N'")
-    if text.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise LoaderError(f"device {device!r} was asked for but torch sees no CUDA GPU; use device='cpu'")
-        if ":" in text and int(text[5:]) >= torch.cuda.device_count():
-            raise LoaderError(f"device {device!r}: torch sees only {torch.cuda.device_count()} CUDA device(s)")
-    return torch.device(text)
 
 
 class OffloadedExperts:
@@ -311,19 +264,21 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     from the host record instead of copied: "auto" (where the costs measured at load say the CPU is
     faster), "always" or "never"; elsewhere it has no effect ("always" is refused).
 
-    ``prepare`` publishes a new artifact by swapping a symlink and then deletes the old version; a load
-    that was reading the old version when it went is retried once on the new one.
+    store: "disk" (each miss read from the file) or "host" (the stores held in host RAM).
+
+    The options are checked first, before the artifact is opened (``loader.options.LoadOptions``: a bad one is a
+    LoaderError naming it). ``prepare`` publishes a new artifact by swapping a symlink and then deletes the old
+    version; a load that was reading the old version when it went is retried once on the new one.
     """
-    args = dict(device=device, memory_budget=memory_budget, store=store, policy=policy, workers=workers,
-                routing=routing, predictors=predictors, miss_policy=miss_policy, plan=plan, neuron=neuron,
-                expert_dtype=expert_dtype, cpu_misses=cpu_misses, threads=threads, replay=replay)
+    options = LoadOptions(device, memory_budget, store, policy, workers, routing, predictors, miss_policy, plan, neuron,
+                          expert_dtype, cpu_misses, threads, replay)
     resolved = Path(artifact).resolve()
     try:
-        return _load(artifact, **args)
+        return _load(artifact, options)
     except (ArtifactError, OSError):
         if Path(artifact).resolve() == resolved:
             raise
-    return _load(artifact, **args)  # the artifact was swapped under us: once more, on the new version
+    return _load(artifact, options)  # the artifact was swapped under us: once more, on the new version
 
 
 def neuron_pairings(manifest) -> dict:
@@ -347,77 +302,122 @@ def check_bindings(manifest) -> None:
     read_tokenizer(manifest.root)
 
 
-def _load(artifact, **options) -> LoadedModel:
+def _load(artifact, options: LoadOptions) -> LoadedModel:
     """``load`` once. Everything opened is registered on one ExitStack: on any error it is all closed."""
     with contextlib.ExitStack() as cleanup:
-        loaded = _build(artifact, cleanup, **options)
+        loaded = _build(artifact, options, cleanup)
         cleanup.pop_all()  # success: the LoadedModel owns them now (``LoadedModel.close``)
         return loaded
 
 
-def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, store, policy, workers, routing,
-           predictors, miss_policy, plan, neuron, expert_dtype, cpu_misses, threads, replay) -> LoadedModel:
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+@dataclass(frozen=True)
+class _Resolved:
+    """What the options come to for one artifact: the plan it runs, its reader threads, the budget asked for (bytes
+    where "auto" chose them), the torch threads, and the policy and predictor objects."""
 
+    device: torch.device
+    link: object  # loader.transfer.Link: how bytes reach the device
+    plan: Plan
+    workers: int
+    memory_budget: object
+    auto: object  # loader.memory's choice for memory_budget="auto", else None
+    decode_threads: int | None  # threads="auto": decode steps on the cores the readers leave free
+    wanted_threads: int | None  # threads=N
+    predictors: list
+    routing: RoutingPolicy
+    miss_policy: MissPolicy
+
+
+def _build(artifact, options: LoadOptions, cleanup: contextlib.ExitStack) -> LoadedModel:
+    """The steps of a load, in order; each registers what it opens on ``cleanup``."""
+    manifest, held = _open_checked(artifact, cleanup)
+    run = _resolve(manifest, options)
+    stores = _open_stores(manifest, options.store, run.device, cleanup)
+    layout = _size_budget(manifest, stores, run, options.expert_dtype)
+    model, config = _build_model(manifest, run.device)
+    engine = _make_engine(manifest, options.neuron, run, layout, stores, cleanup)
+    _attach_experts(model, manifest.moe, engine)
+    _plan_cpu_misses(engine, stores, options, run, config)
+    _finish_model(model)
+    budget = _budget_report(manifest, options, run, layout, engine, stores)
+    loaded = LoadedModel(model, read_tokenizer(manifest.root), engine, budget)
+    loaded._held = held
+    _set_threads(loaded, run)
+    _attach_routing(loaded, manifest, run, options.replay)
+    _attach_counters(loaded)
+    return loaded
+
+
+def _open_checked(artifact, cleanup: contextlib.ExitStack):
+    """The artifact's version held for reading (a prepare that swaps in a new version removes this one only after
+    close) and its manifest, every load-time check run (``loader.artifact.open_artifact``)."""
     root = resolve_artifact(artifact)
-    held = hold_for_reading(root)  # a prepare that swaps in a new version removes this one only after close
+    held = hold_for_reading(root)
     cleanup.callback(os.close, held)
-    manifest = open_artifact(root)
-    artifact = manifest.root
-    dev = parse_device(device)
-    if cpu_misses not in CPU_MISSES:
-        raise LoaderError(f"cpu_misses {cpu_misses!r} unknown; use one of {', '.join(CPU_MISSES)}")
+    return open_artifact(root), held
+
+
+def _resolve(manifest: Manifest, options: LoadOptions) -> _Resolved:
+    """The options against this artifact: the plan (the artifact's, the caller's, the eviction policy overridden),
+    the reader threads, the "auto" budget and threads, the routing, miss and predictor objects."""
+    dev = options.torch_device
     link = link_for(dev)
-    if cpu_misses == "always" and (not link.accelerated or store != "host"):
-        raise LoaderError("cpu_misses='always' computes GPU misses on the CPU from a store held in host RAM; it needs "
-                          "device='cuda' and store='host' (or leave it at 'auto')")
-    plan = plan or manifest.plan
-    workers = reader_workers(workers, plan)
-    requested, auto = memory_budget, None
+    options.check_cpu_misses(link)
+    plan = options.plan or manifest.plan
+    workers = reader_workers(options.workers, plan)
+    memory_budget, auto = options.memory_budget, None
     if is_auto(memory_budget):
         auto = auto_budget(str(dev))
         memory_budget = auto.budget_bytes
-    decode_threads = compute_threads(dev, workers) if threads == "auto" else None
-    wanted_threads = None if threads == "auto" else threads
-    if wanted_threads is not None and (isinstance(wanted_threads, bool) or not isinstance(wanted_threads, int)
-                                       or not 1 <= wanted_threads <= max_threads()):
-        raise LoaderError(f"threads {threads!r} must be None, 'auto' or a number of torch threads from 1 to "
-                          f"{max_threads()} (four per core of this machine)")
-    if policy is not None:
-        plan = dataclasses.replace(plan, eviction=PolicySpec(policy))
+    threads = options.threads
+    if options.policy is not None:
+        plan = dataclasses.replace(plan, eviction=PolicySpec(options.policy))
     policy_factory(plan.eviction.name, plan.eviction.params)
-    moe = manifest.raw["moe"]
-    chosen = _predictors(plan, predictors)
-    routing = routing if routing is not None else plan_routing(plan)
-    miss_policy = miss_policy if miss_policy is not None else plan_miss(plan)
+    return _Resolved(dev, link, plan, workers, memory_budget, auto,
+                     compute_threads(dev, workers) if threads == "auto" else None,
+                     None if threads == "auto" else threads, _predictors(plan, options.predictors),
+                     options.routing if options.routing is not None else plan_routing(plan),
+                     options.miss_policy if options.miss_policy is not None else plan_miss(plan))
 
-    dense_path = manifest.path("dense.safetensors")
+
+def _open_stores(manifest: Manifest, mode: str, dev: torch.device, cleanup: contextlib.ExitStack) -> dict:
+    """Every expert store, each record checked against its xxh3_64 as it is read (a neuron store's blocks too)."""
     stores = {}
     for p, s in manifest.stores.items():
-        stores[p] = ExpertStore(manifest.path(s.file), p, mode=store,
+        stores[p] = ExpertStore(manifest.path(s.file), p, mode=mode,
                                 check=lambda key, data, p=p: check_record(manifest, p, key, data),
                                 pinned=dev.type == "cuda",
                                 blocks=read_block_table(manifest, p) if s.blocks is not None else None)
         cleanup.callback(stores[p].close)
-    host_bytes = sum(s.host_bytes for s in stores.values())
-    try:
-        layout = held_layout(manifest, stores, plan, memory_budget, dev, expert_dtype, workers)
-    except BudgetError as e:
-        if auto is None:
-            raise
-        raise BudgetError(f"{auto.describe()}; that does not fit this artifact: {e}") from None
-    layouts = {p: RecordLayout.from_json(s["layout"]) for p, s in manifest.raw["stores"].items()}
-    pairings = neuron_pairings(manifest)
-    neuron_cfg = neuron_config(plan, neuron, pairings)
+    return stores
 
-    config = AutoConfig.from_pretrained(artifact)
+
+def _size_budget(manifest: Manifest, stores: dict, run: _Resolved, expert_dtype: str):
+    """The held forms and the pools' capacities within the budget (``loader.budget.held_layout``); a budget
+    "auto" chose that does not fit says what it chose."""
+    try:
+        return held_layout(manifest, stores, run.plan, run.memory_budget, run.device, expert_dtype, run.workers)
+    except BudgetError as e:
+        if run.auto is None:
+            raise
+        raise BudgetError(f"{run.auto.describe()}; that does not fit this artifact: {e}") from None
+
+
+def _build_model(manifest: Manifest, dev: torch.device):
+    """The model skeleton on the meta device, checked against the manifest (``check_model``), with the dense weights
+    assigned on ``dev``; the fused expert parameters stay on meta (``_attach_experts`` drops them). Returns the
+    model and its config."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    moe = manifest.moe
+    config = AutoConfig.from_pretrained(manifest.root)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, moe["dtype"]))
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, moe.dtype))
     check_model(manifest, model)
-    dense = load_file(dense_path, device=str(dev))
+    dense = load_file(manifest.path(DENSE), device=str(dev))
     missing, unexpected = model.load_state_dict(dense, strict=False, assign=True)
-    expert_params = set(moe["expert_params"])
+    expert_params = set(moe.expert_params)
     tied = {k for k in missing if k.endswith("lm_head.weight")} if config.get_text_config().tie_word_embeddings else set()
     other = [k for k in missing if k not in expert_params and k not in tied]
     if unexpected or other:
@@ -425,83 +425,120 @@ def _build(artifact, cleanup: contextlib.ExitStack, *, device, memory_budget, st
     if tied:
         model.tie_weights()
     _rebuild_meta_buffers(model, dev)
+    return model, config
 
-    setup = EngineSetup(stores, layouts, moe["top_k"], dev, workers, miss_policy, chosen, list(moe["layers"]),
-                        neuron_cfg, pairings, link)
-    engine = ExpertEngine(layout.plan if layout.capacities is not None else plan, layout, setup, cleanup)
-    for position, path in enumerate(moe["experts_modules"]):
+
+def _make_engine(manifest: Manifest, neuron, run: _Resolved, layout, stores: dict,
+                 cleanup: contextlib.ExitStack) -> ExpertEngine:
+    """The expert engine over the stores, with the neuron-level loading the plan or ``neuron`` (``load``'s) asks
+    for."""
+    moe, plan, dev, workers, link = manifest.moe, run.plan, run.device, run.workers, run.link
+    miss_policy, chosen = run.miss_policy, run.predictors
+    layouts = {p: RecordLayout.from_json(s.layout) for p, s in manifest.stores.items()}
+    pairings = neuron_pairings(manifest)
+    neuron_cfg = neuron_config(plan, neuron, pairings)
+    setup = EngineSetup(stores, layouts, moe.top_k, dev, workers, miss_policy, chosen, list(moe.layers), neuron_cfg,
+                        pairings, link)
+    return ExpertEngine(layout.plan if layout.capacities is not None else plan, layout, setup, cleanup)
+
+
+def _attach_experts(model: torch.nn.Module, moe: MoeSection, engine: ExpertEngine) -> None:
+    """Each experts module computes through the engine: its never materialised fused parameters dropped."""
+    for position, path in enumerate(moe.experts_modules):
         module = _submodule(model, path, "experts")
-        if getattr(module, "num_experts", moe["num_experts"]) != moe["num_experts"]:
-            raise ArtifactError(f"the manifest says {moe['num_experts']} experts but {path} has {module.num_experts}; "
+        if getattr(module, "num_experts", moe.num_experts) != moe.num_experts:
+            raise ArtifactError(f"the manifest says {moe.num_experts} experts but {path} has {module.num_experts}; "
                                 "the manifest was edited or the artifact is corrupt, prepare it again")
         for name in [n for n, p in module.named_parameters(recurse=False) if p.is_meta]:
             del module._parameters[name]  # never materialised: experts live in the store and the cache
         module._moeprep = OffloadedExperts(position, engine)
         engine.modules.append(module)
-    if link.accelerated and store == "host" and cpu_misses != "never":
-        rule = CpuMissRule(cpu_misses)
-        if cpu_misses == "auto":
-            records = {p: s.host_record(engine.key(0, 0)) for p, s in stores.items()}
-            engine.miss_costs = measure_miss_costs(engine.modules[0], records,
-                                                   {p: engine.cpu_form(p) for p in records}, engine.forms, dev,
-                                                   config.get_text_config().hidden_size)
-            rule = engine.miss_costs.rule()  # off (serves nothing) where copying wins everywhere
-        engine.schedule.cpu_rule = rule
+
+
+def _plan_cpu_misses(engine: ExpertEngine, stores: dict, options: LoadOptions, run: _Resolved, config) -> None:
+    """On a GPU with the stores in host RAM: which decode misses compute on the CPU (``cpu_misses``; "auto"
+    measures both ways on the first expert)."""
+    if not (run.link.accelerated and options.store == "host" and options.cpu_misses != "never"):
+        return
+    rule = CpuMissRule(options.cpu_misses)
+    if options.cpu_misses == "auto":
+        records = {p: s.host_record(engine.key(0, 0)) for p, s in stores.items()}
+        engine.miss_costs = measure_miss_costs(engine.modules[0], records,
+                                               {p: engine.cpu_form(p) for p in records}, engine.forms, run.device,
+                                               config.get_text_config().hidden_size)
+        rule = engine.miss_costs.rule()  # off (serves nothing) where copying wins everywhere
+    engine.schedule.cpu_rule = rule
+
+
+def _finish_model(model: torch.nn.Module) -> None:
+    """Plug the offloaded experts forward into transformers and check that no weight is left on meta."""
     _register_implementation()
     model.config._experts_implementation = IMPLEMENTATION
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
         raise ArtifactError(f"weights missing from the artifact: {leftover[:5]}")
     model.eval()
-    tokenizer = read_tokenizer(artifact)
-    caps, sizes = layout.capacities, layout.sizes
-    budget = caps.to_json() | {"dense_bytes": dense_bytes(dense_path), "requested": requested if requested is not None else plan.default_budget,
-                               "minimum_bytes": lowest_budget(plan, sizes), "host_store_bytes": host_bytes,
-                               "record_bytes": {p: s.record_bytes for p, s in stores.items()},
-                               "slot_bytes": engine.slot_bytes, "eviction": plan.eviction.name,
-                               "staging_bytes": sizes.staging_bytes,
-                               # one prompt chunk's activations and the prefill forms' buffers (loader/prefill.py)
-                               "prefill_form_bytes": sizes.prefill_form_bytes,
-                               "prefill_forms": {p: {"form": f.name, "from_tokens": n}
-                                                 for p, (f, n) in engine.prefill_forms.items()},
-                               "expert_dtype": {p: f.name for p, f in engine.forms.items()},
-                               "cache_slots": {name: a.count for name, a in engine.arenas.items()},
-                               "auto": auto.to_json() if auto is not None else None,
-                               "operating_point": (point.budget_bytes if (point := plan.point_for(caps.limit_bytes)) else None)}
-    loaded = LoadedModel(model, tokenizer, engine, budget)
-    loaded._held = held
-    if wanted_threads is not None:
+
+
+def _budget_report(manifest: Manifest, options: LoadOptions, run: _Resolved, layout, engine: ExpertEngine,
+                   stores: dict) -> dict:
+    """``LoadedModel.budget``: what the budget was asked for and what it bought (capacities, slots, forms)."""
+    caps, sizes, plan = layout.capacities, layout.sizes, run.plan
+    requested = options.memory_budget
+    return caps.to_json() | {
+        "dense_bytes": dense_bytes(manifest.path(DENSE)),
+        "requested": requested if requested is not None else plan.default_budget,
+        "minimum_bytes": lowest_budget(plan, sizes), "host_store_bytes": sum(s.host_bytes for s in stores.values()),
+        "record_bytes": {p: s.record_bytes for p, s in stores.items()},
+        "slot_bytes": engine.slot_bytes, "eviction": plan.eviction.name,
+        "staging_bytes": sizes.staging_bytes,
+        # one prompt chunk's activations and the prefill forms' buffers (loader/prefill.py)
+        "prefill_form_bytes": sizes.prefill_form_bytes,
+        "prefill_forms": {p: {"form": f.name, "from_tokens": n} for p, (f, n) in engine.prefill_forms.items()},
+        "expert_dtype": {p: f.name for p, f in engine.forms.items()},
+        "cache_slots": {name: a.count for name, a in engine.arenas.items()},
+        "auto": run.auto.to_json() if run.auto is not None else None,
+        "operating_point": (point.budget_bytes if (point := plan.point_for(caps.limit_bytes)) else None)}
+
+
+def _set_threads(loaded: LoadedModel, run: _Resolved) -> None:
+    """torch's threads while the model is loaded (``close`` restores them): ``threads=N`` now, "auto" per step."""
+    if run.wanted_threads is not None:
         loaded._threads_before = torch.get_num_threads()
-        torch.set_num_threads(wanted_threads)
-    elif decode_threads is not None:  # "auto" on a CPU: decode steps on the cores the readers leave free
+        torch.set_num_threads(run.wanted_threads)
+    elif run.decode_threads is not None:  # "auto" on a CPU: decode steps on the cores the readers leave free
         loaded._threads_before = torch.get_num_threads()
-        engine.threads = (decode_threads, loaded._threads_before)
-    policy = routing if replay is None else ChainedRouting(replay, routing)
+        loaded.runtime.threads = (run.decode_threads, loaded._threads_before)
+
+
+def _attach_routing(loaded: LoadedModel, manifest: Manifest, run: _Resolved, replay) -> None:
+    """Install the routing policy (after the replay, before CORM's trusted prediction) on the routers, and bind the
+    predictors to the routers' weights and the artifact's predictor tensors."""
+    model, engine, moe = loaded.model, loaded.runtime, manifest.moe
+    policy = run.routing if replay is None else ChainedRouting(replay, run.routing)
     trusted = _trusted_prediction(engine, moe)
     loaded.routing = install_routing(
-        model, moe["experts_modules"], ChainedRouting(policy, trusted) if trusted is not None else policy,
-        router_paths=moe.get("router_modules"), view=engine.cache.view,
+        model, moe.experts_modules, ChainedRouting(policy, trusted) if trusted is not None else policy,
+        router_paths=moe.router_modules, view=engine.cache.view,
         after_router=engine.after_router if engine.predictors else None)
     engine.routing = loaded.routing.policy
     if engine.predictors:
-        routers = [_submodule(model, path, "router") for path in moe["router_modules"]]
+        routers = [_submodule(model, path, "router") for path in moe.router_modules]
         engine.bind_predictors([(r.weight, getattr(r, "bias", None)) for r in routers], read_predictor_tensors(manifest))
         # the LM head's input is the final-normed last hidden state, what the first-layer gate was trained on
         model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: engine.after_last_layer(args[0]))
-    _attach_counters(loaded)
-    return loaded
 
 
-def _trusted_prediction(engine: ExpertEngine, moe: dict) -> TrustedPrediction | None:
+def _trusted_prediction(engine: ExpertEngine, moe: MoeSection) -> TrustedPrediction | None:
     """CORM's expert-level trust: with ``trust_prediction`` and the neuron_gates predictor, the layers compute
     the predicted experts (``loader.neuron.TrustedPrediction``); None otherwise."""
     gates = next((p for p in engine.predictors if p.name == "neuron_gates"), None)
     if engine.neuron is None or not engine.neuron.cfg.trust_prediction or gates is None:
         return None
-    if moe.get("routing_weights") is None:
+    if moe.routing_weights is None:
         raise LoaderError("trust_prediction weighs the predicted experts with the router's weight function, which "
                           "this artifact's manifest does not record (moe.routing_weights); prepare it again")
-    return TrustedPrediction(gates, moe["routing_weights"], engine.neuron.applies)
+    return TrustedPrediction(gates, moe.routing_weights, engine.neuron.applies)
 
 
 def _predictors(plan: Plan, given: list | None) -> list[Predictor]:

@@ -79,7 +79,7 @@ class WholeStep:
             arena = host.prefill_buffers
             slot = host.take_buffer(arena)
             host.note_read(d.expert)
-            job = host.submit(ReadJob(host.stores[d.precision], host.key(layer, d.expert), arena, slot, DEMAND,
+            job = host.submit(ReadJob(host.stores[d.precision], host.key(layer, d.expert), (arena, slot), DEMAND,
                                       form=host.prefill_forms[d.precision][0]))
             reads.submitted.append((d, None, arena, slot, job))
         while reads.cache:
@@ -89,7 +89,7 @@ class WholeStep:
             d = reads.buffer.pop(0)
             slot = host.take_buffer()
             host.note_read(d.expert)
-            job = host.submit(ReadJob(host.stores[d.precision], host.key(layer, d.expert), host.buffers, slot,
+            job = host.submit(ReadJob(host.stores[d.precision], host.key(layer, d.expert), (host.buffers, slot),
                                       DEMAND, form=host.forms[d.precision]))
             reads.submitted.append((d, None, host.buffers, slot, job))
 

@@ -36,7 +36,7 @@ import torch
 from xxhash import xxh3_64_intdigest
 
 from loader.errors import PREPARE_AGAIN, ArtifactError
-from loader.format import BLOCK
+from loader.hashing import BLOCK
 from loader.io import read_record_offsets
 from loader.transfer import Link, link_for
 
@@ -52,7 +52,7 @@ class ExpertStore:
         """check(key, data): raises when a full record read does not match the manifest (its xxh3_64).
         pinned: host mode holds the store in page-locked memory (a GPU's copies then run asynchronously).
         blocks: a neuron store's (record key -> row, uint64 [records, blocks]) xxh3 hash of every 4 KiB block
-        (``loader.format.read_block_table``): its partial reads cover whole blocks, each checked."""
+        (``loader.hashing.read_block_table``): its partial reads cover whole blocks, each checked."""
         if mode not in ("disk", "host"):
             raise ArtifactError(f"store mode {mode!r} unknown; use 'disk' or 'host'")
         self.path = Path(path)
@@ -285,11 +285,12 @@ class ReadJob:
     stream waits on before it uses the slot (the copy and the making are queued, not finished, when the job is
     done)."""
 
-    def __init__(self, store: ExpertStore, key: str, arena: SlotArena, slot: int, priority: int,
+    def __init__(self, store: ExpertStore, key: str, into: tuple[SlotArena, int], priority: int,
                  ranges: list[tuple[int, int]] | None = None, form=None) -> None:
-        """ranges: (start, length) byte ranges of the record, each landing at its own place in the slot
-        (a neuron read); None reads the whole record."""
-        self.store, self.key, self.arena, self.slot = store, key, arena, slot
+        """into: the arena and the slot of it the record lands in. ranges: (start, length) byte ranges of the
+        record, each landing at its own place in the slot (a neuron read); None reads the whole record."""
+        self.store, self.key = store, key
+        self.arena, self.slot = into
         self.priority = priority
         self.ranges = ranges
         self.form = form

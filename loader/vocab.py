@@ -23,7 +23,20 @@ PREDICTOR_NAMES = ("next_gates", "path_stats", "first_gate", "neuron_gates")
 CPU_MISSES = ("auto", "always", "never")  # CUDA + host store: compute a decode miss on the CPU
 # Routing and miss policy names that mean "the model's own top-k, every miss read at its planned precision".
 DEFAULT_HOOKS = ("topk", "plan", "none")
+# A router's weight function (the manifest's ``moe.routing_weights``; ``loader.routing.selection_weights`` runs it).
+WEIGHT_FUNCTIONS = ("softmax", "softmax_selected", "sparsemixer")
 
 
 def precision_rank(precision: str) -> int:
     return PRECISION_BITS.get(precision, 0)
+
+
+def weights_spec_problem(spec) -> str | None:
+    """What is wrong with a ``routing_weights`` spec (None when sound): its one shape, for the manifest's check
+    (``loader/format.py``) and the routing policies that run it (``loader/routing.py``)."""
+    if (not isinstance(spec, dict) or spec.get("function") not in WEIGHT_FUNCTIONS
+            or not isinstance(spec.get("renormalize"), bool)
+            or any(isinstance(spec.get(k), bool) or not isinstance(spec.get(k), int | float) for k in ("scale", "jitter_eps"))):
+        return (f"routing_weights must be {{function: {'|'.join(WEIGHT_FUNCTIONS)}, renormalize: bool, "
+                f"scale: number, jitter_eps: number}}, got {spec!r:.120}")
+    return None

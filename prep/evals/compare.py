@@ -206,9 +206,9 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
     # the original with its experts read from the shards as its layers run (prep/streaming.py): a real model
     # is scored without holding it whole when expert_memory says so
     reference = load_streamed(original, resident_bytes=expert_memory)
-    if reference.dtype != getattr(torch, manifest.moe["dtype"]):
+    if reference.dtype != getattr(torch, manifest.moe.dtype):
         raise MoeprepError(f"original model {original} is {reference.dtype}, the artifact was prepared from a "
-                           f"{manifest.moe['dtype']} model; pass --model with the directory it was prepared from")
+                           f"{manifest.moe.dtype} model; pass --model with the directory it was prepared from")
     models = _Models(reference, prepared.model, original, reuse_original)
     tokenizer = prepared.tokenizer
     shots = dict(DEFAULT_SHOTS) if num_fewshot is None else dict.fromkeys(DEFAULT_SHOTS, num_fewshot)

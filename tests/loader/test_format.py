@@ -4,6 +4,7 @@ JSON, the error root and the command lines' input edges."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -15,6 +16,8 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from loader.artifact import open_artifact, store_offsets
+from loader.binding import check_model
 from loader.cli import main as moeload
 from loader.codec import CodecError
 from loader.errors import MoeError
@@ -23,15 +26,13 @@ from loader.format import (
     DIGEST_REQUIRED,
     SCHEMA_VERSION,
     ArtifactError,
-    check_model,
-    check_record,
-    open_artifact,
+    MoeSection,
     read_manifest,
     read_record_offsets,
-    read_safetensors_header,
-    store_offsets,
     write_manifest,
 )
+from loader.hashing import check_record
+from loader.io import read_safetensors_header
 from loader.plan import PlanError, read_plan
 from loader.verify import verify
 from prep.cli import main as moeprep
@@ -105,6 +106,20 @@ def test_the_sound_artifact_passes_every_check(built):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     check_model(manifest, model)
+
+
+
+def test_the_moe_section_is_typed_and_gives_back_what_was_written(built):
+    manifest = read_manifest(built)
+    moe, raw = manifest.moe, manifest.raw["moe"]
+    assert isinstance(moe, MoeSection) and moe.to_json() == raw
+    assert moe.layers == tuple(raw["layers"]) and moe.num_experts == raw["num_experts"] and moe.top_k == raw["top_k"]
+    assert len(moe.experts_modules) == len(moe.router_modules) == len(moe.layers)
+    assert manifest.expert_keys()[0] == f"layers.{moe.layers[0]}.experts.0"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        moe.top_k = 1
+    without = {k: v for k, v in raw.items() if k != "routing_weights"}  # an older manifest records no weight function
+    assert MoeSection.from_json(without).routing_weights is None and MoeSection.from_json(without).to_json() == without
 
 
 # ------------------------------------------------------------------------------- one error root (15 §8)

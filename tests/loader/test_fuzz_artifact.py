@@ -29,8 +29,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from loader.artifact import open_artifact
 from loader.errors import MoeError
-from loader.format import DIGEST, open_artifact, write_manifest
+from loader.format import DIGEST, write_manifest
 from loader.plan import read_plan
 from loader.runtime import load
 from loader.verify import verify

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import loader.forms as forms
+from loader.artifact import open_artifact, store_offsets
 from loader.codec import RecordLayout
 from loader.errors import ArtifactError
-from loader.format import open_artifact, store_offsets
 from loader.forms import Int4KernelForm, Int4PackForm, int4pack_available
 from loader.runtime import load, minimum_budget
 from loader.verify import verify

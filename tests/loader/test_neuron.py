@@ -113,7 +113,7 @@ def test_partial_read_returns_exactly_those_neurons_bytes(tmp_path):
             rows = torch.rand(neuron.intermediate) < rng.choice([0.05, 0.3, 0.7, 1.0])
             arena.data.zero_()
             ranges = [(0, neuron.rows_offset), *neuron.ranges(rows)]
-            reader.submit(ReadJob(store, key, arena, 0, DEMAND, ranges)).wait()
+            reader.submit(ReadJob(store, key, (arena, 0), DEMAND, ranges)).wait()
             got = bytes(arena.tensor(0, layout.nbytes).numpy())
             want = bytearray(layout.nbytes)
             want[:neuron.rows_offset] = records[key][:neuron.rows_offset]
@@ -381,7 +381,8 @@ def _wide_neuron_artifact(tmp_path, **knobs):
 def _corrupt_rows(artifact, blocks: slice) -> list[str]:
     """Flip a byte in each of the ``blocks`` (4 KiB blocks of every neuron-layout record past its header), leaving
     the manifest as it is, as a damaged disk would; returns the record keys."""
-    from loader.format import BLOCK, open_artifact, store_offsets
+    from loader.artifact import open_artifact, store_offsets
+    from loader.hashing import BLOCK
 
     manifest = open_artifact(artifact)
     precision, info = next(iter(manifest.stores.items()))

@@ -7,7 +7,13 @@ import json
 import pytest
 import torch
 
-from loader.routing import ReplayRouting, RoutingError, RoutingPolicy, install_routing
+from loader.routing import (
+    CacheConditionalRouting,
+    ReplayRouting,
+    RoutingError,
+    RoutingPolicy,
+    install_routing,
+)
 from loader.runtime import load
 from tests.tiny_models import prepare_tiny_artifact
 
@@ -97,3 +103,17 @@ def test_replay_refuses_what_does_not_fit(tiny):
         installed.remove()
     with pytest.raises(RoutingError, match="same shape"):
         ReplayRouting(expert_ids, weights[:1])
+
+
+def test_cache_routing_names_a_bad_or_unknown_knob():
+    weights = {"function": "softmax", "renormalize": True, "scale": 1.0, "jitter_eps": 0.0}
+    policy = CacheConditionalRouting("prior", weights, lam=0.5, logit_range=[2.0, 4.0])
+    assert (policy.lam, policy.m, policy.top_j, policy.range_sum) == (0.5, None, 1, {0: 2.0, 1: 4.0})
+    with pytest.raises(RoutingError, match="cache_routing.lam must be a number >= 0, got -1"):
+        CacheConditionalRouting("prior", weights, lam=-1)
+    with pytest.raises(RoutingError, match="cache_routing.m must be a whole number >= 1"):
+        CacheConditionalRouting("max_rank", weights, m=0)
+    with pytest.raises(RoutingError, match=r"cache_routing has no knobs \['lamda'\]; its knobs are method, weights, lam"):
+        CacheConditionalRouting("prior", weights, lamda=0.5)
+    with pytest.raises(RoutingError, match="routing_weights must be"):
+        CacheConditionalRouting("prior", {"function": "argmax"})

@@ -33,7 +33,7 @@ def test_reader_serves_demand_before_queued_prefetch_and_cancels():
     store, arena = _SlowStore(), SlotArena(5, 64, torch.device("cpu"))
     reader = Reader(workers=1)
     try:
-        jobs = {k: ReadJob(store, k, arena, i, p) for i, (k, p) in
+        jobs = {k: ReadJob(store, k, (arena, i), p) for i, (k, p) in
                 enumerate([("block", DEMAND), ("p1", PREFETCH), ("p2", PREFETCH), ("p3", PREFETCH), ("d1", DEMAND)])}
         reader.submit(jobs["block"])
         time.sleep(0.05)  # the worker is now inside the blocking read

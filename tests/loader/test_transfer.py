@@ -78,7 +78,7 @@ def test_a_compute_that_does_not_wait_for_its_copy_computes_stale_bytes(int4, fa
 def test_a_refilled_bounce_buffer_waits_for_its_last_copy(int4, tmp_path):
     """Disk reads go through two pinned bounce buffers per reader thread: a third read refills the first one
     only after its copy ran, so every slot holds its own record's bytes."""
-    from loader.format import open_artifact
+    from loader.artifact import open_artifact
 
     manifest = open_artifact(int4)
     precision, spec = next(iter(manifest.stores.items()))
@@ -88,7 +88,7 @@ def test_a_refilled_bounce_buffer_waits_for_its_last_copy(int4, tmp_path):
     reader = Reader(1, link=link)
     keys = list(store.offsets)[:6]
     try:
-        jobs = [reader.submit(ReadJob(store, key, arena, slot, 0)) for slot, key in enumerate(keys)]
+        jobs = [reader.submit(ReadJob(store, key, (arena, slot), 0)) for slot, key in enumerate(keys)]
         for job in jobs:
             job.wait()
             link.wait(job.ready)
@@ -107,7 +107,8 @@ def test_the_host_store_is_a_private_copy_checked_once_per_record(int4, tmp_path
     first time it is used, not on every read."""
     import shutil
 
-    from loader.format import check_record, open_artifact
+    from loader.artifact import open_artifact
+    from loader.hashing import check_record
 
     copy = tmp_path / "artifact"
     shutil.copytree(int4, copy)

@@ -10,8 +10,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from loader.artifact import open_artifact
 from loader.errors import MoeError
-from loader.format import MANIFEST, ArtifactError, open_artifact
+from loader.format import MANIFEST, ArtifactError
 from loader.verify import verify
 from prep.cli import main as moeprep
 from prep.errors import MoeprepError

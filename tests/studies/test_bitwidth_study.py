@@ -9,7 +9,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from loader.format import open_artifact
+from loader.artifact import open_artifact
 from loader.verify import verify
 from prep.cli import main as moeprep
 from prep.studies import bitwidth as bitwidth_study
