@@ -289,11 +289,11 @@ def shape_for(config: dict, layout: RecordLayout, top_k: int, dtype_bytes: int) 
 
 def artifact_shape(manifest) -> ActivationShape:
     """The activation shape of an artifact's model: its ``config.json``, first store's layout and MoE entry."""
-    moe = manifest.raw["moe"]
+    moe = manifest.moe
     config = read_json(manifest.path(CONFIG), CONFIG)
     layout = RecordLayout.from_json(next(iter(manifest.raw["stores"].values()))["layout"])
     try:
-        return shape_for(config, layout, moe["top_k"], torch.empty(0, dtype=getattr(torch, moe["dtype"])).element_size())
+        return shape_for(config, layout, moe.top_k, torch.empty(0, dtype=getattr(torch, moe.dtype)).element_size())
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ArtifactError(f"{CONFIG} lacks what the prefill reserve needs ({e}); prepare the artifact again",
                             CONFIG) from None
@@ -385,15 +385,15 @@ def artifact_sizes(manifest, stores: dict, device: torch.device, forms: dict, wo
     (``held_bytes``), the reader threads their staging buffers, the dense weights their tensor bytes, plus a
     host-mode store's whole file when the budget is RAM (CPU device), the prefill forms' buffers of ``plan`` (the
     artifact's without one) and the model's activation shape (a prompt chunk's activations count too)."""
-    moe = manifest.raw["moe"]
+    moe = manifest.moe
     held = dense_bytes(manifest.path("dense.safetensors"))
     if device.type == "cpu":
         held += sum(s.host_bytes for s in stores.values())
     slots, staging = held_sizes({p: s.record_bytes for p, s in stores.items()}, forms, workers,
                                 {p: s.direct_io for p, s in stores.items()})
     layouts = {p: RecordLayout.from_json(s["layout"]) for p, s in manifest.raw["stores"].items()}
-    form_buffers = prefill_form_bytes(plan or read_plan(manifest.root), layouts, forms, moe["top_k"], device)
-    return ModelSizes(len(moe["layers"]), moe["num_experts"], moe["top_k"], held, int(moe["source_expert_bytes"]),
+    form_buffers = prefill_form_bytes(plan or read_plan(manifest.root), layouts, forms, moe.top_k, device)
+    return ModelSizes(len(moe.layers), moe.num_experts, moe.top_k, held, int(moe.source_expert_bytes),
                       slots, dict(slots), staging, form_buffers, artifact_shape(manifest))
 
 

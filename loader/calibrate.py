@@ -75,8 +75,8 @@ def _timed_run(artifact, manifest, device: str, plain: bool) -> dict:
     try:
         model = loaded.model
         vocab = model.config.get_text_config().vocab_size
-        layers = list(model.get_submodule(manifest.raw["moe"]["last_decoder_layer"].rsplit(".", 1)[0]))
-        experts = [model.get_submodule(path) for path in manifest.raw["moe"]["experts_modules"]]
+        layers = list(model.get_submodule(manifest.moe.last_decoder_layer.rsplit(".", 1)[0]))
+        experts = [model.get_submodule(path) for path in manifest.moe.experts_modules]
         ids = torch.randint(0, vocab, (1, CALIBRATION_PROMPT), generator=torch.Generator().manual_seed(0)).to(device)
         decode(loaded, ids, 2)
         before = loaded.stats()["decode_timing"]
@@ -112,7 +112,7 @@ def calibrate_on(profile: DeviceProfile, artifact, device: str = "cpu") -> Devic
         raise ModelingError(f"calibrating on {artifact}: the model stopped before decoding a token (it emitted its end "
                             "token); calibrate on another artifact, or leave --artifact out for an uncalibrated profile")
     in_layers, head, depth = dense_weights(manifest)
-    dtype = manifest.raw["moe"]["dtype"]
+    dtype = manifest.moe.dtype
     fitted, added = {}, {}
     for phase, prompt in (("decode", False), ("prompt", True)):
         key = "" if phase == "decode" else "prefill_"

@@ -558,7 +558,7 @@ def measure_device(directory: str | Path | None = None, file_bytes: int = 256 <<
     count (as ``load(threads="auto")`` runs them)."""
     import torch
 
-    from loader.runtime import compute_threads
+    from loader.options import compute_threads
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelingError("--device cuda was asked for but CUDA is not available; use --device cpu")
@@ -609,8 +609,8 @@ def dense_weights(manifest) -> tuple[int, int, int]:
 
     config = read_json(manifest.path("config.json"), "config.json")
     text = config.get("text_config") or config
-    layers = int(text.get("num_hidden_layers", len(manifest.raw["moe"]["layers"])))
-    prefix = manifest.raw["moe"]["last_decoder_layer"].rsplit(".", 1)[0] + "."  # e.g. "model.layers."
+    layers = int(text.get("num_hidden_layers", len(manifest.moe.layers)))
+    prefix = manifest.moe.last_decoder_layer.rsplit(".", 1)[0] + "."  # e.g. "model.layers."
     in_layers = head = 0
     with safe_open(str(manifest.path("dense.safetensors")), framework="pt") as f:
         for name in f.keys():
@@ -629,8 +629,8 @@ def model_profile(manifest, profile: DeviceProfile) -> DeviceProfile:
     and decoder layers (the time per token outside the MoE steps)."""
     import torch
 
-    moe = manifest.raw["moe"]
-    itemsize = torch.empty((), dtype=getattr(torch, moe["dtype"])).element_size()
-    per_expert = int(moe["source_expert_bytes"]) / itemsize / (len(moe["layers"]) * moe["num_experts"])
+    moe = manifest.moe
+    itemsize = torch.empty((), dtype=getattr(torch, moe.dtype)).element_size()
+    per_expert = int(moe.source_expert_bytes) / itemsize / (len(moe.layers) * moe.num_experts)
     in_layers, head, layers = dense_weights(manifest)
-    return profile.for_model(per_expert, in_layers, head, layers, moe["dtype"], manifest.raw.get("package_key"))
+    return profile.for_model(per_expert, in_layers, head, layers, moe.dtype, manifest.raw.get("package_key"))

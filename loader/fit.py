@@ -26,10 +26,10 @@ from loader.device import DEVICE_FILE, DeviceProfile, load_profile, model_profil
 from loader.errors import ArtifactError, BudgetError, LoaderError, ModelingError
 from loader.format import REPORT, read_json, read_manifest
 from loader.memory import auto_budget, is_auto
+from loader.options import reader_workers
 from loader.plan import read_plan
 from loader.predict import ROUTING_ONLY, make_predictor
 from loader.prefill import chunk_sizes
-from loader.runtime import reader_workers
 from loader.simulate import (
     ROUTING_SAMPLE,
     capacities_spec,
@@ -86,7 +86,7 @@ def preview(artifact, memory_budget=None, device: str = "cpu", store: str = "dis
         caps = layout.capacities
         out["budget"]["bytes"] = None if math.isinf(caps.limit_bytes) else int(caps.limit_bytes)
         layouts = {p: RecordLayout.from_json(s["layout"]) for p, s in manifest.raw["stores"].items()}
-        top_k = manifest.raw["moe"]["top_k"]
+        top_k = manifest.moe.top_k
         alloc = allocation(layout.plan, layout, layouts, top_k, n_workers, dev)
         point = plan.point_for(caps.limit_bytes)
         out["operating_point"] = _operating_point(manifest, point.budget_bytes) if point is not None else None

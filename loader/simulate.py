@@ -714,8 +714,8 @@ def read_routing_sample(manifest, path=None) -> tuple[Replay, PredictionFeed | N
         tensors = load_file(str(path))
         ids, weights = tensors["expert_ids"], tensors["weights"]
         lengths = tensors["sequence_lengths"].tolist() if "sequence_lengths" in tensors else [int(ids.shape[0])]
-        moe = manifest.raw["moe"]
-        layers, experts, top_k = len(moe["layers"]), moe["num_experts"], moe["top_k"]
+        moe = manifest.moe
+        layers, experts, top_k = len(moe.layers), moe.num_experts, moe.top_k
         if (ids.dim() != 3 or tuple(ids.shape[1:]) != (layers, top_k) or weights.shape != ids.shape
                 or sum(lengths) != ids.shape[0] or min(lengths, default=0) < 1):
             raise ValueError(f"expert_ids {tuple(ids.shape)}, weights {tuple(weights.shape)}, sequence_lengths "
@@ -733,7 +733,7 @@ def read_routing_sample(manifest, path=None) -> tuple[Replay, PredictionFeed | N
             routers = []
             with safe_open(str(manifest.path("dense.safetensors")), framework="pt") as f:
                 names = set(f.keys())
-                for module in moe["router_modules"]:
+                for module in moe.router_modules:
                     bias = f"{module}.bias"
                     routers.append((f.get_tensor(f"{module}.weight").float(),
                                     f.get_tensor(bias).float() if bias in names else None))

@@ -159,3 +159,31 @@ def test_the_checks_see_what_they_check(tmp_path):
     assert edges["prep.recipe"] == {"prep.methods.fit"}
     assert edges["loader.run"] == {"prep.recipe", "loader"}
     assert cycles(edges) == [["prep.methods.fit", "prep.recipe"]]
+
+
+def floors(edges: dict[str, set[str]], package: str) -> dict[str, int]:
+    """Each module of ``package`` -> its floor in the import layering inside the package: 1 for a module that imports
+    none of the package's others, else one above the highest it imports (the graph has no cycle)."""
+    inside = {m: {t for t in ts if _in(t, package) and t not in (m, package)} for m, ts in edges.items()
+              if _in(m, package) and m != package}
+    out: dict[str, int] = {}
+
+    def floor(module: str) -> int:
+        if module not in out:
+            out[module] = 1 + max((floor(t) for t in inside.get(module, ())), default=0)
+        return out[module]
+
+    for module in inside:
+        floor(module)
+    return out
+
+
+def test_the_loader_is_at_most_nine_floors_tall():
+    """A device team reads the runtime bottom up: its longest chain of imports stays short."""
+    tall = floors(EDGES, "loader")
+    assert max(tall.values()) <= 9, sorted(tall.items(), key=lambda kv: -kv[1])[:5]
+
+
+def test_floors_count_the_longest_chain():
+    edges = {"loader.a": set(), "loader.b": {"loader.a"}, "loader.c": {"loader.a", "loader.b"}, "loader.d": {"loader.a"}}
+    assert floors(edges, "loader") == {"loader.a": 1, "loader.b": 2, "loader.c": 3, "loader.d": 2}
