@@ -55,10 +55,9 @@ import torch
 from loader.cache import precision_rank
 from loader.errors import MoeError
 from loader.plan import PLAN_FILE, Plan, PlanError, PolicySpec
-from loader.vocab import weights_spec_problem
+from loader.vocab import SKIP, weights_spec_problem
 
 ROUTER_NAMES = ("gate", "router")
-SKIP = "skip"  # a miss policy's answer: do not compute this expert
 
 
 class RoutingError(MoeError):
