@@ -13,23 +13,13 @@ import sys
 import click
 
 from loader import __version__
+from loader.cli_group import LoaderGroup
 from loader.codec import RecordLayout
-from loader.errors import MoeError, user_error
+from loader.errors import MoeError
 from loader.format import REPORT, ArtifactError, read_json, read_manifest
 from loader.plan import read_plan
 from loader.verify import verify
 from loader.vocab import EXPERT_DTYPES
-
-
-class LoaderGroup(click.Group):
-    def invoke(self, ctx: click.Context):
-        try:
-            return super().invoke(ctx)
-        except (MoeError, OSError) as e:  # a project error, or a full, read-only or forbidden disk anywhere
-            if (error := user_error(e)) is None:
-                raise
-            click.echo(f"error: {error}", err=True)
-            ctx.exit(1)
 
 
 @click.group(cls=LoaderGroup)

@@ -13,24 +13,11 @@ from pathlib import Path
 
 import click
 
-from loader.errors import MoeError, user_error
+from loader.cli_group import LoaderGroup
 from loader.vocab import GROUPS
 
 
-class MoeprepGroup(click.Group):
-    """A click group that turns a project error (MoeError) from any subcommand into a clean error exit."""
-
-    def invoke(self, ctx: click.Context):
-        try:
-            return super().invoke(ctx)
-        except (MoeError, OSError) as e:  # a project error, or a full, read-only or forbidden disk anywhere
-            if (error := user_error(e)) is None:
-                raise
-            click.echo(f"error: {error}", err=True)
-            ctx.exit(1)
-
-
-@click.group(cls=MoeprepGroup)
+@click.group(cls=LoaderGroup)
 def main() -> None:
     """moeprep: prepare Mixture-of-Experts models for offloaded inference on small devices."""
 

@@ -112,6 +112,15 @@ class HubExpertNames:
     down: str
 
 
+# The per-expert names of Qwen-style checkpoints (Qwen-MoE, OLMoE, DeepSeek-V2): ``mlp.experts.{e}.*_proj``.
+PROJ_EXPERT_NAMES = HubExpertNames(
+    prefix="model.layers.{layer}.mlp.experts.{expert}",
+    gate="gate_proj.weight",
+    up="up_proj.weight",
+    down="down_proj.weight",
+)
+
+
 def softmax_topk(
     logits: torch.Tensor, k: int, *, normalize: bool, cast_back: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

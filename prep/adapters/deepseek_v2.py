@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from prep.errors import MoeprepError
 
-from .base import HubExpertNames, MoeAdapter
+from .base import PROJ_EXPERT_NAMES, MoeAdapter
 
 
 class DeepseekV2Adapter(MoeAdapter):
@@ -22,12 +22,7 @@ class DeepseekV2Adapter(MoeAdapter):
     num_experts_key = "n_routed_experts"
     intermediate_key = "moe_intermediate_size"
     shared_attr = "shared_experts"
-    hub_names = HubExpertNames(
-        prefix="model.layers.{layer}.mlp.experts.{expert}",
-        gate="gate_proj.weight",
-        up="up_proj.weight",
-        down="down_proj.weight",
-    )
+    hub_names = PROJ_EXPERT_NAMES
 
     def is_moe_layer(self, layer):
         return layer >= self.config.first_k_dense_replace

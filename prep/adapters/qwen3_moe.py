@@ -5,7 +5,7 @@ base of OLMoE and Qwen2-MoE, which route the same way. Hub checkpoints name expe
 `mlp.experts.{e}.gate_proj/up_proj/down_proj`.
 """
 
-from .base import HubExpertNames, MoeAdapter, softmax_topk
+from .base import PROJ_EXPERT_NAMES, MoeAdapter, softmax_topk
 
 
 class Qwen3MoeAdapter(MoeAdapter):
@@ -13,12 +13,7 @@ class Qwen3MoeAdapter(MoeAdapter):
     architecture = "Qwen3-MoE"
     num_experts_key = "num_experts"
     intermediate_key = "moe_intermediate_size"
-    hub_names = HubExpertNames(
-        prefix="model.layers.{layer}.mlp.experts.{expert}",
-        gate="gate_proj.weight",
-        up="up_proj.weight",
-        down="down_proj.weight",
-    )
+    hub_names = PROJ_EXPERT_NAMES
 
     def is_moe_layer(self, layer):
         # Same rule as Qwen3MoeDecoderLayer.__init__.
