@@ -33,9 +33,9 @@ from pathlib import Path
 
 from loader.io import write_bytes_atomic
 from prep.errors import MoeprepError
-from prep.studies.bench.subjects import Subject, prefill_prompt, tiled_replay
+from prep.studies.bench.subjects import SUBJECTS, Subject, prefill_prompt, tiled_replay
 
-PREFILL_SUBJECTS = ("mixtral-shape", "mixtral-shape-own")
+PREFILL_SUBJECTS = tuple(name for name, entry in SUBJECTS.items() if entry.prefill)  # the registry says which
 # transformers' experts implementations a prompt cannot run: batched_mm gathers each token's experts' weights (T x K
 # copies of an expert: 17 GB for a 512-token prompt of mixtral-shape in float32), fine for one decode token
 UNFIT_FOR_PROMPTS = {"batched_mm": "it copies every token's experts' weights (T x K copies of an expert; 17 GB for "
