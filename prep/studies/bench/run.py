@@ -55,6 +55,9 @@ process (``prep/studies/bench/worker.py``) so peak RSS is per system and memory 
 
 ``--prefill 512,2048`` adds prefill rows after the decode rows (time to first token and prompt tokens/s, moeprep's
 bound; ``prep/studies/bench/prefill.py``), ``--no-decode`` leaves the decode rows out.
+
+Which subject runs which systems is the registry's (``prep/studies/bench/subjects.py``, ``SUBJECTS``); ``run_bench``
+runs the steps: ``plan.py``, ``measure.py``, ``model.py``, ``bound.py``, then writes bench.json, bench.md, bench.png.
 """
 
 from __future__ import annotations
