@@ -132,7 +132,7 @@ def run_prefill(subjects: list[Subject], budgets: list[str], prompts: list[int],
 
     spec_for(subject, system, budget) -> the worker spec the decode rows use; run_worker(spec) -> its result (a
     memory cgroup around llama.cpp); choose_resident(spec) -> the resident candidates measured on ``spec`` and the
-    chosen one (``run.measure_resident_candidates``), or None where resident is not run. Returns the rows (one per
+    chosen one (``measure.measure_resident_candidates``), or None where resident is not run. Returns the rows (one per
     subject, prompt, system and budget: the budget-free ones at each budget) and the runs, candidates and notes."""
     notes, ran = [], []
     usable = []
