@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import prep.studies.bench.measure as bench_measure
 import prep.studies.bench.run as bench_run
 from prep.cli import main
 from prep.errors import MoeprepError
-from prep.studies.bench.run import SYSTEMS, choose_resident, parse_budgets
-from prep.studies.bench.worker import overhead
+from prep.studies.bench.measure import choose_resident
+from prep.studies.bench.plan import parse_budgets
+from prep.studies.bench.worker import overhead, runs_loader
 
 TRACES_ROOT = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
 LOADER = ("naive", "moeprep", "naive@unlimited", "moeprep@unlimited")
@@ -28,14 +30,14 @@ LOADER = ("naive", "moeprep", "naive@unlimited", "moeprep@unlimited")
 
 @pytest.fixture
 def one_resident_candidate(monkeypatch):
-    monkeypatch.setattr(bench_run, "RESIDENT_DTYPES", ("float32",))
-    monkeypatch.setattr(bench_run, "EXPERTS_IMPLEMENTATIONS", ("grouped_mm",))
+    monkeypatch.setattr(bench_measure, "RESIDENT_DTYPES", ("float32",))
+    monkeypatch.setattr(bench_measure, "EXPERTS_IMPLEMENTATIONS", ("grouped_mm",))
 
 
 def test_bench_quick_writes_every_system(tmp_path, monkeypatch):
     # Without the real traces the quick run routes with the model's own routers and says so.
-    monkeypatch.setattr(bench_run, "EXPERTS_IMPLEMENTATIONS", ("grouped_mm", "no_such_implementation"))
-    monkeypatch.setattr(bench_run, "CUDA_RESIDENT_DTYPES", ())
+    monkeypatch.setattr(bench_measure, "EXPERTS_IMPLEMENTATIONS", ("grouped_mm", "no_such_implementation"))
+    monkeypatch.setattr(bench_measure, "CUDA_RESIDENT_DTYPES", ())
     result = CliRunner().invoke(main, ["bench", "--quick", "--subject", "mixtral-shape", "--output",
                                        str(tmp_path), "--traces", str(TRACES_ROOT)])
     assert result.exit_code == 0, result.output
@@ -43,7 +45,8 @@ def test_bench_quick_writes_every_system(tmp_path, monkeypatch):
     assert {"cpu", "cores", "ram_gb", "torch", "device"} <= set(report["machine"])
     assert report["read_bandwidth_mb_s"] > 0
     rows = report["results"]
-    assert {r["system"] for r in rows} == set(SYSTEMS) | {"naive@unlimited", "moeprep@unlimited"}
+    assert {r["system"] for r in rows} == {"resident", "accelerate", "naive", "moeprep", "naive@unlimited",
+                                           "moeprep@unlimited"}
     # the resident baseline: every candidate listed, the unknown implementation failed with its reason (not
     # fatal), and resident runs the fastest of those that ran
     resident = report["subjects"]["mixtral-shape"]["resident"]
@@ -121,7 +124,7 @@ def test_bench_interleaves_repeats_and_chooses_the_fastest_resident(tmp_path, mo
     import torch
     from safetensors.torch import save_file
 
-    monkeypatch.setattr(bench_run, "CUDA_RESIDENT_DTYPES", ())
+    monkeypatch.setattr(bench_measure, "CUDA_RESIDENT_DTYPES", ())
     calls = []
     speeds = {"resident": 100.0, "accelerate": 10.0, "naive": 40.0, "moeprep": 60.0, "naive@unlimited": 80.0,
               "moeprep@unlimited": 120.0}
@@ -137,7 +140,7 @@ def test_bench_interleaves_repeats_and_chooses_the_fastest_resident(tmp_path, mo
                      (spec["system"], spec["budget"])) - 1
         out = {"decode_tokens_per_s": speeds[spec["system"]] * (1, 2, 4)[repeat], "prefill_s": 0.01,
                "bytes_read_per_token": 0.0, "hit_rate": 1.0, "stall_fraction": 0.0, "peak_rss_mb": 400.0}
-        if bench_run.is_loader(spec["system"]):
+        if runs_loader(spec["system"]):
             out["overhead_us_per_layer"] = 12.5
         if spec.get("record_routing"):  # the model's own routing (the real traces absent): some decisions
             tokens, layers = len(spec["prompt_ids"]) + len(spec["decode_ids"]), len(spec["experts_modules"])
@@ -146,7 +149,7 @@ def test_bench_interleaves_repeats_and_chooses_the_fastest_resident(tmp_path, mo
             out["routing_file"] = spec["record_routing"]
         return out
 
-    monkeypatch.setattr(bench_run, "_run_worker", fake_worker)
+    monkeypatch.setattr(bench_measure, "_run_worker", fake_worker)
     report = bench_run.run_bench("mixtral-shape", "25%", quick=True, output=tmp_path, traces=TRACES_ROOT,
                                  echo=lambda m: None, repeats=3)
     tags = [c.get("tag") for c in calls]
@@ -192,7 +195,7 @@ def test_bench_runs_only_the_systems_asked_for_on_the_store_asked_for(tmp_path, 
         return {"decode_tokens_per_s": 10.0, "prefill_s": 0.01, "bytes_read_per_token": 0.0, "hit_rate": 1.0,
                 "stall_fraction": 0.0, "peak_rss_mb": 1.0}
 
-    monkeypatch.setattr(bench_run, "_run_worker", fake_worker)
+    monkeypatch.setattr(bench_measure, "_run_worker", fake_worker)
     report = bench_run.run_bench("mixtral-shape", "25%", quick=True, output=tmp_path, traces=TRACES_ROOT,
                                  echo=lambda m: None, store="host", only="naive,moeprep")
     ran = {(c["system"], c["budget"]) for c in calls}
@@ -222,9 +225,9 @@ def test_resident_choice_and_overhead_arithmetic():
     assert choose_resident([candidates[1]]) is None
     only = {"dtype": "float32", "experts_implementation": "grouped_mm", "note": "the only candidate, not timed"}
     assert choose_resident([only, candidates[1]]) is only
-    assert bench_run.resident_candidates("cpu") == [(d, i) for d in ("float32", "bfloat16")
+    assert bench_measure.resident_candidates("cpu") == [(d, i) for d in ("float32", "bfloat16")
                                                     for i in ("eager", "grouped_mm", "batched_mm")]
-    assert {d for d, _ in bench_run.resident_candidates("cuda")} == {"float32", "bfloat16", "float16"}
+    assert {d for d, _ in bench_measure.resident_candidates("cuda")} == {"float32", "bfloat16", "float16"}
     before = {"decode_timing": {"layer_steps": 8, "step_seconds": 1.0, "compute_seconds": 0.5, "stall_seconds": 0.1}}
     after = {"decode_timing": {"layer_steps": 24, "step_seconds": 1.4, "compute_seconds": 0.7, "stall_seconds": 0.2}}
     out = overhead(before, after)
@@ -252,7 +255,7 @@ def test_bench_runs_each_planned_predictor_against_naive_on_the_lossless_referen
     """The reference-lossless plan has all three predictors: naive+<predictor> rows and a prefetch table."""
     import shutil
 
-    from prep.studies.bench.run import PREDICTOR_SYSTEMS
+    from prep.studies.bench.subjects import PREDICTOR_SYSTEMS
 
     repo = Path(__file__).resolve().parents[2]
     root = tmp_path / "repo"

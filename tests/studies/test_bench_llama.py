@@ -55,11 +55,11 @@ def test_the_gguf_conversion_gives_transformers_logits(tmp_path):
 
 
 def test_the_bench_runs_llama_cpp_in_a_cgroup_or_says_why_not(tmp_path, monkeypatch):
-    import prep.studies.bench.run as bench_run
+    import prep.studies.bench.measure as bench_measure
 
     # one resident candidate: the choice among them is tests/studies/test_bench.py's, not this test's
-    monkeypatch.setattr(bench_run, "RESIDENT_DTYPES", ("float32",))
-    monkeypatch.setattr(bench_run, "EXPERTS_IMPLEMENTATIONS", ("grouped_mm",))
+    monkeypatch.setattr(bench_measure, "RESIDENT_DTYPES", ("float32",))
+    monkeypatch.setattr(bench_measure, "EXPERTS_IMPLEMENTATIONS", ("grouped_mm",))
     result = CliRunner().invoke(main, ["bench", "--quick", "--subject", "mixtral-shape-own", "--budgets", "25%",
                                        "--output", str(tmp_path)])
     assert result.exit_code == 0, result.output

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import prep.studies.bench.measure as bench_measure
 import prep.studies.bench.run as bench_run
 from prep.errors import MoeprepError
 from prep.methods.trace import read_mixtral_traces
@@ -98,8 +99,8 @@ def test_prefill_goals_say_met_or_why_not():
 
 @pytest.fixture
 def one_resident_candidate(monkeypatch):
-    monkeypatch.setattr(bench_run, "RESIDENT_DTYPES", ("float32",))
-    monkeypatch.setattr(bench_run, "EXPERTS_IMPLEMENTATIONS", ("grouped_mm",))
+    monkeypatch.setattr(bench_measure, "RESIDENT_DTYPES", ("float32",))
+    monkeypatch.setattr(bench_measure, "EXPERTS_IMPLEMENTATIONS", ("grouped_mm",))
 
 
 @pytest.mark.slow
@@ -171,7 +172,7 @@ def test_prefill_rows_choose_resident_by_prompt_speed_without_batched_mm(tmp_pat
     """The orchestration with a stand-in worker: resident's candidates are timed on the shortest prompt and the
     fastest by prompt tokens/s runs every prompt; batched_mm (every token's experts' weights copied) is not a
     candidate; every configuration once per round; the budget-free rows repeated at each budget."""
-    monkeypatch.setattr(bench_run, "CUDA_RESIDENT_DTYPES", ())
+    monkeypatch.setattr(bench_measure, "CUDA_RESIDENT_DTYPES", ())
     calls = []
     speed = {("float32", "eager"): 50.0, ("float32", "grouped_mm"): 70.0, ("bfloat16", "eager"): 90.0,
              ("bfloat16", "grouped_mm"): 60.0}
@@ -190,7 +191,7 @@ def test_prefill_rows_choose_resident_by_prompt_speed_without_batched_mm(tmp_pat
             out |= {"bytes_read": 0}
         return out
 
-    monkeypatch.setattr(bench_run, "_run_worker", fake_worker)
+    monkeypatch.setattr(bench_measure, "_run_worker", fake_worker)
     report = bench_run.run_bench("mixtral-shape", "25%,4bit-25%", quick=True, output=tmp_path,
                                  traces=tmp_path / "no-traces", echo=lambda m: None, prefill="64,32", decode=False,
                                  repeats=2)

@@ -14,6 +14,7 @@ import torch
 from click.testing import CliRunner
 from mixtral_traces import traces_root
 
+import prep.studies.bench.measure as bench_measure
 import prep.studies.bench.run as bench_run
 from prep.cli import main
 from prep.studies.bench.subjects import TECHNIQUES, mixtral_shape_techniques_subject
@@ -60,9 +61,9 @@ def test_each_technique_artifact_carries_its_technique_and_was_fitted_without_th
 
 def test_the_techniques_subject_runs_in_the_quick_bench(techniques, monkeypatch):
     out, traces, _ = techniques
-    monkeypatch.setattr(bench_run, "RESIDENT_DTYPES", ("float32",))
-    monkeypatch.setattr(bench_run, "EXPERTS_IMPLEMENTATIONS", ("grouped_mm",))
-    monkeypatch.setattr(bench_run, "CUDA_RESIDENT_DTYPES", ())
+    monkeypatch.setattr(bench_measure, "RESIDENT_DTYPES", ("float32",))
+    monkeypatch.setattr(bench_measure, "EXPERTS_IMPLEMENTATIONS", ("grouped_mm",))
+    monkeypatch.setattr(bench_measure, "CUDA_RESIDENT_DTYPES", ())
     result = CliRunner().invoke(main, ["bench", "--quick", "--subject", "mixtral-shape-techniques", "--output",
                                        str(out), "--traces", str(traces)])
     assert result.exit_code == 0, result.output

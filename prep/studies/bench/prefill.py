@@ -33,9 +33,9 @@ from pathlib import Path
 
 from loader.io import write_bytes_atomic
 from prep.errors import MoeprepError
-from prep.studies.bench.subjects import Subject, prefill_prompt, tiled_replay
+from prep.studies.bench.subjects import SUBJECTS, Subject, prefill_prompt, tiled_replay
 
-PREFILL_SUBJECTS = ("mixtral-shape", "mixtral-shape-own")
+PREFILL_SUBJECTS = tuple(name for name, entry in SUBJECTS.items() if entry.prefill)  # the registry says which
 # transformers' experts implementations a prompt cannot run: batched_mm gathers each token's experts' weights (T x K
 # copies of an expert: 17 GB for a 512-token prompt of mixtral-shape in float32), fine for one decode token
 UNFIT_FOR_PROMPTS = {"batched_mm": "it copies every token's experts' weights (T x K copies of an expert; 17 GB for "
@@ -132,7 +132,7 @@ def run_prefill(subjects: list[Subject], budgets: list[str], prompts: list[int],
 
     spec_for(subject, system, budget) -> the worker spec the decode rows use; run_worker(spec) -> its result (a
     memory cgroup around llama.cpp); choose_resident(spec) -> the resident candidates measured on ``spec`` and the
-    chosen one (``run.measure_resident_candidates``), or None where resident is not run. Returns the rows (one per
+    chosen one (``measure.measure_resident_candidates``), or None where resident is not run. Returns the rows (one per
     subject, prompt, system and budget: the budget-free ones at each budget) and the runs, candidates and notes."""
     notes, ran = [], []
     usable = []

@@ -186,10 +186,24 @@ def _store_lines(report: dict) -> list[str]:
 
 
 def write_markdown(report: dict) -> str:
+    """bench.md: the machine and its measured read costs, the goals, each subject's tables, the prefill rows, and how
+    to read them with the run's notes."""
+    lines = _header_lines(report)
+    lines += ["Goals (medians):", ""] + [f"- {line}" for line in goal_check(report)] + [""]
+    for subject, facts in report["subjects"].items():
+        lines += _subject_lines(report, subject, facts)
+    lines += prefill_section(report)
+    lines += list(HOW_TO_READ)
+    lines += [f"- {note}" for note in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def _header_lines(report: dict) -> list[str]:
+    """The machine, the run, the disk's read bandwidth, the device profile and where the loader's stores lived."""
     m = report["machine"]
     bw = report["read_bandwidth"]
     profile = report.get("device_profile") or {}
-    lines = [
+    return [
         "# moeprep bench",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gb']} GB RAM; torch {m['torch']}, transformers "
@@ -203,126 +217,136 @@ def write_markdown(report: dict) -> str:
         *(_profile_lines(profile) if profile else []),
         *_store_lines(report),
     ]
-    lines += ["Goals (medians):", ""] + [f"- {line}" for line in goal_check(report)] + [""]
-    for subject, facts in report["subjects"].items():
-        lines += [f"## {subject}", ""]
-        shape = facts.get("shape")
-        if shape:
-            lines.append(f"Mixtral-8x7B architecture scaled down: {shape['num_hidden_layers']} layers, "
-                         f"{shape['num_local_experts']} experts, top-{shape['num_experts_per_tok']}, hidden "
-                         f"{shape['hidden_size']}, expert intermediate {shape['intermediate_size']}, "
-                         f"{shape['dtype']}, random weights. ")
-        lines += [
-            f"Expert store: {facts['experts']} experts x {facts['record_bytes'] / 1e6:.2f} MB "
-            f"({facts['precision']}) = {facts['store_bytes'] / 1e9:.2f} GB; dense weights "
-            f"{facts['dense_bytes'] / 1e6:.0f} MB. Routing: {facts['routing']}. "
-            f"Each measurement: a prefill of {facts['prompt_tokens']} tokens, then {facts['decode_tokens']} "
-            "decode steps of one token (the same tokens for every system).",
-            "",
-            f"Accuracy of the artifact against its original (its report): {_accuracy(facts.get('accuracy_delta'))}.",
-            *([_llama_line(facts["llama_cpp"]), ""] if facts.get("llama_cpp") else []),
-            "",
-        ]
-        if report.get("decode") is False:
-            lines += ["Decode rows not run (`--no-decode`).", ""]
-            continue
-        lines += [
-            *resident_table(facts.get("resident")),
-            "| budget | system | decode tok/s (median) | min - max (runs) | vs resident | vs accelerate | of bound "
-            "| modelled tok/s | modelled / measured | calibrated model / measured | overhead us/layer | prefill s "
-            "| MB read/token | hit rate | stall fraction | read / check / make ms per miss | peak RSS MB |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-            "| ---: |",
-        ]
-        rows = _rows(report, subject)
-        resident = next((r for r in rows if r["system"] == "resident"), {}).get("decode_tokens_per_s")
-        unmodelled = {}  # why a row has no modelled speed -> the rows
-        for budget in report["budgets"]:
-            at = {r["system"]: r for r in rows if r["budget"] == budget}
-            acc = (at.get("accelerate") or {}).get("decode_tokens_per_s")
-            for system in SYSTEM_ORDER:
-                r = at.get(system)
-                if r is None:
-                    continue
-                if r.get("error"):
-                    lines.append(f"| {budget} | {system} | failed: {_error_message(r['error'])} |" + "  |" * 14)
-                    continue
-                speed = r["decode_tokens_per_s"]
-                mb = r["bytes_read_per_token"] / 1e6 if r["bytes_read_per_token"] is not None else None
-                if r.get("modelled_error"):
-                    unmodelled.setdefault(r["modelled_error"], []).append(f"{system} {budget}")
-                lines.append(
-                    f"| {budget} | {system}{' (budget-free)' if r.get('measured_once') else ''} | {speed:.3g} | "
-                    f"{r['decode_tokens_per_s_min']:.3g} - {r['decode_tokens_per_s_max']:.3g} ({r['repeats']}) | "
-                    f"{_ratio(speed, resident)} | {_ratio(speed, acc)} | {_num(r.get('fraction_of_bound'), '.2f')} | "
-                    f"{_num(r.get('modelled_tokens_per_s'), '.3g')} | {_num(r.get('modelled_over_measured'), '.2f')} | "
-                    f"{_num(r.get('modelled_calibrated_over_measured'), '.2f')} | "
-                    f"{_num(r.get('overhead_us_per_layer'), '.1f')} | "
-                    f"{r['prefill_s']:.2f} | {_num(mb, '.1f')} | "
-                    f"{_num(r['hit_rate'], '.3f')} | {_num(r['stall_fraction'], '.3f')} | {_per_miss(r.get('per_miss_ms'))} "
-                    f"| {r['peak_rss_mb']:.0f} |")
-        lines.append("")
-        lines += [f"Not modelled ({', '.join(where)}): {why}." for why, where in unmodelled.items()]
-        lines += [""] if unmodelled else []
-        lines += bounds_table(report.get("bounds", {}).get(subject, {}), report["budgets"])
-        lines += neuron_table(rows, report["budgets"])
-        lines += prefetch_table(rows, report["budgets"])
-        lines += techniques_table(report, subject)
-    lines += prefill_section(report)
+
+
+def _subject_lines(report: dict, subject: str, facts: dict) -> list[str]:
+    """One subject's section: what it is, then (with decode rows) its resident candidates, its decode table, why
+    rows are not modelled, and its bounds, neuron, prefetch and techniques tables."""
+    lines = [f"## {subject}", ""]
+    shape = facts.get("shape")
+    if shape:
+        lines.append(f"Mixtral-8x7B architecture scaled down: {shape['num_hidden_layers']} layers, "
+                     f"{shape['num_local_experts']} experts, top-{shape['num_experts_per_tok']}, hidden "
+                     f"{shape['hidden_size']}, expert intermediate {shape['intermediate_size']}, "
+                     f"{shape['dtype']}, random weights. ")
     lines += [
-        "## How to read this",
+        f"Expert store: {facts['experts']} experts x {facts['record_bytes'] / 1e6:.2f} MB "
+        f"({facts['precision']}) = {facts['store_bytes'] / 1e9:.2f} GB; dense weights "
+        f"{facts['dense_bytes'] / 1e6:.0f} MB. Routing: {facts['routing']}. "
+        f"Each measurement: a prefill of {facts['prompt_tokens']} tokens, then {facts['decode_tokens']} "
+        "decode steps of one token (the same tokens for every system).",
         "",
-        "- A budget `p%` is the dense weights + p% of the source model's expert bytes in their original dtype "
-        "(the loader's read buffers included), in bytes; accelerate gets the same bytes as `max_memory`. "
-        "`4bit-25%` is the dense weights + 25% of the experts' bytes at 4 bits (the codec's int4 format): below "
-        "a 4-bit model's size. A quantized artifact at the same bytes holds more experts than accelerate (which "
-        "offloads the original weights).",
-        "- Every configuration ran `repeats` times, interleaved (each round runs every configuration once); a "
-        "row gives the median decode speed, and min - max over the runs; its other figures are the median run's.",
-        "- `resident`: transformers, every weight in memory (the ceiling), in the fastest of its candidates on this "
-        "device (dtype x transformers' experts implementation, each timed on a short decode in its own process "
-        "before the subject's first round; the table above each subject lists them); budget-free, measured once "
-        "per round and its row repeated at each budget; every `vs resident` is against it. `accelerate`: "
-        "`from_pretrained(dtype=\"auto\", device_map=\"auto\", max_memory={\"cpu\": budget}, offload_folder=...)`, "
-        "the overflow offloaded to disk, with transformers' default experts implementation.",
-        "- `naive@unlimited` / `moeprep@unlimited`: that loader system on its artifact at the budget `unlimited` "
-        "(every expert cached in its held form, the sequence run once untimed first; budget-free): the compute "
-        "floor of the bound. `of bound`: a loader row's speed over 1 / max(that floor's seconds per token, Belady's "
-        "I/O floor per token) of its artifact and plan at that budget (the physical bounds table; `naive+<x>` rows "
-        "against naive's; `-` for neuron-level loading, which reads and computes parts of experts).",
-        "- `modelled tok/s`: the simulator (`prep.sim.simulate`) replaying the same artifact, plan, budget and "
-        "routing decisions (the replayed trace, or what the resident model's routers did) with the device profile "
-        "above scaled to the subject's experts: decode tokens over the modelled seconds of the decode steps. Its "
-        "cost model counts expert reads and expert compute only (no attention, no dense layers, no loader "
-        "overhead), so `modelled / measured` above 1 is what the rest of the model and the loader cost. "
-        "`calibrated model / measured`: the same replay with the profile calibrated against this run "
-        "(`device-calibrated.json`: reads overlap the hits' compute, plus the median measured loader overhead per "
-        "MoE layer call), the simulator's model of the loader's step. "
-        "`overhead us/layer`: the loader's own time per MoE layer step during decode (the step's wall time less "
-        "expert compute and waiting for reads, from `stats()[\"decode_timing\"]`); `-` where the loader does not "
-        "count it.",
-        "- `naive`: the loader (`loader.runtime.load`) on the subject's lossless artifact (experts as they are) "
-        "with per-layer LRU caches sized by the budget, no prediction, exact routing, experts read with "
-        "O_DIRECT. `moeprep`: the loader on the recipe's artifact with its whole plan (`plan.json`: precisions, "
-        "pools, eviction policy, predictors, routing and miss policies) scaled to the budget, and the compute "
-        "path's `auto` held form (loader/README.md, \"Compute path\"). For `reference-lossless` both run the "
-        "lossless artifact (`moeprep` is the lossless mode), for `reference-neuron` both run the neuron-layout "
-        "artifact.",
-        "- Page cache: the loader bypasses it (O_DIRECT). For accelerate the page cache of its offload folder "
-        "and of the model's safetensors files is dropped (`posix_fadvise(DONTNEED)` on each file, after a "
-        "sync) before the prefill and before every decode step, outside the timed region; otherwise the "
-        "offloaded weights would stay in RAM beyond the budget after the first token.",
-        "- MB read/token: the loader's own count of expert bytes read during decode; for accelerate the "
-        "kernel's count of bytes fetched from storage (`/proc/self/io` read_bytes, readahead included). "
-        "Hit rate: the loader's cache hits per expert lookup during decode; for accelerate the share of MoE "
-        "layers whose experts it kept in RAM. Stall fraction: seconds waiting for reads / decode seconds; "
-        "for accelerate the seconds in its weight-loading pre-forward hooks.",
-        "- Peak RSS: VmHWM of the measuring process (one process per system and budget), loading included.",
-        "- Decode tokens are teacher-forced (the given continuation, not the argmax), so every system runs the "
-        "same tokens and the replayed routing lines up with them.",
+        f"Accuracy of the artifact against its original (its report): {_accuracy(facts.get('accuracy_delta'))}.",
+        *([_llama_line(facts["llama_cpp"]), ""] if facts.get("llama_cpp") else []),
+        "",
     ]
-    lines += [f"- {note}" for note in report["notes"]]
-    return "\n".join(lines) + "\n"
+    if report.get("decode") is False:
+        return lines + ["Decode rows not run (`--no-decode`).", ""]
+    rows = _rows(report, subject)
+    lines += resident_table(facts.get("resident"))
+    lines += decode_table(report, rows)
+    lines += bounds_table(report.get("bounds", {}).get(subject, {}), report["budgets"])
+    lines += neuron_table(rows, report["budgets"])
+    lines += prefetch_table(rows, report["budgets"])
+    lines += techniques_table(report, subject)
+    return lines
+
+
+def decode_table(report: dict, rows: list[dict]) -> list[str]:
+    """A subject's decode rows at every budget in ``SYSTEM_ORDER``, then why the unmodelled ones are not modelled."""
+    lines = [
+        "| budget | system | decode tok/s (median) | min - max (runs) | vs resident | vs accelerate | of bound "
+        "| modelled tok/s | modelled / measured | calibrated model / measured | overhead us/layer | prefill s "
+        "| MB read/token | hit rate | stall fraction | read / check / make ms per miss | peak RSS MB |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: |",
+    ]
+    resident = next((r for r in rows if r["system"] == "resident"), {}).get("decode_tokens_per_s")
+    unmodelled = {}  # why a row has no modelled speed -> the rows
+    for budget in report["budgets"]:
+        at = {r["system"]: r for r in rows if r["budget"] == budget}
+        acc = (at.get("accelerate") or {}).get("decode_tokens_per_s")
+        for system in SYSTEM_ORDER:
+            r = at.get(system)
+            if r is None:
+                continue
+            if r.get("error"):
+                lines.append(f"| {budget} | {system} | failed: {_error_message(r['error'])} |" + "  |" * 14)
+                continue
+            if r.get("modelled_error"):
+                unmodelled.setdefault(r["modelled_error"], []).append(f"{system} {budget}")
+            lines.append(_decode_row(r, budget, system, resident, acc))
+    lines.append("")
+    lines += [f"Not modelled ({', '.join(where)}): {why}." for why, where in unmodelled.items()]
+    return lines + ([""] if unmodelled else [])
+
+
+def _decode_row(r: dict, budget: str, system: str, resident, accelerate) -> str:
+    speed = r["decode_tokens_per_s"]
+    mb = r["bytes_read_per_token"] / 1e6 if r["bytes_read_per_token"] is not None else None
+    return (f"| {budget} | {system}{' (budget-free)' if r.get('measured_once') else ''} | {speed:.3g} | "
+            f"{r['decode_tokens_per_s_min']:.3g} - {r['decode_tokens_per_s_max']:.3g} ({r['repeats']}) | "
+            f"{_ratio(speed, resident)} | {_ratio(speed, accelerate)} | {_num(r.get('fraction_of_bound'), '.2f')} | "
+            f"{_num(r.get('modelled_tokens_per_s'), '.3g')} | {_num(r.get('modelled_over_measured'), '.2f')} | "
+            f"{_num(r.get('modelled_calibrated_over_measured'), '.2f')} | "
+            f"{_num(r.get('overhead_us_per_layer'), '.1f')} | "
+            f"{r['prefill_s']:.2f} | {_num(mb, '.1f')} | "
+            f"{_num(r['hit_rate'], '.3f')} | {_num(r['stall_fraction'], '.3f')} | {_per_miss(r.get('per_miss_ms'))} "
+            f"| {r['peak_rss_mb']:.0f} |")
+
+
+HOW_TO_READ = (
+    "## How to read this",
+    "",
+    "- A budget `p%` is the dense weights + p% of the source model's expert bytes in their original dtype "
+    "(the loader's read buffers included), in bytes; accelerate gets the same bytes as `max_memory`. "
+    "`4bit-25%` is the dense weights + 25% of the experts' bytes at 4 bits (the codec's int4 format): below "
+    "a 4-bit model's size. A quantized artifact at the same bytes holds more experts than accelerate (which "
+    "offloads the original weights).",
+    "- Every configuration ran `repeats` times, interleaved (each round runs every configuration once); a "
+    "row gives the median decode speed, and min - max over the runs; its other figures are the median run's.",
+    "- `resident`: transformers, every weight in memory (the ceiling), in the fastest of its candidates on this "
+    "device (dtype x transformers' experts implementation, each timed on a short decode in its own process "
+    "before the subject's first round; the table above each subject lists them); budget-free, measured once "
+    "per round and its row repeated at each budget; every `vs resident` is against it. `accelerate`: "
+    "`from_pretrained(dtype=\"auto\", device_map=\"auto\", max_memory={\"cpu\": budget}, offload_folder=...)`, "
+    "the overflow offloaded to disk, with transformers' default experts implementation.",
+    "- `naive@unlimited` / `moeprep@unlimited`: that loader system on its artifact at the budget `unlimited` "
+    "(every expert cached in its held form, the sequence run once untimed first; budget-free): the compute "
+    "floor of the bound. `of bound`: a loader row's speed over 1 / max(that floor's seconds per token, Belady's "
+    "I/O floor per token) of its artifact and plan at that budget (the physical bounds table; `naive+<x>` rows "
+    "against naive's; `-` for neuron-level loading, which reads and computes parts of experts).",
+    "- `modelled tok/s`: the simulator (`prep.sim.simulate`) replaying the same artifact, plan, budget and "
+    "routing decisions (the replayed trace, or what the resident model's routers did) with the device profile "
+    "above scaled to the subject's experts: decode tokens over the modelled seconds of the decode steps. Its "
+    "cost model counts expert reads and expert compute only (no attention, no dense layers, no loader "
+    "overhead), so `modelled / measured` above 1 is what the rest of the model and the loader cost. "
+    "`calibrated model / measured`: the same replay with the profile calibrated against this run "
+    "(`device-calibrated.json`: reads overlap the hits' compute, plus the median measured loader overhead per "
+    "MoE layer call), the simulator's model of the loader's step. "
+    "`overhead us/layer`: the loader's own time per MoE layer step during decode (the step's wall time less "
+    "expert compute and waiting for reads, from `stats()[\"decode_timing\"]`); `-` where the loader does not "
+    "count it.",
+    "- `naive`: the loader (`loader.runtime.load`) on the subject's lossless artifact (experts as they are) "
+    "with per-layer LRU caches sized by the budget, no prediction, exact routing, experts read with "
+    "O_DIRECT. `moeprep`: the loader on the recipe's artifact with its whole plan (`plan.json`: precisions, "
+    "pools, eviction policy, predictors, routing and miss policies) scaled to the budget, and the compute "
+    "path's `auto` held form (loader/README.md, \"Compute path\"). For `reference-lossless` both run the "
+    "lossless artifact (`moeprep` is the lossless mode), for `reference-neuron` both run the neuron-layout "
+    "artifact.",
+    "- Page cache: the loader bypasses it (O_DIRECT). For accelerate the page cache of its offload folder "
+    "and of the model's safetensors files is dropped (`posix_fadvise(DONTNEED)` on each file, after a "
+    "sync) before the prefill and before every decode step, outside the timed region; otherwise the "
+    "offloaded weights would stay in RAM beyond the budget after the first token.",
+    "- MB read/token: the loader's own count of expert bytes read during decode; for accelerate the "
+    "kernel's count of bytes fetched from storage (`/proc/self/io` read_bytes, readahead included). "
+    "Hit rate: the loader's cache hits per expert lookup during decode; for accelerate the share of MoE "
+    "layers whose experts it kept in RAM. Stall fraction: seconds waiting for reads / decode seconds; "
+    "for accelerate the seconds in its weight-loading pre-forward hooks.",
+    "- Peak RSS: VmHWM of the measuring process (one process per system and budget), loading included.",
+    "- Decode tokens are teacher-forced (the given continuation, not the argmax), so every system runs the "
+    "same tokens and the replayed routing lines up with them.",
+)
 
 
 PREFILL_ORDER = ("resident", "moeprep@unlimited", "accelerate", "naive", "moeprep", "llama.cpp")

@@ -29,6 +29,9 @@ skip, thresholds from quantiles of the fitted weights), ``int4+path_stats`` (Edg
 machine's device profile, calibrated: ``device-planning.json``) and ``moeprep`` (all of them). Which experts each token needs, and so what each
 technique decides, is what Mixtral decides on those tokens; the outputs are random, so accuracy is cited
 (``bench.md``), not measured here.
+
+The registry (``SUBJECTS``, at the end): each subject declared once, with its builder, the systems it runs, what it
+needs (the real traces), its notes and whether it has prefill rows. Adding a subject is one ``SubjectEntry``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,11 +47,14 @@ import torch
 
 from loader.format import SCHEMA_VERSION
 from loader.io import building_directory
+from loader.vocab import PREDICTOR_NAMES
 from prep.errors import MoeprepError
 from prep.fingerprint import model_fingerprint
 from prep.methods.trace import read_mixtral_traces
 from prep.pipeline import prepare
 from prep.recipe import load_recipe, recipe_from_dict
+from prep.studies.bench.llama import QUANT, logit_check, prepare_gguf
+from prep.studies.bench.llama import missing as llama_missing
 
 # Attention is kept small (4 query heads of 64, one KV head, short context): the bench is about experts.
 MIXTRAL_SHAPE = {"num_hidden_layers": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
@@ -359,3 +366,137 @@ def mixtral_shape_techniques_subject(output: Path, traces: Path, quick: bool, pr
     return Subject("mixtral-shape-techniques", plain.model_dir, variants["moeprep"], plain.prompt_ids,
                    plain.decode_ids, plain.replay, plain.routing + "; the techniques fitted on the other problems",
                    facts, plain.lossless, {s: a for s, a in variants.items() if s != "moeprep"})
+
+
+# ------------------------------------------------------------------------------------------- the registry
+
+LLAMA = "llama.cpp"
+LLAMA_MAX_LOGIT_ERROR = 1e-3  # llama.cpp's float32 logits against transformers', checked before timing
+PREDICTOR_SYSTEMS = tuple(f"naive+{name}" for name in PREDICTOR_NAMES)
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a subject's builder is given: where the repository and the output are, the real traces (None where
+    absent), the run's size and tokens, and where to say what it does."""
+
+    root: Path
+    output: Path
+    traces: Path | None
+    quick: bool
+    reference_tokens: tuple[int, int]  # (prompt, decode) of the reference subjects
+    shape_tokens: tuple[int, int]  # (prompt, decode) of the mixtral-shape subjects
+    echo: Callable[[str], None] = print
+
+
+@dataclass(frozen=True)
+class SubjectEntry:
+    """One subject, declared once. ``build(context, name)`` makes it and returns it with the notes learned while
+    building (a system that cannot run, and why); ``systems`` are what it runs at each budget beside ``resident``
+    and the ``@unlimited`` floors, in the report's order (``runnable`` drops those the built subject lacks: a
+    predictor its plan does not have, llama.cpp without its extra); ``traces``: the files ``--traces`` must hold
+    for it (None: it needs none), ``quick_without_traces``: a quick run routes it with its own routers instead;
+    ``notes`` go into the report whenever it runs; ``prefill``: it has prefill rows (``prefill.py``)."""
+
+    name: str
+    build: Callable[[BuildContext, str], tuple[Subject, list[str]]]
+    systems: tuple[str, ...]
+    preparing: str  # what is said before it is built: "preparing subject <name> <preparing>"
+    traces: str | None = None
+    quick_without_traces: bool = False
+    notes: tuple[str, ...] = ()
+    prefill: bool = False
+
+
+def _reference(context: BuildContext, name: str) -> tuple[Subject, list[str]]:
+    return reference_subject(context.root, *context.reference_tokens, name, evaluate=not context.quick), []
+
+
+def _mixtral_shape(context: BuildContext, name: str) -> tuple[Subject, list[str]]:
+    return mixtral_shape_subject(context.output, context.traces, context.quick, *context.shape_tokens), []
+
+
+def _mixtral_shape_own(context: BuildContext, name: str) -> tuple[Subject, list[str]]:
+    """The model with its own routers, and llama.cpp's GGUF of it where the extra is installed."""
+    subject = mixtral_shape_subject(context.output, None, context.quick, *context.shape_tokens, own=True)
+    reason = llama_missing()
+    if reason is None:
+        reason = prepare_llama(subject, context.output, context.echo)
+    if reason is None:
+        return subject, []
+    context.echo(reason)
+    return subject, [reason]
+
+
+def _mixtral_shape_techniques(context: BuildContext, name: str) -> tuple[Subject, list[str]]:
+    return mixtral_shape_techniques_subject(context.output, context.traces, context.quick, *context.shape_tokens,
+                                            context.echo), []
+
+
+def prepare_llama(subject: Subject, output: Path, echo) -> str | None:
+    """Convert and quantize the subject's model for llama.cpp and check its float32 logits against
+    transformers' on the prompt; records the facts on the subject. Returns why it cannot run, or None."""
+
+    echo("llama.cpp: converting mixtral-shape to GGUF (float32, then Q4_0), reused while the model is unchanged")
+    files = prepare_gguf(subject.model_dir, output / "llama-gguf" / subject.model_dir.parent.name)
+    error = logit_check(files["f32"], subject.model_dir, subject.prompt_ids)
+    if error > LLAMA_MAX_LOGIT_ERROR:
+        return (f"llama.cpp skipped: its float32 logits differ from transformers' by {error:.3g} on the prompt "
+                f"(more than {LLAMA_MAX_LOGIT_ERROR}); the conversion is wrong")
+    subject.facts["llama_cpp"] = {"quant": QUANT, "file": str(files[QUANT]), "file_bytes": files[QUANT].stat().st_size,
+                                  "f32_logit_max_abs_diff": error}
+    return None
+
+
+_REFERENCE = "with its accuracy check (the stage cache makes this free when nothing changed)"
+_PLANNED = ("accelerate", "naive", "naive+neuron", *PREDICTOR_SYSTEMS, "moeprep")  # what the artifact's plan has
+_MIXTRAL_TRACES = "mixtral-8x7b/gsm8k_routing.jsonl"
+SUBJECTS = {entry.name: entry for entry in (
+    # naive on the lossless artifact, moeprep on the recipe's
+    SubjectEntry("reference", _reference, ("accelerate", "naive", "moeprep"), _REFERENCE),
+    SubjectEntry("reference-lossless", _reference, _PLANNED, _REFERENCE),
+    SubjectEntry("reference-neuron", _reference, _PLANNED, _REFERENCE),
+    SubjectEntry("mixtral-shape", _mixtral_shape, ("accelerate", "naive", "moeprep"), "(built once, then reused)",
+                 traces=_MIXTRAL_TRACES, quick_without_traces=True, prefill=True,
+                 notes=("mixtral-shape runs no prefetch predictor: its weights are random and its routing replayed, "
+                        "so hidden-state predictors (next_gates, first_gate) would predict noise",)),
+    # against llama.cpp, which cannot replay routing
+    SubjectEntry("mixtral-shape-own", _mixtral_shape_own, ("naive", "moeprep", LLAMA),
+                 "(the mixtral-shape model with its own routers)", prefill=True),
+    # each technique alone (its own artifact), then all together
+    SubjectEntry("mixtral-shape-techniques", _mixtral_shape_techniques, ("naive", *TECHNIQUES),
+                 "(one artifact per technique, fitted on the problems not replayed; built once, then reused)",
+                 traces=f"{_MIXTRAL_TRACES} and {SENSITIVITY_FILE}"),
+)}
+
+
+def subject_entries(text: str) -> list[SubjectEntry]:
+    """``--subject``: "all" -> every registered subject; "a,b" -> those, in the order given; an unknown or empty
+    one is one error naming the known subjects."""
+    names = tuple(SUBJECTS) if text == "all" else tuple(x.strip() for x in text.split(",") if x.strip())
+    if not names or set(names) - set(SUBJECTS):
+        raise MoeprepError(f"--subject {text!r} unknown; use all, or a comma-separated subset of {', '.join(SUBJECTS)}")
+    return [SUBJECTS[name] for name in names]
+
+
+def known_systems() -> set[str]:
+    """Every system some subject runs, ``resident`` included (what ``--systems`` may name)."""
+    return {"resident", *(system for entry in SUBJECTS.values() for system in entry.systems)}
+
+
+def runnable(subject: Subject, system: str) -> bool:
+    """Whether the built subject can run ``system``: ``naive+neuron`` needs its plan's neuron-level loading,
+    ``naive+<predictor>`` that predictor in its plan, llama.cpp its GGUF (the optional extra)."""
+    if system == LLAMA:
+        return "llama_cpp" in subject.facts
+    if not system.startswith("naive+"):
+        return True
+    plan = json.loads((Path(subject.artifact) / "plan.json").read_text())
+    if system == "naive+neuron":
+        return plan.get("neuron", {}).get("name", "off") != "off"
+    return system.split("+", 1)[1] in {p["name"] for p in plan["predictors"]}
+
+
+def subject_systems(subject: Subject) -> list[str]:
+    """The systems ``subject`` runs at each budget (its registry entry's, those it can run)."""
+    return [system for system in SUBJECTS[subject.name].systems if runnable(subject, system)]

@@ -35,6 +35,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -425,6 +426,8 @@ def measure_prefill(spec: dict) -> dict:
 
 
 def measure(spec: dict) -> dict:
+    """One decode measurement (the module docstring): load the system, run the prompt and the teacher-forced decode
+    steps timed, and report speed, reads, hits and memory."""
     if spec["system"] == "llama.cpp":
         return measure_llama(spec)
     routing = _replay(spec)
@@ -432,83 +435,22 @@ def measure(spec: dict) -> dict:
     model, loaded, probe, cached_files = _load(spec, routing)
     load_seconds = time.perf_counter() - started
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
-    prompt = torch.tensor([spec["prompt_ids"]], device=device)
-    decode = spec["decode_ids"]
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     with torch.inference_mode():
         if spec["system"].endswith("@unlimited"):  # the compute floor: every expert the run uses cached first
-            warm = model(input_ids=prompt, use_cache=True)
-            for token in decode:
-                warm = model(input_ids=torch.tensor([[token]], device=device), past_key_values=warm.past_key_values,
-                             use_cache=True)
-            del warm
-            if routing is not None:
-                routing.reset()  # the replay starts over with the timed prefill
-        drop_page_cache(cached_files)
-        io_start = disk_read_bytes()
-        start = time.perf_counter()
-        out = model(input_ids=prompt, use_cache=True)
-        sync()
-        prefill = time.perf_counter() - start
-        before = loaded.stats() if loaded else None
-        probe_before = probe["seconds"] if probe else 0.0
-        io_before = disk_read_bytes()
-        decode_seconds = 0.0
-        for token in tqdm(decode, desc=f"{spec['subject']} {spec['system']} {spec['budget']}", unit="tok",
-                          leave=False, file=sys.stderr):
-            # Dropping the page cache before each step keeps accelerate on the budget it was given: without
-            # it, the offloaded weights stay in RAM after the first token and the disk is never read again.
-            drop_page_cache(cached_files)
-            step = torch.tensor([[token]], device=device)
-            start = time.perf_counter()
-            out = model(input_ids=step, past_key_values=out.past_key_values, use_cache=True)
-            sync()
-            decode_seconds += time.perf_counter() - start
-        io_after = disk_read_bytes()
-
-    n = len(decode)
-    io_bytes = (io_after - io_before) / n if io_after is not None and io_before is not None else None
-    result = {"prefill_s": prefill, "decode_s": decode_seconds, "decode_tokens": n,
-              "decode_tokens_per_s": n / decode_seconds, "load_s": load_seconds,
+            _warm_up(model, spec, device, routing)
+        timed = _timed_decode(spec, model, loaded, probe, cached_files, device)
+    n = len(spec["decode_ids"])
+    io_bytes = ((timed.io_after - timed.io_before) / n if timed.io_after is not None and timed.io_before is not None
+                else None)
+    result = {"prefill_s": timed.prefill_s, "decode_s": timed.decode_s, "decode_tokens": n,
+              "decode_tokens_per_s": n / timed.decode_s, "load_s": load_seconds,
               "disk_read_bytes_per_token": io_bytes,
-              "prefill_disk_read_bytes": (io_before - io_start) if io_start is not None else None}
+              "prefill_disk_read_bytes": (timed.io_before - timed.io_start) if timed.io_start is not None else None}
     if loaded is not None:
-        after = loaded.stats()
-        hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
-        result |= {"bytes_read_per_token": (after["bytes_read"] - before["bytes_read"]) / n,
-                   "hit_rate": hits / (hits + misses) if hits + misses else None,
-                   "stall_fraction": (after["stall_seconds"] - before["stall_seconds"]) / decode_seconds,
-                   "direct_io": after["direct_io"], "cache_slots": loaded.budget["cache_slots"],
-                   "budget_bytes": loaded.budget["limit_bytes"], "misses_per_token": misses / n,
-                   "prefetch": {k: after["prefetch"][k] - before["prefetch"][k]  # decode steps only
-                                for k in ("issued", "used", "wasted", "cancelled", "saved_seconds")}}
-        result |= overhead(before, after, decode_seconds, n)
-        result["per_miss_ms"] = per_miss(before.get("reads"), after.get("reads"))
-        # what the routing and miss policies decided in the decode steps (gating: single-expert decisions and expert
-        # runs; dynamic precision: misses read high, low, skipped)
-        result["decisions"] = {what: _count_delta(before.get(what), after.get(what))
-                               for what in ("routing", "miss_policy")}
-        # a GPU with the store in host RAM: each miss copied, or computed on the CPU where the costs measured at
-        # load say that is cheaper (both costs per precision, and how many misses the CPU took)
-        result["miss_costs"] = after["compute"]["miss_costs"]
-        result["cpu_computed_per_token"] = (after["compute"]["cpu_computed"] - before["compute"]["cpu_computed"]) / n
-        if after["neuron"] is not None:  # neuron-level loading (decode only): the whole run's shares
-            result["neuron"] = {k: after["neuron"][k] for k in ("theta", "crossover", "active_share", "computed_share",
-                                                                "partial_reads", "whole_reads", "neuron_recall")}
+        result |= _loader_figures(loaded, timed.before, timed.decode_s, n)
         loaded.close()
     elif probe is not None:
-        moe_modules = spec["experts_modules"]
-        offloaded = set(probe["offloaded"])
-        resident_layers = sum(1 for path in moe_modules if path not in offloaded)
-        result |= {"bytes_read_per_token": io_bytes,
-                   "hit_rate": resident_layers / len(moe_modules),
-                   "stall_fraction": (probe["seconds"] - probe_before) / decode_seconds,
-                   "offloaded_modules": len(offloaded), "budget_bytes": spec["budget_bytes"],
-                   "device_map": probe["device_map"]}
+        result |= _accelerate_figures(spec, probe, timed, io_bytes)
     else:
         result |= {"bytes_read_per_token": 0.0, "hit_rate": 1.0, "stall_fraction": 0.0}
     recorder = getattr(model, "_bench_routing", None)
@@ -521,6 +463,103 @@ def measure(spec: dict) -> dict:
         result["dtype"] = str(next(p.dtype for p in model.parameters())).removeprefix("torch.")
     result["peak_rss_mb"] = peak_rss_mb()
     return result
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _warm_up(model, spec: dict, device: torch.device, routing) -> None:
+    """The prompt and the continuation once, untimed (an ``@unlimited`` row: every expert they use is cached when
+    the timed run starts); a replay starts over after it."""
+    warm = model(input_ids=torch.tensor([spec["prompt_ids"]], device=device), use_cache=True)
+    for token in spec["decode_ids"]:
+        warm = model(input_ids=torch.tensor([[token]], device=device), past_key_values=warm.past_key_values,
+                     use_cache=True)
+    del warm
+    if routing is not None:
+        routing.reset()  # the replay starts over with the timed prefill
+
+
+@dataclass
+class _Timed:
+    """The timed prefill and decode steps: seconds, the kernel's read counters around them, and the loader's stats
+    (None: not the loader) and accelerate's loading seconds when the decode steps began."""
+
+    prefill_s: float
+    decode_s: float
+    io_start: int | None
+    io_before: int | None
+    io_after: int | None
+    before: dict | None
+    probe_before: float
+
+
+def _timed_decode(spec: dict, model, loaded, probe, cached_files: list[Path], device: torch.device) -> _Timed:
+    """A timed prefill of the prompt, then each decode token timed (teacher-forced) with the page cache of
+    ``cached_files`` dropped before each step."""
+    drop_page_cache(cached_files)
+    io_start = disk_read_bytes()
+    start = time.perf_counter()
+    out = model(input_ids=torch.tensor([spec["prompt_ids"]], device=device), use_cache=True)
+    _sync(device)
+    prefill = time.perf_counter() - start
+    before = loaded.stats() if loaded else None
+    probe_before = probe["seconds"] if probe else 0.0
+    io_before = disk_read_bytes()
+    decode_seconds = 0.0
+    for token in tqdm(spec["decode_ids"], desc=f"{spec['subject']} {spec['system']} {spec['budget']}", unit="tok",
+                      leave=False, file=sys.stderr):
+        # Dropping the page cache before each step keeps accelerate on the budget it was given: without
+        # it, the offloaded weights stay in RAM after the first token and the disk is never read again.
+        drop_page_cache(cached_files)
+        step = torch.tensor([[token]], device=device)
+        start = time.perf_counter()
+        out = model(input_ids=step, past_key_values=out.past_key_values, use_cache=True)
+        _sync(device)
+        decode_seconds += time.perf_counter() - start
+    return _Timed(prefill, decode_seconds, io_start, io_before, disk_read_bytes(), before, probe_before)
+
+
+def _loader_figures(loaded, before: dict, decode_seconds: float, n: int) -> dict:
+    """The loader's counters over the ``n`` decode steps: reads, hits, stalls, prefetches, overhead, what its
+    policies decided, where misses were computed, neuron-level loading."""
+    after = loaded.stats()
+    hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
+    result = {"bytes_read_per_token": (after["bytes_read"] - before["bytes_read"]) / n,
+              "hit_rate": hits / (hits + misses) if hits + misses else None,
+              "stall_fraction": (after["stall_seconds"] - before["stall_seconds"]) / decode_seconds,
+              "direct_io": after["direct_io"], "cache_slots": loaded.budget["cache_slots"],
+              "budget_bytes": loaded.budget["limit_bytes"], "misses_per_token": misses / n,
+              "prefetch": {k: after["prefetch"][k] - before["prefetch"][k]  # decode steps only
+                           for k in ("issued", "used", "wasted", "cancelled", "saved_seconds")}}
+    result |= overhead(before, after, decode_seconds, n)
+    result["per_miss_ms"] = per_miss(before.get("reads"), after.get("reads"))
+    # what the routing and miss policies decided in the decode steps (gating: single-expert decisions and expert
+    # runs; dynamic precision: misses read high, low, skipped)
+    result["decisions"] = {what: _count_delta(before.get(what), after.get(what)) for what in ("routing", "miss_policy")}
+    # a GPU with the store in host RAM: each miss copied, or computed on the CPU where the costs measured at
+    # load say that is cheaper (both costs per precision, and how many misses the CPU took)
+    result["miss_costs"] = after["compute"]["miss_costs"]
+    result["cpu_computed_per_token"] = (after["compute"]["cpu_computed"] - before["compute"]["cpu_computed"]) / n
+    if after["neuron"] is not None:  # neuron-level loading (decode only): the whole run's shares
+        result["neuron"] = {k: after["neuron"][k] for k in ("theta", "crossover", "active_share", "computed_share",
+                                                            "partial_reads", "whole_reads", "neuron_recall")}
+    return result
+
+
+def _accelerate_figures(spec: dict, probe: dict, timed: _Timed, io_bytes: float | None) -> dict:
+    """accelerate's figures: the kernel's bytes read, the share of MoE layers it kept in RAM, the seconds in its
+    weight-loading hooks."""
+    moe_modules = spec["experts_modules"]
+    offloaded = set(probe["offloaded"])
+    resident_layers = sum(1 for path in moe_modules if path not in offloaded)
+    return {"bytes_read_per_token": io_bytes,
+            "hit_rate": resident_layers / len(moe_modules),
+            "stall_fraction": (probe["seconds"] - timed.probe_before) / timed.decode_s,
+            "offloaded_modules": len(offloaded), "budget_bytes": spec["budget_bytes"],
+            "device_map": probe["device_map"]}
 
 
 def per_miss(before: dict | None, after: dict | None) -> dict | None:
