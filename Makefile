@@ -14,7 +14,7 @@ GPU_PY ?= 3.12
 TRACES ?= ../shared/data/traces
 HOW_FAST ?= artifacts/how-fast
 
-.PHONY: setup test prepare eval bench how-fast reference-model reference-metrics lint gpu-carry gpu-check
+.PHONY: setup test prepare eval bench how-fast reference-model reference-metrics lint loc gpu-carry gpu-check
 
 setup: $(VENV)/.installed
 
@@ -50,6 +50,10 @@ reference-metrics: setup
 
 lint: setup
 	$(BIN)/ruff check prep loader tests
+
+# The house's measures: the loader's code lines per file, functions over 80 lines, wide constructors.
+loc: setup
+	$(BIN)/python -m prep.studies.house
 
 # Before a GPU run, on this machine: the wheels and traces a GPU machine without network lacks, into .gpu/.
 gpu-carry: setup
