@@ -28,6 +28,7 @@ from prep.evals.compare import (
 from prep.evals.data import load_benchmarks
 from prep.pipeline import prepare
 from prep.recipe import recipe_from_dict
+from tests.interrupt import interrupted
 from tests.tiny_models import save_tiny_model, write_tiny_suites
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "benchmarks"
@@ -215,18 +216,10 @@ def test_merge_keeps_the_artifact_loadable_or_verified_at_every_step(artifact, m
 def test_a_kill_inside_merge_leaves_it_loadable_and_the_next_eval_finishes(artifact, monkeypatch, killed_at):
     import loader.io
 
-    for name in ("write_json_atomic", "write_bytes_atomic"):
-        real = getattr(loader.io, name)
-
-        def dying(path, data, *args, _real=real, **kwargs):
-            if Path(path).name == killed_at:
-                raise KeyboardInterrupt  # as a SIGKILL right before this rename
-            _real(path, data, *args, **kwargs)
-
-        monkeypatch.setattr(loader.io, name, dying)
-    with pytest.raises(KeyboardInterrupt):
+    # as a SIGKILL right before the rename that writes ``killed_at``
+    with interrupted(monkeypatch, loader.io, ("write_json_atomic", "write_bytes_atomic"),
+                     when=lambda path, *_: Path(path).name == killed_at):
         merge_into_artifact(artifact, _REPORT)
-    monkeypatch.undo()
     assert _loads(artifact)
     bad = verify(artifact)
     assert bad == [] if killed_at == "report.json" else (len(bad) == 1 and bad[0].startswith("report.json:"))
