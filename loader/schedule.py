@@ -99,7 +99,7 @@ class CpuMissRule:
     """Which misses of a one-token (decode) step are computed on the CPU from the host store's record
     instead of copied to the device, the switch Fiddler, ktransformers and llama.cpp make: ``always`` every
     one, ``auto`` those whose precision is in ``prefer`` (where the CPU measured faster at load:
-    ``loader.step.MissCosts``), ``never`` none. A plain value, so the loader and the simulator share it."""
+    ``loader.engine.MissCosts``), ``never`` none. A plain value, so the loader and the simulator share it."""
 
     mode: str = "never"
     prefer: frozenset = frozenset()
