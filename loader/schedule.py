@@ -45,7 +45,6 @@ CACHE = "cache"  # a miss read into the entry admitted for it in its pool
 BUFFER = "buffer"  # a miss read into a read buffer and used once (nothing in its pool could be evicted)
 PROMPT = "prompt"  # a miss of a prompt chunk read once into a prefill buffer, in its precision's prefill form
 CPU = "cpu"  # a miss computed on the CPU from the host store's record: nothing read, nothing cached
-MISSES = (READ, CACHE, BUFFER, PROMPT, CPU)
 
 
 def _token_counts(rows) -> dict[int, int]:
