@@ -348,7 +348,7 @@ class ExpertEngine:
             layer, rows, top_k_index, top_k_weights, cpu=cpu, slot_bytes=self.slot_bytes,
             read_bytes=self.read_bytes if read_bytes is None else read_bytes, prompt_forms=forms or None,
             cancel=self._cancel_read if self.predictors else None)
-        for d in served.decisions:
+        for d in served.decisions if served.prefetched else ():
             held = d.entry.payload if d.entry is not None else None
             if served.prefetched.get(d.expert) is d.entry and not d.miss and held is not None and not d.entry.in_flight:
                 self.counters.prefetch_saved_seconds += held.read_seconds

@@ -23,7 +23,7 @@ class StepTimes:
         self.computed = self.stalled = self.synced = 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class LayerStart:
     """The schedule's answer for one layer call (``StepHost.begin``): the decisions (``loader.schedule.Decision``,
     every miss placed), the routing after skips as lists (rows [T][K] of expert ids, -1 where a selection has

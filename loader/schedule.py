@@ -83,7 +83,7 @@ class Decision:
         return self.served != HELD
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Served:
     """What ``serve`` decided for one layer call: the decisions in visiting order, the experts the miss policy
     skipped, and the layer's prefetched entries as they stood before the call (the loader counts what they saved)."""

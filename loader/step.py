@@ -19,24 +19,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from loader.layer import Mixer, StepHost
-from loader.schedule import BUFFER, CACHE, CPU, PROMPT, Decision
+from loader.schedule import BUFFER, CACHE, CPU, HELD, PROMPT, Decision
 from loader.store import DEMAND, ReadJob
 
 
-@dataclass
 class _Reads:
     """One call's misses to read, by where they go, and the reads submitted: (decision, entry or None, the
     buffer's arena or None, its slot, the job)."""
 
-    prompt: list = field(default_factory=list)
-    cache: list = field(default_factory=list)
-    buffer: list = field(default_factory=list)
-    submitted: list = field(default_factory=list)
+    __slots__ = ("prompt", "cache", "buffer", "submitted")
+
+    def __init__(self) -> None:
+        self.prompt, self.cache, self.buffer, self.submitted = [], [], [], []
 
 
 class WholeStep:
@@ -52,11 +50,19 @@ class WholeStep:
         host = self.host
         start = host.begin(layer, top_k_index, top_k_weights)
         mix = start.mixer(hidden, top_k_index)
-        reads, held, on_cpu = _Reads(), [], []
+        reads, ready, joins, on_cpu = _Reads(), [], [], []
         for d in start.decisions:
-            {PROMPT: reads.prompt, CACHE: reads.cache, BUFFER: reads.buffer, CPU: on_cpu}.get(d.served, held).append(d)
-        ready = [d for d in held if not d.entry.in_flight]
-        joins = [d for d in held if d.entry.in_flight]  # reads in flight (prefetches): waited for after the rest
+            served = d.served
+            if served == HELD:  # a read in flight (a prefetch) is waited for after the rest
+                (joins if d.entry.in_flight else ready).append(d)
+            elif served == CACHE:
+                reads.cache.append(d)
+            elif served == BUFFER:
+                reads.buffer.append(d)
+            elif served == CPU:
+                on_cpu.append(d)
+            else:
+                reads.prompt.append(d)
         self._submit(layer, reads)
         for d in ready:
             self._compute_held(layer, module, d, mix, start.prefetched)
@@ -97,7 +103,14 @@ class WholeStep:
         """A hit, or a join of a read in flight (waited for: a prefetch still in flight saved what was read
         before the wait)."""
         host, entry = self.host, d.entry
-        held, job, stalled = entry.payload, entry.payload.job, host.step_times.stalled
+        held = entry.payload
+        job = held.job
+        if job is None and not entry.in_flight:  # resident
+            if self.fill is not None:
+                self.fill(layer, entry)
+            host.compute(module, d, held.weights, mix)
+            return
+        stalled = host.step_times.stalled
         host.land(layer, entry)
         if self.fill is not None:
             self.fill(layer, entry)
