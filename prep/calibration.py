@@ -116,21 +116,100 @@ def _source(name: str) -> CalibrationSource:
     return source
 
 
+def _documents(section: CalibrationSection, tokenizer, root: Path) -> Iterator[tuple[str, list[int]]]:
+    """(sha256 of the text, its token ids with the end-of-sequence token) for each text of the source, in order."""
+    eos = tokenizer.eos_token_id
+    for text in _source(section.source)(section, root):
+        yield (hashlib.sha256(text.encode("utf-8")).hexdigest(),
+               tokenizer(text)["input_ids"] + ([eos] if eos is not None else []))
+
+
+def _windows(stream: list[int], count: int, length: int) -> list[torch.Tensor]:
+    return list(torch.tensor(stream[:count * length], dtype=torch.long).view(count, length))
+
+
 def calibration_sequences(section: CalibrationSection, tokenizer, root: Path) -> list[torch.Tensor]:
     """``num_sequences`` LongTensors of ``sequence_length`` tokens each."""
-    texts = _source(section.source)(section, root)
+    return _calibration_cut(section, tokenizer, root)[0]
+
+
+def _calibration_cut(section: CalibrationSection, tokenizer, root: Path) -> tuple[list[torch.Tensor], set[str], int]:
+    """(the calibration windows, the digests of the texts they draw on, how many texts of the source they used)."""
     need = section.num_sequences * section.sequence_length
     stream: list[int] = []
-    eos = tokenizer.eos_token_id
-    for text in texts:
-        stream += tokenizer(text)["input_ids"] + ([eos] if eos is not None else [])
+    used: set[str] = set()
+    read = 0
+    for digest, ids in _documents(section, tokenizer, root):
+        stream += ids
+        used.add(digest)
+        read += 1
         if len(stream) >= need:
             break
     if len(stream) < need:
         raise MoeprepError(f"calibration data gives {len(stream)} tokens, {need} needed; "
                            "add data or lower calibration.num_sequences / sequence_length")
-    ids = torch.tensor(stream[:need], dtype=torch.long).view(section.num_sequences, section.sequence_length)
-    return list(ids)
+    return _windows(stream, section.num_sequences, section.sequence_length), used, read
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """Text no stage trained or calibrated on: the windows, and where they came from (for the report)."""
+
+    sequences: list[torch.Tensor]
+    provenance: dict
+
+
+def held_out_sequences(calibration: CalibrationSection, tokenizer, root: Path, num_sequences: int,
+                       sequence_length: int, text: CalibrationSection | None = None) -> HeldOut:
+    """``num_sequences`` windows of ``sequence_length`` tokens of held-out text: from ``text`` when given, else the
+    calibration source's texts after those the calibration windows used. A text whose content is one the calibration
+    windows drew on is skipped (a generator or a file may repeat a text), and the result is checked against the
+    calibration windows (``check_disjoint``), which every stage's calibration and traces are cut from."""
+    used_windows, used, consumed = _calibration_cut(calibration, tokenizer, root)
+    source = text or calibration
+    documents = _documents(source, tokenizer, root)
+    if text is None:  # the same source: skip the texts the calibration read, the last one included
+        for _ in range(consumed):
+            next(documents)
+    need = num_sequences * sequence_length
+    stream: list[int] = []
+    taken: set[str] = set()
+    skipped = 0
+    for digest, ids in documents:
+        if digest in used:
+            skipped += 1
+            continue
+        stream += ids
+        taken.add(digest)
+        if len(stream) >= need:
+            break
+    if len(stream) < need:
+        where = "evaluate.divergence.text" if text is not None else "the calibration source after its windows"
+        raise MoeprepError(f"held-out text: {where} gives {len(stream)} tokens, {need} needed "
+                           f"({num_sequences} sequences of {sequence_length}); add text (divergence.text names "
+                           "another source) or lower divergence.num_sequences")
+    sequences = _windows(stream, num_sequences, sequence_length)
+    check_disjoint(sequences, used_windows, taken, used)
+    return HeldOut(sequences, {"source": source.source, "after_calibration": text is None,
+                               "texts": len(taken), "texts_skipped_as_calibration": skipped,
+                               "sequences": num_sequences, "sequence_length": sequence_length,
+                               "disjoint_from_calibration": True})
+
+
+def check_disjoint(held_out: list[torch.Tensor], used: list[torch.Tensor], held_texts: set[str],
+                   used_texts: set[str]) -> None:
+    """No held-out window is a calibration window and no held-out text (by content digest) is one the calibration
+    windows drew on: a MoeprepError naming the overlap otherwise. Shorter runs may recur (a templated corpus repeats
+    its phrases); a whole text or window may not."""
+    if shared := held_texts & used_texts:
+        raise MoeprepError(f"{len(shared)} held-out text(s) are calibration texts (first sha256 {min(shared)[:16]}): "
+                           "the divergence would be measured on text the stages calibrated on; name other text in "
+                           "divergence.text")
+    seen = {seq.to(torch.int64).numpy().tobytes(): i for i, seq in enumerate(used)}
+    for j, seq in enumerate(held_out):
+        if (i := seen.get(seq.to(torch.int64).numpy().tobytes())) is not None:
+            raise MoeprepError(f"held-out sequence {j} is calibration sequence {i}: the divergence would be measured "
+                               "on text the stages calibrated on; name other text in divergence.text")
 
 
 def fingerprint_sequences(sequences: list[torch.Tensor]) -> str:

@@ -208,6 +208,12 @@ class StageInputs:
         return self._sources.sequences
 
     @property
+    def calibration(self):
+        """The recipe's calibration section (``prep.calibration.CalibrationSection``): where the text came from."""
+        self._need("calibration")
+        return self._sources.recipe.calibration
+
+    @property
     def recipe(self) -> dict:
         self._need("recipe")
         return self._sources.recipe_of(self.stage)

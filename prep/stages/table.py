@@ -13,6 +13,7 @@ from prep.stages import (
     allocate_cache,
     bitwidth,
     cache_routing,
+    divergence,
     dynamic_precision,
     evaluate,
     gating,
@@ -38,6 +39,7 @@ ROWS: tuple[Stage, ...] = (
     allocate_cache.STAGE,
     tune_policy.STAGE,
     package.STAGE,
+    divergence.STAGE,
     evaluate.STAGE,
 )
 

@@ -1,0 +1,176 @@
+"""Stage ``divergence``: the fresh artifact's next-token distributions against its source's on held-out text.
+
+On by default in every recipe: it costs a forward of each model over a few thousand tokens, where the suites cost
+hours on a real model, and it resolves differences the suites cannot (``prep/evals/divergence.py``). The held-out
+text is the calibration source's text after the calibration windows, or ``text`` (a calibration-style section);
+it shares no text and no window with the calibration set every stage and trace is cut from (checked,
+``prep.calibration.held_out_sequences``). The artifact runs through the loader at ``memory_budget``; with
+cache-conditional routing its outputs depend on what is resident, so each operating point is measured at its own
+budget. The result lands in report.json (``divergence``) and leads report.md's accuracy part.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from loader.format import read_json, read_manifest
+from loader.plan import read_plan
+from loader.runtime import load
+from prep.calibration import CalibrationSection, held_out_sequences
+from prep.errors import MoeprepError
+from prep.evals import divergence as D
+from prep.report import ReportSection, merge_section
+from prep.stages import Stage, StageResult
+
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class DivergenceSection:
+    """Held-out text (``num_sequences`` windows of ``sequence_length`` tokens, null: 256 or the model's context if
+    shorter; ``text``: another source than the calibration's, whose source keys are read) and the loader budget;
+    ``resamples`` bootstrap draws for the 95% intervals."""
+
+    enabled: bool = True
+    num_sequences: int = 64
+    sequence_length: int | None = None
+    text: CalibrationSection | None = None
+    memory_budget: str | None = "50%"
+    resamples: int = D.RESAMPLES
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 4 <= self.num_sequences <= 100_000:
+            raise MoeprepError(f"divergence.num_sequences must be from 4 to 100,000 (the interval is a bootstrap over "
+                               f"sequences: 64 or more keeps its coverage near 95%), got {self.num_sequences}")
+        if self.sequence_length is not None and not 2 <= self.sequence_length <= 1 << 17:
+            raise MoeprepError(f"divergence.sequence_length must be from 2 to 131,072 tokens, got "
+                               f"{self.sequence_length}")
+        if not 100 <= self.resamples <= 100_000:
+            raise MoeprepError(f"divergence.resamples must be from 100 to 100,000, got {self.resamples}")
+
+
+@dataclass(frozen=True)
+class Divergence(StageResult):
+    """report.json's ``divergence``: the held-out text's provenance, the figures at the budget measured, and per
+    operating point where routing makes them differ."""
+
+    held_out: dict
+    memory_budget: str | int | None
+    summary: dict  # prep.evals.divergence.measure's output
+    points: list  # [{"budget_bytes", "summary"}], only with cache-conditional routing
+
+    def report_entry(self) -> dict:
+        return {"held_out": self.held_out, "memory_budget": self.memory_budget, **self.summary,
+                "points": self.points}
+
+    REPORT_SECTIONS = (ReportSection("divergence", 9, lambda report: [divergence_markdown(report["divergence"]), ""]
+                                     if report.get("divergence") else []),)
+
+
+LABELS = {"mean_kl": ("mean KL (nats)", "{:.3g}"), "kl_p99": ("KL 99th percentile", "{:.3g}"),
+          "kl_p999": ("KL 99.9th percentile", "{:.3g}"), "top_token_agreement": ("same top token", "{:.2%}"),
+          "ppl_source": ("perplexity, source", "{:.4g}"), "ppl_prepared": ("perplexity, prepared", "{:.4g}"),
+          "ppl_ratio": ("perplexity ratio", "{:.5f}")}
+
+
+def stats_rows(stats: dict) -> list[str]:
+    """One markdown row per figure: value and its interval."""
+    rows = []
+    for name, (label, form) in LABELS.items():
+        s = stats[name]
+        rows.append(f"| {label} | {form.format(s['value'])} | {form.format(s['low'])} to {form.format(s['high'])} |")
+    return rows
+
+
+def divergence_markdown(entry: dict) -> str:
+    """report.md's section: what was measured on what text, the table, and per operating point when they differ."""
+    held = entry["held_out"]
+    where = ("the calibration source's text after the calibration windows" if held.get("after_calibration")
+             else f"{held.get('source')} text")
+    lines = ["## Divergence from the source", "",
+             f"The prepared model through the loader (budget {entry.get('memory_budget') or 'the plan default'}) "
+             f"against its source, next token by next token on held-out text: {entry['sequences']} sequences of "
+             f"{held['sequence_length']} tokens ({entry['tokens']:,} predicted), {where}, sharing no text with the "
+             f"calibration set. Intervals: {entry['level']:.0%}, bootstrap over sequences ({entry['resamples']} draws, "
+             f"BCa). Measured in {entry['seconds']:.1f} s.", "",
+             f"| figure | value | {entry['level']:.0%} interval |", "| --- | ---: | ---: |", *stats_rows(entry["stats"])]
+    if entry.get("points"):
+        lines += ["", "Cache-conditional routing makes the output depend on what is resident: each operating point "
+                  "measured at its budget.", "",
+                  "| budget (MiB) | mean KL | interval | same top token | perplexity ratio |",
+                  "| ---: | ---: | ---: | ---: | ---: |"]
+        for point in entry["points"]:
+            s = point["summary"]["stats"]
+            lines.append(f"| {point['budget_bytes'] / 2**20:.1f} | {s['mean_kl']['value']:.3g} | "
+                         f"{s['mean_kl']['low']:.3g} to {s['mean_kl']['high']:.3g} | "
+                         f"{s['top_token_agreement']['value']:.2%} | {s['ppl_ratio']['value']:.5f} |")
+    return "\n".join(lines)
+
+
+def measure_artifact(artifact, source, sequences, budget, cfg: DivergenceSection, label: str = "") -> dict:
+    """``prep.evals.divergence.measure`` of ``artifact`` through the loader at ``budget`` (the loader takes the
+    operating point for it) against ``source``."""
+    prepared = load(artifact, memory_budget=budget)
+    try:
+        with tqdm(total=len(sequences), desc=f"divergence{label}", unit="seq", leave=False) as bar:
+            return D.measure(source, prepared.model, sequences, resamples=cfg.resamples, seed=cfg.seed,
+                             progress=lambda i, n: bar.update(1))
+    finally:
+        prepared.close()
+
+
+DEFAULT_LENGTH = 256
+
+
+def window_length(cfg: DivergenceSection, config) -> int:
+    """The held-out windows' length: the section's, else 256 tokens or the model's context if shorter; longer than
+    the context is an error naming both."""
+    context = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if not isinstance(context, int):
+        context = None
+    if cfg.sequence_length is None:
+        return min(DEFAULT_LENGTH, context or DEFAULT_LENGTH)
+    if context is not None and cfg.sequence_length > context:
+        raise MoeprepError(f"divergence.sequence_length {cfg.sequence_length} is longer than the model's context of "
+                           f"{context} tokens; set it to {context} or less (or null)")
+    return cfg.sequence_length
+
+
+def run(inputs) -> Divergence:
+    cfg: DivergenceSection = inputs.config
+    held = held_out_sequences(inputs.calibration, inputs.tokenizer, inputs.root, cfg.num_sequences,
+                              window_length(cfg, inputs.model.config), cfg.text)
+    manifest = read_manifest(inputs.artifact.path)
+    artifact = manifest.root
+    summary = measure_artifact(artifact, inputs.model, held.sequences, cfg.memory_budget, cfg)
+    points = []
+    report = read_json(manifest.path("report.json"), "report.json")
+    plan = read_plan(artifact)
+    if plan.routing.name == "cache_routing":
+        for point in report.get("operating_points") or []:
+            points.append({"budget_bytes": point["budget_bytes"],
+                           "summary": measure_artifact(artifact, inputs.model, held.sequences, point["budget_bytes"],
+                                                       cfg, f" at {point['budget_bytes'] / 2**20:.1f} MiB")})
+    result = Divergence(held_out=held.provenance, memory_budget=cfg.memory_budget, summary=summary, points=points)
+    merge_section(artifact, {"divergence": result.report_entry()}, inputs.report_layout,
+                  package_key=manifest.raw["package_key"])
+    return result
+
+
+def _in_report(inputs, result: Divergence) -> bool:
+    try:
+        report = json.loads((inputs.artifact.path / "report.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(report, dict) and report.get("divergence") == json.loads(json.dumps(result.report_entry()))
+
+
+STAGE = Stage(
+    name="divergence", version=VERSION, config=DivergenceSection, result=Divergence,
+    reads=("package",), needs=frozenset({"model", "calibration", "artifact"}),
+    run=run, enabled=lambda recipe: recipe.divergence.enabled, output_ok=_in_report, section="divergence",
+)
