@@ -55,16 +55,19 @@ def token_divergence(source_logits: torch.Tensor, prepared_logits: torch.Tensor,
     return SequenceDivergence(kl, agree, nll_s, nll_p)
 
 
-def _weighted_quantiles(order: np.ndarray, owner: np.ndarray, weights: np.ndarray, q: float) -> np.ndarray:
+def _weighted_quantiles(order: np.ndarray, below: np.ndarray, weights: np.ndarray, q: float) -> np.ndarray:
     """Per row of ``weights`` [draws, sequences]: the smallest value whose cumulative weight reaches ``q`` of the total
-    (the inverted CDF), every token weighted by how many times its sequence was drawn; ``order``: the values sorted,
-    ``owner``: each one's sequence."""
-    out = np.empty(len(weights))
-    for start in range(0, len(weights), 64):  # [64, tokens] at a time
-        cumulative = np.cumsum(weights[start:start + 64][:, owner], axis=1)
-        reach = q * cumulative[:, -1:]
-        out[start:start + 64] = order[np.argmax(cumulative >= reach - 1e-9 * reach, axis=1)]
-    return out
+    (the inverted CDF), every token weighted by how many times its sequence was drawn. ``order``: the values sorted;
+    ``below[s, k]``: how many of sequence s's tokens are among the first k + 1 sorted. A binary search over k for all
+    draws at once: log2(tokens) steps of draws x sequences work, not draws x tokens."""
+    reach = q * (weights @ below[:, -1]) * (1 - 1e-12)
+    lo, hi = np.zeros(len(weights), np.int64), np.full(len(weights), below.shape[1] - 1, np.int64)
+    rows = np.arange(len(weights))
+    while np.any(lo < hi):
+        mid = (lo + hi) // 2
+        enough = np.einsum("ds,sd->d", weights, below[:, mid]) >= reach[rows]
+        hi, lo = np.where(enough, mid, hi), np.where(enough, lo, mid + 1)
+    return order[lo]
 
 
 def summarize(sequences: list[SequenceDivergence], resamples: int = RESAMPLES, level: float = LEVEL,
@@ -81,7 +84,11 @@ def summarize(sequences: list[SequenceDivergence], resamples: int = RESAMPLES, l
     sums = {k: np.array(v, dtype=np.float64) for k, v in sums.items()}
     values = np.concatenate([s.kl for s in sequences])
     sort = np.argsort(values, kind="stable")
-    order, owner = values[sort], np.repeat(np.arange(n), count.astype(np.int64))[sort]
+    owner = np.repeat(np.arange(n), count.astype(np.int64))[sort]
+    order = values[sort]
+    below = np.zeros((n, len(values)), np.int32)
+    below[owner, np.arange(len(values))] = 1
+    np.cumsum(below, axis=1, out=below)
 
     def figures(weights: np.ndarray) -> dict[str, np.ndarray]:
         """Every figure for each row of sequence weights [rows, n]."""
@@ -90,7 +97,7 @@ def summarize(sequences: list[SequenceDivergence], resamples: int = RESAMPLES, l
         return {"mean_kl": mean["kl"], "top_token_agreement": mean["agree"],
                 "ppl_source": np.exp(mean["nll_source"]), "ppl_prepared": np.exp(mean["nll_prepared"]),
                 "ppl_ratio": np.exp(mean["nll_prepared"] - mean["nll_source"])} | {
-            name: _weighted_quantiles(order, owner, weights, q) for name, q in QUANTILES.items()}
+            name: _weighted_quantiles(order, below, weights, q) for name, q in QUANTILES.items()}
 
     point = figures(np.ones((1, n)))
     rng = np.random.default_rng(seed)
