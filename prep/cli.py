@@ -182,14 +182,28 @@ def _expert_memory(text: str) -> int | str | None:
 @click.option("--expert-memory", default="auto", show_default=True,
               help="The original's routed-expert bytes kept in memory between forwards (as for prepare; 0 rereads "
               "the checkpoint every forward).")
+@click.option("--divergence-sequences", default=64, show_default=True, type=click.IntRange(0, 100_000),
+              help="Held-out windows (after the text the artifact was calibrated on) for the divergence: mean KL, "
+              "top-token agreement and perplexity with 95% intervals; 0 skips it.")
+@click.option("--divergence-length", default=None, type=click.IntRange(2, 1 << 17),
+              help="Tokens per held-out window [default: 256, or the model's context if shorter].")
 def eval_command(artifact, original, suites, data, limit, num_fewshot, gsm8k_format, memory_budget, output,
-                 reuse_original, expert_memory):
-    """Compare the prepared model (through the loader) with the original, item by item; the artifact's report.json
-    and report.md show the new check afterwards."""
+                 reuse_original, expert_memory, divergence_sequences, divergence_length):
+    """Compare the prepared model (through the loader) with the original: its divergence on held-out text, then
+    item by item on the suites; the artifact's report.json and report.md show both afterwards."""
     from pathlib import Path
 
     from prep.evals.compare import evaluate_artifact, summary_markdown
+    from prep.stages.divergence import divergence_markdown, divergence_of_existing
     from prep.stages.table import REPORT
+
+    if divergence_sequences:
+        if divergence_sequences < 4:
+            raise click.BadParameter("at least 4 (the interval is a bootstrap over windows), or 0 to skip",
+                                     param_hint="--divergence-sequences")
+        found = divergence_of_existing(artifact, original, divergence_sequences, divergence_length, memory_budget,
+                                       _expert_memory(expert_memory), layout=REPORT)
+        click.echo(divergence_markdown(found.report_entry()) + f"\n\n(divergence measured in {found.seconds:.1f} s)\n")
 
     output = output or str(Path(artifact).parent / "eval.json")
     report = evaluate_artifact(artifact, original, _names(suites), data,

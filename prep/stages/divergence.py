@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -60,8 +61,10 @@ class Divergence(StageResult):
 
     held_out: dict
     memory_budget: str | int | None
-    summary: dict  # prep.evals.divergence.measure's output
+    summary: dict  # prep.evals.divergence.measure's output without its seconds
     points: list  # [{"budget_bytes", "summary"}], only with cache-conditional routing
+    seconds: float = 0.0  # wall time of every measurement: in result.json and on the console, not in report.json,
+    # whose every byte is a function of the inputs (a rebuild is byte-identical)
 
     def report_entry(self) -> dict:
         return {"held_out": self.held_out, "memory_budget": self.memory_budget, **self.summary,
@@ -96,7 +99,7 @@ def divergence_markdown(entry: dict) -> str:
              f"against its source, next token by next token on held-out text: {entry['sequences']} sequences of "
              f"{held['sequence_length']} tokens ({entry['tokens']:,} predicted), {where}, sharing no text with the "
              f"calibration set. Intervals: {entry['level']:.0%}, bootstrap over sequences ({entry['resamples']} draws, "
-             f"BCa). Measured in {entry['seconds']:.1f} s.", "",
+             "BCa).", "",
              f"| figure | value | {entry['level']:.0%} interval |", "| --- | ---: | ---: |", *stats_rows(entry["stats"])]
     if entry.get("points"):
         lines += ["", "Cache-conditional routing makes the output depend on what is resident: each operating point "
@@ -140,25 +143,57 @@ def window_length(cfg: DivergenceSection, config) -> int:
     return cfg.sequence_length
 
 
-def run(inputs) -> Divergence:
-    cfg: DivergenceSection = inputs.config
-    held = held_out_sequences(inputs.calibration, inputs.tokenizer, inputs.root, cfg.num_sequences,
-                              window_length(cfg, inputs.model.config), cfg.text)
-    manifest = read_manifest(inputs.artifact.path)
+def divergence_of(artifact, source, tokenizer, calibration: CalibrationSection, root, cfg: DivergenceSection,
+                  layout) -> Divergence:
+    """The divergence of ``artifact`` from ``source`` (the source model, loaded) on held-out text after
+    ``calibration``'s, merged into the artifact's report.json (report.md rendered with ``layout``): the stage's work,
+    and ``moeprep eval``'s on an existing artifact."""
+    held = held_out_sequences(calibration, tokenizer, root, cfg.num_sequences, window_length(cfg, source.config),
+                              cfg.text)
+    manifest = read_manifest(artifact)
     artifact = manifest.root
-    summary = measure_artifact(artifact, inputs.model, held.sequences, cfg.memory_budget, cfg)
+    summary = measure_artifact(artifact, source, held.sequences, cfg.memory_budget, cfg)
+    seconds = summary.pop("seconds")
     points = []
-    report = read_json(manifest.path("report.json"), "report.json")
-    plan = read_plan(artifact)
-    if plan.routing.name == "cache_routing":
+    if read_plan(artifact).routing.name == "cache_routing":
+        report = read_json(manifest.path("report.json"), "report.json")
         for point in report.get("operating_points") or []:
-            points.append({"budget_bytes": point["budget_bytes"],
-                           "summary": measure_artifact(artifact, inputs.model, held.sequences, point["budget_bytes"],
-                                                       cfg, f" at {point['budget_bytes'] / 2**20:.1f} MiB")})
-    result = Divergence(held_out=held.provenance, memory_budget=cfg.memory_budget, summary=summary, points=points)
-    merge_section(artifact, {"divergence": result.report_entry()}, inputs.report_layout,
-                  package_key=manifest.raw["package_key"])
+            measured = measure_artifact(artifact, source, held.sequences, point["budget_bytes"], cfg,
+                                        f" at {point['budget_bytes'] / 2**20:.1f} MiB")
+            seconds += measured.pop("seconds")
+            points.append({"budget_bytes": point["budget_bytes"], "summary": measured})
+    result = Divergence(held_out=held.provenance, memory_budget=cfg.memory_budget, summary=summary, points=points,
+                        seconds=round(seconds, 3))
+    merge_section(artifact, {"divergence": result.report_entry()}, layout, package_key=manifest.raw["package_key"])
     return result
+
+
+def divergence_of_existing(artifact, original=None, num_sequences: int = 64, sequence_length: int | None = None,
+                           memory_budget=None, expert_memory="auto", root=".", layout=None) -> Divergence:
+    """``moeprep eval``'s divergence: the held-out text after the calibration section the artifact's manifest
+    records, the source read as ``moeprep eval`` reads it (``prep.streaming.load_streamed``)."""
+    from transformers import AutoTokenizer
+
+    from prep.streaming import load_streamed
+
+    manifest = read_manifest(artifact)
+    recorded = (manifest.raw.get("recipe") or {}).get("calibration")
+    if not recorded:
+        raise MoeprepError(f"{manifest.root}'s manifest records no calibration section, so the held-out text cannot "
+                           "be told apart from it; pass --divergence-sequences 0 to skip the divergence")
+    original = Path(original or manifest.raw["source_model"]["path"])
+    if not original.is_dir():
+        raise MoeprepError(f"original model {original} not found; pass --model with its directory")
+    calibration = CalibrationSection(**{k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items()})
+    cfg = DivergenceSection(num_sequences=num_sequences, sequence_length=sequence_length, memory_budget=memory_budget)
+    source = load_streamed(original, resident_bytes=expert_memory)
+    return divergence_of(manifest.root, source, AutoTokenizer.from_pretrained(original), calibration, Path(root),
+                         cfg, layout)
+
+
+def run(inputs) -> Divergence:
+    return divergence_of(inputs.artifact.path, inputs.model, inputs.tokenizer, inputs.calibration, inputs.root,
+                         inputs.config, inputs.report_layout)
 
 
 def _in_report(inputs, result: Divergence) -> bool:
