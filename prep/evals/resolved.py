@@ -67,11 +67,13 @@ def extended_suites(ref_dir: Path, out: Path, sizes: dict[str, int], seed: int =
 
     if (out / EXTENSION).is_file():
         try:
-            made_with = json.loads((out / EXTENSION).read_text()).get("seed")
-        except (OSError, ValueError, AttributeError):
-            made_with = None
+            made = json.loads((out / EXTENSION).read_text())
+            made_with = (made["seed"], made["training_seed"])
+            trained_with = json.loads((ref_dir / "training.json").read_text())["spec"]["seed"]
+        except (OSError, ValueError, KeyError, TypeError):
+            made_with = trained_with = None
         have = _counts(out)
-        if made_with == seed and all(have.get(name, 0) >= n for name, n in sizes.items()):
+        if made_with == (seed, trained_with) and all(have.get(name, 0) >= n for name, n in sizes.items()):
             return have, False
     shipped = _counts(ref_dir / "suites")
     write_extended_suites(ref_dir, out, seed, {name: max(0, n - shipped.get(name, 0)) for name, n in sizes.items()})

@@ -83,7 +83,8 @@ class EvaluateSection:
 
 @dataclass(frozen=True)
 class AccuracyCheck(StageResult):
-    """The ``eval`` entry of the artifact's report.json: per-suite headline figures, data, budget."""
+    """The ``eval`` entry of the artifact's report.json: per-suite headline figures, data, budget. Its sections of
+    report.md: the check, then ``resolved_accuracy`` (``moeprep accuracy``'s deltas on more items, when run)."""
 
     suites: dict
     data: str | None
