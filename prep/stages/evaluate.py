@@ -30,7 +30,7 @@ from prep.report import ReportLayout, ReportSection, merge_section
 from prep.stages import Stage, StageResult
 from prep.stages.operating_points import PLAN_PLOT, operating_points_plot
 
-VERSION = 4  # 4: per-suite limits; each operating point's delta as a paired test per suite
+VERSION = 5  # 4: per-suite limits; each operating point's delta as a paired test per suite; 5: with its 95% interval
 
 
 @dataclass(frozen=True)

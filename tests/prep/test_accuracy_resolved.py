@@ -16,10 +16,11 @@ from click.testing import CliRunner
 from loader.verify import verify
 from prep.cli import main as moeprep
 from prep.errors import MoeprepError
-from prep.evals.compare import mcnemar_p
+from prep.evals.compare import mcnemar_p, summary_markdown
 from prep.evals.power import detectable_difference, items_to_resolve, paired_interval, paired_verdict
 from prep.evals.resolved import extended_suites, items_needed, resolve_accuracy, suite_sizes
 from prep.report import merge_section
+from prep.stages.evaluate import accuracy_markdown
 from prep.stages.table import REPORT
 from tests.tiny_models import prepare_tiny_artifact, write_tiny_suites
 
@@ -80,6 +81,14 @@ def test_the_verdict_states_the_interval_and_whether_it_lies_within_a_point():
     assert v["resolved_to_one_point"] is False  # -1.25 points, and the interval reaches -3.19
     tight = paired_verdict(-0.001, {"right_to_wrong": 30, "wrong_to_right": 20}, 10_000, mcnemar_p(30, 20), None)
     assert -1 < tight["interval_points"][0] < tight["interval_points"][1] < 1 and tight["resolved_to_one_point"]
+
+
+def test_the_tables_of_paired_deltas_print_the_interval():
+    mmlu = {"mmlu": SHIPPED_CHECK["mmlu"]}
+    assert "| delta | 95% interval (points) |" in summary_markdown({"suites": mmlu})
+    assert "| -0.0125 | [-3.19, +0.70] | 10 | 5 |" in summary_markdown({"suites": mmlu})
+    check = accuracy_markdown({"eval": {"suites": mmlu, "memory_budget": None}})
+    assert "| delta (points) | 95% interval (points) |" in check and "| mmlu | 400 | 0.25 | -1.25 | [-3.19, +0.70] |" in check
 
 
 def test_what_n_items_resolve_is_the_inverse_of_the_items_a_difference_needs():
