@@ -14,7 +14,7 @@ GPU_PY ?= 3.12
 TRACES ?= ../shared/data/traces
 HOW_FAST ?= artifacts/how-fast
 
-.PHONY: setup test prepare eval bench how-fast reference-model reference-metrics lint loc gpu-carry gpu-check
+.PHONY: setup test prepare eval accuracy bench how-fast reference-model reference-metrics lint loc gpu-carry gpu-check
 
 setup: $(VENV)/.installed
 
@@ -33,6 +33,10 @@ prepare: setup
 
 eval: setup
 	$(BIN)/moeprep eval --artifact artifacts/$(MODEL)/artifact
+
+# The shipped artifact's accuracy resolved to one point (after `make prepare`): accuracy.md under artifacts/$(MODEL)/accuracy.
+accuracy: setup
+	$(BIN)/moeprep accuracy --artifact artifacts/$(MODEL)/artifact
 
 bench: setup
 	$(BIN)/moeprep bench --device $(DEVICE)

@@ -214,6 +214,38 @@ def eval_command(artifact, original, suites, data, limit, num_fewshot, gsm8k_for
     click.echo(f"wrote {output}")
 
 
+@main.command("accuracy")
+@click.option("--artifact", default="artifacts/reference/artifact", show_default=True,
+              type=click.Path(file_okay=False), help="The prepared artifact (its report.json holds the check to size from).")
+@click.option("--work", default=None, type=click.Path(file_okay=False),
+              help="Where the suites, the original's rows, accuracy.json and accuracy.md go. Default: "
+              "<artifact>/../accuracy.")
+@click.option("--data", default=None, help="Suites to score instead of generating held-out items (needed for an "
+              "artifact not prepared from the reference model).")
+@click.option("--model", "original", default=None, help="The original model (default: the manifest's source).")
+@click.option("--gsm8k", default=None, type=click.IntRange(1, 1_000_000),
+              help="GSM8K's cap in items (it generates text, the slow suite). Default: what ~30 minutes on 2 CPU "
+              "cores afford.")
+@click.option("--mmlu", default=None, type=click.IntRange(1, 1_000_000),
+              help="MMLU items instead of the items that resolve one point at the check's flip rate.")
+@click.option("--truthfulqa", default=None, type=click.IntRange(1, 1_000_000),
+              help="TruthfulQA items instead of the items that resolve one point at the check's MC1 flip rate.")
+@click.option("--memory-budget", default=None, help="Loader budget for the prepared model (default: the check's).")
+@click.option("--seed", default=2026, show_default=True, type=int, help="The held-out generator's seed.")
+def accuracy_command(artifact, work, data, original, gsm8k, mmlu, truthfulqa, memory_budget, seed):
+    """Resolve the artifact's accuracy to one point: size each suite from the check's flips, score that many
+    held-out items, and state each delta with its 95% interval (accuracy.json, accuracy.md, report.json's
+    resolved_accuracy and report.md)."""
+    from prep.evals.resolved import GSM8K_ITEMS, resolve_accuracy, resolved_markdown
+    from prep.stages.table import REPORT
+
+    entry = resolve_accuracy(artifact, work, data, original, gsm8k or GSM8K_ITEMS,
+                             {"mmlu": mmlu, "truthfulqa": truthfulqa}, memory_budget, seed, REPORT, say=click.echo)
+    click.echo(resolved_markdown({"resolved_accuracy": entry}))
+    click.echo(f"wrote {Path(work or Path(artifact).parent / 'accuracy') / 'accuracy.json'}, accuracy.md; "
+               f"merged into {artifact}/report.json")
+
+
 def _names(text: str) -> tuple[str, ...]:
     """A comma-separated list of names (suites, budgets), blanks dropped."""
     return tuple(n.strip() for n in text.split(",") if n.strip())

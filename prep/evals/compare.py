@@ -160,7 +160,8 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
                       memory_budget=None, gsm8k_format: str = "cot", batch_rows: int = 16,
                       max_new_tokens: int = 256, output: str | Path | None = None,
                       reuse_original: str | Path | None = None, plan=None,
-                      expert_memory: int | str | None = "auto", layout: ReportLayout | None = None) -> dict:
+                      expert_memory: int | str | None = "auto", layout: ReportLayout | None = None,
+                      merge: bool = True) -> dict:
     """Compare ``artifact`` (through the loader) with its original model; returns and writes the report.
 
     ``expert_memory``: the original's routed-expert bytes kept in memory between forwards (``load_streamed``:
@@ -171,7 +172,8 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
 
     The summary is merged into the artifact's report.json (``merge_into_artifact``), and report.md rendered again
     with ``layout`` (the stage table's sections, ``prep.stages.table.REPORT``, which this module cannot import),
-    unless ``plan`` (a ``loader.plan.Plan`` the loader runs instead of the artifact's) made it a variant's figures.
+    unless ``plan`` (a ``loader.plan.Plan`` the loader runs instead of the artifact's) made it a variant's figures
+    or ``merge`` is False (``moeprep accuracy``: figures on other items than the check's, kept beside it).
     """
     import transformers
 
@@ -196,8 +198,9 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
             raise MoeprepError("no --data given and the model has no suites/ beside it; pass --data")
     # what eval writes (its report, and the artifact's report.json unless a variant runs) must be writable
     # before minutes of evaluation, not after
-    writable(Path(output).parent if output else None, artifact if plan is None else None)
-    if plan is None:
+    merge = merge and plan is None
+    writable(Path(output).parent if output else None, artifact if merge else None)
+    if merge:
         current_report(manifest)  # an altered report.json is refused now, not after the evaluation
     bench = load_benchmarks(data, tuple(suites))
     for name in bench.items:
@@ -231,7 +234,7 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
     prepared.close()
     if output:
         write_report(report, Path(output))
-    if plan is None:
+    if merge:
         merge_into_artifact(artifact, report, package_key=manifest.raw["package_key"], layout=layout)
     return report
 
@@ -268,18 +271,25 @@ def merge_into_artifact(artifact: str | Path, report: dict, package_key: str | N
 
 
 def summary_markdown(report: dict) -> str:
-    """The eval report's table: per suite the paired figures and what the suite can resolve (``prep.evals.power``)."""
-    lines = ["| suite | n | shots | points per item | original | prepared | delta | right->wrong | wrong->right | "
-             "McNemar p | items to resolve 1 point |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """The eval report's table: per suite the paired figures, the delta's 95% interval and what the suite can resolve
+    (``prep.evals.power``)."""
+    lines = ["| suite | n | shots | points per item | original | prepared | delta | 95% interval (points) | "
+             "right->wrong | wrong->right | McNemar p | items to resolve 1 point |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, s in report["suites"].items():
         key = "strict_match" if name == "gsm8k" else "acc"
         test = paired_verdict(s["delta"], s["flips"], s["n"], s["mcnemar_p"], None)
         need = test["items_for_one_point"]
         lines.append(f"| {name} | {s['n']} | {s['num_fewshot']} | {test['resolution_points']:.2f} | "
                      f"{s['original'][key]:.4f} | {s['prepared'][key]:.4f} | {s['delta']:+.4f} | "
-                     f"{s['flips']['right_to_wrong']} | {s['flips']['wrong_to_right']} | {s['mcnemar_p']:.3g} | "
+                     f"{interval_text(test['interval_points'])} | {s['flips']['right_to_wrong']} | {s['flips']['wrong_to_right']} | {s['mcnemar_p']:.3g} | "
                      f"{need if need is not None else 'no flips seen'} |")
     return "\n".join(lines) + "\n"
+
+
+def interval_text(points: list[float]) -> str:
+    """An interval in points as the tables print it: ``[-3.19, +0.70]``."""
+    return f"[{points[0]:+.2f}, {points[1]:+.2f}]"
 
 
 def write_report(report: dict, output: Path) -> None:

@@ -9,7 +9,8 @@ flip either way), not on the accuracies: with the normal approximation of Connor
     n = (z_{1 - alpha/2} sqrt(f) + z_{1 - beta} sqrt(f - d^2))^2 / d^2.
 
 A device team reads these beside each delta in report.md: at n = 20 one item is 5 points, and a delta of one item
-says nothing.
+says nothing. ``paired_interval`` bounds the delta itself: a 95% interval from the same flips, so "within one point"
+is a statement about the interval, not about the point estimate.
 """
 
 from __future__ import annotations
@@ -40,15 +41,58 @@ def items_to_resolve(flip_rate: float, difference: float = 0.01, alpha: float = 
     return math.ceil(root ** 2 / difference ** 2)
 
 
+def detectable_difference(flip_rate: float, n: int, alpha: float = ALPHA, power: float = POWER) -> float | None:
+    """The smallest accuracy difference (a share) that ``n`` paired items find with ``power`` at ``flip_rate``: the
+    inverse of ``items_to_resolve``, what a suite capped at ``n`` items resolves. None when no flips were seen (the
+    noise is unknown) or when ``n`` is too few items to find even a difference of every item."""
+    if flip_rate <= 0 or items_to_resolve(flip_rate, 1.0, alpha, power) > n:
+        return None
+    low, high = 0.0, 1.0  # items_to_resolve falls as the difference grows: bisect on it
+    for _ in range(60):
+        middle = (low + high) / 2
+        if items_to_resolve(flip_rate, middle, alpha, power) <= n:
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def paired_interval(right_to_wrong: int, wrong_to_right: int, n: int, confidence: float = 1 - ALPHA
+                    ) -> tuple[float, float]:
+    """The ``confidence`` interval (shares, low and high) of a paired difference of two proportions, prepared minus
+    original, (wrong_to_right - right_to_wrong) / n, from the flips of ``n`` paired items.
+
+    Method: the Wald interval on the paired difference with the Agresti-Min adjustment (Agresti and Min 2005,
+    "Simple improved confidence intervals for comparing matched proportions", Statistics in Medicine 24:729-740):
+    add one half to each of the four cells of the 2x2 table (b, c flips; n + 2 items), then
+    d = (c - b) / (n + 2) and var = ((b + c + 1) - (c - b)^2 / (n + 2)) / (n + 2)^2. Unlike the plain Wald interval
+    it keeps its coverage near the nominal level when flips are few (a plain Wald interval from zero flips has width
+    zero), and it is clipped to [-1, 1]."""
+    if n < 1 or right_to_wrong < 0 or wrong_to_right < 0 or right_to_wrong + wrong_to_right > n:
+        raise ValueError(f"flips {right_to_wrong} + {wrong_to_right} must be non-negative counts of n = {n} >= 1 items")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence is a probability in (0, 1), got {confidence}")
+    b, c, m = right_to_wrong + 0.5, wrong_to_right + 0.5, n + 2
+    difference = (c - b) / m
+    half = NormalDist().inv_cdf(0.5 + confidence / 2) * math.sqrt(max((b + c) - (c - b) ** 2 / m, 0.0)) / m
+    return max(-1.0, difference - half), min(1.0, difference + half)
+
+
 def paired_verdict(delta: float, flips: dict, n: int, mcnemar_p: float, tolerance_points: float | None,
                    alpha: float = ALPHA) -> dict:
     """The tolerance as a paired test on one suite: the delta within ``tolerance_points`` of none (None: no tolerance
     stated), McNemar's p on the flips, whether the difference is detectable at ``alpha``, the resolution of the
-    suite and the items a one-point difference would need at the flip rate measured here."""
+    suite, the items a one-point difference would need at the flip rate measured here, and the delta's
+    ``1 - alpha`` interval from the flips (``paired_interval``; for TruthfulQA MC2, whose delta is a mean of
+    probability masses, it is the interval of the items crossing one half, as its McNemar p is) with
+    ``resolved_to_one_point`` when the whole interval lies within one point of none."""
     flipped = flips["right_to_wrong"] + flips["wrong_to_right"]
     flip_rate = flipped / n if n else 0.0
+    low, high = paired_interval(flips["right_to_wrong"], flips["wrong_to_right"], n, 1 - alpha)
     return {"delta_points": 100 * delta,
             "within_tolerance": None if tolerance_points is None else abs(100 * delta) <= tolerance_points + 1e-9,
             "tolerance_points": tolerance_points, "mcnemar_p": mcnemar_p, "significant": mcnemar_p < alpha,
             "resolution_points": resolution_points(n), "flip_rate": flip_rate,
-            "items_for_one_point": items_to_resolve(flip_rate, 0.01, alpha)}
+            "items_for_one_point": items_to_resolve(flip_rate, 0.01, alpha),
+            "interval_points": [100 * low, 100 * high],
+            "resolved_to_one_point": -1 - 1e-9 <= 100 * low and 100 * high <= 1 + 1e-9}

@@ -22,14 +22,15 @@ from pathlib import Path
 from loader.format import read_json, read_manifest
 from loader.plan import read_plan
 from prep.errors import MoeprepError
-from prep.evals.compare import eval_summary, evaluate_artifact
+from prep.evals.compare import eval_summary, evaluate_artifact, interval_text
 from prep.evals.data import SUITES
 from prep.evals.power import paired_verdict
+from prep.evals.resolved import resolved_markdown
 from prep.report import ReportLayout, ReportSection, merge_section
 from prep.stages import Stage, StageResult
 from prep.stages.operating_points import PLAN_PLOT, operating_points_plot
 
-VERSION = 4  # 4: per-suite limits; each operating point's delta as a paired test per suite
+VERSION = 5  # 4: per-suite limits; each operating point's delta as a paired test per suite; 5: with its 95% interval
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,8 @@ class EvaluateSection:
 
 @dataclass(frozen=True)
 class AccuracyCheck(StageResult):
-    """The ``eval`` entry of the artifact's report.json: per-suite headline figures, data, budget."""
+    """The ``eval`` entry of the artifact's report.json: per-suite headline figures, data, budget. Its sections of
+    report.md: the check, then ``resolved_accuracy`` (``moeprep accuracy``'s deltas on more items, when run)."""
 
     suites: dict
     data: str | None
@@ -93,28 +95,34 @@ class AccuracyCheck(StageResult):
         return {"suites": self.suites, "data": self.data, "memory_budget": self.memory_budget}
 
     REPORT_SECTIONS = (ReportSection("eval", 10, lambda report: [accuracy_markdown(report), ""]
-                                     if (report.get("eval") or {}).get("suites") else []),)
+                                     if (report.get("eval") or {}).get("suites") else []),
+                       # written by `moeprep accuracy` on the shipped artifact, never by this stage
+                       ReportSection("resolved_accuracy", 11, lambda report: [resolved_markdown(report), ""]
+                                     if (report.get("resolved_accuracy") or {}).get("suites") else []))
 
 
 def accuracy_markdown(report: dict) -> str:
-    """The accuracy check (report.json ``eval``) as a paired test per suite: the delta, McNemar's p on the flips,
+    """The accuracy check (report.json ``eval``) as a paired test per suite: the delta and its 95% interval,
+    McNemar's p on the flips,
     the tolerance (the plan's, points per suite) and what the suite can resolve (``prep.evals.power``)."""
     check = report["eval"]
     tolerance = (report.get("planning") or {}).get("tolerance")
     lines = ["## Accuracy check", "",
              f"The prepared model through the loader (budget {check.get('memory_budget') or 'the plan default'}) "
              "against its original, item by item on the same prompts. A suite of n items moves 100/n points per "
-             "item; McNemar's exact test on the flips says whether a delta is more than noise; the last column is "
+             "item; McNemar's exact test on the flips says whether a delta is more than noise, and the interval bounds "
+             "it (95%, Agresti-Min, from the flips); the last column is "
              "how many items would resolve a one-point difference (alpha 0.05, power 0.8) at the flip rate measured "
              "here. " + (f"Tolerance: |delta| <= {tolerance:g} points per suite." if tolerance is not None
                          else "No tolerance is stated (plan.tolerance)."), "",
-             "| suite | n | points per item | delta (points) | right->wrong | wrong->right | McNemar p | within "
-             "tolerance | items to resolve 1 point |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+             "| suite | n | points per item | delta (points) | 95% interval (points) | right->wrong | wrong->right | "
+             "McNemar p | within tolerance | items to resolve 1 point |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for name, s in check["suites"].items():
         t = paired_verdict(s["delta"], s["flips"], s["n"], s["mcnemar_p"], tolerance)
         within = "-" if t["within_tolerance"] is None else ("yes" if t["within_tolerance"] else "**no**")
         lines.append(f"| {name} | {s['n']} | {t['resolution_points']:.2f} | {t['delta_points']:+.2f} | "
-                     f"{s['flips']['right_to_wrong']} | {s['flips']['wrong_to_right']} | {s['mcnemar_p']:.3g} | "
+                     f"{interval_text(t['interval_points'])} | {s['flips']['right_to_wrong']} | {s['flips']['wrong_to_right']} | {s['mcnemar_p']:.3g} | "
                      f"{within} | {t['items_for_one_point'] if t['items_for_one_point'] is not None else 'no flips'} |")
     return "\n".join(lines)
 
