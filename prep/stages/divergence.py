@@ -32,14 +32,15 @@ VERSION = 1
 @dataclass(frozen=True)
 class DivergenceSection:
     """Held-out text (``num_sequences`` windows of ``sequence_length`` tokens, null: 256 or the model's context if
-    shorter; ``text``: another source than the calibration's, whose source keys are read) and the loader budget;
-    ``resamples`` bootstrap draws for the 95% intervals."""
+    shorter; ``text``: another source than the calibration's, whose source keys are read), the loader budget (null:
+    unlimited where the plan's outputs do not depend on what is resident, else the plan's default, and then each
+    operating point at its own) and ``resamples`` bootstrap draws for the 95% intervals."""
 
     enabled: bool = True
     num_sequences: int = 64
     sequence_length: int | None = None
     text: CalibrationSection | None = None
-    memory_budget: str | None = "50%"
+    memory_budget: str | None = None
     resamples: int = D.RESAMPLES
     seed: int = 0
 
@@ -61,10 +62,9 @@ class Divergence(StageResult):
 
     held_out: dict
     memory_budget: str | int | None
-    summary: dict  # prep.evals.divergence.measure's output without its seconds
-    points: list  # [{"budget_bytes", "summary"}], only with cache-conditional routing
-    seconds: float = 0.0  # wall time of every measurement: in result.json and on the console, not in report.json,
-    # whose every byte is a function of the inputs (a rebuild is byte-identical)
+    summary: dict  # prep.evals.divergence.measure's output without its seconds: result.json and report.json are
+    # functions of the inputs (a rebuild, or a run on Ray, writes the same bytes); prepare's summary prints the time
+    points: list  # [{"budget_bytes", "summary"}], only where outputs depend on what is resident
 
     def report_entry(self) -> dict:
         return {"held_out": self.held_out, "memory_budget": self.memory_budget, **self.summary,
@@ -102,8 +102,8 @@ def divergence_markdown(entry: dict) -> str:
              "BCa).", "",
              f"| figure | value | {entry['level']:.0%} interval |", "| --- | ---: | ---: |", *stats_rows(entry["stats"])]
     if entry.get("points"):
-        lines += ["", "Cache-conditional routing makes the output depend on what is resident: each operating point "
-                  "measured at its budget.", "",
+        lines += ["", "The plan's outputs depend on what is resident (cache-conditional routing, its miss rule or "
+                  "neuron-level loading): each operating point measured at its budget.", "",
                   "| budget (MiB) | mean KL | interval | same top token | perplexity ratio |",
                   "| ---: | ---: | ---: | ---: | ---: |"]
         for point in entry["points"]:
@@ -129,6 +129,12 @@ def measure_artifact(artifact, source, sequences, budget, cfg: DivergenceSection
 DEFAULT_LENGTH = 256
 
 
+def depends_on_residency(plan) -> bool:
+    """Whether the loader's outputs depend on which experts are resident: cache-conditional routing, a miss rule
+    other than reading the planned precision, or neuron-level loading. Otherwise any budget computes the same."""
+    return plan.routing.name == "cache_routing" or plan.miss.name != "plan" or plan.neuron.name != "off"
+
+
 def window_length(cfg: DivergenceSection, config) -> int:
     """The held-out windows' length: the section's, else 256 tokens or the model's context if shorter; longer than
     the context is an error naming both."""
@@ -152,18 +158,20 @@ def divergence_of(artifact, source, tokenizer, calibration: CalibrationSection, 
                               cfg.text)
     manifest = read_manifest(artifact)
     artifact = manifest.root
-    summary = measure_artifact(artifact, source, held.sequences, cfg.memory_budget, cfg)
-    seconds = summary.pop("seconds")
+    plan = read_plan(artifact)
+    dependent = depends_on_residency(plan)
+    budget = cfg.memory_budget or (plan.default_budget if dependent else "unlimited")
+    summary = measure_artifact(artifact, source, held.sequences, budget, cfg)
+    summary.pop("seconds")
     points = []
-    if read_plan(artifact).routing.name == "cache_routing":
+    if dependent:
         report = read_json(manifest.path("report.json"), "report.json")
         for point in report.get("operating_points") or []:
             measured = measure_artifact(artifact, source, held.sequences, point["budget_bytes"], cfg,
                                         f" at {point['budget_bytes'] / 2**20:.1f} MiB")
-            seconds += measured.pop("seconds")
+            measured.pop("seconds")
             points.append({"budget_bytes": point["budget_bytes"], "summary": measured})
-    result = Divergence(held_out=held.provenance, memory_budget=cfg.memory_budget, summary=summary, points=points,
-                        seconds=round(seconds, 3))
+    result = Divergence(held_out=held.provenance, memory_budget=budget, summary=summary, points=points)
     merge_section(artifact, {"divergence": result.report_entry()}, layout, package_key=manifest.raw["package_key"])
     return result
 
