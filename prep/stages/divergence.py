@@ -33,8 +33,8 @@ VERSION = 1
 class DivergenceSection:
     """Held-out text (``num_sequences`` windows of ``sequence_length`` tokens, null: 256 or the model's context if
     shorter; ``text``: another source than the calibration's, whose source keys are read), the loader budget (null:
-    unlimited where the plan's outputs do not depend on what is resident, else the plan's default, and then each
-    operating point at its own) and ``resamples`` bootstrap draws for the 95% intervals."""
+    unlimited; where the plan's outputs depend on what is resident, each operating point, or the plan's default
+    budget, is measured at its own too) and ``resamples`` bootstrap draws for the 95% intervals."""
 
     enabled: bool = True
     num_sequences: int = 64
@@ -94,8 +94,10 @@ def divergence_markdown(entry: dict) -> str:
     held = entry["held_out"]
     where = ("the calibration source's text after the calibration windows" if held.get("after_calibration")
              else f"{held.get('source')} text")
+    budget = entry.get("memory_budget")
+    budget = "every expert resident" if budget == "unlimited" else f"budget {budget or 'the plan default'}"
     lines = ["## Divergence from the source", "",
-             f"The prepared model through the loader (budget {entry.get('memory_budget') or 'the plan default'}) "
+             f"The prepared model through the loader ({budget}) "
              f"against its source, next token by next token on held-out text: {entry['sequences']} sequences of "
              f"{held['sequence_length']} tokens ({entry['tokens']:,} predicted), {where}, sharing no text with the "
              f"calibration set. Intervals: {entry['level']:.0%}, bootstrap over sequences ({entry['resamples']} draws, "
@@ -104,11 +106,13 @@ def divergence_markdown(entry: dict) -> str:
     if entry.get("points"):
         lines += ["", "The plan's outputs depend on what is resident (cache-conditional routing, its miss rule or "
                   "neuron-level loading): each operating point measured at its budget.", "",
-                  "| budget (MiB) | mean KL | interval | same top token | perplexity ratio |",
+                  "| budget | mean KL | interval | same top token | perplexity ratio |",
                   "| ---: | ---: | ---: | ---: | ---: |"]
         for point in entry["points"]:
             s = point["summary"]["stats"]
-            lines.append(f"| {point['budget_bytes'] / 2**20:.1f} | {s['mean_kl']['value']:.3g} | "
+            at = point["budget_bytes"]
+            lines.append(f"| {f'{at / 2**20:.1f} MiB' if isinstance(at, int | float) else at} | "
+                         f"{s['mean_kl']['value']:.3g} | "
                          f"{s['mean_kl']['low']:.3g} to {s['mean_kl']['high']:.3g} | "
                          f"{s['top_token_agreement']['value']:.2%} | {s['ppl_ratio']['value']:.5f} |")
     return "\n".join(lines)
@@ -159,18 +163,17 @@ def divergence_of(artifact, source, tokenizer, calibration: CalibrationSection, 
     manifest = read_manifest(artifact)
     artifact = manifest.root
     plan = read_plan(artifact)
-    dependent = depends_on_residency(plan)
-    budget = cfg.memory_budget or (plan.default_budget if dependent else "unlimited")
+    budget = cfg.memory_budget or "unlimited"
     summary = measure_artifact(artifact, source, held.sequences, budget, cfg)
     summary.pop("seconds")
     points = []
-    if dependent:
+    if depends_on_residency(plan):
         report = read_json(manifest.path("report.json"), "report.json")
-        for point in report.get("operating_points") or []:
-            measured = measure_artifact(artifact, source, held.sequences, point["budget_bytes"], cfg,
-                                        f" at {point['budget_bytes'] / 2**20:.1f} MiB")
+        for at in [p["budget_bytes"] for p in report.get("operating_points") or []] or [_default_budget(artifact, plan)]:
+            label = f" at {at / 2**20:.1f} MiB" if isinstance(at, int | float) else f" at {at}"
+            measured = measure_artifact(artifact, source, held.sequences, at, cfg, label)
             measured.pop("seconds")
-            points.append({"budget_bytes": point["budget_bytes"], "summary": measured})
+            points.append({"budget_bytes": at, "summary": measured})
     result = Divergence(held_out=held.provenance, memory_budget=budget, summary=summary, points=points)
     merge_section(artifact, {"divergence": result.report_entry()}, layout, package_key=manifest.raw["package_key"])
     return result
@@ -197,6 +200,18 @@ def divergence_of_existing(artifact, original=None, num_sequences: int = 64, seq
     source = load_streamed(original, resident_bytes=expert_memory)
     return divergence_of(manifest.root, source, AutoTokenizer.from_pretrained(original), calibration, Path(root),
                          cfg, layout)
+
+
+def _default_budget(artifact, plan):
+    """The plan's default budget, or the artifact's minimum where that is less (a tiny model's 50% can be)."""
+    from loader.budget import minimum_budget
+    from loader.errors import BudgetError
+
+    try:
+        load(artifact, memory_budget=plan.default_budget).close()
+        return plan.default_budget
+    except BudgetError:
+        return minimum_budget(artifact)
 
 
 def run(inputs) -> Divergence:

@@ -112,6 +112,12 @@ def test_lossless_artifact_has_zero_flips(tmp_path):
     assert (tmp_path / "eval.md").is_file()
     merged = json.loads((artifact / "report.json").read_text())
     assert "eval" in merged
+    # the divergence stage, on by default: the lossless artifact through the loader against its source
+    divergence = merged["divergence"]
+    assert divergence["stats"]["mean_kl"]["value"] < 1e-9 and divergence["stats"]["mean_kl"]["high"] < 1e-9
+    assert divergence["stats"]["top_token_agreement"] == {"value": 1.0, "low": 1.0, "high": 1.0}
+    assert divergence["stats"]["ppl_ratio"]["value"] == pytest.approx(1.0, abs=1e-6)
+    assert divergence["held_out"]["disjoint_from_calibration"] and divergence["points"] == []
     assert verify(artifact) == []  # the manifest was re-hashed after the merge
     with pytest.raises(MoeprepError, match="unknown suite"):
         load_benchmarks(tmp_path / "suites", ("hellaswag",))

@@ -112,5 +112,7 @@ def test_moeprep_eval_on_an_existing_artifact_renders_report_md_again(tmp_path):
     assert set(report["eval"]["suites"]) == {"mmlu"}
     assert after == REPORT.markdown("tiny", report) != before
     assert "## Accuracy check" in after and "| mmlu | 2 |" in after
+    assert after.index("## Divergence from the source") < after.index("## Accuracy check")  # eval measured both
+    assert report["divergence"]["sequences"] == 64 and "## Divergence from the source" in result.output
     assert verify(artifact) == []  # both files re-listed in the manifest
 
