@@ -108,6 +108,8 @@ def test_the_study_merges_into_an_artifact_that_still_verifies_and_loads(study):
     open_artifact(artifact)
     report = json.loads((artifact / "report.json").read_text())
     assert [r["label"] for r in report["bitwidth_study"]["rows"]] == [r["label"] for r in result["rows"]]
+    assert [r["divergence"] for r in report["bitwidth_study"]["rows"]] == [r["divergence"] for r in result["rows"]]
+    assert report["bitwidth_study"]["kl_vs_suites"] == result["kl_vs_suites"]
     assert "eval" in report  # what eval merged before is kept
     text = (artifact / "report.md").read_text()
     assert study_markdown(result) in text and "reports/report.png" in text
