@@ -276,7 +276,7 @@ def _floats(text: str, what: str) -> tuple[float, ...]:
               type=click.Path(dir_okay=False), help="The recipe every row derives from.")
 @click.option("--output", default="artifacts/bitwidth-study", show_default=True, type=click.Path(file_okay=False),
               help="Where the rows' artifacts and evals, study.json, study.md and study.png go.")
-@click.option("--tolerances", default="0.0015,0.003,0.005", show_default=True,
+@click.option("--tolerances", default="0.0015,0.002,0.003,0.004,0.005", show_default=True,
               help="edgemoe tolerances (mean next-token KL, nats); the middle one sets the random row's bytes.")
 @click.option("--shares", default="0.25,0.5", show_default=True, help="frequency shares q.")
 @_study_suites

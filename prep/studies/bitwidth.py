@@ -1,6 +1,11 @@
 """The bit-width study: one recipe prepared at every bit-width configuration, each
-artifact compared with the original model on the suites, and a table and a plot of accuracy against
-expert bytes.
+artifact compared with the original model on the suites, and a table and a plot of divergence and accuracy
+against bits per weight.
+
+Each row also carries its artifact's divergence from the source on held-out text (the ``divergence`` stage's
+entry in its report.json: mean KL with its 95% interval, the same-top-token share, the perplexity ratio), and
+the study asks whether that cheap figure orders the rows as the suites do: Spearman's rho between mean KL and
+each suite's delta across the rows, with a permutation p-value (``spearman``).
 
 Rows share the recipe's stage cache, so the trace, the quantized stores and the sensitivity sweep are
 computed once; the original model's per-item results are computed once too (``reuse_original``).
@@ -18,13 +23,17 @@ study resumes; ``study.json`` is written after each map.
 from __future__ import annotations
 
 import fcntl
+import itertools
 import json
+import math
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from loader.io import write_json_atomic
 from loader.vocab import BITS
@@ -39,7 +48,8 @@ from prep.stages.table import REPORT
 from prep.studies.common import figure_png, write_outputs
 
 PRECISIONS = tuple(BITS)  # the quantized precisions, highest first
-GOAL_COMPRESSION = 3.5  # expert bytes against bfloat16
+GOAL_COMPRESSION = 5.0  # expert bytes against bfloat16: 3.2 bits per weight
+DEFAULT_TOLERANCES = (0.0015, 0.002, 0.003, 0.004, 0.005)  # on the reference recipe: 3.49 to 3.07 bits per weight
 GOAL_DELTA = 0.01  # |accuracy delta| on every suite: one point
 SUITE_METRIC = {"gsm8k": "strict_match"}  # the others: acc
 
@@ -91,6 +101,82 @@ def random_control(edgemoe: dict, num_experts_total: int) -> Row:
                 f"bitwidth.low={lo}", "bitwidth.seed=0"))
 
 
+DIVERGENCE_FIGURES = ("mean_kl", "top_token_agreement", "ppl_ratio")  # each {"value", "low", "high"}
+
+
+def row_divergence(report: dict) -> dict | None:
+    """The row artifact's divergence from its source (report.json's ``divergence``, written by the ``divergence``
+    stage): the figures the study tabulates with their intervals and what they rest on; None when the recipe
+    switched the stage off."""
+    entry = report.get("divergence")
+    if not entry:
+        return None
+    return {"stats": {name: entry["stats"][name] for name in DIVERGENCE_FIGURES},
+            **{k: entry.get(k) for k in ("tokens", "sequences", "level", "memory_budget")}}
+
+
+def _ranks(values: np.ndarray) -> np.ndarray:
+    """Ranks from 1, ties sharing the average of the ranks they span."""
+    order = np.argsort(values, kind="stable")
+    ranks = np.empty(len(values))
+    ordered = values[order]
+    start = 0
+    for end in range(1, len(values) + 1):
+        if end == len(values) or ordered[end] != ordered[start]:
+            ranks[order[start:end]] = (start + end + 1) / 2  # the mean of ranks start+1 .. end
+            start = end
+    return ranks
+
+
+def _pearson_rows(x: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """Pearson's r of ``x`` [n] with each row of ``ys`` [m, n]."""
+    xc = x - x.mean()
+    yc = ys - ys.mean(axis=-1, keepdims=True)
+    return (yc @ xc) / (np.sqrt((yc ** 2).sum(axis=-1)) * np.sqrt((xc ** 2).sum()))
+
+
+EXACT_UP_TO = 8  # rows: up to 8! = 40,320 orderings are enumerated, more are sampled
+PERMUTATIONS = 20_000  # Monte Carlo orderings above EXACT_UP_TO
+
+
+def spearman(x: Sequence[float], y: Sequence[float], *, permutations: int = PERMUTATIONS, seed: int = 0,
+             exact_up_to: int = EXACT_UP_TO) -> dict:
+    """Spearman's rho of ``x`` and ``y`` (Pearson's r of their average ranks, so ties are handled) and its two-sided
+    p-value under the null of no association: the share of orderings of ``y``'s ranks whose |rho| is at least the
+    observed one. Every one of the n! orderings for n <= ``exact_up_to`` (``method`` "exact"); above, ``permutations``
+    seeded random ones and p = (hits + 1) / (permutations + 1), which never reports 0 (``method`` "monte carlo").
+    Returns {"rho", "p", "n", "method"}; rho and p are None with fewer than 2 pairs or a constant side.
+    Written here since scipy is not a dependency (scipy.stats.spearmanr with a permutation test gives the same)."""
+    xs, ys = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if xs.shape != ys.shape or xs.ndim != 1:
+        raise ValueError(f"spearman needs two sequences of one length, got {xs.shape} and {ys.shape}")
+    n = len(xs)
+    if n < 2 or np.ptp(xs) == 0 or np.ptp(ys) == 0:
+        return {"rho": None, "p": None, "n": n, "method": None}
+    rx, ry = _ranks(xs), _ranks(ys)
+    rho = float(_pearson_rows(rx, ry[None, :])[0])
+    rho = max(-1.0, min(1.0, rho))
+    if n <= exact_up_to:
+        orderings = ry[np.array(list(itertools.permutations(range(n))))]  # [n!, n]
+    else:
+        orderings = np.random.default_rng(seed).permuted(np.tile(ry, (permutations, 1)), axis=1)
+    hits = int((np.abs(_pearson_rows(rx, orderings)) >= abs(rho) - 1e-12).sum())  # float noise must not drop a tie
+    if n <= exact_up_to:
+        p, method = hits / math.factorial(n), "exact"
+    else:
+        p, method = (hits + 1) / (permutations + 1), f"monte carlo, {permutations} permutations, seed {seed}"
+    return {"rho": round(rho, 6), "p": p, "n": n, "method": method}
+
+
+def kl_vs_suites(rows: list[dict]) -> dict:
+    """Per suite: Spearman's rho between the rows' mean KL and their delta on that suite, over the rows whose
+    divergence was measured (``spearman``'s dict)."""
+    measured = [r for r in rows if r.get("divergence")]
+    suites = list(rows[0]["suites"]) if rows else []
+    kl = [r["divergence"]["stats"]["mean_kl"]["value"] for r in measured]
+    return {suite: spearman(kl, [r["suites"][suite]["delta"] for r in measured]) for suite in suites}
+
+
 def _row_result(row: Row, artifact: Path, report: dict, evaluation: dict, settings: dict) -> dict:
     manifest = json.loads((artifact / "manifest.json").read_text())
     suites = {}
@@ -103,7 +189,7 @@ def _row_result(row: Row, artifact: Path, report: dict, evaluation: dict, settin
         "label": row.label, "overrides": list(row.overrides), "package_key": manifest["package_key"],
         "settings": settings, "bitwidth": report["bitwidth"], "experts": report["bitwidth"]["experts"],
         "expert_bytes": report["sizes"]["expert_bytes"], "compression_bfloat16": compression,
-        "bits_per_weight": round(16 / compression, 3), "suites": suites,
+        "bits_per_weight": round(16 / compression, 3), "divergence": row_divergence(report), "suites": suites,
     }
     return row_result | {"meets_goal": meets_goal(row_result)}
 
@@ -126,11 +212,14 @@ def _prepare_turn(output: Path) -> Iterator[None]:
 
 def study_row(context, out: Path, *, label: str, overrides: list, base: dict, root: str, output: str,
               settings: dict, data: str | None) -> None:
-    """One unit: prepare the row's artifact (``rows/<slug>/artifact``, local executor) and write its result to
+    """One unit: prepare the row's artifact (``rows/<slug>/artifact``, local executor; its divergence measured at the
+    study's ``memory_budget`` when one is given) and write its result to
     ``out``: the previous result (``rows/<slug>/previous.json``) when its package key and eval settings match,
     else a new evaluation against the original model."""
     row = Row(label, tuple(overrides))
-    recipe = recipe_from_dict(base, ("evaluate.enabled=false", *row.overrides))
+    # the row's divergence at the budget its suites run at: with cache-conditional routing both depend on it
+    budget = (f"divergence.memory_budget={settings['memory_budget']}",) if settings["memory_budget"] else ()
+    recipe = recipe_from_dict(base, ("evaluate.enabled=false", *budget, *row.overrides))
     directory = Path(output) / "rows" / row.slug
     artifact = directory / "artifact"
     with _prepare_turn(output):
@@ -139,7 +228,8 @@ def study_row(context, out: Path, *, label: str, overrides: list, base: dict, ro
     key = json.loads((artifact / "manifest.json").read_text())["package_key"]
     done = json.loads((directory / PREVIOUS).read_text()) if (directory / PREVIOUS).is_file() else None
     if done is not None and done["package_key"] == key and done["settings"] == settings:
-        result = done | {"meets_goal": meets_goal(done)}
+        # the divergence is read again: its stage runs after package, so a kept row may predate or outlive it
+        result = done | {"divergence": row_divergence(report), "meets_goal": meets_goal(done)}
     else:
         evaluation = evaluate_artifact(artifact, recipe.model_path(Path(root)), suites=tuple(settings["suites"]),
                                        data=data, limit=settings["limit"], memory_budget=settings["memory_budget"],
@@ -161,7 +251,7 @@ def _set_aside(output: Path, rows: list[Row], study_rows: dict) -> None:
 
 
 def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".", *,
-              tolerances: tuple[float, ...], shares: tuple[float, ...] = (0.25, 0.5), middle: int | None = None,
+              tolerances: tuple[float, ...] = DEFAULT_TOLERANCES, shares: tuple[float, ...] = (0.25, 0.5), middle: int | None = None,
               suites: tuple[str, ...] = SUITES, limit: int | None = None,
               data: str | Path | None = None, memory_budget: str | None = None, executor: str | None = None,
               ray_address: str | None = None, echo=print) -> dict:
@@ -219,6 +309,7 @@ def run_study(recipe_path: str | Path, output: str | Path, root: str | Path = ".
         runner.close()
     results = study["rows"]
     study["best"] = best_row(results)
+    study["kl_vs_suites"] = kl_vs_suites(results)
     study["sensitivity"] = next((r["bitwidth"]["sensitivity"] for r in results
                                  if r["bitwidth"].get("sensitivity")), None)
     study["seconds"] = round(time.perf_counter() - started, 1)
@@ -240,36 +331,74 @@ def best_row(rows: list[dict]) -> dict | None:
             "fewer_bytes_than_uniform_int4": int4 is not None and best["expert_bytes"] < int4["expert_bytes"]}
 
 
+def _kl_cell(divergence: dict | None) -> str:
+    if not divergence:
+        return "-"
+    kl = divergence["stats"]["mean_kl"]
+    return f"{kl['value']:.3g} [{kl['low']:.3g}, {kl['high']:.3g}]"
+
+
+def _agreement_cell(divergence: dict | None) -> str:
+    return "-" if not divergence else f"{divergence['stats']['top_token_agreement']['value']:.2%}"
+
+
+def kl_vs_suites_sentence(correlations: dict) -> str | None:
+    """study.md's sentence on whether mean KL orders the rows as each suite's delta does."""
+    measured = {suite: c for suite, c in correlations.items() if c["rho"] is not None}
+    if not measured:
+        return None
+    n = next(iter(measured.values()))["n"]
+    method = next(iter(measured.values()))["method"]
+    test = (f"an exact permutation test over all {math.factorial(n):,} orderings" if method == "exact"
+            else f"a Monte Carlo permutation test ({method}; p = (hits + 1) / (permutations + 1))")
+    pairs = "; ".join(f"{suite} rho {c['rho']:+.2f} (p {c['p']:.2g})" for suite, c in measured.items())
+    still = [suite for suite in correlations if suite not in measured]
+    return (f"- Does mean KL order the rows as the suites do? Spearman's rho between mean KL and each suite's delta "
+            f"across the {n} rows with a divergence: {pairs}; two-sided, {test}. A negative rho: the further a row "
+            "is from the source, the more accuracy it loses."
+            + (f" No rho for {', '.join(still)}: its delta is the same on every row." if still else ""))
+
+
 def study_markdown(study: dict) -> str:
     rows = study["rows"]
     suites = list(rows[0]["suites"]) if rows else []
     limit = study["settings"]["limit"]
     n = {name: rows[0]["suites"][name]["n"] for name in suites} if rows else {}
+    measured = next((r["divergence"] for r in rows if r.get("divergence")), None)
+    held_out = (f"on {measured['sequences']} held-out sequences ({measured['tokens']:,} tokens) after the calibration "
+                "text" if measured else "on held-out text")
     lines = ["## Bit-width study", "",
              f"Recipe `{study['recipe']}`; every row compared with the original model on the same items "
              f"({', '.join(f'{k} n={v}' for k, v in n.items())}{'' if limit is None else f', first {limit} of each'}). "
-             f"Goal: expert compression >= {GOAL_COMPRESSION}x against bfloat16 with |delta| <= "
-             f"{GOAL_DELTA * 100:g} point on every suite. Delta in points; flips right->wrong / wrong->right. "
-             "Held-out KL: the bitwidth stage's mean next-token KL against the source on held-out calibration "
-             "sequences (not measured for uniform rows, whose stage is off).", "",
-             "| row | experts per precision | expert MiB | x bf16 | bits/w | held-out KL | "
+             f"Goal: expert compression >= {GOAL_COMPRESSION}x against bfloat16 ({16 / GOAL_COMPRESSION:g} bits per "
+             f"weight) with |delta| <= {GOAL_DELTA * 100:g} point on every suite. Delta in points; flips "
+             "right->wrong / wrong->right. Mean KL [95% interval] and same top token: the artifact's next-token "
+             f"divergence from the source {held_out} (its report.json's `divergence`; - where the recipe switched "
+             "it off). Search KL: the bitwidth stage's mean next-token KL on the last calibration sequences, the "
+             "figure its tolerance bounds (not measured for uniform rows, whose stage is off).", "",
+             "| row | experts per precision | expert MiB | x bf16 | bits/w | mean KL [95%] | same top token | search KL | "
              + " | ".join(f"{s} delta (flips, p)" for s in suites) + " | goal |",
-             "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in suites) + " | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in suites) + " | --- |"]
     for r in rows:
         mix = ", ".join(f"{p} {c}" for p, c in sorted(r["experts"].items(), key=lambda kv: PRECISIONS.index(kv[0])
                                                        if kv[0] in PRECISIONS else -1))
         cells = [f"{r['suites'][s]['delta'] * 100:+.2f} ({r['suites'][s]['flips']['right_to_wrong']}/"
                  f"{r['suites'][s]['flips']['wrong_to_right']}, {r['suites'][s]['mcnemar_p']:.2g})" for s in suites]
         kl = r["bitwidth"].get("loss")
+        divergence = r.get("divergence")
         lines.append(f"| {r['label']} | {mix} | {r['expert_bytes'] / 2**20:.2f} | {r['compression_bfloat16']:.2f} | "
-                     f"{r['bits_per_weight']:.2f} | {'-' if kl is None else f'{kl:.4f}'} | " + " | ".join(cells) + f" | {'yes' if r['meets_goal'] else 'no'} |")
+                     f"{r['bits_per_weight']:.2f} | {_kl_cell(divergence)} | {_agreement_cell(divergence)} | "
+                     f"{'-' if kl is None else f'{kl:.4f}'} | " + " | ".join(cells)
+                     + f" | {'yes' if r['meets_goal'] else 'no'} |")
     lines.append("")
     for r in rows:
         bw = r["bitwidth"]
         if bw["method"] == "edgemoe":
-            lines.append(f"- {r['label']}: b_hi {bw['b_hi']}, b_lo {bw['b_lo']}, K {bw['K']}, held-out KL "
+            lines.append(f"- {r['label']}: b_hi {bw['b_hi']}, b_lo {bw['b_lo']}, K {bw['K']}, search KL "
                          f"{bw['loss']:.4g} (met: {bw['met']}); bounds "
                          + ", ".join(f"{p} {v:.4g}" for p, v in bw.get("bounds", {}).items()))
+    if sentence := kl_vs_suites_sentence(study.get("kl_vs_suites") or {}):
+        lines.append(sentence)
     if s := study.get("sensitivity"):
         sec = s["seconds"]
         # one_forward: recorded by sweeps before the executor's units (issue 35), which no longer time it
@@ -287,32 +416,49 @@ def study_markdown(study: dict) -> str:
 
 
 def study_plot(study: dict) -> bytes:
-    """PNG: accuracy delta (points) against expert MiB, one marker style per suite, rows labelled."""
+    """PNG, two panels against bits per weight: the mean KL from the source (log scale, 95% interval as error bars;
+    rows without a divergence left out) and each suite's accuracy delta (points, one marker per suite); rows
+    labelled, the goal's bits per weight dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = study["rows"]
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fig, (kl_ax, delta_ax) = plt.subplots(1, 2, figsize=(13, 5.5))
+    goal_bits = 16 / GOAL_COMPRESSION
+    measured = [r for r in rows if r.get("divergence") and r["divergence"]["stats"]["mean_kl"]["value"] > 0]
+    if measured:
+        kl = [r["divergence"]["stats"]["mean_kl"] for r in measured]
+        kl_ax.errorbar([r["bits_per_weight"] for r in measured], [k["value"] for k in kl],
+                       yerr=[[k["value"] - k["low"] for k in kl], [k["high"] - k["value"] for k in kl]],
+                       fmt="o", capsize=3)
+        for r, k in zip(measured, kl, strict=True):
+            kl_ax.annotate(r["label"], (r["bits_per_weight"], k["value"]), fontsize=7, rotation=20,
+                           textcoords="offset points", xytext=(4, 4))
+        kl_ax.set_yscale("log")
+    else:
+        kl_ax.text(0.5, 0.5, "no divergence measured", ha="center", va="center", transform=kl_ax.transAxes)
+    kl_ax.set_ylabel("mean next-token KL from the source (nats, 95% interval)")
+    kl_ax.set_title("Divergence from the source on held-out text")
+
     suites = list(rows[0]["suites"]) if rows else []
     for marker, suite in zip("os^vDP", suites, strict=False):
-        ax.scatter([r["expert_bytes"] / 2**20 for r in rows], [r["suites"][suite]["delta"] * 100 for r in rows],
-                   marker=marker, label=suite, alpha=0.8)
+        delta_ax.scatter([r["bits_per_weight"] for r in rows], [r["suites"][suite]["delta"] * 100 for r in rows],
+                         marker=marker, label=suite, alpha=0.8)
     for r in rows:
         worst = min(r["suites"].values(), key=lambda s: s["delta"])["delta"] * 100
-        ax.annotate(r["label"], (r["expert_bytes"] / 2**20, worst), fontsize=7, rotation=20,
-                    textcoords="offset points", xytext=(3, -10))
-    ax.axhspan(-GOAL_DELTA * 100, GOAL_DELTA * 100, color="green", alpha=0.08, label="|delta| <= 1 point")
-    if rows:
-        goal_bytes = rows[0]["expert_bytes"] * rows[0]["compression_bfloat16"] / GOAL_COMPRESSION / 2**20
-        ax.axvline(goal_bytes, color="grey", linestyle="--", label=f"{GOAL_COMPRESSION}x bfloat16")
-    ax.axhline(0, color="black", linewidth=0.5)
-    ax.set_xlabel("expert bytes (MiB)")
-    ax.set_ylabel("accuracy delta against the original (points)")
-    ax.set_title("Bit-width configurations: accuracy against expert bytes")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+        delta_ax.annotate(r["label"], (r["bits_per_weight"], worst), fontsize=7, rotation=20,
+                          textcoords="offset points", xytext=(3, -10))
+    delta_ax.axhspan(-GOAL_DELTA * 100, GOAL_DELTA * 100, color="green", alpha=0.08, label="|delta| <= 1 point")
+    delta_ax.axhline(0, color="black", linewidth=0.5)
+    delta_ax.set_ylabel("accuracy delta against the original (points)")
+    delta_ax.set_title("Accuracy on the suites")
+    for ax in (kl_ax, delta_ax):
+        ax.axvline(goal_bits, color="grey", linestyle="--", label=f"{GOAL_COMPRESSION:g}x bfloat16")
+        ax.set_xlabel("expert bits per weight")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
     return figure_png(fig)
 
 
@@ -321,8 +467,9 @@ def merge_study_into(artifact: str | Path, study: dict) -> None:
     under ``reports/``, through the report (``prep.report.merge_section``)."""
 
     keep = ("label", "experts", "expert_bytes", "compression_bfloat16", "bits_per_weight", "suites", "meets_goal")
-    summary = {k: study.get(k) for k in ("recipe", "settings", "goal", "best", "sensitivity")}
-    summary["rows"] = [{k: r[k] for k in keep} | {"bitwidth": {k: v for k, v in r["bitwidth"].items()
+    summary = {k: study.get(k) for k in ("recipe", "settings", "goal", "best", "sensitivity", "kl_vs_suites")}
+    summary["rows"] = [{k: r[k] for k in keep} | {"divergence": r.get("divergence"),
+                                                  "bitwidth": {k: v for k, v in r["bitwidth"].items()
                                                                if k not in ("trail", "sensitivity")}}
                        for r in study["rows"]]
     summary["markdown"] = study_markdown(study)
