@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from loader.artifact import open_artifact
 from loader.verify import verify
 from prep.cli import main as moeprep
+from prep.evals.power import paired_interval
 from prep.studies import bitwidth as bitwidth_study
 from prep.studies.bitwidth import merge_study_into, run_study, study_markdown
 from tests.tiny_models import save_tiny_model, write_tiny_suites
@@ -65,8 +66,10 @@ def test_every_row_is_prepared_and_compared(study):
         for name, suite in row["suites"].items():
             assert suite["delta"] == evaluation["suites"][name]["delta"]
             assert suite["flips"] == evaluation["suites"][name]["flips"]
-        assert row["meets_goal"] == (row["compression_bfloat16"] >= 5.0
-                                     and all(abs(s["delta"]) <= 0.01 + 1e-9 for s in row["suites"].values()))
+        assert row["meets_goal"] == (row["compression_bfloat16"] >= 5.0 and all(
+            -0.01 <= low and high <= 0.01 for low, high in (paired_interval(s["flips"]["right_to_wrong"],
+                                                                             s["flips"]["wrong_to_right"], s["n"])
+                                                             for s in row["suites"].values())))
         figures = ("mean_kl", "top_token_agreement", "ppl_ratio")
         assert row["divergence"]["stats"] == {k: report["divergence"]["stats"][k] for k in figures}
         assert row["divergence"]["sequences"] == report["divergence"]["sequences"] == 4
@@ -127,11 +130,24 @@ def test_bad_tolerances_are_one_clean_error():
 def test_one_point_is_three_items_of_three_hundred():
     row = {"compression_bfloat16": 5.0, "suites": {"gsm8k": {"delta": 0.45 - 0.46}, "mmlu": {"delta": 0.0}}}
     assert abs(row["suites"]["gsm8k"]["delta"]) > 0.01  # the float is a hair over one point
-    assert bitwidth_study.meets_goal(row)
+    assert bitwidth_study.within_one_point(row)
     row["suites"]["gsm8k"]["delta"] = -4 / 300
-    assert not bitwidth_study.meets_goal(row)
-    row["suites"]["gsm8k"]["delta"], row["compression_bfloat16"] = 0.0, 4.99
-    assert not bitwidth_study.meets_goal(row) and bitwidth_study.within_one_point(row)
+    assert not bitwidth_study.within_one_point(row)
+
+
+def test_the_goal_asks_for_every_interval_inside_one_point_not_only_the_delta():
+    """A delta of zero from many flips is not resolved; the same delta from few flips on many items is."""
+    def row(flips, n, compression=5.0):
+        return {"compression_bfloat16": compression, "suites": {"mmlu": {
+            "n": n, "delta": (flips[1] - flips[0]) / n, "flips": {"right_to_wrong": flips[0], "wrong_to_right": flips[1]}}}}
+
+    noisy = row((14, 14), 300)
+    assert bitwidth_study.within_one_point(noisy) and not bitwidth_study.meets_goal(noisy)
+    low, high = bitwidth_study.delta_interval(noisy["suites"]["mmlu"])
+    assert low < -0.01 and high > 0.01
+    quiet = row((10, 10), 3000)
+    assert bitwidth_study.resolved_within_one_point(quiet) and bitwidth_study.meets_goal(quiet)
+    assert not bitwidth_study.meets_goal(row((10, 10), 3000, compression=4.99))
 
 
 def test_best_is_the_fewest_bytes_within_one_point_and_never_the_random_control():
@@ -176,7 +192,7 @@ def test_a_row_without_a_divergence_says_so_and_the_rest_still_tabulate_and_plot
     assert study["kl_vs_suites"]["mmlu"]["rho"] == -1.0 and study["kl_vs_suites"]["mmlu"]["method"] == "exact"
     table = bitwidth_study.study_markdown(study)
     header = next(line for line in table.splitlines() if line.startswith("| row |"))
-    assert "| bits/w | mean KL [95%] | same top token |" in header and "mmlu delta (flips, p)" in header
+    assert "| bits/w | mean KL [95%] | same top token |" in header and "mmlu delta [95%] (flips, p)" in header
     assert "| b | int3 32 | 0.31 | 4.92 | 3.25 | 0.004 [0.0032, 0.005] | 90.00% | - |" in table
     assert "| c | int3 32 | 0.29 | 5.33 | 3.00 | - | - | - |" in table
     assert "mmlu rho -1.00 (p 0.33); two-sided, an exact permutation test over all 6 orderings" in table
