@@ -235,7 +235,11 @@ def eval_command(artifact, original, suites, data, limit, num_fewshot, gsm8k_for
               help="TruthfulQA items instead of the items that resolve one point at the check's MC1 flip rate.")
 @click.option("--memory-budget", default=None, help="Loader budget for the prepared model (default: the check's).")
 @click.option("--seed", default=2026, show_default=True, type=int, help="The held-out generator's seed.")
-def accuracy_command(artifact, work, data, original, gsm8k, mmlu, truthfulqa, memory_budget, seed):
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where both models run.")
+@click.option("--suites", default=None, help="Comma-separated suites to resolve [default: every suite the check "
+              "scored].")
+def accuracy_command(artifact, work, data, original, gsm8k, mmlu, truthfulqa, memory_budget, seed, device, suites):
     """Resolve the artifact's accuracy to one point: size each suite from the check's flips, score that many
     held-out items, and state each delta with its 95% interval (accuracy.json, accuracy.md, report.json's
     resolved_accuracy and report.md)."""
@@ -243,7 +247,8 @@ def accuracy_command(artifact, work, data, original, gsm8k, mmlu, truthfulqa, me
     from prep.stages.table import REPORT
 
     entry = resolve_accuracy(artifact, work, data, original, gsm8k or GSM8K_ITEMS,
-                             {"mmlu": mmlu, "truthfulqa": truthfulqa}, memory_budget, seed, REPORT, say=click.echo)
+                             {"mmlu": mmlu, "truthfulqa": truthfulqa}, memory_budget, seed, REPORT, say=click.echo,
+                             device=device, suites=None if suites is None else _names(suites))
     click.echo(resolved_markdown({"resolved_accuracy": entry}))
     click.echo(f"wrote {Path(work or Path(artifact).parent / 'accuracy') / 'accuracy.json'}, accuracy.md; "
                f"merged into {artifact}/report.json")

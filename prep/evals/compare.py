@@ -161,11 +161,13 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
                       max_new_tokens: int = 256, output: str | Path | None = None,
                       reuse_original: str | Path | None = None, plan=None,
                       expert_memory: int | str | None = "auto", layout: ReportLayout | None = None,
-                      merge: bool = True) -> dict:
+                      merge: bool = True, device: str = "cpu") -> dict:
     """Compare ``artifact`` (through the loader) with its original model; returns and writes the report.
 
     ``expert_memory``: the original's routed-expert bytes kept in memory between forwards (``load_streamed``:
     "auto", None for all, 0 for one layer at a time, which rereads the checkpoint every forward).
+
+    ``device``: where both models run ("cuda": the loader's GPU path and the original's dense weights on the GPU).
 
     ``reuse_original``: a directory keeping the original model's per-item results (keyed by the model's
     content, the items and every scoring setting), so comparing many artifacts of one model runs it once.
@@ -205,10 +207,10 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
     bench = load_benchmarks(data, tuple(suites))
     for name in bench.items:
         bench.items[name] = bench.items[name][:per_suite.get(name)]
-    prepared = load(artifact, memory_budget=memory_budget, plan=plan)
+    prepared = load(artifact, device=device, memory_budget=memory_budget, plan=plan)
     # the original with its experts read from the shards as its layers run (prep/streaming.py): a real model
     # is scored without holding it whole when expert_memory says so
-    reference = load_streamed(original, resident_bytes=expert_memory)
+    reference = load_streamed(original, device=device, resident_bytes=expert_memory)
     if reference.dtype != getattr(torch, manifest.moe.dtype):
         raise MoeprepError(f"original model {original} is {reference.dtype}, the artifact was prepared from a "
                            f"{manifest.moe.dtype} model; pass --model with the directory it was prepared from")

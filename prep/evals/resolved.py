@@ -98,7 +98,8 @@ def resolve_accuracy(artifact: str | Path, work: str | Path | None = None, data:
                      original: str | Path | None = None, gsm8k: int = GSM8K_ITEMS,
                      overrides: dict[str, int | None] | None = None, memory_budget: str | None = None,
                      seed: int = SEED, layout: ReportLayout | None = None,
-                     say: Callable[[str], None] = print) -> dict:
+                     say: Callable[[str], None] = print, device: str = "cpu",
+                     suites: tuple[str, ...] | None = None) -> dict:
     """Resolve ``artifact``'s accuracy to one point and return the ``resolved_accuracy`` entry merged into its
     report.json (report.md rendered again with ``layout``, the stage table's sections).
 
@@ -106,7 +107,8 @@ def resolve_accuracy(artifact: str | Path, work: str | Path | None = None, data:
     scored once), eval.json, accuracy.json and accuracy.md go (default: ``accuracy/`` beside the artifact).
     ``data``: suites to score instead of generating (an artifact not prepared from the reference model needs it).
     ``gsm8k``: GSM8K's cap; ``overrides``: items per suite instead of the sizing (a smaller run, a test).
-    ``memory_budget``: the loader's for the prepared model (default: the one the check ran at)."""
+    ``memory_budget``: the loader's for the prepared model (default: the one the check ran at); ``device``: where both
+    models run; ``suites``: only these (default: every suite the check scored)."""
     manifest = read_manifest(artifact)
     report = current_report(manifest)  # an altered report.json is refused now, not after the evaluation
     check = report.get("eval") or {}
@@ -119,6 +121,10 @@ def resolve_accuracy(artifact: str | Path, work: str | Path | None = None, data:
     work = Path(work) if work is not None else manifest.root.parent / "accuracy"
     original = Path(original or manifest.raw["source_model"]["path"])
     sizes = suite_sizes(check["suites"], gsm8k, overrides)
+    if suites is not None:
+        if unknown := sorted(set(suites) - set(SIZED_BY)):
+            raise MoeprepError(f"unknown suite(s) {unknown}; use {', '.join(SIZED_BY)}")
+        sizes = {name: n for name, n in sizes.items() if name in suites}
     writable(work, manifest.root)
     if data is None:
         ref_dir = original.parent
@@ -134,7 +140,8 @@ def resolve_accuracy(artifact: str | Path, work: str | Path | None = None, data:
     say(f"scoring the artifact against {original} (budget {budget or 'the plan default'}); the original's rows are "
         f"kept in {work / 'original'}")
     scored = evaluate_artifact(manifest.root, original, tuple(sizes), data, limit=sizes, memory_budget=budget,
-                               output=work / "eval.json", reuse_original=work / "original", merge=False)
+                               output=work / "eval.json", reuse_original=work / "original", merge=False,
+                               device=device)
     needed = items_needed(check["suites"])
     entry = {"suites": {name: _row(name, s, needed.get(name.split("_")[0]))
                         for name, s in scored["suites"].items()},
