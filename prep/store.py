@@ -194,7 +194,9 @@ def artifact_files_ok(directory: Path, key: str | None = None) -> bool:
     if not isinstance(files, dict) or not files:
         return False
     for name, entry in files.items():
-        if not isinstance(name, str) or "/" in name or name in ("", ".", "..") or not isinstance(entry, dict):
+        # a name may hold a folder (reports/report-plan.png) but never leave the artifact
+        if not isinstance(name, str) or not isinstance(entry, dict) or any(
+                part in ("", ".", "..") for part in name.split("/")):
             return False
         try:
             info = (directory / name).lstat()

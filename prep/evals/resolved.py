@@ -44,11 +44,12 @@ def items_needed(eval_suites: dict, difference: float = DIFFERENCE) -> dict[str,
 
 def suite_sizes(eval_suites: dict, gsm8k_cap: int, overrides: dict[str, int | None] | None = None) -> dict[str, int]:
     """Items to score per suite: an override where given, else the items needed, else (no flips seen, nothing to
-    size from) as many as the check scored; GSM8K at most ``gsm8k_cap``. Suites the check left out are left out."""
+    size from) as many as the check scored; GSM8K at most ``gsm8k_cap``. Suites the check left out and no override
+    names are left out."""
     needed, overrides = items_needed(eval_suites), overrides or {}
     sizes = {}
     for suite, row in SIZED_BY.items():
-        if row in eval_suites:
+        if row in eval_suites or overrides.get(suite):
             n = overrides.get(suite) or needed[suite] or eval_suites[row]["n"]
             sizes[suite] = min(n, gsm8k_cap) if suite == "gsm8k" else n
     return sizes
@@ -112,15 +113,16 @@ def resolve_accuracy(artifact: str | Path, work: str | Path | None = None, data:
     manifest = read_manifest(artifact)
     report = current_report(manifest)  # an altered report.json is refused now, not after the evaluation
     check = report.get("eval") or {}
-    if not check.get("suites"):
+    given = {k for k, v in (overrides or {}).items() if v}
+    if not check.get("suites") and not (suites is not None and set(suites) <= given):
         raise MoeprepError(f"{manifest.root} has no accuracy check in its report.json (no eval entry) to size the "
                            "suites from; run `make prepare` (with evaluate enabled) or `moeprep eval --artifact "
-                           f"{artifact}` first")
+                           f"{artifact}` first (or name each suite's items: --suites with --mmlu/--truthfulqa)")
     if gsm8k < 1:
         raise MoeprepError(f"--gsm8k must be at least 1 item, got {gsm8k}")
     work = Path(work) if work is not None else manifest.root.parent / "accuracy"
     original = Path(original or manifest.raw["source_model"]["path"])
-    sizes = suite_sizes(check["suites"], gsm8k, overrides)
+    sizes = suite_sizes(check.get("suites") or {}, gsm8k, overrides)
     if suites is not None:
         if unknown := sorted(set(suites) - set(SIZED_BY)):
             raise MoeprepError(f"unknown suite(s) {unknown}; use {', '.join(SIZED_BY)}")
@@ -142,13 +144,13 @@ def resolve_accuracy(artifact: str | Path, work: str | Path | None = None, data:
     scored = evaluate_artifact(manifest.root, original, tuple(sizes), data, limit=sizes, memory_budget=budget,
                                output=work / "eval.json", reuse_original=work / "original", merge=False,
                                device=device)
-    needed = items_needed(check["suites"])
+    needed = items_needed(check.get("suites") or {})
     entry = {"suites": {name: _row(name, s, needed.get(name.split("_")[0]))
                         for name, s in scored["suites"].items()},
              "data": scored["data"], "memory_budget": budget, "difference_points": 100 * DIFFERENCE,
              "alpha": ALPHA, "power": POWER, "gsm8k_cap": gsm8k, "interval": "95%, Agresti-Min adjusted Wald",
              "items_for_one_point": needed, "overridden": sorted(k for k, v in (overrides or {}).items() if v),
-             "sized_from": {name: {"n": s["n"], "flips": s["flips"]} for name, s in check["suites"].items()}}
+             "sized_from": {name: {"n": s["n"], "flips": s["flips"]} for name, s in (check.get("suites") or {}).items()}}
     write_json_atomic(work / "accuracy.json", entry)
     write_text_atomic(work / "accuracy.md", resolved_markdown({"resolved_accuracy": entry}) + "\n")
     merge_section(manifest.root, {"resolved_accuracy": entry}, layout, package_key=manifest.raw["package_key"])

@@ -314,3 +314,22 @@ def test_billion_laughs_recipe_is_refused_fast(tmp_path):
         load_recipe(looped)
     with pytest.raises(MoeprepError, match="--set value"):
         load_recipe(ok, ("quantize.precision=[unclosed",))
+
+
+def test_an_artifact_listing_a_report_under_reports_is_complete_and_one_leaving_it_is_not(tmp_path):
+    """A published artifact whose manifest lists ``reports/...`` plots counts as complete (the package stage is then
+    reused, not rebuilt on every prepare); a listed name that climbs out of the artifact never does."""
+    import json
+
+    from prep.store import FORMAT, artifact_files_ok
+
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "report-plan.png").write_bytes(b"png")
+    (tmp_path / "plan.json").write_text("{}")
+    files = {"plan.json": {"bytes": 2}, "reports/report-plan.png": {"bytes": 3}}
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": FORMAT, "package_key": "k", "files": files}))
+    assert artifact_files_ok(tmp_path, "k") and not artifact_files_ok(tmp_path, "other")
+    for bad in ("../plan.json", "reports/../../x", "/etc/passwd", "reports//report-plan.png"):
+        (tmp_path / "manifest.json").write_text(json.dumps({"format": FORMAT, "package_key": "k",
+                                                            "files": files | {bad: {"bytes": 2}}}))
+        assert not artifact_files_ok(tmp_path, "k"), bad
