@@ -173,6 +173,8 @@ def _coerce(value, annotation, where: str):
         options = typing.get_args(annotation)
         if value is None and type(None) in options:
             return None
+        if len(real := [o for o in options if o is not type(None)]) == 1:  # X | None: X's own error says more
+            return _coerce(value, real[0], where)
         for option in options:
             if option is type(None):
                 continue

@@ -25,7 +25,7 @@ from prep.errors import MoeprepError
 from prep.evals import suites as S
 from prep.evals import templates as tpl
 from prep.evals.data import SUITES, BenchmarkData, load_benchmarks
-from prep.evals.power import paired_verdict
+from prep.evals.power import mean_difference_interval, paired_verdict
 from prep.fingerprint import model_fingerprint
 from prep.report import PENDING, ReportLayout, current_report, merge_section  # noqa: F401 (PENDING: where eval's marker lives)
 from prep.streaming import load_streamed
@@ -127,6 +127,7 @@ def _truthfulqa(models, tokenizer, items, batch_rows) -> tuple[dict, dict]:
             | _choice_stats([r["mc1_scores"] for r in o], [r["mc1_scores"] for r in p]))
     # MC2 is continuous: a flip is an item whose true-answer mass crosses one half
     mc2 |= _paired([r["mc2"] >= 0.5 for r in o], [r["mc2"] >= 0.5 for r in p])
+    mc2["delta_interval"] = list(mean_difference_interval([b["mc2"] - a["mc2"] for a, b in zip(o, p, strict=True)]))
     return mc1, mc2
 
 
@@ -243,7 +244,8 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
 
 def eval_summary(report: dict) -> dict:
     """Per suite the headline figures of a report (what report.json and the evaluate stage keep)."""
-    return {name: {k: s[k] for k in ("n", "num_fewshot", "original", "prepared", "delta", "flips", "mcnemar_p")}
+    return {name: {k: s[k] for k in ("n", "num_fewshot", "original", "prepared", "delta", "flips", "mcnemar_p",
+                                     "delta_interval") if k in s}
             for name, s in report["suites"].items()}
 
 
@@ -280,7 +282,7 @@ def summary_markdown(report: dict) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, s in report["suites"].items():
         key = "strict_match" if name == "gsm8k" else "acc"
-        test = paired_verdict(s["delta"], s["flips"], s["n"], s["mcnemar_p"], None)
+        test = paired_verdict(s["delta"], s["flips"], s["n"], s["mcnemar_p"], None, interval=s.get("delta_interval"))
         need = test["items_for_one_point"]
         lines.append(f"| {name} | {s['n']} | {s['num_fewshot']} | {test['resolution_points']:.2f} | "
                      f"{s['original'][key]:.4f} | {s['prepared'][key]:.4f} | {s['delta']:+.4f} | "

@@ -78,17 +78,43 @@ def paired_interval(right_to_wrong: int, wrong_to_right: int, n: int, confidence
     return max(-1.0, difference - half), min(1.0, difference + half)
 
 
+def mean_difference_interval(differences, confidence: float = 1 - ALPHA) -> tuple[float, float]:
+    """The ``confidence`` interval of the mean of paired per-item differences (prepared minus original) of a continuous
+    score (TruthfulQA MC2's true-answer mass): the mean plus or minus z times the standard error. The suites hold
+    hundreds of items, where the normal approximation is close; a single item gives an interval of width zero."""
+    values = [float(d) for d in differences]
+    if not values:
+        raise ValueError("no differences")
+    n = len(values)
+    mean = sum(values) / n
+    spread = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    half = NormalDist().inv_cdf(0.5 + confidence / 2) * spread / math.sqrt(n)
+    return mean - half, mean + half
+
+
+def suite_interval(suite: dict, alpha: float = ALPHA) -> tuple[float, float]:
+    """A suite's delta interval (shares): its own ``delta_interval`` where the scoring measured one (a continuous
+    score), else from its flips (``paired_interval``)."""
+    if suite.get("delta_interval") is not None:
+        low, high = suite["delta_interval"]
+        return float(low), float(high)
+    flips = suite["flips"]
+    return paired_interval(flips["right_to_wrong"], flips["wrong_to_right"], suite["n"], 1 - alpha)
+
+
 def paired_verdict(delta: float, flips: dict, n: int, mcnemar_p: float, tolerance_points: float | None,
-                   alpha: float = ALPHA) -> dict:
+                   alpha: float = ALPHA, interval: tuple[float, float] | None = None) -> dict:
     """The tolerance as a paired test on one suite: the delta within ``tolerance_points`` of none (None: no tolerance
     stated), McNemar's p on the flips, whether the difference is detectable at ``alpha``, the resolution of the
     suite, the items a one-point difference would need at the flip rate measured here, and the delta's
-    ``1 - alpha`` interval from the flips (``paired_interval``; for TruthfulQA MC2, whose delta is a mean of
-    probability masses, it is the interval of the items crossing one half, as its McNemar p is) with
-    ``resolved_to_one_point`` when the whole interval lies within one point of none."""
+    ``1 - alpha`` interval (``interval`` where given, shares: for TruthfulQA MC2, whose delta is a mean of probability
+    masses, the interval of the mean per-item difference; else from the flips, ``paired_interval``) with
+    ``resolved_to_one_point`` when the whole interval lies within one point of none. (MC2's McNemar p counts the items
+    whose true-answer mass crosses one half.)"""
     flipped = flips["right_to_wrong"] + flips["wrong_to_right"]
     flip_rate = flipped / n if n else 0.0
-    low, high = paired_interval(flips["right_to_wrong"], flips["wrong_to_right"], n, 1 - alpha)
+    low, high = interval if interval is not None else paired_interval(flips["right_to_wrong"],
+                                                                      flips["wrong_to_right"], n, 1 - alpha)
     return {"delta_points": 100 * delta,
             "within_tolerance": None if tolerance_points is None else abs(100 * delta) <= tolerance_points + 1e-9,
             "tolerance_points": tolerance_points, "mcnemar_p": mcnemar_p, "significant": mcnemar_p < alpha,

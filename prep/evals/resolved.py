@@ -87,7 +87,7 @@ def extended_suites(ref_dir: Path, out: Path, sizes: dict[str, int], seed: int =
 
 def _row(suite: str, s: dict, needed: int | None) -> dict:
     """One suite's resolved figures from its eval row: the paired verdict and what its n resolves."""
-    t = paired_verdict(s["delta"], s["flips"], s["n"], s["mcnemar_p"], None)
+    t = paired_verdict(s["delta"], s["flips"], s["n"], s["mcnemar_p"], None, interval=s.get("delta_interval"))
     detectable = detectable_difference(t["flip_rate"], s["n"])
     return {"n": s["n"], "delta_points": t["delta_points"], "interval_points": t["interval_points"],
             "mcnemar_p": s["mcnemar_p"], "flips": s["flips"], "resolution_points": t["resolution_points"],
@@ -168,8 +168,9 @@ def resolved_markdown(report: dict) -> str:
              f"the check measured to resolve a one-point difference (alpha 0.05, power 0.8: {sized} items), GSM8K "
              f"capped at {r['gsm8k_cap']} items (it generates text)"
              + (f", {' and '.join(r['overridden'])} set by hand" if r.get("overridden") else "") + ". "
-             "The interval is the delta's 95% interval from the flips (Agresti-Min; for truthfulqa_mc2, as its p, "
-             "of the items whose true-answer mass crosses one half); within +-1 point means the whole interval "
+             "The interval is the delta's 95% interval from the flips (Agresti-Min; for truthfulqa_mc2, a mean of "
+             "true-answer masses, that of the mean per-item difference, while its p counts the items whose mass "
+             "crosses one half); within +-1 point means the whole interval "
              "lies within one point of none. The last column is the smallest difference n items find at the flip "
              "rate measured here.", "",
              "| suite | n | delta (points) | 95% interval (points) | McNemar p | points per item | within +-1 point | "

@@ -111,7 +111,7 @@ def accuracy_markdown(report: dict) -> str:
              f"The prepared model through the loader (budget {check.get('memory_budget') or 'the plan default'}) "
              "against its original, item by item on the same prompts. A suite of n items moves 100/n points per "
              "item; McNemar's exact test on the flips says whether a delta is more than noise, and the interval bounds "
-             "it (95%, Agresti-Min, from the flips); the last column is "
+             "it (95%, Agresti-Min, from the flips; truthfulqa_mc2's from the mean per-item difference); the last column is "
              "how many items would resolve a one-point difference (alpha 0.05, power 0.8) at the flip rate measured "
              "here. " + (f"Tolerance: |delta| <= {tolerance:g} points per suite." if tolerance is not None
                          else "No tolerance is stated (plan.tolerance)."), "",
@@ -119,7 +119,7 @@ def accuracy_markdown(report: dict) -> str:
              "McNemar p | within tolerance | items to resolve 1 point |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for name, s in check["suites"].items():
-        t = paired_verdict(s["delta"], s["flips"], s["n"], s["mcnemar_p"], tolerance)
+        t = paired_verdict(s["delta"], s["flips"], s["n"], s["mcnemar_p"], tolerance, interval=s.get("delta_interval"))
         within = "-" if t["within_tolerance"] is None else ("yes" if t["within_tolerance"] else "**no**")
         lines.append(f"| {name} | {s['n']} | {t['resolution_points']:.2f} | {t['delta_points']:+.2f} | "
                      f"{interval_text(t['interval_points'])} | {s['flips']['right_to_wrong']} | {s['flips']['wrong_to_right']} | {s['mcnemar_p']:.3g} | "
@@ -158,7 +158,8 @@ def check_accuracy(artifact: Path, model_dir: Path, cfg: EvaluateSection, work: 
             summary, where = check.suites, report["memory_budget"]
         points.append({"budget_bytes": point["budget_bytes"], "measured_at": where,
                        "accuracy_delta": {suite: s["delta"] for suite, s in summary.items()},
-                       "accuracy_test": {suite: paired_verdict(s["delta"], s["flips"], s["n"], s["mcnemar_p"], tolerance)
+                       "accuracy_test": {suite: paired_verdict(s["delta"], s["flips"], s["n"], s["mcnemar_p"], tolerance,
+                                                               interval=s.get("delta_interval"))
                                          for suite, s in summary.items()}})
     updated = [p | {"accuracy_delta": q["accuracy_delta"], "accuracy_test": q["accuracy_test"],
                     "accuracy_measured_at": q["measured_at"],

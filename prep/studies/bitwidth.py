@@ -40,7 +40,7 @@ from loader.vocab import BITS
 from prep.errors import MoeprepError
 from prep.evals.compare import evaluate_artifact
 from prep.evals.data import SUITES
-from prep.evals.power import paired_interval
+from prep.evals.power import suite_interval
 from prep.executor import Unit, UnitPaths, executor_overrides, make_executor
 from prep.pipeline import prepare
 from prep.recipe import load_recipe, recipe_from_dict
@@ -61,8 +61,8 @@ def within_one_point(row: dict) -> bool:
 
 
 def delta_interval(suite: dict) -> tuple[float, float]:
-    """The 95% interval (shares) of a suite's paired delta, from its flips (``prep.evals.power.paired_interval``)."""
-    return paired_interval(suite["flips"]["right_to_wrong"], suite["flips"]["wrong_to_right"], suite["n"])
+    """The 95% interval (shares) of a suite's paired delta (``prep.evals.power.suite_interval``)."""
+    return suite_interval(suite)
 
 
 def resolved_within_one_point(row: dict) -> bool:
@@ -197,7 +197,8 @@ def _row_result(row: Row, artifact: Path, report: dict, evaluation: dict, settin
     for name, s in evaluation["suites"].items():
         key = SUITE_METRIC.get(name, "acc")
         suites[name] = {"n": s["n"], "original": s["original"][key], "prepared": s["prepared"][key],
-                        "delta": s["delta"], "flips": s["flips"], "mcnemar_p": s["mcnemar_p"]}
+                        "delta": s["delta"], "flips": s["flips"], "mcnemar_p": s["mcnemar_p"],
+                        **({"delta_interval": s["delta_interval"]} if "delta_interval" in s else {})}
     compression = report["compression"]["bfloat16"]
     row_result = {
         "label": row.label, "overrides": list(row.overrides), "package_key": manifest["package_key"],

@@ -55,3 +55,22 @@ def test_the_tolerance_is_a_paired_test_per_suite():
     same = paired_verdict(0.0, {"right_to_wrong": 1, "wrong_to_right": 1}, 20, 1.0, tolerance_points=5.0)
     assert same["within_tolerance"] and not same["significant"]
     assert paired_verdict(0.0, flips, 20, 1.0, None)["within_tolerance"] is None
+
+
+def test_the_interval_of_a_mean_difference_is_the_normal_one_computed_by_hand():
+    """TruthfulQA MC2's delta is a mean of per-item differences of probability masses: its interval is the mean plus
+    or minus 1.96 standard errors (sample standard deviation over the square root of n)."""
+    from statistics import NormalDist, stdev
+
+    from prep.evals.power import mean_difference_interval, paired_verdict, suite_interval
+
+    diffs = [0.1, -0.05, 0.0, 0.2, -0.1, 0.05, 0.0, 0.15]
+    mean, se = sum(diffs) / 8, stdev(diffs) / 8 ** 0.5
+    z = NormalDist().inv_cdf(0.975)
+    low, high = mean_difference_interval(diffs)
+    assert low == pytest.approx(mean - z * se) and high == pytest.approx(mean + z * se)
+    suite = {"n": 8, "delta": mean, "flips": {"right_to_wrong": 3, "wrong_to_right": 0}, "delta_interval": [low, high]}
+    assert suite_interval(suite) == (low, high)  # its own interval, not one from the flips
+    verdict = paired_verdict(mean, suite["flips"], 8, 0.25, None, interval=(low, high))
+    assert verdict["interval_points"] == [pytest.approx(100 * low), pytest.approx(100 * high)]
+    assert suite_interval({k: v for k, v in suite.items() if k != "delta_interval"})[0] < 0  # 3 losses from flips

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from loader.artifact import open_artifact
 from loader.verify import verify
 from prep.cli import main as moeprep
-from prep.evals.power import paired_interval
+from prep.evals.power import suite_interval
 from prep.studies import bitwidth as bitwidth_study
 from prep.studies.bitwidth import merge_study_into, run_study, study_markdown
 from tests.tiny_models import save_tiny_model, write_tiny_suites
@@ -67,9 +67,8 @@ def test_every_row_is_prepared_and_compared(study):
             assert suite["delta"] == evaluation["suites"][name]["delta"]
             assert suite["flips"] == evaluation["suites"][name]["flips"]
         assert row["meets_goal"] == (row["compression_bfloat16"] >= 5.0 and all(
-            -0.01 <= low and high <= 0.01 for low, high in (paired_interval(s["flips"]["right_to_wrong"],
-                                                                             s["flips"]["wrong_to_right"], s["n"])
-                                                             for s in row["suites"].values())))
+            -0.01 <= low and high <= 0.01 for low, high in map(suite_interval, row["suites"].values())))
+        assert row["suites"]["truthfulqa_mc2"]["delta_interval"] == evaluation["suites"]["truthfulqa_mc2"]["delta_interval"]
         figures = ("mean_kl", "top_token_agreement", "ppl_ratio")
         assert row["divergence"]["stats"] == {k: report["divergence"]["stats"][k] for k in figures}
         assert row["divergence"]["sequences"] == report["divergence"]["sequences"] == 4
