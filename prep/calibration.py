@@ -133,8 +133,10 @@ def calibration_sequences(section: CalibrationSection, tokenizer, root: Path) ->
     return _calibration_cut(section, tokenizer, root)[0]
 
 
-def _calibration_cut(section: CalibrationSection, tokenizer, root: Path) -> tuple[list[torch.Tensor], set[str], int]:
-    """(the calibration windows, the digests of the texts they draw on, how many texts of the source they used)."""
+def _calibration_cut(section: CalibrationSection, tokenizer, root: Path
+                     ) -> tuple[list[torch.Tensor], set[str], int, list[int]]:
+    """(the calibration windows, the digests of the texts they draw on, how many texts of the source they read, the
+    tokens of the last one after the windows end)."""
     need = section.num_sequences * section.sequence_length
     stream: list[int] = []
     used: set[str] = set()
@@ -148,7 +150,7 @@ def _calibration_cut(section: CalibrationSection, tokenizer, root: Path) -> tupl
     if len(stream) < need:
         raise MoeprepError(f"calibration data gives {len(stream)} tokens, {need} needed; "
                            "add data or lower calibration.num_sequences / sequence_length")
-    return _windows(stream, section.num_sequences, section.sequence_length), used, read
+    return _windows(stream, section.num_sequences, section.sequence_length), used, read, stream[need:]
 
 
 @dataclass(frozen=True)
@@ -162,17 +164,19 @@ class HeldOut:
 def held_out_sequences(calibration: CalibrationSection, tokenizer, root: Path, num_sequences: int,
                        sequence_length: int, text: CalibrationSection | None = None) -> HeldOut:
     """``num_sequences`` windows of ``sequence_length`` tokens of held-out text: from ``text`` when given, else the
-    calibration source's texts after those the calibration windows used. A text whose content is one the calibration
-    windows drew on is skipped (a generator or a file may repeat a text), and the result is checked against the
-    calibration windows (``check_disjoint``), which every stage's calibration and traces are cut from."""
-    used_windows, used, consumed = _calibration_cut(calibration, tokenizer, root)
+    calibration source's tokens after the calibration windows end (the rest of the text they end in, then the texts
+    after it). A later text whose content is one the calibration windows drew on is skipped (a generator or a file
+    may repeat a text), and the result is checked against the calibration windows (``check_disjoint``), which every
+    stage's calibration and traces are cut from."""
+    used_windows, used, consumed, rest = _calibration_cut(calibration, tokenizer, root)
     source = text or calibration
     documents = _documents(source, tokenizer, root)
-    if text is None:  # the same source: skip the texts the calibration read, the last one included
+    stream: list[int] = []
+    if text is None:  # the same source: go on where the calibration windows end
         for _ in range(consumed):
             next(documents)
+        stream = list(rest)
     need = num_sequences * sequence_length
-    stream: list[int] = []
     taken: set[str] = set()
     skipped = 0
     for digest, ids in documents:
@@ -191,7 +195,7 @@ def held_out_sequences(calibration: CalibrationSection, tokenizer, root: Path, n
     sequences = _windows(stream, num_sequences, sequence_length)
     check_disjoint(sequences, used_windows, taken, used)
     return HeldOut(sequences, {"source": source.source, "after_calibration": text is None,
-                               "texts": len(taken), "texts_skipped_as_calibration": skipped,
+                               "rest_of_last_calibration_text": len(rest) if text is None else 0, "texts": len(taken), "texts_skipped_as_calibration": skipped,
                                "sequences": num_sequences, "sequence_length": sequence_length,
                                "disjoint_from_calibration": True})
 

@@ -37,6 +37,7 @@ RECIPES = {  # recipe -> the architecture of its model
 TINY = [  # calibration from a local file, and sizes a tiny model can take; everything else is the recipe's
     "calibration.source=files", "calibration.num_sequences=8", "calibration.sequence_length=16",
     "trace.batch=4", "quantize.group_size=16", "bitwidth.num_sequences=2", "gating.num_sequences=2",
+    "divergence.num_sequences=8", "divergence.sequence_length=16", "divergence.text.source=files",
 ]
 
 
@@ -69,8 +70,10 @@ def prepare_recipe(name: str, tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
     per_expert = any(".experts.0." in n for n in index)
     assert per_expert == (arch != "gpt_oss"), sorted(index)[:8]  # the hub's naming: per expert but for gpt-oss
     (tmp_path / "calibration.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    (tmp_path / "held-out.txt").write_text(" ".join(f"line {i} of other text" for i in range(200)))
     monkeypatch.chdir(tmp_path)  # the CLI writes artifacts/<name>/ under the working directory
-    sets = [f"model.path={checkpoint}", f"calibration.files=[{tmp_path / 'calibration.txt'}]", *TINY]
+    sets = [f"model.path={checkpoint}", f"calibration.files=[{tmp_path / 'calibration.txt'}]",
+            f"divergence.text.files=[{tmp_path / 'held-out.txt'}]", *TINY]
     result = CliRunner().invoke(main, ["prepare", "--recipe", str(ROOT / "recipes" / f"{name}.yaml"),
                                        "--expert-memory", "0", "--output", str(tmp_path / "artifact"),
                                        *[a for s in sets for a in ("--set", s)]])
@@ -81,6 +84,9 @@ def prepare_recipe(name: str, tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_prepares_a_hub_checkpoint_to_transformers_logits(name, tmp_path, monkeypatch):
     checkpoint, artifact = prepare_recipe(name, tmp_path, monkeypatch)
+    divergence = json.loads((artifact / "report.json").read_text())["divergence"]  # on in every recipe
+    assert divergence["held_out"]["source"] == "files" and divergence["tokens"] == 8 * 15
+    assert 0 <= divergence["stats"]["mean_kl"]["low"] <= divergence["stats"]["mean_kl"]["high"]
 
     source = load_model(checkpoint, dtype="auto")  # transformers' own reading of the hub names
     reference = planned_reference(source, artifact)

@@ -139,3 +139,19 @@ def test_repeated_texts_are_skipped_and_too_little_text_is_one_clear_error(tmp_p
     assert held.provenance["texts_skipped_as_calibration"] == 1  # the second "alpha" text
     with pytest.raises(MoeprepError, match="held-out text.*tokens, 1000 needed"):
         held_out_sequences(section, tokenizer, tmp_path, 10, 100)
+
+
+def test_one_long_calibration_file_goes_on_where_the_calibration_windows_end(tmp_path):
+    """A single text: the held-out windows are its tokens after the calibration windows, none of them a calibration
+    window."""
+    from tests.tiny_models import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer(512)
+    (tmp_path / "one.txt").write_text(" ".join(f"w{i}" for i in range(3000)))
+    section = CalibrationSection(source="files", files=("one.txt",), num_sequences=4, sequence_length=64)
+    calibration = calibration_sequences(section, tokenizer, tmp_path)
+    held = held_out_sequences(section, tokenizer, tmp_path, 8, 64)
+    stream = torch.tensor(tokenizer((tmp_path / "one.txt").read_text())["input_ids"])
+    assert torch.equal(torch.cat(calibration), stream[:256])
+    assert torch.equal(torch.cat(held.sequences), stream[256:256 + 512])  # the very next tokens
+    assert held.provenance["rest_of_last_calibration_text"] == len(stream) + 1 - 256  # + the end-of-sequence token
