@@ -23,7 +23,8 @@ from loader.runtime import load
 from prep.calibration import CalibrationSection, held_out_sequences
 from prep.errors import MoeprepError
 from prep.evals import divergence as D
-from prep.report import ReportSection, merge_section
+from prep.evals.compare import writable
+from prep.report import ReportSection, current_report, merge_section
 from prep.stages import Stage, StageResult
 
 VERSION = 1
@@ -158,10 +159,12 @@ def divergence_of(artifact, source, tokenizer, calibration: CalibrationSection, 
     """The divergence of ``artifact`` from ``source`` (the source model, loaded) on held-out text after
     ``calibration``'s, merged into the artifact's report.json (report.md rendered with ``layout``): the stage's work,
     and ``moeprep eval``'s on an existing artifact."""
-    held = held_out_sequences(calibration, tokenizer, root, cfg.num_sequences, window_length(cfg, source.config),
-                              cfg.text)
     manifest = read_manifest(artifact)
     artifact = manifest.root
+    current_report(manifest)  # an altered report.json, or one that cannot be written, is refused now, not after
+    writable(artifact)  # the measurement
+    held = held_out_sequences(calibration, tokenizer, root, cfg.num_sequences, window_length(cfg, source.config),
+                              cfg.text)
     plan = read_plan(artifact)
     budget = cfg.memory_budget or "unlimited"
     summary = measure_artifact(artifact, source, held.sequences, budget, cfg)
