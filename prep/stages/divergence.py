@@ -27,7 +27,7 @@ from prep.evals.compare import writable
 from prep.report import ReportSection, current_report, merge_section
 from prep.stages import Stage, StageResult
 
-VERSION = 1
+VERSION = 2  # 2: the held-out text goes on where the calibration windows end
 
 
 @dataclass(frozen=True)
