@@ -93,16 +93,16 @@ def stats_rows(stats: dict) -> list[str]:
 def divergence_markdown(entry: dict) -> str:
     """report.md's section: what was measured on what text, the table, and per operating point when they differ."""
     held = entry["held_out"]
-    where = ("the calibration source's text after the calibration windows" if held.get("after_calibration")
+    where = ("the calibration source's text from where the calibration windows end" if held.get("after_calibration")
              else f"{held.get('source')} text")
     budget = entry.get("memory_budget")
     budget = "every expert resident" if budget == "unlimited" else f"budget {budget or 'the plan default'}"
     lines = ["## Divergence from the source", "",
              f"The prepared model through the loader ({budget}) "
              f"against its source, next token by next token on held-out text: {entry['sequences']} sequences of "
-             f"{held['sequence_length']} tokens ({entry['tokens']:,} predicted), {where}, sharing no text with the "
-             f"calibration set. Intervals: {entry['level']:.0%}, bootstrap over sequences ({entry['resamples']} draws, "
-             "BCa).", "",
+             f"{held['sequence_length']} tokens ({entry['tokens']:,} predicted), {where}, with no window and no whole "
+             f"text in common with the calibration set. Intervals: {entry['level']:.0%}, bootstrap over sequences "
+             f"({entry['resamples']} draws, BCa).", "",
              f"| figure | value | {entry['level']:.0%} interval |", "| --- | ---: | ---: |", *stats_rows(entry["stats"])]
     if entry.get("points"):
         lines += ["", "The plan's outputs depend on what is resident (cache-conditional routing, its miss rule or "
