@@ -194,10 +194,11 @@ def eval_command(artifact, original, suites, data, limit, num_fewshot, gsm8k_for
     import time
     from pathlib import Path
 
-    from prep.evals.compare import evaluate_artifact, summary_markdown
+    from prep.evals.compare import check_settings, evaluate_artifact, summary_markdown
     from prep.stages.divergence import divergence_markdown, divergence_of_existing
     from prep.stages.table import REPORT
 
+    check_settings(limit, num_fewshot, gsm8k_format)  # bad settings are refused before the divergence's minutes
     if divergence_sequences:
         if divergence_sequences < 4:
             raise click.BadParameter("at least 4 (the interval is a bootstrap over windows), or 0 to skip",

@@ -181,15 +181,7 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
     import transformers
 
 
-    per_suite = limit if isinstance(limit, dict) else dict.fromkeys(SUITES, limit)
-    for n in per_suite.values():
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-            raise MoeprepError(f"limit must be a whole number >= 1 (the first N items of each suite, or N per suite), "
-                               f"got {limit!r}; leave it out to use every item")
-    if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
-        raise MoeprepError(f"num_fewshot must be a whole number >= 0, got {num_fewshot!r}")
-    if gsm8k_format not in ("cot", "plain"):
-        raise MoeprepError("--gsm8k-format must be cot or plain")
+    per_suite = check_settings(limit, num_fewshot, gsm8k_format)
     manifest = read_manifest(artifact)  # the directory is resolved once: load and merge use this version
     artifact = manifest.root
     original = Path(original or manifest.raw["source_model"]["path"])
@@ -240,6 +232,21 @@ def evaluate_artifact(artifact: str | Path, original: str | Path | None = None, 
     if merge:
         merge_into_artifact(artifact, report, package_key=manifest.raw["package_key"], layout=layout)
     return report
+
+
+def check_settings(limit, num_fewshot, gsm8k_format: str) -> dict:
+    """The scoring settings checked before any work (``moeprep eval`` checks them before its divergence too): the
+    items per suite they ask for."""
+    per_suite = limit if isinstance(limit, dict) else dict.fromkeys(SUITES, limit)
+    for n in per_suite.values():
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise MoeprepError(f"limit must be a whole number >= 1 (the first N items of each suite, or N per suite), "
+                               f"got {limit!r}; leave it out to use every item")
+    if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
+        raise MoeprepError(f"num_fewshot must be a whole number >= 0, got {num_fewshot!r}")
+    if gsm8k_format not in ("cot", "plain"):
+        raise MoeprepError("--gsm8k-format must be cot or plain")
+    return per_suite
 
 
 def eval_summary(report: dict) -> dict:

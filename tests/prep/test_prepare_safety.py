@@ -27,7 +27,14 @@ from prep.pipeline import prepare
 from prep.recipe import load_recipe, recipe_from_dict
 from prep.store import ArtifactOutput, exclusive_lock
 from tests.interrupt import Killed, interrupted, uninterrupted
-from tests.tiny_models import file_hashes, tiny_recipe
+from tests.tiny_models import file_hashes
+from tests.tiny_models import tiny_recipe as _tiny_recipe
+
+
+def tiny_recipe(precision: str = "int4", **sections):
+    """The tests' recipe with the divergence off: it merges into the artifact after the swap these tests kill, and a
+    kill inside a merge is tested on its own (tests/prep/test_eval.py)."""
+    return _tiny_recipe(precision, divergence={"enabled": False}, **sections)
 
 
 def _loadable(artifact: Path) -> bool:
