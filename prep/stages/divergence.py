@@ -198,7 +198,11 @@ def divergence_of_existing(artifact, original=None, num_sequences: int = 64, seq
     original = Path(original or manifest.raw["source_model"]["path"])
     if not original.is_dir():
         raise MoeprepError(f"original model {original} not found; pass --model with its directory")
-    calibration = CalibrationSection(**{k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items()})
+    try:
+        calibration = CalibrationSection(**{k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items()})
+    except TypeError as e:  # a manifest from another moeprep version
+        raise MoeprepError(f"{manifest.root}'s recorded calibration section is not one this moeprep reads ({e}); "
+                           "pass --divergence-sequences 0 to skip the divergence") from None
     cfg = DivergenceSection(num_sequences=num_sequences, sequence_length=sequence_length, memory_budget=memory_budget)
     source = load_streamed(original, resident_bytes=expert_memory)
     return divergence_of(manifest.root, source, AutoTokenizer.from_pretrained(original), calibration, Path(root),
