@@ -52,12 +52,15 @@ def test_reference_recipe_end_to_end(tmp_path):
 
     recipe = load_recipe(REPO / "recipes/reference.yaml", (f"model.path={MODEL}", "evaluate.limit=8",
                                                            "plan.tune.trials=3", "plan.num_sequences=2",
+                                                           "divergence.num_sequences=16",
                                                            f"plan.device={REPO / 'recipes/reference/device.json'}"))
     summary = prepare(recipe, root=tmp_path)
     artifact = Path(summary["artifact"])
     assert verify(artifact) == []
     report = json.loads((artifact / "report.json").read_text())
     assert report["compression"]["source"] > 5  # float32 source -> at most 8-bit codes with quantized scale/zero
+    kl = report["divergence"]["stats"]["mean_kl"]  # the quantized experts move the next-token distribution a little
+    assert report["divergence"]["sequences"] == 16 and 0 < kl["low"] <= kl["value"] <= kl["high"] < 0.05
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert len(manifest["stores"]) > 1 and report["bitwidth"]["method"] == "edgemoe"  # `make prepare` is mixed
     assert report["bitwidth"]["met"] and report["bitwidth"]["loss"] <= recipe.bitwidth.tolerance

@@ -167,7 +167,8 @@ def test_reference_recipe_on_ray_is_byte_identical_to_local_even_when_a_worker_d
     killed inside a quantize unit: every stage key, every stage file and every file of the artifact is the same."""
     overrides = (f"model.path={REPO / 'recipes/reference/model'}", "calibration.num_sequences=8",
                  f"plan.device={REPO / 'recipes/reference/device.json'}", "evaluate.enabled=false",
-                 "plan.num_sequences=1", "plan.tune.trials=4")  # the planning stages run in the driver: keep them short
+                 "plan.num_sequences=1", "plan.tune.trials=4",  # the planning stages run in the driver: keep them short
+                 "divergence.num_sequences=16")
     local_root, ray_root = tmp_path / "local", tmp_path / "ray"
     local = prepare(load_recipe(REPO / "recipes/reference.yaml", overrides), root=local_root)
 
