@@ -63,8 +63,8 @@ class Divergence(StageResult):
 
     held_out: dict
     memory_budget: str | int | None
-    summary: dict  # prep.evals.divergence.measure's output without its seconds: result.json and report.json are
-    # functions of the inputs (a rebuild, or a run on Ray, writes the same bytes); prepare's summary prints the time
+    summary: dict  # prep.evals.divergence.measure's output; no wall time: result.json and report.json are functions
+    # of the inputs (a rebuild, or a run on Ray, writes the same bytes); prepare's summary prints the time
     points: list  # [{"budget_bytes", "summary"}], only where outputs depend on what is resident
 
     def report_entry(self) -> dict:
@@ -168,15 +168,13 @@ def divergence_of(artifact, source, tokenizer, calibration: CalibrationSection, 
     plan = read_plan(artifact)
     budget = cfg.memory_budget or "unlimited"
     summary = measure_artifact(artifact, source, held.sequences, budget, cfg)
-    summary.pop("seconds")
     points = []
     if depends_on_residency(plan):
         report = read_json(manifest.path("report.json"), "report.json")
         for at in [p["budget_bytes"] for p in report.get("operating_points") or []] or [_default_budget(artifact, plan)]:
             label = f" at {at / 2**20:.1f} MiB" if isinstance(at, int | float) else f" at {at}"
-            measured = measure_artifact(artifact, source, held.sequences, at, cfg, label)
-            measured.pop("seconds")
-            points.append({"budget_bytes": at, "summary": measured})
+            points.append({"budget_bytes": at, "summary": measure_artifact(artifact, source, held.sequences, at, cfg,
+                                                                           label)})
     result = Divergence(held_out=held.provenance, memory_budget=budget, summary=summary, points=points)
     merge_section(artifact, {"divergence": result.report_entry()}, layout, package_key=manifest.raw["package_key"])
     return result
