@@ -138,14 +138,42 @@ def logits_of(model, sequence: torch.Tensor) -> torch.Tensor:
     return model(input_ids=sequence.view(1, -1).to(device), use_cache=False).logits[0].float().cpu()
 
 
+@torch.no_grad()
+def final_hidden(model, sequences: list[torch.Tensor], batch: int, progress=None) -> list[torch.Tensor]:
+    """The last hidden states [T, H] (on the CPU) of each sequence through ``model``'s body, ``batch`` sequences of one
+    length per forward: a streamed source reads each expert layer once per forward, and these are all it keeps of
+    them. ``head_logits`` turns one into its logits, as the model's own forward does."""
+    device, out = next(model.parameters()).device, []
+    for start in range(0, len(sequences), max(1, batch)):
+        chunk = sequences[start:start + max(1, batch)]
+        groups = [chunk] if len({len(seq) for seq in chunk}) == 1 else [[seq] for seq in chunk]
+        for group in groups:
+            hidden = model.model(input_ids=torch.stack(group).to(device), use_cache=False).last_hidden_state
+            out.extend(h.clone() for h in hidden.cpu().unbind(0))
+        if progress is not None:
+            progress(len(out), len(sequences))
+    return out
+
+
+@torch.no_grad()
+def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits [T, V] (float32, on the CPU) of one sequence's last hidden states: the causal LM's head, the step every
+    supported model's forward takes after its body."""
+    device = next(model.parameters()).device
+    return model.lm_head(hidden.to(device)).float().cpu()
+
+
 def measure(source, prepared, sequences: list[torch.Tensor], resamples: int = RESAMPLES, seed: int = 0,
-            progress=None) -> dict:
+            progress=None, source_hidden: list[torch.Tensor] | None = None) -> dict:
     """``summarize`` of the prepared model against the source on ``sequences``, one sequence at a time (memory stays
-    two sequences' logits); ``progress(i, n)`` after each sequence. No wall time in it: what it returns lands in files
-    that are a function of their inputs."""
+    two sequences' logits); ``progress(i, n)`` after each sequence. ``source_hidden``: the source's ``final_hidden``
+    of each sequence, computed before (a streamed source then holds no expert while the prepared model runs); the
+    source's logits are its head of them. No wall time in it: what it returns lands in files that are a function of
+    their inputs."""
     per_sequence = []
     for i, seq in enumerate(sequences):
-        per_sequence.append(token_divergence(logits_of(source, seq), logits_of(prepared, seq), seq))
+        source_logits = logits_of(source, seq) if source_hidden is None else head_logits(source, source_hidden[i])
+        per_sequence.append(token_divergence(source_logits, logits_of(prepared, seq), seq))
         if progress is not None:
             progress(i + 1, len(sequences))
     summary = summarize(per_sequence, resamples=resamples, seed=seed)

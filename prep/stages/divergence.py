@@ -34,8 +34,9 @@ VERSION = 2  # 2: the held-out text goes on where the calibration windows end
 class DivergenceSection:
     """Held-out text (``num_sequences`` windows of ``sequence_length`` tokens, null: 256 or the model's context if
     shorter; ``text``: another source than the calibration's, whose source keys are read), the loader budget (null:
-    unlimited; where the plan's outputs depend on what is resident, each operating point, or the plan's default
-    budget, is measured at its own too) and ``resamples`` bootstrap draws for the 95% intervals."""
+    unlimited, or the artifact's minimum where preparation streams the source under a bound; where the plan's
+    outputs depend on what is resident, each operating point, or the plan's default budget, is measured at its own
+    too) and ``resamples`` bootstrap draws for the 95% intervals."""
 
     enabled: bool = True
     num_sequences: int = 64
@@ -96,7 +97,9 @@ def divergence_markdown(entry: dict) -> str:
     where = ("the calibration source's text from where the calibration windows end" if held.get("after_calibration")
              else f"{held.get('source')} text")
     budget = entry.get("memory_budget")
-    budget = "every expert resident" if budget == "unlimited" else f"budget {budget or 'the plan default'}"
+    budget = ("every expert resident" if budget == "unlimited" else
+              f"budget {budget / 2**20:.1f} MiB" if isinstance(budget, int | float) else
+              f"budget {budget or 'the plan default'}")
     lines = ["## Divergence from the source", "",
              f"The prepared model through the loader ({budget}) "
              f"against its source, next token by next token on held-out text: {entry['sequences']} sequences of "
@@ -119,14 +122,46 @@ def divergence_markdown(entry: dict) -> str:
     return "\n".join(lines)
 
 
-def measure_artifact(artifact, source, sequences, budget, cfg: DivergenceSection, label: str = "") -> dict:
+SOURCE_TOKENS = 1024  # a bounded streamed source's forward: as many sequences as keep its tokens under this
+
+
+def bounded_stream(source):
+    """The source's expert stream where it keeps fewer expert bytes resident than the model has (preparation
+    streams it under ``--expert-memory``), else None: the source is whole in memory."""
+    from prep.adapters import get_adapter
+    from prep.streaming import stream_of
+
+    adapter = get_adapter(source)
+    stream = stream_of(source, adapter)
+    if stream is None or stream.resident_bytes >= stream.layer_bytes * len(adapter.moe_layers):
+        return None
+    return stream
+
+
+def source_hidden(source, sequences) -> list | None:
+    """None for a source whole in memory (each sequence's logits are computed beside the prepared model's). A bounded
+    stream's last hidden states of every sequence first, ``SOURCE_TOKENS`` per forward (each forward reads every
+    expert layer once), its layers then dropped: the prepared model never runs beside a resident source layer, and
+    every budget measured reuses them."""
+    stream = bounded_stream(source)
+    if stream is None or not sequences:
+        return None
+    batch = max(1, SOURCE_TOKENS // max(len(s) for s in sequences))
+    with tqdm(total=len(sequences), desc="divergence: source", unit="seq", leave=False) as bar:
+        hidden = D.final_hidden(source, sequences, batch, progress=lambda i, n: bar.update(i - bar.n))
+    stream.drop_all()
+    return hidden
+
+
+def measure_artifact(artifact, source, sequences, budget, cfg: DivergenceSection, label: str = "",
+                     hidden: list | None = None) -> dict:
     """``prep.evals.divergence.measure`` of ``artifact`` through the loader at ``budget`` (the loader takes the
-    operating point for it) against ``source``."""
+    operating point for it) against ``source`` (``hidden``: its ``source_hidden``)."""
     prepared = load(artifact, memory_budget=budget)
     try:
         with tqdm(total=len(sequences), desc=f"divergence{label}", unit="seq", leave=False) as bar:
             return D.measure(source, prepared.model, sequences, resamples=cfg.resamples, seed=cfg.seed,
-                             progress=lambda i, n: bar.update(1))
+                             progress=lambda i, n: bar.update(1), source_hidden=hidden)
     finally:
         prepared.close()
 
@@ -166,15 +201,16 @@ def divergence_of(artifact, source, tokenizer, calibration: CalibrationSection, 
     held = held_out_sequences(calibration, tokenizer, root, cfg.num_sequences, window_length(cfg, source.config),
                               cfg.text)
     plan = read_plan(artifact)
-    budget = cfg.memory_budget or "unlimited"
-    summary = measure_artifact(artifact, source, held.sequences, budget, cfg)
+    budget = cfg.memory_budget or default_budget(artifact, source)
+    hidden = source_hidden(source, held.sequences)
+    summary = measure_artifact(artifact, source, held.sequences, budget, cfg, hidden=hidden)
     points = []
     if depends_on_residency(plan):
         report = read_json(manifest.path("report.json"), "report.json")
         for at in [p["budget_bytes"] for p in report.get("operating_points") or []] or [_default_budget(artifact, plan)]:
             label = f" at {at / 2**20:.1f} MiB" if isinstance(at, int | float) else f" at {at}"
             points.append({"budget_bytes": at, "summary": measure_artifact(artifact, source, held.sequences, at, cfg,
-                                                                           label)})
+                                                                           label, hidden)})
     result = Divergence(held_out=held.provenance, memory_budget=budget, summary=summary, points=points)
     merge_section(artifact, {"divergence": result.report_entry()}, layout, package_key=manifest.raw["package_key"])
     return result
@@ -205,6 +241,17 @@ def divergence_of_existing(artifact, original=None, num_sequences: int = 64, seq
     source = load_streamed(original, resident_bytes=expert_memory)
     return divergence_of(manifest.root, source, AutoTokenizer.from_pretrained(original), calibration, Path(root),
                          cfg, layout)
+
+
+def default_budget(artifact, source):
+    """The budget of an unset ``memory_budget``: unlimited (every expert resident), but the artifact's minimum where
+    the source is streamed under a bound: the memory preparation was told to keep is not spent holding every
+    prepared expert (the plan's outputs do not depend on the budget, or each operating point is measured too)."""
+    if bounded_stream(source) is None:
+        return "unlimited"
+    from loader.budget import minimum_budget
+
+    return minimum_budget(artifact)
 
 
 def _default_budget(artifact, plan):

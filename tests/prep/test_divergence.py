@@ -155,3 +155,42 @@ def test_one_long_calibration_file_goes_on_where_the_calibration_windows_end(tmp
     assert torch.equal(torch.cat(calibration), stream[:256])
     assert torch.equal(torch.cat(held.sequences), stream[256:256 + 512])  # the very next tokens
     assert held.provenance["rest_of_last_calibration_text"] == len(stream) + 1 - 256  # + the end-of-sequence token
+
+
+def test_a_source_streamed_under_a_bound_runs_before_the_prepared_model_and_measures_the_same(tmp_path):
+    """``--expert-memory 0``: the source's last hidden states come first (its head then gives the logits a whole
+    forward gives), no source layer stays resident while the prepared model runs, the loader runs at the artifact's
+    minimum budget, and the figures equal those of a source held whole."""
+    import json
+
+    from loader.budget import minimum_budget
+    from prep.adapters import get_adapter
+    from prep.calibration import held_out_sequences as held
+    from prep.pipeline import prepare
+    from prep.stages import divergence as stage
+    from prep.streaming import load_streamed, stream_of
+    from tests.tiny_models import save_tiny_model, tiny_recipe
+
+    save_tiny_model("mixtral", tmp_path / "model")
+    recipe = tiny_recipe("int4")
+    whole = prepare(recipe, root=tmp_path, output=tmp_path / "whole")
+    streamed = prepare(recipe, root=tmp_path, output=tmp_path / "streamed", expert_memory=0, force="divergence")
+    assert whole and streamed
+    got = {name: json.loads((tmp_path / name / "report.json").read_text())["divergence"]
+           for name in ("whole", "streamed")}
+    assert got["whole"]["memory_budget"] == "unlimited"
+    assert got["streamed"]["memory_budget"] == minimum_budget(tmp_path / "streamed")
+    for key in ("mean_kl", "top_token_agreement", "ppl_source", "ppl_prepared"):
+        assert got["streamed"]["stats"][key]["value"] == pytest.approx(got["whole"]["stats"][key]["value"],
+                                                                       rel=1e-4, abs=1e-7), key
+
+    source = load_streamed(tmp_path / "model", resident_bytes=0)
+    whole_source = load_streamed(tmp_path / "model", resident_bytes=None)
+    assert stage.bounded_stream(whole_source) is None and stage.source_hidden(whole_source, [torch.ones(4)]) is None
+    from transformers import AutoTokenizer
+
+    sequences = held(recipe.calibration, AutoTokenizer.from_pretrained(tmp_path / "model"), tmp_path, 4, 16).sequences
+    hidden = stage.source_hidden(source, sequences)
+    assert not stream_of(source, get_adapter(source)).resident  # dropped before the prepared model loads
+    for seq, h in zip(sequences, hidden, strict=True):
+        torch.testing.assert_close(D.head_logits(source, h), D.logits_of(whole_source, seq), rtol=1e-5, atol=1e-5)
