@@ -7,7 +7,10 @@ per group, 1 bit per weight at int2 g16). With ``meta_group`` > 0 they are thems
 HQQ: 8-bit codes, with a float16 step and offset per ``meta_group`` consecutive groups (row-major,
 the last meta group may be partial): ``scale = q * step + offset``. The offset form (not hqq's
 ``(q - zero) * step``) keeps float16 exact enough when the values' range is small next to their size.
-Passthrough matrices are stored as their raw bytes.
+Passthrough matrices are stored as their raw bytes. An ``mxfp4`` matrix (OCP MXFP4, the format gpt-oss ships its
+experts in) is stored as the format itself: ``codes``, two E2M1 codes per byte along the row, the low nibble
+first, and ``scales``, one E8M0 byte per 32 weights: ``W = FP4_E2M1[code] * 2 ** (scale - 127)``, exact in
+bfloat16. A source already in MXFP4 is kept byte for byte (``prep/adapters/source_formats.py``).
 
 A matrix with ``kernel`` set is stored in the layout a compute kernel reads as it is, so a record read from
 disk is ready to compute with no decode on any thread. ``int4pack`` (``KERNELS``) is torch's CPU int4
@@ -36,15 +39,29 @@ from dataclasses import dataclass, replace
 import torch
 
 from loader.errors import MoeError
-from loader.vocab import BITS
+from loader.vocab import BITS, MX
 
 # (group_size, meta_group) per precision, as mixtral-offloading/CORM configure hqq: 2 bits needs small
 # groups to stay usable, and 8-bit metadata then keeps them from costing 2 bits per weight.
-DEFAULT_FORMATS = {"int8": (64, 256), "int4": (64, 256), "int3": (64, 256), "int2": (16, 128)}
+DEFAULT_FORMATS = {"int8": (64, 256), "int4": (64, 256), "int3": (64, 256), "int2": (16, 128), "mxfp4": (32, 0)}
 KERNELS = ("int4pack",)  # record layouts a compute kernel reads in place (``MatrixSpec.kernel``)
 INT4PACK_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel takes
 META_BITS = 8
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
+
+
+# MXFP4: E2M1 code -> value (sign, two exponent bits, one mantissa bit), 32 weights per E8M0 scale (bias 127)
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MX_GROUP = 32
+E8M0_BIAS = 127
+
+
+def decode_mxfp4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 [..., n * 32] of MXFP4 ``codes`` uint8 [..., n * 16] (low nibble first) and ``scales`` uint8 [..., n]."""
+    table = torch.tensor(FP4_E2M1, dtype=torch.float32, device=codes.device)
+    values = torch.stack((table[(codes & 0x0F).long()], table[(codes >> 4).long()]), dim=-1).flatten(-2)
+    exponent = (scales.to(torch.int32) - E8M0_BIAS).to(torch.float32)
+    return torch.ldexp(values.unflatten(-1, (-1, MX_GROUP)), exponent.unsqueeze(-1)).flatten(-2)
 
 
 class CodecError(MoeError):
@@ -173,6 +190,9 @@ class MatrixSpec:
             return [(f"{self.name}.rows", "uint8", self.shape[0] * self.row_bytes)]
         if self.precision == "passthrough":
             return [(self.name, self.dtype, self.numel * dtype_of(self.dtype).itemsize)]
+        if self.precision in MX:
+            return [(f"{self.name}.codes", "uint8", self.numel // 2),
+                    (f"{self.name}.scales", "uint8", self.numel // MX_GROUP)]
         if self.kernel == "int4pack":
             n, k = self.shape
             return [(f"{self.name}.packed", "uint8", n * k // 2),
@@ -205,8 +225,16 @@ class MatrixSpec:
                                  f"or one meta group per row ({per_row} groups)")
         if self.precision == "passthrough":
             return
+        if self.precision in MX:
+            if len(self.shape) != 2 or self.group_size != MX_GROUP or self.shape[1] % MX_GROUP or self.meta_group \
+                    or self.rows or self.kernel:
+                raise CodecError(f"{self.name}: an {self.precision} matrix is 2-D with rows a multiple of {MX_GROUP} "
+                                 f"long, group size {MX_GROUP}, no meta group, not row-interleaved; got shape "
+                                 f"{self.shape}, group {self.group_size}")
+            return
         if self.precision not in BITS:
-            raise CodecError(f"unknown precision {self.precision!r}; use passthrough or one of {sorted(BITS)}")
+            raise CodecError(f"unknown precision {self.precision!r}; use passthrough or one of "
+                             f"{sorted(BITS) + sorted(MX)}")
         if len(self.shape) != 2:
             raise CodecError(f"{self.name}: only 2-D matrices are quantized, got shape {self.shape}")
         if self.group_size <= 0 or self.shape[1] % self.group_size:
@@ -249,6 +277,12 @@ def decode_matrix(spec: MatrixSpec, parts: dict[str, torch.Tensor], out: torch.T
     if spec.precision == "passthrough":
         w = parts[spec.name].view(out_dtype).reshape(spec.shape)
         return w if out is None else out.copy_(w)
+    if spec.precision in MX:
+        w = decode_mxfp4(parts[f"{spec.name}.codes"], parts[f"{spec.name}.scales"]).view(spec.shape)
+        w = w.T if spec.transposed else w
+        if out is not None:
+            return out.copy_(w)
+        return w if out_dtype == torch.float32 else w.to(out_dtype)
     if spec.kernel == "int4pack":
         n, k = spec.shape
         groups = k // spec.group_size

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 # Quantized store precisions -> bits per code (``loader/codec.py`` packs them).
 BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
-# Every store precision: the source matrices as they are, or one of the quantized ones.
-PRECISIONS = ("passthrough", *BITS)
+# Microscaling float precisions -> bits per weight: ``mxfp4`` is OCP MXFP4, an E2M1 code per weight and an E8M0
+# scale per 32 (gpt-oss's released experts; ``loader/codec.py``). Its held forms are decoded floats.
+MX = {"mxfp4": 4.25}
+# Every store precision, most bits first: the source matrices as they are, or one of the quantized ones.
+PRECISIONS = ("passthrough", "int8", "mxfp4", "int4", "int3", "int2")
 # Bits per weight, to rank precisions: a higher-ranked record satisfies a request for a lower one.
-PRECISION_BITS = {"passthrough": 32, "float32": 32, "bfloat16": 16, "float16": 16, **BITS}
+PRECISION_BITS = {"passthrough": 32, "float32": 32, "bfloat16": 16, "float16": 16, **BITS, **MX}
 # Model dtypes an artifact may hold.
 DTYPES = ("float32", "float16", "bfloat16")
 SKIP = "skip"  # a miss policy's answer: do not compute this expert
@@ -27,7 +30,7 @@ DEFAULT_HOOKS = ("topk", "plan", "none")
 WEIGHT_FUNCTIONS = ("softmax", "softmax_selected", "sparsemixer")
 
 
-def precision_rank(precision: str) -> int:
+def precision_rank(precision: str) -> float:
     return PRECISION_BITS.get(precision, 0)
 
 

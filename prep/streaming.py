@@ -215,7 +215,7 @@ def _model_dtype(config, tensors: CheckpointTensors, names: list[str]) -> torch.
         return dtype
     for name in names:
         t = tensors.get(name)
-        if t.is_floating_point():
+        if t.is_floating_point() and t.element_size() > 1:  # not an FP8 weight: it is dequantized
             return t.dtype
     return torch.float32
 
@@ -276,10 +276,6 @@ def load_streamed(model_dir: str | Path, *, device: str | torch.device = "cpu",
     adapter = get_adapter(model)
     tensors = CheckpointTensors(model_dir)
     names = tensors.names()
-    if any(n.endswith(("_blocks", "_scales")) and ".experts." in n for n in names):
-        raise MoeprepError(f"checkpoint {model_dir} stores its experts MXFP4-quantized (*_blocks/*_scales); moeprep "
-                           "reads bfloat16 experts: load it with transformers' Mxfp4Config(dequantize=True), "
-                           "save_pretrained it, and point model.path at that copy")
     dtype = _model_dtype(config, tensors, names)
     keep_fp32 = _fp32_patterns(model, dtype)
     expert_prefixes = tuple(f"{p}." for p in adapter.module_paths(model)["experts_modules"])
@@ -292,7 +288,7 @@ def load_streamed(model_dir: str | Path, *, device: str | torch.device = "cpu",
             target = pattern.sub(replacement, target)
         if target.startswith(expert_prefixes) or target not in wanted:
             continue
-        value = tensors.get(name)
+        value = tensors.get_float(name)  # an FP8 weight with block scales comes dequantized
         if value.is_floating_point():
             value = value.to(torch.float32 if any(p.search(target) for p in keep_fp32) else dtype)
         module_name, _, attr = target.rpartition(".")

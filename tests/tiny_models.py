@@ -398,3 +398,103 @@ def write_tiny_suites(directory: Path) -> None:
     }
     for name, items in rows.items():
         (directory / name).write_text("".join(json.dumps(r) + "\n" for r in items))
+
+
+# ------------------------------------------------------------------------------ released quantized layouts
+
+
+def save_mxfp4_gpt_oss(directory, seed: int = 0):
+    """A tiny gpt-oss checkpoint in the layout openai/gpt-oss-* ships: dense weights as usual, every MoE layer's
+    experts as ``gate_up_proj_blocks`` uint8 [E, 2I, H/32, 16], ``gate_up_proj_scales`` uint8 [E, 2I, H/32] (and
+    ``down_proj_*`` [E, H, I/32, ...]) with random codes and scales near 2**-7, biases in float32, and the
+    released config's ``quantization_config``. Returns (the model with transformers' own dequantization of those
+    experts, {tensor name: blocks or scales})."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    directory = Path(directory)
+    config = gpt_oss_config()
+    config.intermediate_size = 32  # MXFP4 groups of 32 along every matrix's input
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    _decisive(model, seed)
+    gen = torch.Generator().manual_seed(seed + 7)
+    state = {n: t.detach().contiguous() for n, t in model.state_dict().items()}
+    codes = {}
+    for layer in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        experts = model.model.layers[layer].mlp.experts
+        for name, (rows, cols) in {"gate_up_proj": (2 * config.intermediate_size, config.hidden_size),
+                                   "down_proj": (config.hidden_size, config.intermediate_size)}.items():
+            blocks = torch.randint(0, 256, (config.num_local_experts, rows, cols // 32, 16), dtype=torch.uint8,
+                                   generator=gen)
+            scales = torch.randint(118, 124, (config.num_local_experts, rows, cols // 32), dtype=torch.uint8,
+                                   generator=gen)
+            del state[f"{prefix}.{name}"]
+            state[f"{prefix}.{name}_blocks"], state[f"{prefix}.{name}_scales"] = blocks, scales
+            codes[f"{prefix}.{name}_blocks"], codes[f"{prefix}.{name}_scales"] = blocks, scales
+            with torch.no_grad():  # transformers' dequantization: [E, in, out] as GptOssExperts holds it
+                getattr(experts, name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    directory.mkdir(parents=True, exist_ok=True)
+    state.pop("lm_head.weight", None) if config.tie_word_embeddings else None
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    raw = config.to_dict() | {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}}
+    (directory / "config.json").write_text(__import__("json").dumps(raw, indent=2))
+    tiny_tokenizer(config.vocab_size).save_pretrained(directory)
+    return model, codes
+
+
+FP8_TEST_BLOCK = [16, 16]
+
+
+def save_fp8_qwen3(directory, seed: int = 0):
+    """A tiny Qwen3-MoE checkpoint in the layout of the Qwen3-*-FP8 releases: every linear weight of attention and
+    of the experts float8_e4m3fn with ``weight_scale_inv`` float32 per 16x16 block (``quantization_config.
+    weight_block_size``), per-expert hub names, norms, embeddings, routers and head as stored. Returns (the model
+    holding the dequantized weights, computed here from the format's definition, {weight name: (fp8, scale_inv)})."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    model = build_tiny_model("qwen3_moe", seed)
+    config = model.config
+    block = FP8_TEST_BLOCK
+    gen = torch.Generator().manual_seed(seed + 11)
+    state, quantized = {}, {}
+
+    def fp8(name: str, weight: torch.Tensor) -> torch.Tensor:
+        rows, cols = weight.shape
+        scale_inv = torch.rand(-(-rows // block[0]), -(-cols // block[1]), generator=gen) * 0.004 + 0.001
+        full = scale_inv.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+        q = (weight / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        state[name], state[f"{name}_scale_inv"] = q, scale_inv
+        quantized[name] = (q, scale_inv)
+        return q.to(torch.float32) * full  # the format's definition, what the reference model holds
+
+    for name, t in model.state_dict().items():
+        if "mlp.experts." in name:
+            continue
+        if name.endswith("_proj.weight") and ".self_attn." in name:
+            t.copy_(fp8(name, t))
+        else:
+            state[name] = t.detach().contiguous()
+    for layer in range(config.num_hidden_layers):
+        experts = model.model.layers[layer].mlp.experts
+        for e in range(config.num_experts):
+            gate, up = experts.gate_up_proj[e].chunk(2, dim=0)
+            prefix = f"model.layers.{layer}.mlp.experts.{e}"
+            with torch.no_grad():
+                experts.gate_up_proj[e] = torch.cat([fp8(f"{prefix}.gate_proj.weight", gate),
+                                                     fp8(f"{prefix}.up_proj.weight", up)])
+                experts.down_proj[e] = fp8(f"{prefix}.down_proj.weight", experts.down_proj[e])
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    raw = config.to_dict() | {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                                      "weight_block_size": block}}
+    (directory / "config.json").write_text(json.dumps(raw, indent=2))
+    tiny_tokenizer(config.vocab_size).save_pretrained(directory)
+    return model, quantized

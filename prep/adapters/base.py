@@ -16,7 +16,7 @@ H hidden, I expert intermediate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -27,6 +27,7 @@ from torch import nn
 from prep.errors import MoeprepError
 
 from .checkpoint import CheckpointTensors
+from .source_formats import BLOCKS_SUFFIX, SCALES_SUFFIX, check_mxfp4, mxfp4_dequantize
 
 
 @dataclass(frozen=True)
@@ -424,11 +425,13 @@ class MoeAdapter:
         fused = self.fused_prefix.format(layer=layer)
         if tensors.has(f"{fused}.gate_up_proj"):
             return self._read_fused(tensors, fused, expert)
+        if tensors.has(f"{fused}.gate_up_proj{BLOCKS_SUFFIX}"):
+            return self._read_mxfp4(tensors, fused, expert)
         if self.hub_names is not None:
             prefix = self.hub_names.prefix.format(layer=layer, expert=expert)
             names = [f"{prefix}.{s}" for s in (self.hub_names.gate, self.hub_names.up, self.hub_names.down)]
             if any(tensors.has(n) for n in names):
-                return ExpertWeights(*(tensors.get(n) for n in names))
+                return ExpertWeights(*(tensors.get_float(n) for n in names))
             hint = f" or {names[0]}"
         else:
             hint = ""
@@ -437,6 +440,33 @@ class MoeAdapter:
             f"checkpoint {checkpoint_dir} has no tensor {fused}.gate_up_proj{hint} "
             f"(layer {layer}, expert {expert}); is it a {self.architecture} checkpoint?"
         )
+
+    def source_codes(self, tensors: CheckpointTensors, layer: int, expert: int) -> dict | None:
+        """One expert's MXFP4 codes as the checkpoint stores them, by the experts module's parameter name:
+        {"gate_up_proj": (blocks [2I, H/32, 16], scales [2I, H/32]), "down_proj": ([H, I/32, 16], [H, I/32])},
+        rows being the matrices' outputs (the record layout of a transposed module's matrix); None for a
+        checkpoint whose experts are not MXFP4."""
+        fused = self.fused_prefix.format(layer=layer)
+        if not tensors.has(f"{fused}.gate_up_proj{BLOCKS_SUFFIX}"):
+            return None
+        return {n: self._mxfp4_parts(tensors, f"{fused}.{n}", expert) for n in ("gate_up_proj", "down_proj")}
+
+    def _mxfp4_parts(self, tensors: CheckpointTensors, name: str, expert: int):
+        blocks, scales = (tensors.get(f"{name}{s}", expert) for s in (BLOCKS_SUFFIX, SCALES_SUFFIX))
+        check_mxfp4(blocks, scales, name, tensors.shard_of(f"{name}{BLOCKS_SUFFIX}"))
+        return blocks, scales
+
+    def _read_mxfp4(self, tensors: CheckpointTensors, fused: str, expert: int) -> ExpertWeights:
+        # blocks hold rows as outputs ([2I, H/32, 16], [H, I/32, 16]) whatever the bf16 layout's orientation
+        gate_up, down = (mxfp4_dequantize(*self._mxfp4_parts(tensors, f"{fused}.{n}", expert), f"{fused}.{n}",
+                                          tensors.shard_of(f"{fused}.{n}{BLOCKS_SUFFIX}"))
+                         for n in ("gate_up_proj", "down_proj"))
+        bias = self.layout.has_bias
+        return replace(self.layout, transposed=False).split(
+            gate_up, down,
+            tensors.get(f"{fused}.gate_up_proj_bias", expert) if bias else None,
+            tensors.get(f"{fused}.down_proj_bias", expert) if bias else None,
+        ).contiguous()
 
     def _unreadable_expert_hint(self, tensors: CheckpointTensors, fused: str) -> None:
         """Raise a specific MoeprepError for known checkpoint formats we cannot read (default: none)."""

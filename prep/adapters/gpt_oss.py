@@ -6,13 +6,12 @@ with gate and up interleaved column by column, plus biases, and computes
     gate = min(gate, limit); up = clamp(up, -limit, limit)
     out = (up + 1) * gate * sigmoid(alpha * gate)
 with alpha = `swiglu_alpha` (1.702) and limit = `swiglu_limit` (7.0); `hidden_act` is not used.
-Released checkpoints store the experts MXFP4-quantized (`*_blocks`, `*_scales`); bf16 checkpoints
-(and save_pretrained of a dequantized model) use the fused names.
+Released checkpoints store the experts MXFP4-quantized (`*_blocks`, `*_scales`), read as they ship
+(`MoeAdapter.read_expert`, `source_codes`); bf16 checkpoints (and save_pretrained of a dequantized model)
+use the fused names.
 """
 
 import torch
-
-from prep.errors import MoeprepError
 
 from .base import FusedLayout, MoeAdapter
 
@@ -37,10 +36,3 @@ class GptOssAdapter(MoeAdapter):
         gate = gate.clamp(min=None, max=limit)
         up = up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-
-    def _unreadable_expert_hint(self, tensors, fused):
-        if tensors.has(f"{fused}.gate_up_proj_blocks"):
-            raise MoeprepError(
-                "this gpt-oss checkpoint stores its experts MXFP4-quantized (*_blocks/*_scales); load it with "
-                "transformers (Mxfp4Config(dequantize=True)) and save_pretrained it in bf16 first"
-            )

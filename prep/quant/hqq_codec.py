@@ -12,6 +12,7 @@ import torch
 from hqq.core.quantize import Quantizer
 
 from loader.codec import BITS, META_BITS, CodecError, MatrixSpec, RecordLayout, decode_matrix, dtype_name
+from prep.adapters.source_formats import mxfp4_quantize
 from prep.errors import MoeprepError
 from prep.quant.records import join_record, pack_codes
 
@@ -69,6 +70,9 @@ def encode_matrix(spec: MatrixSpec, weight: torch.Tensor) -> dict[str, torch.Ten
         raise MoeprepError(f"{spec.name}: shape {tuple(weight.shape)} does not match the layout {spec.shape}")
     if spec.precision == "passthrough":
         return {spec.name: weight.detach().contiguous().cpu()}
+    if spec.precision == "mxfp4":  # not HQQ: the format's own rounding (``mxfp4_quantize``)
+        blocks, scales = mxfp4_quantize(weight.detach().float().cpu())
+        return {f"{spec.name}.codes": blocks.reshape(-1), f"{spec.name}.scales": scales.reshape(-1)}
     bits = BITS[spec.precision]
     w = weight.detach().float().cpu()
     w_q, meta = Quantizer.quantize(w, nbits=bits, group_size=spec.group_size, axis=1, optimize=True,
@@ -92,14 +96,23 @@ def encode_matrix(spec: MatrixSpec, weight: torch.Tensor) -> dict[str, torch.Ten
 
 
 def encode_expert(tensors: dict[str, torch.Tensor], precision: str, group_size: int,
-                  transposed: bool = False, meta_group: int = 0) -> tuple[RecordLayout, torch.Tensor]:
-    """One expert's named tensors -> (its record layout, its packed uint8 record)."""
+                  transposed: bool = False, meta_group: int = 0,
+                  keep: dict | None = None) -> tuple[RecordLayout, torch.Tensor]:
+    """One expert's named tensors -> (its record layout, its packed uint8 record). ``keep``: {matrix name:
+    (codes, scales)} already in ``precision``'s format (an MXFP4 source's own), stored as they are."""
     specs = tuple(matrix_spec(name, t, precision, group_size, transposed, meta_group)
                   for name, t in tensors.items())
     layout = RecordLayout(specs)
     parts: dict[str, torch.Tensor] = {}
     for spec in specs:
-        parts.update(encode_matrix(spec, tensors[spec.name]))
+        if keep and spec.name in keep and spec.precision == "mxfp4":
+            codes, scales = keep[spec.name]
+            if codes.numel() * 2 != spec.numel or scales.numel() * 32 != spec.numel:
+                raise MoeprepError(f"{spec.name}: the source's MXFP4 codes ({list(codes.shape)}) do not fit the "
+                                   f"matrix {spec.shape}")
+            parts[f"{spec.name}.codes"], parts[f"{spec.name}.scales"] = codes.reshape(-1), scales.reshape(-1)
+        else:
+            parts.update(encode_matrix(spec, tensors[spec.name]))
     return layout, join_record(layout, parts)
 
 

@@ -19,13 +19,13 @@ from safetensors import safe_open
 
 from loader.codec import DEFAULT_FORMATS, RecordLayout
 from loader.format import expert_key
-from loader.vocab import PRECISIONS
+from loader.vocab import MX, PRECISIONS
 from prep.errors import MoeprepError
 from prep.executor import Unit
 from prep.quant.hqq_codec import encode_expert, matrix_spec
 from prep.quant.records import write_record_file
 from prep.stages import Stage, StageResult
-from prep.streaming import resident_layer
+from prep.streaming import resident_layer, stream_of
 
 VERSION = 2
 
@@ -53,6 +53,8 @@ class QuantizeSection:
         if precision == "passthrough":
             return 0, 0
         group, meta = DEFAULT_FORMATS[precision]
+        if precision in MX:  # the format fixes its group
+            return group, meta
         return (group if self.group_size is None else self.group_size,
                 meta if self.meta_group is None else self.meta_group)
 
@@ -122,6 +124,18 @@ def expert_tensors(adapter, model, layer: int, expert: int) -> tuple[dict, bool]
     return tensors, bool(getattr(module, "is_transposed", False))
 
 
+def source_mxfp4(adapter, model, layer: int, expert: int, precision: str) -> dict | None:
+    """The expert's own MXFP4 codes where ``precision`` is mxfp4 and the model computes with exactly what its
+    checkpoint stores in MXFP4 (streamed from it, no override, no other source swapped in): kept as they are, so
+    the record is the release's bytes. None: quantize the values."""
+    if precision not in MX:
+        return None
+    stream = stream_of(model, adapter)
+    if stream is None or stream.source != stream.checkpoint_expert or (layer, expert) in stream.overrides:
+        return None
+    return adapter.source_codes(stream.tensors, layer, expert)
+
+
 def quantize_layer(context, out: Path, *, precision: str, layer: int, group: int, meta: int, record_bytes: int) -> None:
     """One unit: every expert of model layer ``layer`` at ``precision``, written to ``out`` one record at a time (a
     streamed model reads this layer from the shards for the block)."""
@@ -130,7 +144,8 @@ def quantize_layer(context, out: Path, *, precision: str, layer: int, group: int
     def records():
         for expert in range(adapter.num_experts):
             tensors, transposed = expert_tensors(adapter, model, layer, expert)
-            yield encode_expert(tensors, precision, group, transposed, meta_group=meta)[1]
+            yield encode_expert(tensors, precision, group, transposed, meta_group=meta,
+                                keep=source_mxfp4(adapter, model, layer, expert, precision))[1]
 
     with resident_layer(model, adapter, layer):
         write_record_file(out, [expert_key(layer, e) for e in range(adapter.num_experts)], record_bytes, records())
