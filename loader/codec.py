@@ -43,7 +43,7 @@ from loader.vocab import BITS, MX
 
 # (group_size, meta_group) per precision, as mixtral-offloading/CORM configure hqq: 2 bits needs small
 # groups to stay usable, and 8-bit metadata then keeps them from costing 2 bits per weight.
-DEFAULT_FORMATS = {"int8": (64, 256), "int4": (64, 256), "int3": (64, 256), "int2": (16, 128), "mxfp4": (32, 0)}
+DEFAULT_FORMATS = {"int8": (64, 256), "int4": (64, 256), "int3": (64, 256), "int2": (16, 128)}
 KERNELS = ("int4pack",)  # record layouts a compute kernel reads in place (``MatrixSpec.kernel``)
 INT4PACK_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 kernel takes
 META_BITS = 8

@@ -55,7 +55,7 @@ from loader.codec import MatrixSpec, RecordLayout
 from loader.errors import ModelingError
 from loader.forms import choose_form, matrices_forward
 from loader.io import write_json_atomic
-from loader.vocab import BITS
+from loader.vocab import BITS, MX
 
 DEVICE_FILE = "device.json"  # in an artifact: the profile its plan was tuned with (``moeload plan`` predicts with it)
 PROFILE_FORMAT = "moeprep-device-profile"
@@ -163,6 +163,10 @@ class DeviceProfile:
         return self.read_latency + nbytes / self.read_bandwidth + float(self.calibration.get("read_overhead_s", 0.0))
 
     def compute(self, precision: str) -> float:
+        """Seconds of one expert's compute for a token at ``precision``; an ``MX`` precision computes from its
+        bfloat16 held form, so a profile without it uses bfloat16's time."""
+        if precision in MX and precision not in self.compute_seconds and "bfloat16" in self.compute_seconds:
+            return self.compute_seconds["bfloat16"]
         try:
             return self.compute_seconds[precision]
         except KeyError:
@@ -172,6 +176,8 @@ class DeviceProfile:
 
     def make(self, precision: str) -> float:
         """Seconds to make a missed expert's held form (0 where the profile has none: plain records)."""
+        if precision in MX and precision not in self.make_seconds:  # a 4-bit decode into bfloat16, as int4's
+            return self.make_seconds.get("int4", 0.0)
         return self.make_seconds.get(precision, 0.0)
 
     def scaled_to(self, weights_per_expert: float) -> DeviceProfile:

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from loader.codec import CodecError, RecordLayout
-from loader.vocab import BITS
+from loader.vocab import PRECISIONS as STORE_PRECISIONS
 from prep.adapters import build_skeleton, get_adapter, inspect_model, load_config
+from prep.adapters.source_formats import FP8_BLOCK, source_format, stored_bytes
 from prep.calibration import check_context
 from prep.errors import MoeprepError
 from prep.evals.data import load_benchmarks
@@ -33,7 +34,7 @@ from prep.readme_block import update_readme as update_readme  # re-exported: cli
 from prep.recipe import load_recipe
 from prep.stages.quantize import QuantizeSection
 
-PRECISIONS = ("bfloat16", *BITS)
+PRECISIONS = ("bfloat16", *(p for p in STORE_PRECISIONS if p != "passthrough"))  # the table's columns
 RUNTIME_BYTES = 400 * 2**20  # python + torch + transformers + moeprep, no model (the streaming test measures ~380 MiB)
 ACTIVATION_COPIES = 8  # float32 [tokens, H] tensors alive at once in a decoder layer (residual, norm, attention, MLP)
 MARKERS = ("<!-- models-table:start (moeprep inspect-model --table recipes/*.yaml --readme README.md) -->",
@@ -98,6 +99,7 @@ def recipe_sizes(recipe, config_dir: Path) -> dict:
     activations = (tokens * ACTIVATION_COPIES * 4 * adapter.hidden_size
                    + recipe.trace.batch * heads * recipe.calibration.sequence_length ** 2 * 4 + tokens * capture)
     shipped = recipe.quantize.precision
+    fmt = source_format(config)
     return {
         "recipe": recipe.name, "hub_id": recipe.model.hub_id, "architecture": info["architecture"],
         "total_params": info["total_params"], "active_params": info["active_params"],
@@ -108,7 +110,34 @@ def recipe_sizes(recipe, config_dir: Path) -> dict:
         "shipped": shipped,
         "num_moe_layers": n_layers, "num_experts": n_experts,
         "source_expert_bytes": info["expert_params_total"] * _itemsize(config),
+        "source_format": fmt,
+        "checkpoint_bytes": checkpoint_bytes(skeleton, adapter, fmt, _itemsize(config), config),
+        "dequantized_bytes": info["total_params"] * _itemsize(config),
     }
+
+
+def checkpoint_bytes(skeleton, adapter, fmt: str, itemsize: int, config) -> int:
+    """Bytes of the checkpoint as released (one pass of ``prepare`` over it reads them): the experts' matrices in
+    MXFP4 for an ``mxfp4`` release, every linear weight but the head's and the routers' in FP8 for an ``fp8`` one
+    (``prep/adapters/source_formats.py``), the rest at the model's dtype."""
+    from torch import nn
+
+    quant = getattr(config, "quantization_config", None) or {}
+    block = tuple((quant.get("weight_block_size") if isinstance(quant, dict) else None) or FP8_BLOCK)
+    experts = {p for p in adapter.module_paths(skeleton)["experts_modules"]}
+    routers = set(adapter.module_paths(skeleton)["router_modules"])
+    linear_names = {f"{m}.weight" for m, mod in skeleton.named_modules()
+                    if isinstance(mod, nn.Linear) and m not in routers and not m.endswith("lm_head")}
+    total = 0
+    for name, p in skeleton.named_parameters():
+        in_experts = any(name.startswith(f"{e}.") for e in experts)
+        matrix = in_experts and p.dim() == 3  # the fused expert matrices (biases are 2-D: [E, out])
+        linear = matrix if fmt == "mxfp4" else (name in linear_names or matrix)
+        if fmt == "fp8" and matrix:  # per expert
+            total += p.shape[0] * stored_bytes(fmt, tuple(p.shape[1:]), itemsize, True, block)
+        else:
+            total += stored_bytes(fmt, tuple(p.shape), itemsize, linear, block)
+    return total
 
 
 def _itemsize(config) -> int:
@@ -160,10 +189,11 @@ def dry_run(recipe, root: str | Path = ".") -> str:
              f"{row['num_moe_layers']} MoE layers x {row['num_experts']} experts",
              "  stages: " + ", ".join(s.name if s.enabled is None or s.enabled(recipe) else f"({s.name} off)"
                                       for s in STAGES),
-             f"  dense {_gb(row['dense_bytes'])} (bfloat16); experts {_gb(source)} as the checkpoint stores them, "
+             f"  dense {_gb(row['dense_bytes'])} (bfloat16); experts {_gb(source)} at the model's dtype, "
              f"{_gb(row['expert_bytes'][shipped])} "
              f"at {shipped}; memory to prepare (streamed, --expert-memory 0) {_gb(row['prepare_bytes'])}; artifact "
              f"{'<= ' if row['artifact_mixed'] else ''}{_gb(row['artifact_bytes'])}",
+             source_line(row),
              f"  executor: {executor_line(recipe.executor)}; work units: {units_line(recipe, row['num_moe_layers'])}"]
     shares = sorted({recipe.package.cache_fraction, *recipe.plan.points})
     for share in shares:
@@ -172,6 +202,23 @@ def dry_run(recipe, root: str | Path = ".") -> str:
                      f"{min(cached, row['num_experts'])} of {row['num_experts']} experts per layer cached at {shipped} "
                      "(records; a held compute form takes more, loader/README.md)")
     return "\n".join(lines) + "\n"
+
+
+FORMAT_WORDS = {"mxfp4": "MXFP4 experts (*_blocks, *_scales), dequantized one MoE layer at a time as read",
+                "fp8": "FP8 linear weights with block scales (*_scale_inv), dequantized as read",
+                "float": "float weights, read as stored"}
+
+
+def source_line(row: dict) -> str:
+    """``--dry-run``'s source: its format, the bytes one pass of ``prepare`` reads, and for a quantized release what
+    the dequantize-first route (a float copy saved first) would cost instead."""
+    line = (f"  source: {FORMAT_WORDS[row['source_format']]}; a pass over the checkpoint reads "
+            f"{_gb(row['checkpoint_bytes'])}")
+    if row["source_format"] == "float":
+        return line
+    return (line + f" (dequantize-first instead: load the whole model to dequantize it, peak about "
+            f"{_gb(row['dequantized_bytes'])}, write a {_gb(row['dequantized_bytes'])} copy, then read "
+            f"{_gb(row['dequantized_bytes'])} a pass; streamed here, peak {_gb(row['prepare_bytes'])})")
 
 
 def units_line(recipe, num_moe_layers: int) -> str:
@@ -206,9 +253,9 @@ def real_model_recipes(recipe_paths: list[str | Path]) -> list[str | Path]:
 def models_table(recipe_paths: list[str | Path], root: str | Path = ".") -> str:
     """The markdown table of the real-model recipes among ``recipe_paths``, one row each, in the order given."""
     rows = [model_row(p, root) for p in real_model_recipes(recipe_paths)]
-    head = ("| recipe | model | total params | active params | experts bf16 | int8 | int4 | int3 | int2 "
-            "| memory to prepare | artifact |")
-    lines = [head, "|" + " --- |" * 2 + " ---: |" * 9]
+    head = ("| recipe | model | total params | active params | experts bf16 | "
+            + " | ".join(PRECISIONS[1:]) + " | memory to prepare | artifact |")
+    lines = [head, "|" + " --- |" * 2 + " ---: |" * (4 + len(PRECISIONS))]
     for r in rows:
         artifact = _gb(r["artifact_bytes"])
         artifact = f"≤ {artifact} (mixed, from {r['shipped']})" if r["artifact_mixed"] else f"{artifact} ({r['shipped']})"

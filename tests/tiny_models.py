@@ -403,15 +403,40 @@ def write_tiny_suites(directory: Path) -> None:
 # ------------------------------------------------------------------------------ released quantized layouts
 
 
-def save_mxfp4_gpt_oss(directory, seed: int = 0):
-    """A tiny gpt-oss checkpoint in the layout openai/gpt-oss-* ships: dense weights as usual, every MoE layer's
-    experts as ``gate_up_proj_blocks`` uint8 [E, 2I, H/32, 16], ``gate_up_proj_scales`` uint8 [E, 2I, H/32] (and
-    ``down_proj_*`` [E, H, I/32, ...]) with random codes and scales near 2**-7, biases in float32, and the
-    released config's ``quantization_config``. Returns (the model with transformers' own dequantization of those
-    experts, {tensor name: blocks or scales})."""
+def _save_state(state: dict, directory, shards: bool) -> None:
+    """``state`` as one model.safetensors, or (``shards``) as a release ships: an index, the dense weights in one
+    shard and each layer's experts in their own."""
+    import json
     from pathlib import Path
 
     from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if not shards:
+        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for name in sorted({_shard_of(n) for n in state}):
+        part = {n: t for n, t in state.items() if _shard_of(n) == name}
+        save_file(part, str(directory / name), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, name)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _shard_of(name: str) -> str:
+    layer = name.split(".")[2] if name.startswith("model.layers.") and ".experts." in name else None
+    return f"model-experts-{layer}.safetensors" if layer is not None else "model-dense.safetensors"
+
+
+def save_mxfp4_gpt_oss(directory, seed: int = 0, shards: bool = False):
+    """A tiny gpt-oss checkpoint in the layout openai/gpt-oss-* ships: dense weights as usual, every MoE layer's
+    experts as ``gate_up_proj_blocks`` uint8 [E, 2I, H/32, 16], ``gate_up_proj_scales`` uint8 [E, 2I, H/32] (and
+    ``down_proj_*`` [E, H, I/32, ...]) with random codes and scales near 2**-7, biases in float32, and the
+    released config's ``quantization_config``; ``shards``: one file per layer's experts and an index. Returns (the model with transformers' own dequantization of those
+    experts, {tensor name: blocks or scales})."""
+    from pathlib import Path
+
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     directory = Path(directory)
@@ -436,9 +461,7 @@ def save_mxfp4_gpt_oss(directory, seed: int = 0):
             codes[f"{prefix}.{name}_blocks"], codes[f"{prefix}.{name}_scales"] = blocks, scales
             with torch.no_grad():  # transformers' dequantization: [E, in, out] as GptOssExperts holds it
                 getattr(experts, name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
-    directory.mkdir(parents=True, exist_ok=True)
-    state.pop("lm_head.weight", None) if config.tie_word_embeddings else None
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    _save_state(state, directory, shards)
     raw = config.to_dict() | {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}}
     (directory / "config.json").write_text(__import__("json").dumps(raw, indent=2))
@@ -449,15 +472,15 @@ def save_mxfp4_gpt_oss(directory, seed: int = 0):
 FP8_TEST_BLOCK = [16, 16]
 
 
-def save_fp8_qwen3(directory, seed: int = 0):
+def save_fp8_qwen3(directory, seed: int = 0, shards: bool = False):
     """A tiny Qwen3-MoE checkpoint in the layout of the Qwen3-*-FP8 releases: every linear weight of attention and
     of the experts float8_e4m3fn with ``weight_scale_inv`` float32 per 16x16 block (``quantization_config.
     weight_block_size``), per-expert hub names, norms, embeddings, routers and head as stored. Returns (the model
-    holding the dequantized weights, computed here from the format's definition, {weight name: (fp8, scale_inv)})."""
+    holding the dequantized weights, computed here from the format's definition, {weight name: (fp8, scale_inv)});
+    ``shards``: one file per layer's experts and an index."""
     import json
     from pathlib import Path
 
-    from safetensors.torch import save_file
 
     directory = Path(directory)
     model = build_tiny_model("qwen3_moe", seed)
@@ -491,8 +514,7 @@ def save_fp8_qwen3(directory, seed: int = 0):
                 experts.gate_up_proj[e] = torch.cat([fp8(f"{prefix}.gate_proj.weight", gate),
                                                      fp8(f"{prefix}.up_proj.weight", up)])
                 experts.down_proj[e] = fp8(f"{prefix}.down_proj.weight", experts.down_proj[e])
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    _save_state(state, directory, shards)
     raw = config.to_dict() | {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
                                                       "weight_block_size": block}}
     (directory / "config.json").write_text(json.dumps(raw, indent=2))

@@ -102,3 +102,35 @@ def fp8_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
     rows, cols = weight.shape
     scale = scale_inv.to(torch.float32).repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
     return weight.to(torch.float32) * scale
+
+
+def source_format(config) -> str:
+    """How the checkpoint a config describes stores its weights: ``mxfp4`` (the experts), ``fp8`` (block-scaled
+    linear weights) or ``float`` (as the model's dtype), from its ``quantization_config.quant_method``."""
+    quant = getattr(config, "quantization_config", None)
+    method = (quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None))
+    method = str(getattr(method, "value", method) or "").lower()
+    if method == "mxfp4":
+        return "mxfp4"
+    if method == "fp8":
+        return "fp8"
+    if method:
+        raise MoeprepError(f"the checkpoint's quantization_config.quant_method is {method!r}; moeprep reads float, "
+                           "mxfp4 and fp8 (block-scaled) checkpoints: dequantize it with transformers and "
+                           "save_pretrained a float copy")
+    return "float"
+
+
+def stored_bytes(fmt: str, shape: tuple[int, ...], float_bytes: int, linear: bool,
+                 block: tuple[int, int] = FP8_BLOCK) -> int:
+    """Bytes a checkpoint in format ``fmt`` stores for one weight of ``shape``: an expert matrix (``linear``) in
+    MXFP4 is 4.25 bits a weight; a linear weight in FP8 one byte plus a float32 scale per block; anything else
+    ``float_bytes`` a value."""
+    n = 1
+    for s in shape:
+        n *= s
+    if linear and len(shape) >= 2 and fmt == "mxfp4" and shape[-1] % MX_GROUP == 0:
+        return n // 2 + n // MX_GROUP
+    if linear and len(shape) == 2 and fmt == "fp8":
+        return n + 4 * (-(-shape[0] // block[0])) * (-(-shape[1] // block[1]))
+    return n * float_bytes

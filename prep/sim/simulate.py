@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 from loader.budget import ModelSizes
 from loader.cache import PoolConfig
-from loader.codec import BITS, MatrixSpec, RecordLayout
+from loader.codec import MX_GROUP, MatrixSpec, RecordLayout
 from loader.device import DeviceProfile, load_profile
 from loader.format import read_manifest
 from loader.plan import Plan, read_plan_file
@@ -38,7 +38,7 @@ from loader.simulate import (  # noqa: F401  (the cost model's home is the loade
     plan_spec,
 )
 from loader.simulate import simulate as replay_decode
-from loader.vocab import GROUPS
+from loader.vocab import GROUPS, MX, PRECISIONS
 from prep.errors import MoeprepError
 from prep.methods.trace import open_trace
 from prep.sim.belady import BeladyPolicy, FutureUses
@@ -59,10 +59,11 @@ def mixtral_record_bytes(precision: str = "int4", group_size: int = MIXTRAL_GROU
     """
 
     hidden, inter = 4096, 14336
-    if precision not in BITS and precision != "passthrough":
-        raise MoeprepError(f"no record size for precision {precision!r}; use passthrough or one of {sorted(BITS)}")
+    if precision not in PRECISIONS:
+        raise MoeprepError(f"no record size for precision {precision!r}; use one of {PRECISIONS}")
+    group_size = 0 if precision == "passthrough" else MX_GROUP if precision in MX else group_size
     shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
-    return RecordLayout(tuple(MatrixSpec(n, s, precision, "bfloat16", group_size if precision != "passthrough" else 0)
+    return RecordLayout(tuple(MatrixSpec(n, s, precision, "bfloat16", group_size)
                               for n, s in shapes.items())).nbytes
 
 

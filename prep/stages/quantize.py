@@ -17,7 +17,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from loader.codec import DEFAULT_FORMATS, RecordLayout
+from loader.codec import DEFAULT_FORMATS, MX_GROUP, RecordLayout
 from loader.format import expert_key
 from loader.vocab import MX, PRECISIONS
 from prep.errors import MoeprepError
@@ -52,9 +52,9 @@ class QuantizeSection:
         """(group_size, meta_group) of ``precision`` (0, 0 for passthrough)."""
         if precision == "passthrough":
             return 0, 0
+        if precision in MX:  # the format fixes its group, and its scales are bytes
+            return MX_GROUP, 0
         group, meta = DEFAULT_FORMATS[precision]
-        if precision in MX:  # the format fixes its group
-            return group, meta
         return (group if self.group_size is None else self.group_size,
                 meta if self.meta_group is None else self.meta_group)
 

@@ -22,7 +22,13 @@ from loader.runtime import load
 from prep.adapters import get_adapter, load_model
 from prep.cli import main
 from prep.recipe import load_recipe
-from tests.tiny_models import build_tiny_model, planned_reference, tiny_tokenizer
+from tests.tiny_models import (
+    build_tiny_model,
+    planned_reference,
+    save_fp8_qwen3,
+    save_mxfp4_gpt_oss,
+    tiny_tokenizer,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = {  # recipe -> the architecture of its model
@@ -33,7 +39,9 @@ RECIPES = {  # recipe -> the architecture of its model
     "deepseek-v2-lite": "deepseek_v2",
     "olmoe-1b-7b": "olmoe",
     "gpt-oss-20b": "gpt_oss",
+    "qwen3-30b-a3b-fp8": "qwen3_moe",
 }
+RELEASED_AS = {"gpt-oss-20b": save_mxfp4_gpt_oss, "qwen3-30b-a3b-fp8": save_fp8_qwen3}  # quantized releases
 TINY = [  # calibration from a local file, and sizes a tiny model can take; everything else is the recipe's
     "calibration.source=files", "calibration.num_sequences=8", "calibration.sequence_length=16",
     "trace.batch=4", "quantize.group_size=16", "bitwidth.num_sequences=2", "gating.num_sequences=2",
@@ -41,9 +49,12 @@ TINY = [  # calibration from a local file, and sizes a tiny model can take; ever
 ]
 
 
-def save_hub_checkpoint(arch: str, directory: Path):
-    """A tiny ``arch`` model saved as the hub would ship it: sharded, with an index and hub tensor names."""
-    model = build_tiny_model(arch)
+def save_hub_checkpoint(name: str, directory: Path):
+    """A tiny model of recipe ``name``'s architecture saved as the hub ships it: sharded, with an index and hub
+    tensor names; a quantized release (``RELEASED_AS``) in its own layout (gpt-oss's MXFP4 experts, Qwen3's FP8)."""
+    if name in RELEASED_AS:
+        return RELEASED_AS[name](directory, shards=True)[0]
+    model = build_tiny_model(RECIPES[name])
     model.save_pretrained(directory, max_shard_size="40KB")
     tiny_tokenizer(model.config.vocab_size).save_pretrained(directory)
     return model
@@ -64,7 +75,7 @@ def prepare_recipe(name: str, tmp_path: Path, monkeypatch) -> tuple[Path, Path]:
     """(tiny hub checkpoint, artifact): ``recipes/<name>.yaml`` prepared by the CLI, one layer at a time."""
     arch = RECIPES[name]
     checkpoint = tmp_path / "checkpoint"
-    save_hub_checkpoint(arch, checkpoint)
+    save_hub_checkpoint(name, checkpoint)
     index = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(set(index.values())) > 1  # sharded
     per_expert = any(".experts.0." in n for n in index)
@@ -99,7 +110,9 @@ def test_recipe_prepares_a_hub_checkpoint_to_transformers_logits(name, tmp_path,
         loaded.close()
     assert torch.allclose(got, expected, atol=1e-4), (name, float((got - expected).abs().max()))
     # the shipped records are the source's experts, quantized: each decoded expert is nearest to its own source
-    # expert (no index or gate/up mix-up in the streamed reads), and not equal to it
+    # expert (no index or gate/up mix-up in the streamed reads), and not equal to it; gpt-oss's MXFP4 release kept
+    # at mxfp4 is its own codes, equal
+    lossless = load_recipe(ROOT / "recipes" / f"{name}.yaml").quantize.precision == "mxfp4"
     adapter = get_adapter(source)
     for layer in adapter.moe_layers:
         src = [adapter.get_expert(source, layer, e) for e in range(adapter.num_experts)]
@@ -108,6 +121,10 @@ def test_recipe_prepares_a_hub_checkpoint_to_transformers_logits(name, tmp_path,
             distance = [sum(float((a - b).norm()) for a, b in zip(dec.tensors().values(), s.tensors().values(),
                                                                     strict=True)) for s in src]
             assert min(range(len(src)), key=distance.__getitem__) == e, (name, layer, e, distance)
+            if lossless:
+                assert all(torch.equal(a.float(), b.float()) for a, b in zip(dec.tensors().values(),
+                                                                           src[e].tensors().values(), strict=True))
+                continue
             assert (dec.gate - src[e].gate).norm() < (dec.gate - src[e].up).norm()
             assert 0 < (dec.gate - src[e].gate).norm() < 0.5 * src[e].gate.norm()
 
@@ -161,7 +178,7 @@ def test_the_hub_cache_copy_is_found_without_a_path(tmp_path, monkeypatch):
     # the hub cache's layout: models--org--name/{refs/main, snapshots/<commit>/...}
     commit = "0123456789abcdef0123456789abcdef01234567"
     repo = tmp_path / "cache" / "models--allenai--OLMoE-1B-7B-0924"
-    save_hub_checkpoint("olmoe", repo / "snapshots" / commit)
+    save_hub_checkpoint("olmoe-1b-7b", repo / "snapshots" / commit)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
