@@ -1,7 +1,8 @@
 """Streaming preparation: the source model with its experts read from the shards a layer at a time.
 
 The reference everywhere is transformers' ``from_pretrained`` of the same directory, loaded whole.
-The slow test prepares a generated model with 1.5 GB of experts and checks the peak RSS of ``moeprep prepare``
+The slow tests prepare generated models with 1.5 GB of experts (float32, and 1.8 GB once dequantized from an MXFP4
+release) and check the peak RSS of ``moeprep prepare``
 against dense weights + one MoE layer + the process's own footprint.
 """
 
@@ -179,14 +180,20 @@ def test_fisher_on_a_streamed_model_equals_the_whole_model(checkpoints):
     assert stream_of(streamed, get_adapter(streamed)).reads == 2 * moe * len(sequences)  # forward + recompute
 
 
-def test_an_mxfp4_checkpoint_gets_the_dequantize_hint(tmp_path):
+def test_an_mxfp4_checkpoint_streams_and_a_malformed_block_is_named_when_its_layer_is_read(tmp_path):
+    # the released layout loads (its dense weights; tests/prep/test_source_formats.py reads it whole); blocks of the
+    # wrong shape are one error naming the tensor and its shard, at the first read of their layer
     model = build_tiny_model("gpt_oss")
     model.config.save_pretrained(tmp_path)
     state = {k: v.contiguous() for k, v in model.state_dict().items() if ".experts." not in k}
-    state["model.layers.0.mlp.experts.gate_up_proj_blocks"] = torch.zeros(4, 2, dtype=torch.uint8)
+    for layer in range(model.config.num_hidden_layers):
+        p = f"model.layers.{layer}.mlp.experts"
+        state[f"{p}.gate_up_proj_blocks"] = torch.zeros(4, 2, dtype=torch.uint8)
+        state[f"{p}.gate_up_proj_scales"] = torch.zeros(4, dtype=torch.uint8)
     save_file(state, str(tmp_path / "model.safetensors"))
-    with pytest.raises(MoeprepError, match="MXFP4.*Mxfp4Config"):
-        load_streamed(tmp_path)
+    streamed = load_streamed(tmp_path, resident_bytes=0)
+    with pytest.raises(MoeprepError, match=r"gate_up_proj_blocks in shard model.safetensors: MXFP4 blocks must be"):
+        streamed(input_ids=torch.ones(1, 4, dtype=torch.long))
 
 
 def test_a_checkpoint_missing_a_dense_tensor_is_named(tmp_path):
@@ -319,6 +326,89 @@ def test_prepare_peak_rss_is_dense_plus_one_layer(tmp_path):
     assert json.loads((tmp_path / "artifacts" / "big" / "artifact" / "report.json").read_text())["gating"]
     assert peak <= bound, report
     assert peak - baseline < 0.5 * sizes["expert_bytes"], report  # far from holding the model
+
+
+BIG_MXFP4 = dict(hidden_size=1024, intermediate_size=3072, num_local_experts=8, num_hidden_layers=6,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=128, vocab_size=512, num_experts_per_tok=2,
+                 max_position_embeddings=256)
+
+
+def write_big_mxfp4_checkpoint(directory: Path) -> dict:
+    """A gpt-oss checkpoint in the released MXFP4 layout whose experts are 1.8 GB once dequantized to float32 (241
+    MB as stored), one layer of blocks and scales per shard, written a layer at a time. Returns sizes: the dense
+    bytes (float32) and the dequantized experts' bytes."""
+    from transformers import GptOssConfig
+
+    config = GptOssConfig(**BIG_MXFP4, dtype="float32", tie_word_embeddings=False)
+    directory.mkdir()
+    raw = config.to_dict() | {"quantization_config": {"quant_method": "mxfp4"}}
+    (directory / "config.json").write_text(json.dumps(raw))
+    tiny_tokenizer(config.vocab_size).save_pretrained(directory)
+    gen = torch.Generator().manual_seed(0)
+    h, i, e = config.hidden_size, config.intermediate_size, config.num_local_experts
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen) * 0.02
+
+    dense = {"model.embed_tokens.weight": rnd(config.vocab_size, h), "lm_head.weight": rnd(config.vocab_size, h),
+             "model.norm.weight": torch.ones(h)}
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}"
+        dense |= {f"{p}.self_attn.q_proj.weight": rnd(q, h), f"{p}.self_attn.q_proj.bias": torch.zeros(q),
+                  f"{p}.self_attn.k_proj.weight": rnd(kv, h), f"{p}.self_attn.k_proj.bias": torch.zeros(kv),
+                  f"{p}.self_attn.v_proj.weight": rnd(kv, h), f"{p}.self_attn.v_proj.bias": torch.zeros(kv),
+                  f"{p}.self_attn.o_proj.weight": rnd(h, q), f"{p}.self_attn.o_proj.bias": torch.zeros(h),
+                  f"{p}.self_attn.sinks": torch.zeros(config.num_attention_heads),
+                  f"{p}.input_layernorm.weight": torch.ones(h), f"{p}.post_attention_layernorm.weight": torch.ones(h),
+                  f"{p}.mlp.router.weight": rnd(e, h), f"{p}.mlp.router.bias": torch.zeros(e),
+                  f"{p}.mlp.experts.gate_up_proj_bias": torch.zeros(e, 2 * i),
+                  f"{p}.mlp.experts.down_proj_bias": torch.zeros(e, h)}
+    save_file(dense, str(directory / "model-dense.safetensors"))
+    weight_map = dict.fromkeys(dense, "model-dense.safetensors")
+    dense_bytes = sum(t.numel() * 4 for t in dense.values())
+    for layer in range(config.num_hidden_layers):
+        p = f"model.layers.{layer}.mlp.experts"
+        tensors = {}
+        for name, (rows, cols) in {"gate_up_proj": (2 * i, h), "down_proj": (h, i)}.items():
+            tensors[f"{p}.{name}_blocks"] = torch.randint(0, 256, (e, rows, cols // 32, 16), dtype=torch.uint8,
+                                                          generator=gen)
+            tensors[f"{p}.{name}_scales"] = torch.randint(118, 122, (e, rows, cols // 32), dtype=torch.uint8,
+                                                          generator=gen)
+        name = f"model-layer-{layer}.safetensors"
+        save_file(tensors, str(directory / name))
+        weight_map |= dict.fromkeys(tensors, name)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    layer_bytes = e * 3 * h * i * 4
+    return {"dense_bytes": dense_bytes, "expert_bytes": layer_bytes * config.num_hidden_layers,
+            "layer_bytes": layer_bytes}
+
+
+@pytest.mark.slow
+def test_prepare_of_an_mxfp4_release_peaks_at_dense_plus_one_dequantized_layer(tmp_path):
+    # as the float32 test above measures it: the process's own footprint, then prepare's peak, of a release whose
+    # experts are dequantized a layer at a time and kept as the release's own codes (mxfp4)
+    sizes = write_big_mxfp4_checkpoint(tmp_path / "big")
+    assert sizes["expert_bytes"] > 10 * sizes["dense_bytes"]
+    (tmp_path / "calibration.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    recipe = {"name": "big", "model": {"path": str(tmp_path / "big")},
+              "calibration": {"source": "files", "files": [str(tmp_path / "calibration.txt")],
+                              "num_sequences": 8, "sequence_length": 64},
+              "trace": {"batch": 8}, "quantize": {"precision": "mxfp4"},
+              "divergence": {"num_sequences": 8, "sequence_length": 64}}
+    (tmp_path / "big.yaml").write_text(json.dumps(recipe))
+    baseline = _peak_rss("import torch, transformers, hqq\nimport prep.pipeline, prep.streaming, prep.methods.trace\n"
+                         "import transformers.models.gpt_oss.modeling_gpt_oss", tmp_path)
+    peak = _peak_rss("from prep.cli import main\n"
+                     "main(['prepare', '--recipe', 'big.yaml', '--expert-memory', '0'], standalone_mode=False)",
+                     tmp_path)
+    bound = baseline + sizes["dense_bytes"] + 2 * sizes["layer_bytes"] + 256 * 2**20
+    report = {"peak_rss": peak, "baseline_rss": baseline, "bound": bound, **sizes}
+    print("STREAMING MXFP4", json.dumps(report))
+    manifest = json.loads((tmp_path / "artifacts" / "big" / "artifact" / "manifest.json").read_text())
+    assert list(manifest["stores"]) == ["mxfp4"]
+    assert peak <= bound, report
+    assert peak - baseline < 0.5 * sizes["expert_bytes"], report  # far from holding the dequantized model
 
 
 @pytest.mark.gpu
