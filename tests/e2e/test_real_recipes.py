@@ -198,4 +198,7 @@ def test_dry_run_needs_no_weights(name, tmp_path, monkeypatch):
     assert f"x {experts} experts" in result.output and "stages: trace, quantize" in result.output
     assert f"experts per layer cached at {load_recipe(ROOT / 'recipes' / f'{name}.yaml').quantize.precision}" \
         in result.output
+    fmt = {"gpt-oss-20b": "MXFP4 experts", "qwen3-30b-a3b-fp8": "FP8 linear weights"}.get(name, "float weights")
+    assert f"source: {fmt}" in result.output and "a pass over the checkpoint reads" in result.output
+    assert ("dequantize-first instead" in result.output) == (name in RELEASED_AS)
     assert not (ROOT / "artifacts" / name).exists()  # nothing prepared, nothing written

@@ -173,3 +173,27 @@ def test_a_truncated_shard_is_one_error_naming_the_tensor_and_the_shard(tmp_path
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     with pytest.raises(MoeprepError, match=r"tensor \S+ in shard model.safetensors cannot be read"):
         load_streamed(tmp_path / "mx", resident_bytes=0)
+
+
+def test_the_bit_width_search_takes_mxfp4_as_one_more_precision(tmp_path):
+    # EdgeMoE's bounds over int8, mxfp4 and int2 on the MXFP4 release: mxfp4 is its own codes, so its bound is
+    # exactly 0 (the decoded records are the source's values), and it is the search's upper precision
+    from prep.pipeline import prepare
+    from prep.recipe import recipe_from_dict
+
+    save_mxfp4_gpt_oss(tmp_path / "model")
+    recipe = recipe_from_dict({"name": "tiny", "model": {"path": "model"},
+                               "calibration": {"num_sequences": 4, "sequence_length": 16},
+                               "quantize": {"precision": "mxfp4", "also": ["int8", "int2"], "group_size": 32},
+                               "sensitivity": {"method": "sweep", "precision": "int2"},
+                               "bitwidth": {"method": "edgemoe", "tolerance": 0.0, "num_sequences": 2},
+                               "divergence": {"enabled": False}})
+    prepare(recipe, root=tmp_path, output=tmp_path / "artifact")
+    manifest = json.loads((tmp_path / "artifact" / "manifest.json").read_text())
+    chosen = json.loads((tmp_path / "artifact" / "report.json").read_text())["bitwidth"]
+    bounds = chosen["bounds"]
+    assert set(bounds) == {"int8", "mxfp4", "int2"}
+    assert bounds["mxfp4"] == 0.0 and bounds["int8"] > 0 and bounds["int2"] > bounds["int8"]
+    # within a zero tolerance: the release's codes, and int2 only for experts the held-out tokens never reach
+    assert chosen["b_hi"] == "mxfp4" and chosen["loss"] == 0.0 and chosen["experts"]["mxfp4"] >= 1
+    assert set(manifest["stores"]) <= {"mxfp4", "int2"} and "mxfp4" in manifest["stores"]
