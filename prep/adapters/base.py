@@ -473,9 +473,9 @@ class MoeAdapter:
 
     def _read_fused(self, tensors: CheckpointTensors, fused: str, expert: int) -> ExpertWeights:
         bias = self.layout.has_bias
-        return self.layout.split(
-            tensors.get(f"{fused}.gate_up_proj", expert),
-            tensors.get(f"{fused}.down_proj", expert),
+        return self.layout.split(  # get_float: FP8 fused experts with per-expert block scales come dequantized
+            tensors.get_float(f"{fused}.gate_up_proj", expert),
+            tensors.get_float(f"{fused}.down_proj", expert),
             tensors.get(f"{fused}.gate_up_proj_bias", expert) if bias else None,
             tensors.get(f"{fused}.down_proj_bias", expert) if bias else None,
         ).contiguous()
