@@ -124,7 +124,7 @@ def checkpoint_bytes(skeleton, adapter, fmt: str, itemsize: int, config) -> int:
 
     quant = getattr(config, "quantization_config", None) or {}
     block = tuple((quant.get("weight_block_size") if isinstance(quant, dict) else None) or FP8_BLOCK)
-    experts = {p for p in adapter.module_paths(skeleton)["experts_modules"]}
+    experts = set(adapter.module_paths(skeleton)["experts_modules"])
     routers = set(adapter.module_paths(skeleton)["router_modules"])
     linear_names = {f"{m}.weight" for m, mod in skeleton.named_modules()
                     if isinstance(mod, nn.Linear) and m not in routers and not m.endswith("lm_head")}

@@ -33,6 +33,7 @@ from loader.runtime import _rebuild_meta_buffers
 from prep.adapters import build_skeleton, get_adapter, load_config
 from prep.adapters.base import ExpertWeights, MoeAdapter
 from prep.adapters.checkpoint import CheckpointTensors
+from prep.adapters.source_formats import source_format
 from prep.errors import MoeprepError
 
 ExpertSource = Callable[[int, int], ExpertWeights]  # (model layer, expert) -> that expert's weights
@@ -272,6 +273,7 @@ def load_streamed(model_dir: str | Path, *, device: str | torch.device = "cpu",
     device = check_device(device)
     free = available_memory() if device.type == "cpu" else None  # before the dense weights take their share
     config = load_config(model_dir)
+    source_format(config)  # a quantization this reader cannot dequantize is one clear error, before any read
     model = build_skeleton(config).eval()
     adapter = get_adapter(model)
     tensors = CheckpointTensors(model_dir)

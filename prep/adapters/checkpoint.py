@@ -105,10 +105,6 @@ class CheckpointTensors:
         """The stored dtype of tensor `name` as safetensors writes it (e.g. "BF16"), without reading it."""
         return self._read(name, lambda f: f.get_slice(name).get_dtype())
 
-    def shape_of(self, name: str) -> list[int]:
-        """Tensor `name`'s shape, without reading it."""
-        return self._read(name, lambda f: list(f.get_slice(name).get_shape()))
-
 
 def _fp8_block(directory: Path) -> tuple[int, int]:
     """``quantization_config.weight_block_size`` of the checkpoint's config.json, else [128, 128]."""

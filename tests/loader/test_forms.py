@@ -43,7 +43,8 @@ def _ids(seed=0, tokens=11):
     return torch.randint(4, 60, (2, tokens))
 
 
-@pytest.mark.parametrize("precision,group,meta", [("int4", 16, 0), ("int2", 16, 4), ("int8", 32, 2), ("int3", 16, 0)])
+@pytest.mark.parametrize("precision,group,meta", [("int4", 16, 0), ("int2", 16, 4), ("int8", 32, 2), ("int3", 16, 0),
+                                                  ("mxfp4", 32, 0)])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_a_decoded_form_equals_the_record_decoding(precision, group, meta, transposed):
     torch.manual_seed(0)

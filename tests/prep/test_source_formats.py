@@ -197,3 +197,24 @@ def test_the_bit_width_search_takes_mxfp4_as_one_more_precision(tmp_path):
     # within a zero tolerance: the release's codes, and int2 only for experts the held-out tokens never reach
     assert chosen["b_hi"] == "mxfp4" and chosen["loss"] == 0.0 and chosen["experts"]["mxfp4"] >= 1
     assert set(manifest["stores"]) <= {"mxfp4", "int2"} and "mxfp4" in manifest["stores"]
+
+
+def test_a_device_profile_without_mxfp4_times_it_as_its_bfloat16_form():
+    # an mxfp4 record is held decoded in bfloat16 (loader/forms.py's rule for a quantized store), so a profile measured
+    # before the precision existed prices its compute as bfloat16's and the making of its form as int4's decode
+    from loader.device import DeviceProfile, ModelingError
+
+    profile = DeviceProfile(2e9, 1e-4, {"bfloat16": 3e-4, "int4": 5e-4}, "cpu", make_seconds={"int4": 2e-3})
+    assert profile.compute("mxfp4") == 3e-4 and profile.make("mxfp4") == 2e-3
+    assert DeviceProfile(2e9, 1e-4, {"bfloat16": 3e-4, "mxfp4": 4e-4}, "cpu").compute("mxfp4") == 4e-4
+    with pytest.raises(ModelingError, match="no compute time for precision 'int3'"):
+        profile.compute("int3")
+
+
+def test_a_quantization_this_reader_cannot_dequantize_is_refused_before_any_read(tmp_path):
+    model, _ = save_mxfp4_gpt_oss(tmp_path / "mx")
+    raw = json.loads((tmp_path / "mx" / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (tmp_path / "mx" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(MoeprepError, match="quant_method is 'gptq'.*mxfp4 and fp8"):
+        load_streamed(tmp_path / "mx", resident_bytes=0)
