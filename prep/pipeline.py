@@ -35,7 +35,7 @@ from prep.recipe import Recipe
 from prep.stages import Stage, StageResult
 from prep.stages.table import REPORT, STAGE_NAMES, STAGES
 from prep.store import ArtifactOutput, StageStore, exclusive_lock, stage_key
-from prep.streaming import check_device, load_streamed
+from prep.streaming import check_device, give_back_memory, load_streamed
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -372,6 +372,7 @@ def _run_stages(recipe: Recipe, root: Path, model_dir: Path, work_root: Path, ar
                     shutil.rmtree(inputs.work, ignore_errors=True)
                     raise
                 store.commit(stage.name, key, inputs.work, result, version=stage.version, config=config)
+                give_back_memory()  # what the stage freed, before the next one allocates (a streamed prepare's peak)
             summary[stage.name] = {"key": key[:16], "seconds": round(time.perf_counter() - started, 3),
                                    "cached": cached}
             if inputs.unit_stats is not None:  # a stage that ran work units: how many ran and how many were reused

@@ -26,6 +26,7 @@ from prep.evals import divergence as D
 from prep.evals.compare import writable
 from prep.report import ReportSection, current_report, merge_section
 from prep.stages import Stage, StageResult
+from prep.streaming import give_back_memory
 
 VERSION = 2  # 2: the held-out text goes on where the calibration windows end
 
@@ -122,7 +123,8 @@ def divergence_markdown(entry: dict) -> str:
     return "\n".join(lines)
 
 
-SOURCE_TOKENS = 1024  # a bounded streamed source's forward: as many sequences as keep its tokens under this
+SOURCE_TOKENS = 512  # a bounded streamed source's forward: as many sequences as keep its tokens under this (a trace
+# batch's 8 x 64: its activations stay below the layer it reads)
 
 
 def bounded_stream(source):
@@ -150,6 +152,7 @@ def source_hidden(source, sequences) -> list | None:
     with tqdm(total=len(sequences), desc="divergence: source", unit="seq", leave=False) as bar:
         hidden = D.final_hidden(source, sequences, batch, progress=lambda i, n: bar.update(i - bar.n))
     stream.drop_all()
+    give_back_memory()
     return hidden
 
 
