@@ -303,26 +303,35 @@ def _peak_rss(code: str, cwd: Path) -> int:
     return int(out.stdout.split("PEAK_RSS_KB")[-1].split()[0]) * 1024
 
 
-@pytest.mark.slow
-def test_prepare_peak_rss_is_dense_plus_one_layer(tmp_path):
-    sizes = write_big_checkpoint(tmp_path / "big")
-    assert sizes["expert_bytes"] > 1.5e9 and sizes["expert_bytes"] > 20 * sizes["dense_bytes"]
+def _prepare_peak(tmp_path: Path, sizes: dict, model_type: str, **sections) -> tuple[int, int, int, dict]:
+    """(peak, baseline, bound, report) of ``moeprep prepare --expert-memory 0`` on the checkpoint at ``big/``, with
+    eight 64-token calibration sequences from a file and the recipe ``sections``: the peak RSS of the prepare, the
+    process's own footprint (the same interpreter with everything prepare imports, and no model), and the bound
+    dense + two layers + 256 MiB above it."""
     (tmp_path / "calibration.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
     recipe = {"name": "big", "model": {"path": str(tmp_path / "big")},
               "calibration": {"source": "files", "files": [str(tmp_path / "calibration.txt")],
                               "num_sequences": 8, "sequence_length": 64},
-              "trace": {"batch": 8}, "quantize": {"precision": "passthrough"},
-              "gating": {"enabled": True, "num_sequences": 2}}  # Fisher: a backward through every layer
+              "trace": {"batch": 8}, **sections}
     (tmp_path / "big.yaml").write_text(json.dumps(recipe))
-    # the process's own footprint: the same interpreter with everything prepare imports, and no model
     baseline = _peak_rss("import torch, transformers, hqq\nimport prep.pipeline, prep.streaming, prep.methods.trace\n"
-                         "import transformers.models.mixtral.modeling_mixtral", tmp_path)
+                         f"import transformers.models.{model_type}.modeling_{model_type}", tmp_path)
     peak = _peak_rss("from prep.cli import main\n"
                      "main(['prepare', '--recipe', 'big.yaml', '--expert-memory', '0'], standalone_mode=False)",
                      tmp_path)
     bound = baseline + sizes["dense_bytes"] + 2 * sizes["layer_bytes"] + 256 * 2**20
     report = {"peak_rss": peak, "baseline_rss": baseline, "bound": bound, **sizes}
-    print("STREAMING", json.dumps(report))
+    print("STREAMING", model_type, json.dumps(report))
+    return peak, baseline, bound, report
+
+
+@pytest.mark.slow
+def test_prepare_peak_rss_is_dense_plus_one_layer(tmp_path):
+    sizes = write_big_checkpoint(tmp_path / "big")
+    assert sizes["expert_bytes"] > 1.5e9 and sizes["expert_bytes"] > 20 * sizes["dense_bytes"]
+    peak, baseline, bound, report = _prepare_peak(
+        tmp_path, sizes, "mixtral", quantize={"precision": "passthrough"},
+        gating={"enabled": True, "num_sequences": 2})  # Fisher: a backward through every layer
     assert json.loads((tmp_path / "artifacts" / "big" / "artifact" / "report.json").read_text())["gating"]
     assert peak <= bound, report
     assert peak - baseline < 0.5 * sizes["expert_bytes"], report  # far from holding the model
@@ -390,21 +399,8 @@ def test_prepare_of_an_mxfp4_release_peaks_at_dense_plus_one_dequantized_layer(t
     # experts are dequantized a layer at a time and kept as the release's own codes (mxfp4)
     sizes = write_big_mxfp4_checkpoint(tmp_path / "big")
     assert sizes["expert_bytes"] > 10 * sizes["dense_bytes"]
-    (tmp_path / "calibration.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
-    recipe = {"name": "big", "model": {"path": str(tmp_path / "big")},
-              "calibration": {"source": "files", "files": [str(tmp_path / "calibration.txt")],
-                              "num_sequences": 8, "sequence_length": 64},
-              "trace": {"batch": 8}, "quantize": {"precision": "mxfp4"},
-              "divergence": {"num_sequences": 8, "sequence_length": 64}}
-    (tmp_path / "big.yaml").write_text(json.dumps(recipe))
-    baseline = _peak_rss("import torch, transformers, hqq\nimport prep.pipeline, prep.streaming, prep.methods.trace\n"
-                         "import transformers.models.gpt_oss.modeling_gpt_oss", tmp_path)
-    peak = _peak_rss("from prep.cli import main\n"
-                     "main(['prepare', '--recipe', 'big.yaml', '--expert-memory', '0'], standalone_mode=False)",
-                     tmp_path)
-    bound = baseline + sizes["dense_bytes"] + 2 * sizes["layer_bytes"] + 256 * 2**20
-    report = {"peak_rss": peak, "baseline_rss": baseline, "bound": bound, **sizes}
-    print("STREAMING MXFP4", json.dumps(report))
+    peak, baseline, bound, report = _prepare_peak(tmp_path, sizes, "gpt_oss", quantize={"precision": "mxfp4"},
+                                                  divergence={"num_sequences": 8, "sequence_length": 64})
     manifest = json.loads((tmp_path / "artifacts" / "big" / "artifact" / "manifest.json").read_text())
     assert list(manifest["stores"]) == ["mxfp4"]
     assert peak <= bound, report
