@@ -14,7 +14,7 @@ GPU_PY ?= 3.12
 TRACES ?= ../shared/data/traces
 HOW_FAST ?= artifacts/how-fast
 
-.PHONY: setup test prepare eval accuracy bench how-fast reference-model reference-metrics lint loc gpu-carry gpu-check
+.PHONY: setup test test-full test-times prepare eval accuracy bench how-fast reference-model reference-metrics lint loc gpu-carry gpu-check
 
 setup: $(VENV)/.installed
 
@@ -25,8 +25,21 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e ".[dev,ray]"
 	touch $@
 
+# The suite in two parts (tests/helpers/suite.py): the tests in parallel on TEST_WORKERS workers, then the
+# `alone` ones (they measure memory or time) one at a time; every test's and fixture's time, and a summary that
+# flags slow tests, under TEST_TIMES/. `make test-full` adds the full-size checks marked `full`.
+TEST_WORKERS ?= 2
+TEST_TIMES ?= test-times
+
 test: setup
-	$(BIN)/pytest -q -m "not gpu"
+	$(BIN)/python -m tests.helpers.suite --workers $(TEST_WORKERS) --times $(TEST_TIMES)
+
+test-full: setup
+	$(BIN)/python -m tests.helpers.suite --workers $(TEST_WORKERS) --times $(TEST_TIMES) --full
+
+# The summary of the last `make test` again (the 30 slowest tests, time per file and per fixture, what is flagged).
+test-times:
+	$(BIN)/python -m tests.helpers.timing $(TEST_TIMES)/parallel $(TEST_TIMES)/alone
 
 prepare: setup
 	$(BIN)/moeprep prepare --recipe recipes/$(MODEL).yaml --device $(DEVICE) $(if $(MODEL_PATH),--set model.path=$(MODEL_PATH))

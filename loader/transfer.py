@@ -7,7 +7,7 @@ the compute thread never blocks the host on a copy. The copy stream in turn wait
 last mark before it overwrites a slot whose old contents queued kernels may still read.
 
 Every stream and event operation of the loader goes through a link, so the same code runs against a fake
-in the tests (``tests/loader_fakes.py``): one that defers each copy until an event says it is needed, so a
+in the tests (``tests/helpers/loader_fakes.py``): one that defers each copy until an event says it is needed, so a
 missing wait shows up as wrong output on a machine without a GPU.
 """
 

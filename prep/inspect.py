@@ -6,7 +6,7 @@ the codec writes, metadata included), the memory ``prepare`` needs when it strea
 layer at a time (``--expert-memory 0``), and the artifact's size. The README holds the output between two
 markers; ``--readme README.md`` rewrites that block, and a test checks it is current.
 
-Memory to prepare is an estimate from sizes, in the terms the streaming test measures (tests/prep/test_streaming.py):
+Memory to prepare is an estimate from sizes, in the terms the streaming test measures (tests/prep/sources/test_streaming.py):
 the process itself (``RUNTIME_BYTES``, measured), the dense weights, two MoE layers of experts (the layer
 read and the records written from it), and the trace stage's activations for one batch of calibration
 sequences: ``ACTIVATION_COPIES`` float32 hidden states per token, one layer's eager attention scores, and the

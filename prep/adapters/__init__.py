@@ -9,7 +9,7 @@ model does, get/set of one expert as 2-D matrices (`ExpertWeights`), `expert_for
 
 To add an architecture: write `prep/adapters/<arch>.py` with a `MoeAdapter` subclass that states the
 differences as class attributes (plus `select_experts`, and `glu`/`shared_output` if they differ),
-register it in `ADAPTERS` below, and add a tiny model to `tests/tiny_models.py`.
+register it in `ADAPTERS` below, and add a tiny model to `tests/helpers/tiny_models.py`.
 """
 
 from __future__ import annotations

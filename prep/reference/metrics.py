@@ -104,6 +104,13 @@ def _by_kind(kinds: list[str], results: list[dict]) -> dict[str, float]:
             for k in sorted(set(kinds))}
 
 
+def item_record(mmlu: list[dict], tqa: list[dict], gsm: list[dict]) -> dict[str, str]:
+    """Which items each suite got right, one character per item ("1" right, "0" wrong), in suite order: what lets
+    a test re-score a sample of the items and compare item by item, instead of re-scoring every item."""
+    return {name: "".join("1" if r["correct"] else "0" for r in results)
+            for name, results in (("mmlu", mmlu), ("truthfulqa", tqa), ("gsm8k", gsm))}
+
+
 def measure_reference(ref_dir: str | Path, limit: int | None = None, progress: bool = True) -> dict:
     """Score ``ref_dir/model`` on ``ref_dir/suites`` and write ``ref_dir/metrics.json``; returns it."""
     ref_dir = Path(ref_dir)
@@ -131,6 +138,7 @@ def measure_reference(ref_dir: str | Path, limit: int | None = None, progress: b
         "gsm8k_flexible_match": S.mean(r["flexible_correct"] for r in gsm),
         "gsm8k_num_fewshot": len(shots),
         "items": {name: len(rows) for name, rows in suites.items()},
+        "correct_items": {"fp": item_record(mmlu, tqa, gsm)},
     }
     metrics["truthfulqa_mc1_over_chance"] = metrics["truthfulqa_mc1"] / chance
     for subject in sorted({i["subject"] for i in suites["mmlu"]}):
@@ -175,6 +183,7 @@ def measure_reference(ref_dir: str | Path, limit: int | None = None, progress: b
     metrics["int2_mmlu_acc_by_kind"] = _by_kind(kinds, mmlu_int2)
     metrics["int2_truthfulqa_mc1"] = S.mean(r["correct"] for r in tqa_int2)
     metrics["int2_gsm8k_exact_match"] = S.mean(r["correct"] for r in gsm_int2)
+    metrics["correct_items"]["int2"] = item_record(mmlu_int2, tqa_int2, gsm_int2)
     metrics["int2_config"] = {"method": "hqq", "nbits": 2, "group_size": 16, "scope": "every routed expert"}
     metrics["targets"] = TARGETS
     metrics["meets_targets"] = {k: metrics[k] >= v for k, v in TARGETS.items()}

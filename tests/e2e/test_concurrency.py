@@ -17,7 +17,7 @@ from loader.io import hold_for_reading, unread
 from loader.runtime import load
 from loader.verify import verify
 from prep.pipeline import prepare
-from tests.tiny_models import save_tiny_model, tiny_recipe
+from tests.helpers.tiny_models import save_tiny_model, tiny_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "the cat sat on"

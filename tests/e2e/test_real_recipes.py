@@ -22,7 +22,7 @@ from loader.runtime import load
 from prep.adapters import get_adapter, load_model
 from prep.cli import main
 from prep.recipe import load_recipe
-from tests.tiny_models import (
+from tests.helpers.tiny_models import (
     build_tiny_model,
     planned_reference,
     save_fp8_qwen3,

@@ -16,11 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "recipes" / "reference" / "model"
 
 
-def test_lossless_artifact_generates_exactly_what_transformers_does(tmp_path):
-    recipe = load_recipe(REPO / "recipes/reference-lossless.yaml", (f"model.path={MODEL}",
-                                                                     "calibration.num_sequences=4"))
-    summary = prepare(recipe, root=tmp_path)
-    artifact = Path(summary["artifact"])
+def test_lossless_artifact_generates_exactly_what_transformers_does(reference_lossless_artifact):
+    artifact = reference_lossless_artifact
     assert verify(artifact) == []
     model, tokenizer = load_model(MODEL)
     prompt = "Question: Anna has 12 apples. Anna buys 5 more apples. How many apples does Anna have now?\nAnswer:"
@@ -117,15 +114,13 @@ def _mmlu_by_hand(model, tokenizer, item: dict, shots: list[dict]) -> int:
     return max(range(4), key=scores.__getitem__)
 
 
-def test_eval_mmlu_agrees_with_an_independent_scorer(tmp_path):
+def test_eval_mmlu_agrees_with_an_independent_scorer(tmp_path, reference_lossless_artifact):
     """`moeprep eval`'s original-model MMLU accuracy equals a hand-written per-letter scorer's, item by item."""
     import json
 
     from prep.evals.compare import evaluate_artifact
 
-    recipe = load_recipe(REPO / "recipes/reference-lossless.yaml", (f"model.path={MODEL}",
-                                                                     "calibration.num_sequences=2"))
-    artifact = Path(prepare(recipe, root=tmp_path)["artifact"])
+    artifact = reference_lossless_artifact
     n = 24
     report = evaluate_artifact(artifact, suites=("mmlu",), limit=n, output=tmp_path / "eval.json")
     suites = MODEL.parent / "suites"

@@ -15,7 +15,7 @@ from loader.predict import Predictor, PrefetchRequest
 from loader.prefill import PrefillSpec
 from loader.routing import SKIP, MissPolicy, RoutingPolicy
 from loader.runtime import load, minimum_budget
-from tests.tiny_models import mixed_precision_artifact, tiny_artifact
+from tests.helpers.tiny_models import mixed_precision_artifact, tiny_artifact
 
 
 def _ids(n=9, seed=0):

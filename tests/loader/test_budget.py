@@ -8,7 +8,7 @@ import pytest
 
 from loader.budget import capacities, minimum_bytes
 from loader.plan import OperatingPoint, Plan, PlanError, Pool
-from tests.planning_drafts import small_model_sizes
+from tests.helpers.planning_drafts import small_model_sizes
 
 
 def test_a_pools_layer_split_can_leave_a_layer_empty():

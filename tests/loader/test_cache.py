@@ -11,7 +11,7 @@ import pytest
 
 from loader.cache import ExpertCache, PoolConfig
 from loader.policies import POLICIES, policy_factory
-from tests.cache_steps import REC, make_cache, resident, step
+from tests.helpers.cache_steps import REC, make_cache, resident, step
 
 # ----------------------------------------------------------------------------------- the machinery
 

@@ -21,7 +21,7 @@ from loader.device import DeviceProfile, write_profile
 from loader.errors import BudgetError
 from loader.fit import preview
 from loader.runtime import load
-from tests.tiny_models import tiny_artifact
+from tests.helpers.tiny_models import tiny_artifact
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -222,7 +222,7 @@ def test_a_profile_from_profile_device_plans_a_prepare_and_the_artifact_carries_
     --device-profile``; the artifact carries it, and ``moeload plan`` predicts with it by default."""
     import shutil
 
-    from tests.tiny_models import save_tiny_model
+    from tests.helpers.tiny_models import save_tiny_model
 
     output = tmp_path / "device.json"
     made = CliRunner().invoke(moeload, ["profile-device", "--artifact", str(artifact), "--file-mb", "16",

@@ -37,7 +37,7 @@ from loader.plan import PlanError, read_plan
 from loader.verify import verify
 from prep.cli import main as moeprep
 from prep.errors import MoeprepError
-from tests.tiny_models import prepare_tiny_artifact
+from tests.helpers.tiny_models import prepare_tiny_artifact
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,8 @@ from loader.forms import (
 )
 from loader.runtime import LoaderError, load, minimum_budget
 from prep.quant.hqq_codec import encode_expert
-from tests.tiny_models import (
+from tests.helpers.cpu_kernels import needs_int4pack, needs_kernel_layout
+from tests.helpers.tiny_models import (
     CONFIGS,
     build_tiny_model,
     decoded_reference,
@@ -33,8 +34,6 @@ from tests.tiny_models import (
     tiny_tokenizer,
 )
 
-needs_int4pack = pytest.mark.skipif(not int4pack_available(torch.device("cpu")),
-                                    reason="this torch build has no CPU int4 weight-only kernel")
 CPU = torch.device("cpu")
 
 
@@ -295,7 +294,7 @@ def test_auto_falls_back_one_store_at_a_time_so_a_store_that_fits_keeps_its_form
     int4 pool keeps its made form: before, one store that did not fit sent every store to the record form), to
     every store's made form; the mixed step decodes the same logits as the others."""
     from loader.budget import cache_layout
-    from tests.tiny_models import prepare_tiny_artifact
+    from tests.helpers.tiny_models import prepare_tiny_artifact
 
     recipe = tiny_recipe("int4", quantize={"also": ["int2"]}, bitwidth={"method": "random", "share": 0.5, "low": "int2"})
     _, artifact = prepare_tiny_artifact(tmp_path, "mixtral", recipe=recipe)
@@ -422,6 +421,7 @@ def test_cuda_held_forms_and_cpu_misses_give_the_decoded_models_logits(tmp_path_
 
 
 @needs_int4pack
+@needs_kernel_layout
 def test_the_nibble_repack_writes_torchs_int4pack_layout():
     """The repack from packed codes equals torch's convert op from the unpacked codes (on this build)."""
     from loader.codec import pack_int4pack, pack_int4pack_nibbles, unpack_codes, unpack_int4pack
@@ -440,7 +440,7 @@ def test_the_nibble_repack_writes_torchs_int4pack_layout():
         assert torch.equal(unpack_int4pack(want), codes), (n, k)  # the kernel layout decodes to the same codes
 
 
-@needs_int4pack
+@needs_kernel_layout
 @pytest.mark.parametrize("meta_group,transposed,bias", [(0, False, False), (256, False, True), (0, True, False)])
 def test_a_kernel_layout_record_is_the_made_int4pack_form(meta_group, transposed, bias):
     """A record stored in the int4pack kernel layout holds byte for byte what the reader makes from the plain

@@ -35,7 +35,7 @@ from loader.format import DIGEST, write_manifest
 from loader.plan import read_plan
 from loader.runtime import load
 from loader.verify import verify
-from tests.tiny_models import prepare_tiny_artifact
+from tests.helpers.tiny_models import prepare_tiny_artifact
 
 SEED = 1415
 RAW_CASES = 560
@@ -85,7 +85,7 @@ def _forward(artifact: Path, ids: torch.Tensor, stepwise: bool = False) -> tuple
 def neuron_base(tmp_path_factory):
     """(artifact dir, reference logits, token ids, stepwise) of a tiny int4 mixtral in the neuron layout with
     neuron-level loading and all three prefetch predictors: partial reads, block hashes and predictors.safetensors."""
-    from tests.tiny_models import tiny_recipe
+    from tests.helpers.tiny_models import tiny_recipe
 
     recipe = tiny_recipe("int4", neuron={"layout": "neuron", "enabled": True, "theta": 0.2, "crossover": 1.0},
                          predict={"predictors": ["next_gates", "path_stats", "first_gate"]})

@@ -18,7 +18,14 @@ from loader.errors import ArtifactError
 from loader.forms import Int4KernelForm, Int4PackForm, int4pack_available
 from loader.runtime import load, minimum_budget
 from loader.verify import verify
-from tests.tiny_models import CONFIGS, build_tiny_model, decoded_reference, tiny_recipe, tiny_tokenizer
+from tests.helpers.cpu_kernels import needs_kernel_layout
+from tests.helpers.tiny_models import (
+    CONFIGS,
+    build_tiny_model,
+    decoded_reference,
+    tiny_recipe,
+    tiny_tokenizer,
+)
 
 pytestmark = pytest.mark.skipif(not int4pack_available(torch.device("cpu")),
                                 reason="this torch build has no CPU int4 weight-only kernel")
@@ -59,6 +66,27 @@ def test_the_cpu_target_stores_int4_in_the_kernel_layout_the_cuda_target_does_no
     assert verify(cpu) == [] and verify(cuda) == []
 
 
+def test_where_this_cpus_int4pack_layout_differs_a_kernel_layout_record_is_held_decoded(artifacts, monkeypatch):
+    """On a CPU whose torch packs int4pack another way (AVX2 only), a kernel-layout record cannot be the form: the
+    loader holds it decoded (bfloat16) and computes what the same experts' plain records held decoded compute. Run
+    on every CPU by pretending the layouts differ. Within bfloat16's rounding, not bit for bit: the kernel layout
+    holds each group's scale and zero in bfloat16 (what the kernel reads), the plain record at its own precision,
+    so the decoded weights differ by up to 2^-8 of a weight and these logits by about 1e-2."""
+    _, cpu, cuda = artifacts
+    monkeypatch.setattr(forms, "_nibble_repack_matches", lambda: False)
+    ids, logits = _ids(), []
+    for artifact, asked in ((cpu, "int4pack"), (cuda, "bfloat16")):
+        loaded = load(artifact, memory_budget="unlimited", expert_dtype=asked)
+        try:
+            assert loaded.budget["expert_dtype"] == {"int4": "bfloat16"}
+            with torch.no_grad():
+                logits.append(loaded.model(input_ids=ids).logits)
+        finally:
+            loaded.close()
+    torch.testing.assert_close(logits[0], logits[1], atol=5e-2, rtol=2e-2)
+
+
+@needs_kernel_layout
 def test_a_miss_lands_ready_to_compute_with_nothing_made(artifacts, monkeypatch):
     """The gate: at a budget that misses, every read lands as the form itself. No form is made and nothing is
     decoded on any thread (the made form's conversion is never called); the views are taken on the reader threads;

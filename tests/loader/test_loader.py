@@ -14,7 +14,7 @@ from loader.format import ArtifactError, read_record_offsets
 from loader.plan import PlanError, parse_budget
 from loader.runtime import LoaderError, load, minimum_budget
 from loader.verify import verify
-from tests.tiny_models import ARCHITECTURES, decoded_reference, tiny_artifact
+from tests.helpers.tiny_models import ARCHITECTURES, decoded_reference, tiny_artifact
 
 
 def _ids(seed=0):

@@ -22,7 +22,7 @@ from prep.errors import MoeprepError
 from prep.methods.neuron import dropped_neurons
 from prep.quant.hqq_codec import encode_neuron_expert
 from prep.quant.records import write_aligned_records
-from tests.tiny_models import ARCHITECTURES, prepare_tiny_artifact, tiny_recipe
+from tests.helpers.tiny_models import ARCHITECTURES, prepare_tiny_artifact, tiny_recipe
 
 NEURON = {"layout": "neuron", "enabled": True, "theta": 0.0, "crossover": 1.0}
 PROMPT = [5, 9, 13, 20, 7, 11]
@@ -37,7 +37,7 @@ def save_wide_mixtral(directory):
     whole 4 KiB blocks can still skip rows (a tiny model's whole record fits one block)."""
     from transformers import MixtralConfig
 
-    from tests.tiny_models import COMMON, build_tiny_model, tiny_tokenizer
+    from tests.helpers.tiny_models import COMMON, build_tiny_model, tiny_tokenizer
 
     config = MixtralConfig(num_hidden_layers=2, intermediate_size=512, num_local_experts=4, num_experts_per_tok=2,
                            **(COMMON | {"hidden_size": 128}))
@@ -271,7 +271,7 @@ def test_the_neuron_study_measures_every_theta_and_lands_in_report_json(tmp_path
     import yaml
 
     from prep.studies.neuron import merge_into, run_study
-    from tests.tiny_models import write_tiny_suites
+    from tests.helpers.tiny_models import write_tiny_suites
 
     save_wide_mixtral(tmp_path / "model")
     write_tiny_suites(tmp_path / "suites")
@@ -331,10 +331,10 @@ def test_every_store_reads_the_same_rows_of_a_neuron_record(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("cfg", [*NEURON_CONFIGS, None])
 def test_the_gpu_host_store_path_computes_the_cpu_host_store_path(tmp_path, monkeypatch, cfg):
-    """The CUDA host-store logic with CPU tensors (``tests.loader_fakes.FakeLink``: copies on streams, deferred
+    """The CUDA host-store logic with CPU tensors (``tests.helpers.loader_fakes.FakeLink``: copies on streams, deferred
     until waited for): neuron reads of whole checked blocks, and misses computed on the CPU from the host record
     (``cpu_misses='always'``, with neuron loading off: the neuron-layout record through its own form)."""
-    from tests.loader_fakes import FakeLink
+    from tests.helpers.loader_fakes import FakeLink
 
     artifact = _wide_neuron_artifact(tmp_path, predictor=True)
     expected, _, _ = decode(artifact, cfg if cfg is not None else False, stepwise=True, store="host")

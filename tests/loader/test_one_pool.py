@@ -16,7 +16,7 @@ from loader.policies import policy_factory
 from loader.routing import DynamicPrecision
 from loader.runtime import LoaderError, load
 from loader.schedule import LayerSchedule
-from tests.tiny_models import prepare_tiny_artifact, tiny_recipe
+from tests.helpers.tiny_models import prepare_tiny_artifact, tiny_recipe
 
 # ------------------------------------------------------------------------------------------- the cache
 

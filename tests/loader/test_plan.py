@@ -9,7 +9,7 @@ import pytest
 
 from loader.budget import capacities
 from loader.plan import OperatingPoint, Plan, PlanError, Pool
-from tests.planning_drafts import small_model_sizes
+from tests.helpers.planning_drafts import small_model_sizes
 
 
 def test_operating_points_round_trip_and_are_picked_by_budget():

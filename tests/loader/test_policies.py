@@ -12,7 +12,7 @@ import pytest
 
 from loader.cache import PoolConfig
 from loader.policies import POLICIES, Clock, EdgeMoEPolicy, EvictionPolicy, policy_factory
-from tests.cache_steps import REC, make_cache, step
+from tests.helpers.cache_steps import REC, make_cache, step
 
 # ------------------------------------------------------------------------------ victim scenarios
 # Each takes a policy factory and returns every eviction in order; EXPECTED holds the hand-worked answer.

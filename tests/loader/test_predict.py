@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from loader.predict import FirstGatePredictor, NextGates, PathStatsPredictor, PredictorError, make_predictor
 from prep.methods.routing_stats import fit_path_stats
-from tests.predict_contexts import E, K, L, deterministic_routing, predictor_context
+from tests.helpers.predict_contexts import E, K, L, deterministic_routing, predictor_context
 
 
 def test_next_gates_walk_to_the_first_layer_with_a_missing_expert():

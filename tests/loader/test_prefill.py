@@ -22,7 +22,7 @@ from loader.prefill import (
     prefill_reserve,
 )
 from loader.runtime import load, minimum_budget
-from tests.tiny_models import decoded_reference, tiny_artifact
+from tests.helpers.tiny_models import decoded_reference, tiny_artifact
 
 SHAPE = ActivationShape(hidden=64, intermediate=96, heads=4, q_width=64, kv_width=32, vocab=300, top_k=2,
                         dtype_bytes=4, max_context=1024)

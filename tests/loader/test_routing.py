@@ -15,7 +15,7 @@ from loader.routing import (
     install_routing,
 )
 from loader.runtime import load
-from tests.tiny_models import prepare_tiny_artifact
+from tests.helpers.tiny_models import prepare_tiny_artifact
 
 PROMPT, DECODE = 6, 3
 

@@ -9,7 +9,7 @@ import pytest
 
 from loader.cache import ExpertCache, PoolConfig
 from loader.policies import policy_factory
-from tests.cache_steps import REC, resident
+from tests.helpers.cache_steps import REC, resident
 
 
 def test_the_schedule_has_one_implementation():

@@ -1,5 +1,5 @@
 """The GPU transfer path (``loader/transfer.py``) on a machine without a GPU: the same reader and engine code
-against ``tests.loader_fakes.FakeLink`` (deferred copies), and the host store's logic with CPU tensors."""
+against ``tests.helpers.loader_fakes.FakeLink`` (deferred copies), and the host store's logic with CPU tensors."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from loader.runtime import load, minimum_budget
 from loader.store import ExpertStore, Reader, ReadJob, SlotArena
 from loader.transfer import HostLink
-from tests.loader_fakes import FakeLink
-from tests.tiny_models import tiny_artifact
+from tests.helpers.loader_fakes import FakeLink
+from tests.helpers.tiny_models import tiny_artifact
 
 PROMPT = [5, 9, 13, 20, 7, 11, 3, 8]
 

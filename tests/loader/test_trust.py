@@ -17,7 +17,7 @@ from loader.errors import MoeError
 from loader.format import read_manifest, sha256_file, write_manifest
 from loader.runtime import load
 from loader.verify import verify
-from tests.tiny_models import prepare_tiny_artifact, tiny_recipe
+from tests.helpers.tiny_models import prepare_tiny_artifact, tiny_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -185,7 +185,7 @@ def test_calibration_sizes_are_bounded_in_the_recipe_and_by_the_context(tmp_path
     from prep.cli import main as moeprep
     from prep.errors import MoeprepError
     from prep.pipeline import prepare
-    from tests.tiny_models import save_tiny_model
+    from tests.helpers.tiny_models import save_tiny_model
 
     with pytest.raises(MoeprepError, match="bounds are"):
         tiny_recipe(calibration={"sequence_length": 99_999_999})
@@ -295,7 +295,7 @@ def test_eval_checks_it_can_write_before_it_evaluates(planned, tmp_path, monkeyp
 
     from loader.errors import DiskError
     from prep.evals.compare import evaluate_artifact
-    from tests.tiny_models import write_tiny_suites
+    from tests.helpers.tiny_models import write_tiny_suites
 
     real = pathlib.Path.write_bytes
 
@@ -372,7 +372,7 @@ def test_the_dry_run_refuses_what_the_run_refuses(monkeypatch, args, said):
 def test_an_altered_report_is_refused_before_the_evaluation(planned, tmp_path, monkeypatch):
     from loader.format import ArtifactError
     from prep.evals.compare import evaluate_artifact
-    from tests.tiny_models import write_tiny_suites
+    from tests.helpers.tiny_models import write_tiny_suites
 
     copy = tmp_path / "artifact"
     shutil.copytree(planned, copy)

@@ -18,7 +18,7 @@ from prep.studies.bench import llama
 from prep.studies.bench.prefill import add_bounds, add_memory_verdicts, parse_prompts, summarize_prefill
 from prep.studies.bench.report import prefill_goals
 from prep.studies.bench.subjects import tiled_replay
-from tests.mixtral_traces import synthetic_traces
+from tests.helpers.mixtral_traces import synthetic_traces
 
 HAVE_LLAMA = llama.missing() is None
 

@@ -3,7 +3,7 @@ stages from Mixtral's recorded decisions on the problems not replayed, run by th
 dynamic precision replayed on those decisions, where the loader and the simulator must decide alike.
 
 The real Mixtral traces are used where ``../shared/data`` has them, else synthetic ones in their format
-(``tests/mixtral_traces.py``), so both tests run in CI."""
+(``tests/helpers/mixtral_traces.py``), so both tests run in CI."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from prep.cli import main as moeprep
 from prep.evals.power import suite_interval
 from prep.studies import bitwidth as bitwidth_study
 from prep.studies.bitwidth import merge_study_into, run_study, study_markdown
-from tests.tiny_models import save_tiny_model, write_tiny_suites
+from tests.helpers.tiny_models import save_tiny_model, write_tiny_suites
 
 RECIPE = """name: tiny
 model: {path: model}

@@ -1,7 +1,7 @@
 """The routing study runs each (budget, point) as an executor unit: the points are those a direct computation
 gives, a rerun reuses every point file, a point measured with other settings is measured again, and an
 interrupted study resumes with the points already written. The cheapest configuration of the study's own test
-(``tests/prep/test_less_per_token.py``): one budget, one knob per method, loglikelihood suites, 3 items."""
+(``tests/prep/methods/test_less_per_token.py``): one budget, one knob per method, loglikelihood suites, 3 items."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from prep.cli import main as moeprep
 from prep.integrity import seal_unit
 from prep.sim.replay import load_replay
 from prep.sim.simulate import artifact_spec, simulate
-from tests.interrupt import interrupted
+from tests.helpers.interrupt import interrupted
 
 KNOBS = {"gating": (0.3,), "dynamic_precision": ((0.6, 0.1),), "cache_prior": (1.0,), "max_rank": (3,)}
 METHODS = ["exact", "gating", "dynamic_precision", "cache_prior", "max_rank"]
@@ -27,7 +27,7 @@ REAL_POINT = routing.study_point
 
 
 def _root(root):
-    from tests.tiny_models import save_tiny_model, tiny_recipe, write_tiny_suites
+    from tests.helpers.tiny_models import save_tiny_model, tiny_recipe, write_tiny_suites
 
     save_tiny_model("mixtral", root / "model")
     write_tiny_suites(root / "suites")
