@@ -106,6 +106,8 @@ def shared_builds_are_left_untouched(request):
     yield
     store = store_in_use()
     changed = store.changed() if store else []
+    if changed:
+        store.acknowledge()  # this test fails; the next ones are judged by their own changes
     assert not changed, (f"{request.node.nodeid} changed the shared builds (copy them first: writable_copy): "
                          f"{changed[:10]}")
 

@@ -119,8 +119,9 @@ def test_eval_mmlu_agrees_with_an_independent_scorer(tmp_path, reference_lossles
     import json
 
     from prep.evals.compare import evaluate_artifact
+    from tests.helpers.shared import writable_copy
 
-    artifact = reference_lossless_artifact
+    artifact = writable_copy(reference_lossless_artifact.resolve(), tmp_path / "artifact")  # eval writes its report
     n = 24
     report = evaluate_artifact(artifact, suites=("mmlu",), limit=n, output=tmp_path / "eval.json")
     suites = MODEL.parent / "suites"

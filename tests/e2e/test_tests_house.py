@@ -46,7 +46,8 @@ def _pytest(tmp_path: Path, body: str, *args: str):
     import sys
 
     (tmp_path / "test_subject.py").write_text(body)
-    env = os.environ | {"PYTHONPATH": str(TESTS.parent)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "MOEPREP_TEST"))}  # not this run's
+    env["PYTHONPATH"] = str(TESTS.parent)
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "--rootdir", str(tmp_path),
                            "--basetemp", str(tmp_path / "base"), "-q", "-p", "no:cacheprovider", *args,
                            str(tmp_path / "test_subject.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
