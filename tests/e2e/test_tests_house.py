@@ -139,8 +139,8 @@ def test_the_durations_file_names_every_test_with_its_fixtures_serial_and_on_two
         assert any("built (session)" in e["fixtures"] for e in doc["tests"].values())
     text, findings = summarize([doc])
     assert findings == [] and "## The 30 slowest tests" in text and "`test_subject.py::test_each[1]`" in text
-    doc["tests"]["test_subject.py::test_slow"]["call"] = 301.0
-    doc["tests"]["test_subject.py::test_each[1]"]["call"] = 61.0
+    doc["tests"]["test_subject.py::test_slow"] |= {"setup": 0.0, "call": 301.0, "teardown": 0.0}
+    doc["tests"]["test_subject.py::test_each[1]"] |= {"setup": 0.0, "call": 61.0, "teardown": 0.0}
     doc["collected"].append("test_subject.py::test_lost")
     _, findings = summarize([doc])
     assert any("test_each[1]: 61.0 s and not marked slow" in f for f in findings)

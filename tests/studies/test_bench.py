@@ -34,7 +34,7 @@ def one_resident_candidate(monkeypatch):
     monkeypatch.setattr(bench_measure, "EXPERTS_IMPLEMENTATIONS", ("grouped_mm",))
 
 
-def test_bench_quick_writes_every_system(tmp_path, monkeypatch):
+def test_bench_quick_writes_every_system(tmp_path, quick_shape_built, monkeypatch):
     # Without the real traces the quick run routes with the model's own routers and says so.
     monkeypatch.setattr(bench_measure, "EXPERTS_IMPLEMENTATIONS", ("grouped_mm", "no_such_implementation"))
     monkeypatch.setattr(bench_measure, "CUDA_RESIDENT_DTYPES", ())
@@ -117,7 +117,7 @@ def test_bench_quick_writes_every_system(tmp_path, monkeypatch):
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_bench_interleaves_repeats_and_chooses_the_fastest_resident(tmp_path, monkeypatch):
+def test_bench_interleaves_repeats_and_chooses_the_fastest_resident(tmp_path, quick_shape_built, monkeypatch):
     """The orchestration with a stand-in for the worker process (the real quick subject, the real simulator):
     the resident candidates run first, the fastest that ran is resident (a failing one is listed, not fatal),
     every configuration once per round, rows are the median of their rounds, ratios and the bound use them."""
@@ -184,7 +184,7 @@ def test_bench_interleaves_repeats_and_chooses_the_fastest_resident(tmp_path, mo
     assert "| 25% | naive | 80 | 40 - 160 (3) | 0.40x | " in md  # against the chosen resident's median, 200
 
 
-def test_bench_runs_only_the_systems_asked_for_on_the_store_asked_for(tmp_path, monkeypatch):
+def test_bench_runs_only_the_systems_asked_for_on_the_store_asked_for(tmp_path, quick_shape_built, monkeypatch):
     """``--systems naive,moeprep --store host`` (what gpu-check's second store runs): no resident candidates, no
     accelerate, ``naive`` selects ``naive@unlimited`` too, and every loader run gets the store; a system that does
     not exist is one clear error before anything runs."""

@@ -104,7 +104,7 @@ def one_resident_candidate(monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_bench_measures_prefill_rows_of_every_system(tmp_path, one_resident_candidate):
+def test_the_bench_measures_prefill_rows_of_every_system(tmp_path, quick_shape_built, one_resident_candidate):
     """The quick subject, its own routers (no traces needed), a 300-token prompt at 100% and 4bit-25%: a row for
     every system and budget, the bound of each moeprep row, and reads that add up."""
     budgets = ["100%", "4bit-25%"]
@@ -156,7 +156,7 @@ def test_the_bench_measures_prefill_rows_of_every_system(tmp_path, one_resident_
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_LLAMA, reason=llama.missing() or "")
-def test_llama_cpp_evaluates_the_prompt_in_its_cgroup(tmp_path, one_resident_candidate):
+def test_llama_cpp_evaluates_the_prompt_in_its_cgroup(tmp_path, quick_shape_built, one_resident_candidate):
     report = bench_run.run_bench("mixtral-shape-own", "4bit-25%", quick=True, output=tmp_path, echo=lambda m: None,
                                  prefill="300", decode=False, only="llama.cpp,moeprep")
     rows = {r["system"]: r for r in report["prefill"]["rows"]}
@@ -168,7 +168,7 @@ def test_llama_cpp_evaluates_the_prompt_in_its_cgroup(tmp_path, one_resident_can
     assert not list(llama.CGROUP_ROOT.glob("moeprep-bench-*"))  # the cgroup went with the run
 
 
-def test_prefill_rows_choose_resident_by_prompt_speed_without_batched_mm(tmp_path, monkeypatch):
+def test_prefill_rows_choose_resident_by_prompt_speed_without_batched_mm(tmp_path, quick_shape_built, monkeypatch):
     """The orchestration with a stand-in worker: resident's candidates are timed on the shortest prompt and the
     fastest by prompt tokens/s runs every prompt; batched_mm (every token's experts' weights copied) is not a
     candidate; every configuration once per round; the budget-free rows repeated at each budget."""

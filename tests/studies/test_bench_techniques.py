@@ -12,12 +12,13 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from mixtral_traces import traces_root
 
 import prep.studies.bench.measure as bench_measure
 import prep.studies.bench.run as bench_run
 from prep.cli import main
 from prep.studies.bench.subjects import TECHNIQUES, mixtral_shape_techniques_subject
+from tests.helpers.bench_builds import seed_quick_shape
+from tests.helpers.mixtral_traces import traces_root
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def techniques(tmp_path_factory):
     """(bench output dir, traces root, the quick subject) built once for the module."""
     tmp = tmp_path_factory.mktemp("techniques")
     traces = traces_root(tmp)
-    out = tmp / "bench"
+    out = seed_quick_shape(tmp_path_factory, tmp / "bench")
     subject = mixtral_shape_techniques_subject(out, traces, True, 4, 4, echo=lambda m: None)
     return out, traces, subject
 

@@ -165,8 +165,10 @@ def dies_once(context, out: Path, **args) -> None:
 def test_reference_recipe_on_ray_is_byte_identical_to_local_even_when_a_worker_dies(ray_local, tmp_path,
                                                                                      monkeypatch):
     """The reference recipe prepared whole (the accuracy check aside), locally and on 2 Ray workers, one of which is
-    killed inside a quantize unit: every stage key, every stage file and every file of the artifact is the same."""
-    overrides = (f"model.path={REPO / 'recipes/reference/model'}", "calibration.num_sequences=8",
+    killed inside a quantize unit: every stage key, every stage file and every file of the artifact is the same.
+    Four calibration sequences: byte identity holds or fails per unit, and four still give every stage and unit
+    kind (a trace unit per sequence, quantize per layer and precision) on both executors; eight took twice as long."""
+    overrides = (f"model.path={REPO / 'recipes/reference/model'}", "calibration.num_sequences=4",
                  f"plan.device={REPO / 'recipes/reference/device.json'}", "evaluate.enabled=false",
                  "plan.num_sequences=1", "plan.tune.trials=4",  # the planning stages run in the driver: keep them short
                  "divergence.num_sequences=16")
@@ -180,7 +182,7 @@ def test_reference_recipe_on_ray_is_byte_identical_to_local_even_when_a_worker_d
     on_ray = prepare(recipe, root=ray_root)
     assert marker.exists()  # a worker really died inside a unit, and its unit was run again
     ran = {s: v["units"]["ran"] for s, v in on_ray.items() if isinstance(v, dict) and "units" in v}
-    assert ran["trace"] == 8 and ran["quantize"] == 16 and ran["sensitivity"] == 4 and ran["bitwidth"] >= 4
+    assert ran["trace"] == 4 and ran["quantize"] == 16 and ran["sensitivity"] == 4 and ran["bitwidth"] >= 4
     assert {s: v["key"] for s, v in on_ray.items() if s != "artifact"} == \
         {s: v["key"] for s, v in local.items() if s != "artifact"}
     local_files, ray_files = stage_files(local_root), stage_files(ray_root)

@@ -86,8 +86,8 @@ def test_a_new_stage_is_its_module_one_table_row_and_its_test(tmp_path):
     copy = tmp_path / "repo"
     for name in ("prep", "loader"):
         shutil.copytree(REPO / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
-    (copy / "tests").mkdir()
-    shutil.copy2(REPO / "tests" / "tiny_models.py", copy / "tests" / "tiny_models.py")
+    (copy / "tests" / "helpers").mkdir(parents=True)
+    shutil.copy2(REPO / "tests" / "helpers" / "tiny_models.py", copy / "tests" / "helpers" / "tiny_models.py")
     before = _files(copy)
 
     (copy / "prep" / "stages" / "toy.py").write_text(TOY)

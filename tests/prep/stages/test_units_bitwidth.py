@@ -249,15 +249,18 @@ def test_study_on_ray_without_ray_is_one_clear_error_before_any_work(tmp_path, m
 
 
 @pytest.mark.slow
-def test_on_ray_the_losses_and_the_study_rows_are_the_bytes_of_a_local_run(tmp_path):
+@pytest.mark.xdist_group("ray")  # one Ray instance at a time on the machine
+def test_on_ray_the_losses_and_the_study_rows_are_the_bytes_of_a_local_run(tmp_path, tmp_path_factory):
     """A 2-CPU Ray instance on this machine (``executor.address: local``): the bit-width units' files and the study's
-    rows are the same bytes as in-process; two rows prepare in turn (one recipe name) and evaluate side by side."""
+    rows are the same bytes as in-process; two rows prepare in turn (one recipe name) and evaluate side by side. The
+    in-process run is the shared clean one (``uninterrupted``), read only."""
     pytest.importorskip("ray")
-    local, on_ray = tmp_path / "local", tmp_path / "ray"
-    for where, executor in ((local, {}), (on_ray, {"executor": {"kind": "ray", "address": "local"}})):
-        save_tiny_model("qwen3_moe", where / "model")
-        summary = prepare(edgemoe_recipe(**executor), root=where, until="bitwidth")
-        assert summary["bitwidth"]["units"]["ran"] == 3 + len(result_of(where)["details"]["trail"])
+    local, summary = uninterrupted(tmp_path_factory, edgemoe_recipe(), until="bitwidth")
+    on_ray = tmp_path / "ray"
+    save_tiny_model("qwen3_moe", on_ray / "model")
+    ray_summary = prepare(edgemoe_recipe(executor={"kind": "ray", "address": "local"}), root=on_ray, until="bitwidth")
+    for where, ran in ((local, summary), (on_ray, ray_summary)):
+        assert ran["bitwidth"]["units"]["ran"] == 3 + len(result_of(where)["details"]["trail"])
     units = [{p.name: p.read_bytes() for p in stage_dir(where, "bitwidth").glob("*.json")
               if p.name not in ("result.json", ".seal.json")}  # the seal holds result.json's hash, timings included
              for where in (local, on_ray)]
@@ -268,11 +271,12 @@ def test_on_ray_the_losses_and_the_study_rows_are_the_bytes_of_a_local_run(tmp_p
     assert results[0] == results[1]
 
     studies = {}
-    for where, executor in ((local / "study", {}), (on_ray / "study", {"executor": "ray", "ray_address": "local"})):
+    for where, executor in ((tmp_path / "local-study", {}), (on_ray / "study", {"executor": "ray",
+                                                                            "ray_address": "local"})):
         kwargs = study_root(where) | executor
         studies[where] = bitwidth_study.run_study(where / "tiny.yaml", where / "out", **kwargs)
     for study in studies.values():
         for row in study["rows"]:  # where the suites lie; the sensitivity stage's own timings
             row["settings"].pop("data"), row["bitwidth"].pop("sensitivity", None)
-    assert [r["label"] for r in studies[local / "study"]["rows"]][-1].startswith("random")
-    assert studies[local / "study"]["rows"] == studies[on_ray / "study"]["rows"]
+    assert [r["label"] for r in studies[tmp_path / "local-study"]["rows"]][-1].startswith("random")
+    assert studies[tmp_path / "local-study"]["rows"] == studies[on_ray / "study"]["rows"]
