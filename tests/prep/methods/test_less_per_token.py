@@ -468,7 +468,9 @@ def test_the_tokens_of_one_call_see_the_cache_as_decode_would():
     assert together.stats()["changed"] > 0
 
 
-def test_cache_routing_from_the_recipe_is_exact_at_zero_and_the_simulator_agrees_with_the_loader(tmp_path):
+def test_cache_routing_from_the_recipe_is_exact_at_zero_and_the_simulator_agrees_with_the_loader(tmp_path,
+                                                                                                    one_thread):
+    """The logits at lam 0 equal top-k's bit for bit: one thread, so both loads add in one order on any CPU."""
     from prep.methods.trace import RoutingRecorder
     from prep.sim.replay import Replay
     from prep.sim.simulate import artifact_spec, simulate
