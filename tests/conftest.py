@@ -9,8 +9,9 @@
   oversubscribing them) and a serial run the machine's count. No test depends on it: a test that compares two
   different computations bit for bit fixes its own thread count (``one_thread``) or states a tolerance.
 - Durations: ``--times DIR`` writes every test's and fixture's time (``tests/helpers/timing.py``).
-- Shared builds: the ``shared`` fixture builds prepared artifacts, models and traces once per run, read-only to
-  the tests (``tests/helpers/shared.py``): a test that changes one fails at its teardown.
+- Shared builds: prepared artifacts, models and traces are built once per run and read-only to the tests
+  (``tests/helpers/shared.py``; ``tiny_artifact``, ``uninterrupted``, ``reference_lossless_artifact``,
+  ``prepared_root``, the bench's quick subject): a test that changes one fails at its teardown.
 - ``alone`` marks a test that measures memory or time and needs the machine to itself: ``make test`` runs those
   after the parallel part, one at a time.
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.shared import Shared, shared_store, store_in_use
+from tests.helpers.shared import store_in_use
 from tests.helpers.timing import pytest_addoption  # noqa: F401  (the --times option)
 from tests.helpers.timing import pytest_configure as _configure_timing
 
@@ -84,12 +85,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="session")
-def shared(tmp_path_factory) -> Shared:
-    """The run's shared builds (``tests/helpers/shared.py``)."""
-    return shared_store(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
