@@ -58,12 +58,7 @@ class Shared:
 
     def changed(self) -> list[str]:
         """What differs from the seals in sizes and modification times (cheap: after every test)."""
-        out = []
-        for key, seal in self.used.items():
-            now = _stats(self.root / key)
-            out += [f"{key}/{name}" for name in sorted(set(now) | set(seal["stats"]))
-                    if now.get(name) != seal["stats"].get(name)]
-        return out
+        return self._differences("stats", _stats)
 
     def acknowledge(self) -> None:
         """Take the builds' present sizes and times as the reference, so that one test's change fails that test
@@ -73,11 +68,14 @@ class Shared:
 
     def rehashed(self) -> list[str]:
         """What differs from the seals in content (thorough: once at the end of the run)."""
+        return self._differences("sha256", _hashes)
+
+    def _differences(self, field: str, measure: Callable[[Path], dict]) -> list[str]:
+        """``key/file`` of every file added, removed or changed since the seal's ``field`` was taken."""
         out = []
         for key, seal in self.used.items():
-            now = _hashes(self.root / key)
-            out += [f"{key}/{name}" for name in sorted(set(now) | set(seal["sha256"]))
-                    if now.get(name) != seal["sha256"].get(name)]
+            now, then = measure(self.root / key), seal[field]
+            out += [f"{key}/{name}" for name in sorted(set(now) | set(then)) if now.get(name) != then.get(name)]
         return out
 
 
