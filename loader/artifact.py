@@ -31,6 +31,7 @@ from loader.format import (
 from loader.hashing import sha256_file
 from loader.io import read_record_offsets, read_safetensors_header
 from loader.plan import PLAN_FILE, Plan, read_plan
+from loader.tuning import TUNING_FILE
 
 # config.json names of E and K across architectures (a multimodal config nests them in text_config)
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -68,9 +69,10 @@ def open_artifact(artifact: str | Path) -> Manifest:
         if problem := file_problem(manifest, name, hash_it=name not in stores):
             problems.append((name, problem))
     if problems:
+        fix = (f"{_PREPARE_AGAIN[0].upper()}{_PREPARE_AGAIN[1:]}" if any(n != TUNING_FILE for n, _ in problems)
+               else f"Run `moeload tune` again to write {TUNING_FILE} anew, or copy the artifact again")
         raise ArtifactError(f"artifact {manifest.root} is damaged: "
-                            + "; ".join(f"{name}: {p}" for name, p in problems)
-                            + f". {_PREPARE_AGAIN[0].upper()}{_PREPARE_AGAIN[1:]}", file=problems[0][0])
+                            + "; ".join(f"{name}: {p}" for name, p in problems) + f". {fix}", file=problems[0][0])
     return check_contents(manifest)
 
 

@@ -1,4 +1,4 @@
-"""`moeload`: the device team's command line: plan, generate, profile-device, verify, info.
+"""`moeload`: the device team's command line: plan, generate, tune, profile-device, verify, info.
 
 Every project error (``loader.errors.MoeError``: a damaged artifact, a bad budget, a bad option) prints
 as ``error: <message>`` without a traceback and exits 1; anything else is a bug and keeps its traceback.
@@ -114,16 +114,18 @@ BUDGET_HELP = ("Bytes, a size like 1.5GiB, a share like 25%, unlimited, or auto 
                    "workload) instead of the sample the artifact carries.")
 @click.option("--expert-dtype", type=click.Choice(list(EXPERT_DTYPES)), default="auto", show_default=True,
               help="The held form of a cached expert, as for generate.")
+@click.option("--ignore-device-file", is_flag=True,
+              help="Model the plan as prepared, not with the techniques `moeload tune` switched off (tuning.json).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def plan_command(artifact: str, memory_budget: str | None, device: str, store: str, device_profile: str | None,
                  prompt_tokens: int, sample_tokens: int, routing: str | None, expert_dtype: str,
-                 as_json: bool) -> None:
+                 ignore_device_file: bool, as_json: bool) -> None:
     """What a load would hold where and how fast it would run, without loading the weights; exit 1 if it does not fit."""
     from loader.fit import describe, preview
 
     check_device(device)
     view = preview(artifact, memory_budget, device, store, device_profile, prompt_tokens, expert_dtype,
-                   routing=routing, sample_tokens=sample_tokens)
+                   routing=routing, sample_tokens=sample_tokens, ignore_device_file=ignore_device_file)
     if as_json:
         click.echo(json.dumps(view, indent=2, sort_keys=True))
     else:
@@ -155,6 +157,41 @@ def profile_device_command(output, artifact, directory, file_mb, device) -> None
 
     check_device(device)
     profile_device(output, directory, file_mb, device, artifact, echo=click.echo)
+
+
+@main.command("tune")
+@click.argument("artifact", type=click.Path())
+@click.option("--memory-budget", default=None, help=BUDGET_HELP)
+@click.option("--minutes", default=5.0, show_default=True, type=click.FloatRange(0.05, 24 * 60),
+              help="The time limit: rounds stop before it, and the decisions are made on the rounds done.")
+@click.option("--tokens", default=32, show_default=True, type=click.IntRange(8, 1 << 16),
+              help="Tokens of the routing sample each run times (after a few untimed).")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--store", default="disk", show_default=True, type=click.Choice(["disk", "host"]))
+@click.option("--routing", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="Replay this routing (a safetensors of expert_ids and weights [T, L, K], e.g. recorded on your "
+                   "workload) instead of the sample the artifact carries.")
+@click.option("--dry-run", is_flag=True, help="Measure and print the decisions; do not write the device file.")
+@click.option("--json", "as_json", is_flag=True, help="Print the decisions as one JSON object.")
+def tune_command(artifact, memory_budget, minutes, tokens, device, store, routing, dry_run, as_json) -> None:
+    """Measure each technique of the plan on this device (each switched off in turn, in fresh processes) and keep only
+    those that pay here; writes the artifact's device file (tuning.json), which load, generate and plan then use."""
+    from loader.tune import tune
+
+    check_device(device)
+    point = tune(artifact, memory_budget, minutes, device, store, routing, tokens,
+                 echo=lambda line: click.echo(line, err=True), write=not dry_run)
+    if as_json:
+        click.echo(json.dumps(point.to_json(), indent=2))
+        return
+    click.echo(f"kept: {', '.join(point.kept) or 'none'}; switched off: {', '.join(point.off) or 'none'}")
+    for name, d in point.decisions.items():
+        figures = (f"{d['ratio']:.3f}x [{d['low']:.3f}, {d['high']:.3f}]" if "ratio" in d else d.get("why", ""))
+        click.echo(f"  {name:20s} {d['verdict']:28s} time without it / with it {figures}")
+    check = point.measured.get("check")
+    if check and "ratio" in check:
+        click.echo(f"  the tuned plan against plain: plain/tuned {check['ratio']:.3f}x [{check['low']:.3f}, "
+                   f"{check['high']:.3f}] ({check['verdict']})")
 
 
 MAX_NEW_TOKENS = 1_000_000  # a bound before the model's context (unknown to some configs) says more
@@ -257,6 +294,9 @@ def neuron_switch(artifact: str, neuron: str, theta: float | None):
 @click.option("--workers", default="auto", show_default=True,
               help="Reader threads, the expert reads in flight: auto (the plan's read_depth, measured best by "
                    "`moeprep profile-device`; else 2) or a number.")
+@click.option("--ignore-device-file", is_flag=True,
+              help="Run the plan as prepared, not with the techniques `moeload tune` switched off on this device "
+                   "(tuning.json).")
 @click.option("--truncate", is_flag=True,
               help="A prompt that leaves no room for --max-new-tokens in the model's context keeps its last tokens "
                    "(default: it is an error).")
@@ -264,7 +304,7 @@ def neuron_switch(artifact: str, neuron: str, theta: float | None):
 def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_budget: str | None, device: str,
                      store: str, device_profile: str | None, predictors: str | None, exact_routing: bool, planned_precision: bool,
                      neuron: str, theta: float | None, expert_dtype: str, threads: str, workers: str,
-                     truncate: bool, as_json: bool) -> None:
+                     ignore_device_file: bool, truncate: bool, as_json: bool) -> None:
     """Greedy generation through the offloading runtime; streams the text, then prints the stats."""
     import torch
     from transformers import TextStreamer
@@ -296,9 +336,11 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
                   routing=RoutingPolicy() if exact_routing else None,
                   miss_policy=MissPolicy() if planned_precision else None,
                   neuron=neuron_switch(artifact, neuron, theta), expert_dtype=expert_dtype, threads=threads_arg,
-                  workers=workers if workers == "auto" else int(workers))
+                  workers=workers if workers == "auto" else int(workers), ignore_device_file=ignore_device_file)
     if chosen_auto is not None:
         loaded.budget |= {"requested": "auto", "auto": chosen_auto.to_json()}
+    if not as_json:
+        click.echo(_tuning_line(loaded.budget["tuning"]), err=True)
     tok = loaded.tokenizer
     try:
         ids = torch.tensor([tok(prompt)["input_ids"]], dtype=torch.long, device=device)
@@ -317,7 +359,8 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
     # sample the artifact carries), beside what was measured
     try:
         stats["predicted"] = preview(artifact, memory_budget, device, store, device_profile, ids.shape[1],
-                                     expert_dtype, workers if workers == "auto" else int(workers))["prediction"]
+                                     expert_dtype, workers if workers == "auto" else int(workers),
+                                     ignore_device_file=ignore_device_file)["prediction"]
     except MoeError as e:  # a prediction never fails a run that worked
         stats["predicted"] = {"available": False, "why": str(e)}
     stats["generate"] = {"time_to_first_token_s": loaded.last_prefill.seconds,
@@ -331,6 +374,14 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
         return
     click.echo()
     _print_generate_stats(stats)
+
+
+def _tuning_line(tuning: dict) -> str:
+    """One line on the device file's decisions a load runs with (``loader.tuning.Applied.to_json``)."""
+    if not tuning.get("applied"):
+        return f"device file: {tuning.get('why')}"
+    return (f"device file: tuned on {tuning['device']} at {tuning['budget_bytes']:,} B: kept "
+            f"{', '.join(tuning['kept']) or 'none'}; switched off {', '.join(tuning['off']) or 'none'}")
 
 
 def _print_generate_stats(stats: dict) -> None:

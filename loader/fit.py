@@ -15,6 +15,7 @@ import torch
 
 from loader.budget import (
     allocation,
+    budget_bytes,
     buffer_bytes,
     held_layout,
     minimum_budget,
@@ -39,6 +40,7 @@ from loader.simulate import (
     simulate_prefill,
 )
 from loader.store import ExpertStore
+from loader.tuning import apply_tuning
 
 PROMPT_TOKENS = 512  # the prompt whose time to first token is predicted unless one is given
 # decode steps replayed for the prediction: the routing sample's first tokens (every token of a 1,024-token sample
@@ -48,29 +50,34 @@ SAMPLE_TOKENS = 256
 
 def preview(artifact, memory_budget=None, device: str = "cpu", store: str = "disk", profile=None,
             prompt_tokens: int = PROMPT_TOKENS, expert_dtype: str = "auto", workers="auto", routing=None,
-            sample_tokens: int = SAMPLE_TOKENS) -> dict:
+            sample_tokens: int = SAMPLE_TOKENS, ignore_device_file: bool = False) -> dict:
     """One JSON-ready object: the budget (and what ``auto`` chose), the minimum budget and its parts, whether the
     budget fits (``fits``; ``error`` says why not), the operating point, the held forms, every byte of the budget by
     what holds it (``accounting``), and the predicted decode tokens/s and time to first token of a ``prompt_tokens``
     prompt (``prediction``; its ``why`` says what is missing where it cannot be made). ``profile``: a
     ``DeviceProfile`` or a path to one (None: the artifact's). ``routing``: a routing file to replay instead of the
     artifact's sample (``loader.simulate.read_routing_sample``); ``sample_tokens``: how many of its first tokens the
-    decode prediction replays."""
+    decode prediction replays. The plan is the one ``load`` would run: with the device file's decisions
+    (``loader/tuning.py``) unless ``ignore_device_file``; ``tuning`` says which, or that the techniques are untested."""
     manifest = read_manifest(artifact)
     plan = read_plan(manifest.root)
     dev = torch.device(device)
-    n_workers = reader_workers(workers, plan)
     requested, auto = memory_budget, None
     if is_auto(memory_budget):
         auto = auto_budget(str(dev))
         memory_budget = auto.budget_bytes
+    applied = apply_tuning(manifest, plan, str(dev), lambda: budget_bytes(manifest.root, memory_budget, store, plan,
+                                                                          str(dev)), ignore=ignore_device_file)
+    plan = applied.plan
+    n_workers = reader_workers(workers, plan)
     stores = {p: ExpertStore(manifest.path(s.file), p, mode=store) for p, s in manifest.stores.items()}
     try:
         minimum = minimum_budget(manifest.root, store, plan, device, expert_dtype, n_workers)
         out = {"artifact": str(manifest.root), "device": str(dev), "store": store, "workers": n_workers,
                "budget": {"requested": requested if requested is not None else plan.default_budget,
                           "bytes": None, "auto": auto.to_json() if auto is not None else None},
-               "minimum_budget_bytes": minimum, "fits": True, "error": None}
+               "minimum_budget_bytes": minimum, "fits": True, "error": None, "tuning": applied.to_json(),
+               "tuning_line": applied.describe()}
         try:
             layout = held_layout(manifest, stores, plan, memory_budget, dev, expert_dtype, n_workers)
         except LoaderError as e:
@@ -231,6 +238,8 @@ def describe(view: dict) -> list[str]:
                  f"{parts.get('buffer_bytes', 0):,} B + one prompt token {parts.get('one_token_activation_bytes', 0):,} B"
                  f" + one record per eviction group {parts.get('one_record_per_group_bytes', 0):,} B; a smaller "
                  "budget cannot hold one expert where the plan caches one")
+    if view.get("tuning_line"):
+        lines.append(view["tuning_line"])
     if not view["fits"]:
         lines.append(f"DOES NOT FIT: {view['error']}")
         return lines

@@ -95,6 +95,7 @@ class LoadOptions:
     cpu_misses: str = "auto"  # ``loader.vocab.CPU_MISSES``
     threads: int | str | None = "auto"
     replay: object = None  # a RoutingPolicy whose recorded decisions come before the routing policy
+    ignore_device_file: bool = False  # run the plan as prepared, not as ``moeload tune`` left it (``tuning.json``)
 
     def __post_init__(self) -> None:
         self._check_device()

@@ -72,6 +72,7 @@ from loader.routing import (
 from loader.schedule import CpuMissRule
 from loader.store import ExpertStore
 from loader.transfer import link_for
+from loader.tuning import Applied, apply_tuning, read_tuning
 
 IMPLEMENTATION = "moeprep_offload"
 
@@ -150,6 +151,8 @@ class LoadedModel:
             # the budget's expert share: the caches' capacities plus the read and staging buffers)
             "peak_expert_bytes": rt.meter.peak,
             "budget": self.budget,
+            # the device file's decisions this load runs with (``moeload tune``; loader/tuning.py)
+            "tuning": self.budget.get("tuning"),
             # the whole process in RAM now, beside the budget: the budget counts the dense weights and every byte of
             # expert data held; the interpreter, torch, the KV cache and activations are outside it
             "process_rss_bytes": process_rss_bytes(),
@@ -237,7 +240,7 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
          predictors: list[Predictor] | None = None, miss_policy: MissPolicy | None = None,
          plan: Plan | None = None, neuron: NeuronConfig | bool | None = None,
          expert_dtype: str = "auto", cpu_misses: str = "auto", threads="auto",
-         replay: RoutingPolicy | None = None) -> LoadedModel:
+         replay: RoutingPolicy | None = None, ignore_device_file: bool = False) -> LoadedModel:
     """Open ``artifact`` and return a runnable model with its experts offloaded.
 
     memory_budget: None (the plan's default budget), bytes, a size string ("1.5GiB"), a percentage
@@ -266,12 +269,17 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
 
     store: "disk" (each miss read from the file) or "host" (the stores held in host RAM).
 
+    The device file (``tuning.json``, written by ``moeload tune`` on a device: ``loader/tuning.py``): where the artifact
+    has one and no ``plan`` is given, the plan runs without the techniques it switched off on this device kind at the
+    nearest budget (``budget["tuning"]`` and ``stats()["tuning"]`` say which); ``ignore_device_file`` runs the plan
+    as prepared. A damaged device file is refused either way.
+
     The options are checked first, before the artifact is opened (``loader.options.LoadOptions``: a bad one is a
     LoaderError naming it). ``prepare`` publishes a new artifact by swapping a symlink and then deletes the old
     version; a load that was reading the old version when it went is retried once on the new one.
     """
     options = LoadOptions(device, memory_budget, store, policy, workers, routing, predictors, miss_policy, plan, neuron,
-                          expert_dtype, cpu_misses, threads, replay)
+                          expert_dtype, cpu_misses, threads, replay, ignore_device_file)
     resolved = Path(artifact).resolve()
     try:
         return _load(artifact, options)
@@ -300,6 +308,7 @@ def check_bindings(manifest) -> None:
     neuron_config(plan, None, neuron_pairings(manifest))
     check_predictors(manifest, plan)
     read_tokenizer(manifest.root)
+    read_tuning(manifest)  # the device file, when there is one: sealed and naming only techniques the plan runs
 
 
 def _load(artifact, options: LoadOptions) -> LoadedModel:
@@ -326,6 +335,7 @@ class _Resolved:
     predictors: list
     routing: RoutingPolicy
     miss_policy: MissPolicy
+    tuning: Applied | None  # the device file's decisions (None: a plan was given)
 
 
 def _build(artifact, options: LoadOptions, cleanup: contextlib.ExitStack) -> LoadedModel:
@@ -364,11 +374,17 @@ def _resolve(manifest: Manifest, options: LoadOptions) -> _Resolved:
     link = link_for(dev)
     options.check_cpu_misses(link)
     plan = options.plan or manifest.plan
-    workers = reader_workers(options.workers, plan)
     memory_budget, auto = options.memory_budget, None
     if is_auto(memory_budget):
         auto = auto_budget(str(dev))
         memory_budget = auto.budget_bytes
+    applied = None
+    if options.plan is None:  # the device file's decisions for this device kind and budget (``loader/tuning.py``)
+        applied = apply_tuning(manifest, plan, str(dev), lambda: budget_bytes(manifest.root, memory_budget,
+                                                                              options.store, plan, str(dev)),
+                               ignore=options.ignore_device_file)
+        plan = applied.plan
+    workers = reader_workers(options.workers, plan)
     threads = options.threads
     if options.policy is not None:
         plan = dataclasses.replace(plan, eviction=PolicySpec(options.policy))
@@ -377,7 +393,7 @@ def _resolve(manifest: Manifest, options: LoadOptions) -> _Resolved:
                      compute_threads(dev, workers) if threads == "auto" else None,
                      None if threads == "auto" else threads, _predictors(plan, options.predictors),
                      options.routing if options.routing is not None else plan_routing(plan),
-                     options.miss_policy if options.miss_policy is not None else plan_miss(plan))
+                     options.miss_policy if options.miss_policy is not None else plan_miss(plan), applied)
 
 
 def _open_stores(manifest: Manifest, mode: str, dev: torch.device, cleanup: contextlib.ExitStack) -> dict:
@@ -498,7 +514,8 @@ def _budget_report(manifest: Manifest, options: LoadOptions, run: _Resolved, lay
         "expert_dtype": {p: f.name for p, f in engine.forms.items()},
         "cache_slots": {name: a.count for name, a in engine.arenas.items()},
         "auto": run.auto.to_json() if run.auto is not None else None,
-        "operating_point": (point.budget_bytes if (point := plan.point_for(caps.limit_bytes)) else None)}
+        "operating_point": (point.budget_bytes if (point := plan.point_for(caps.limit_bytes)) else None),
+        "tuning": run.tuning.to_json() if run.tuning is not None else {"applied": False, "why": "a plan was given"}}
 
 
 def _set_threads(loaded: LoadedModel, run: _Resolved) -> None:

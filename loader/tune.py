@@ -1,0 +1,531 @@
+"""``moeload tune``: each technique of the plan measured on this device, kept only where it pays here.
+
+The cost model chooses techniques at preparation; they change a token's time by a few percent, and the model is
+within +-20% of the loader, so a choice made from it keeps what loses. ``tune`` measures instead, with the loader
+itself:
+
+- **The workload.** The artifact's routing sample (``routing.safetensors``; ``--routing`` for the device's own) is
+  replayed through the real loader, not the model: for each token and MoE layer, the plan's routing policy decides on
+  the recorded router output, the predictors see the recorded router input, and the engine serves and computes the
+  experts (reads, cache, forms, prefetches) exactly as in a decode step (``replay_tokens``). Attention and the dense
+  layers take the same time whatever the plan, so they are left out: ratios are of the expert steps, the part the
+  techniques change.
+- **The variants.** The plan with every technique (``all``), with none (``plain``), and with each one switched off
+  (``-name``): each variant is one run in a fresh process (``python -m loader.tune SPEC``), the variants interleaved
+  round by round (the order rotates), so drift on the machine falls on all of them.
+- **The figures.** A technique's ratio is the time of ``-name`` over the time of ``all`` on the same tokens of the same
+  round (paired per token); its 95% interval comes from a bootstrap over blocks of ``BLOCK`` tokens of every round.
+  A technique **pays** where the interval lies above 1 (kept), **loses** where it lies below (switched off), and is
+  **within noise** where it straddles 1 (switched off: the cheaper choice), unless the plan without it does not fit
+  the budget (**needed by the budget**: kept).
+- **The check.** The plan with what was kept is measured against ``plain`` in two more rounds; if it is slower
+  beyond noise, every technique is switched off.
+
+The decisions, with the figures behind each and the machine, go into the artifact's device file (``loader/tuning.py``),
+which ``load`` uses from then on. Everything here that touches time takes a clock and a runner, so the tests drive the
+decisions with a fake engine clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loader.errors import ArtifactError, BudgetError, LoaderError, MoeError
+from loader.tuning import TUNING_FILE, TunedPoint, Tuning, read_tuning, techniques, without, write_tuning
+
+DEFAULT_TOKENS = 32  # timed tokens per run (the routing sample's first ones)
+WARMUP_TOKENS = 4  # tokens replayed untimed first in each run (threads, allocator, first reads), then started over
+MIN_ROUNDS, MAX_ROUNDS = 3, 6  # phase 1: at least 3 rounds where time allows, more while a decision is within noise
+CHECK_ROUNDS = 2  # phase 2: the tuned plan against plain
+BLOCK = 8  # tokens per bootstrap block (a token's time depends on the cache its neighbours left)
+RESAMPLES = 2000
+ALL, PLAIN, TUNED = "all", "plain", "tuned"
+
+
+class TuneError(MoeError):
+    """``moeload tune`` cannot measure as asked; the message says what to change."""
+
+
+class RunFailed(Exception):
+    """One variant's run failed; ``budget`` when the variant does not fit the memory budget."""
+
+    def __init__(self, message: str, budget: bool = False) -> None:
+        super().__init__(message)
+        self.budget = budget
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    off: tuple[str, ...]
+
+
+@dataclass
+class Run:
+    """One variant's run: seconds per timed token, and the loader's figures over them."""
+
+    variant: str
+    round: int
+    seconds: list[float]
+    figures: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------- statistics
+
+
+def paired_ratio(off_runs: list[list[float]], on_runs: list[list[float]], seed: int = 0) -> tuple[float, float, float]:
+    """(ratio, low, high): the time of the ``off`` runs over the ``on`` runs (round r of one paired with round r of the
+    other, token by token), and its 95% interval by a bootstrap over blocks of ``BLOCK`` tokens of every round."""
+    units = []
+    for off, on in zip(off_runs, on_runs, strict=True):
+        n = min(len(off), len(on))
+        for start in range(0, n, BLOCK):
+            units.append((sum(off[start:start + BLOCK][: n - start]), sum(on[start:start + BLOCK][: n - start])))
+    if not units:
+        raise TuneError("no paired tokens to compare")
+    total_off, total_on = sum(u[0] for u in units), sum(u[1] for u in units)
+    ratio = total_off / total_on
+    rng = random.Random(seed)
+    draws = []
+    for _ in range(RESAMPLES):
+        pick = [units[rng.randrange(len(units))] for _ in units]
+        draws.append(sum(u[0] for u in pick) / max(sum(u[1] for u in pick), 1e-30))
+    draws.sort()
+    return ratio, draws[int(0.025 * RESAMPLES)], draws[int(0.975 * RESAMPLES) - 1]
+
+
+def verdict(low: float, high: float) -> str:
+    """A technique's verdict from the interval of (time without it) / (time with it)."""
+    if low > 1:
+        return "pays"
+    if high < 1:
+        return "loses"
+    return "within noise"
+
+
+# ------------------------------------------------------------------------------------------- the tuning
+
+
+@dataclass
+class TuneResult:
+    point: TunedPoint
+    runs: list[Run]
+
+
+def tune_decisions(names: list[str], run: Callable[[Variant, int], Run], deadline: float, clock=time.monotonic,
+                   echo=print, min_rounds: int = MIN_ROUNDS, max_rounds: int = MAX_ROUNDS,
+                   check_rounds: int = CHECK_ROUNDS) -> tuple[list[str], list[str], dict, dict, list[Run]]:
+    """The decisions for the techniques ``names``: (kept, off, decisions, measured, runs). ``run(variant, round)``
+    measures one variant (raising ``RunFailed``); ``deadline`` is on ``clock``. Raises TuneError where not one round
+    of every variant fits before the deadline."""
+    variants = [Variant(ALL, ()), Variant(PLAIN, tuple(names))] + [Variant(f"-{n}", (n,)) for n in names]
+    if len(names) == 1:  # -name is plain
+        variants = variants[:2]
+    by_variant: dict[str, list[Run]] = {v.name: [] for v in variants}
+    failed: dict[str, RunFailed] = {}
+    runs: list[Run] = []
+    started = clock()
+    round_seconds = None
+    rounds = 0
+
+    def figures() -> dict:
+        out = {}
+        complete = [i for i in range(rounds) if all(len(by_variant[v.name]) > i for v in variants
+                                                      if v.name not in failed)]
+        for n in names:
+            off_name = PLAIN if len(names) == 1 else f"-{n}"
+            if off_name in failed:
+                out[n] = {"verdict": "needed by the budget", "why": str(failed[off_name])}
+                continue
+            ratio, low, high = paired_ratio([by_variant[off_name][i].seconds for i in complete],
+                                            [by_variant[ALL][i].seconds for i in complete])
+            out[n] = {"verdict": verdict(low, high), "ratio": ratio, "low": low, "high": high,
+                      "rounds": len(complete)}
+        return out
+
+    while rounds < max_rounds:
+        now = clock()
+        if round_seconds is not None:
+            if now + round_seconds > deadline:
+                break
+            if rounds >= min_rounds and all(d["verdict"] != "within noise" for d in figures().values()):
+                break
+            if rounds >= min_rounds and now + round_seconds * (1 + check_rounds * 2 / len(variants)) > deadline:
+                break
+        order = variants[rounds % len(variants):] + variants[:rounds % len(variants)]  # rotate
+        for v in order:
+            if v.name in failed:
+                continue
+            if clock() > deadline and rounds > 0:
+                break
+            try:
+                result = run(v, rounds)
+            except RunFailed as e:
+                if v.name == ALL or not e.budget:
+                    raise TuneError(f"the {v.name} run failed: {e}") from None
+                failed[v.name] = e
+                echo(f"  {v.name}: does not fit the budget ({e})")
+                continue
+            by_variant[v.name].append(result)
+            runs.append(result)
+            echo(f"  round {rounds + 1} {v.name:24s} {len(result.seconds) / sum(result.seconds):8.2f} tok/s")
+        if any(len(by_variant[v.name]) <= rounds for v in variants if v.name not in failed):
+            break  # the deadline cut this round short: it is not used
+        rounds += 1
+        round_seconds = (clock() - started) / rounds
+    if rounds == 0:
+        raise TuneError("the time limit ended before one round of every variant; allow more minutes or fewer tokens")
+
+    decisions = figures()
+    kept = [n for n in names if decisions[n]["verdict"] in ("pays", "needed by the budget")]
+    off = [n for n in names if n not in kept]
+    measured = {"rounds": rounds, "variants": [v.name for v in variants],
+                "tokens_per_s": {name: _speed(rs) for name, rs in by_variant.items() if rs}}
+    if PLAIN in failed:  # the plan needs a technique to fit the budget: nothing to check against
+        measured["check"] = {"against": PLAIN, "verdict": f"not run: {PLAIN} does not fit the budget"}
+        measured["seconds"] = clock() - started
+        return kept, off, decisions, measured, runs
+    plain_vs_all = paired_ratio([r.seconds for r in by_variant[PLAIN][:rounds]],
+                                [r.seconds for r in by_variant[ALL][:rounds]])
+    measured["all_vs_plain"] = {"ratio": plain_vs_all[0], "low": plain_vs_all[1], "high": plain_vs_all[2]}
+    if kept and off:  # the combination kept was not measured as such: check it against plain
+        check = _check(names, kept, run, deadline, clock, echo, check_rounds, rounds)
+        runs += check.pop("runs")
+        measured["check"] = check
+        if check.get("verdict") == "loses":
+            for n in kept:
+                decisions[n]["verdict_before_check"] = decisions[n]["verdict"]
+                decisions[n]["verdict"] = "off: the kept set lost to plain"
+            off, kept = names[:], []
+    elif kept:  # every technique kept: the check is all against plain
+        measured["check"] = {"against": PLAIN, **measured["all_vs_plain"], "verdict": verdict(*plain_vs_all[1:])}
+    measured["seconds"] = clock() - started
+    return kept, off, decisions, measured, runs
+
+
+def _check(names, kept, run, deadline, clock, echo, check_rounds, first_round) -> dict:
+    """The plan with ``kept`` against plain, ``check_rounds`` rounds (as time allows)."""
+    tuned = Variant(TUNED, tuple(n for n in names if n not in kept))
+    plain = Variant(PLAIN, tuple(names))
+    pairs: list[tuple[Run, Run]] = []
+    runs: list[Run] = []
+    for i in range(check_rounds):
+        if clock() > deadline:
+            break
+        order = (tuned, plain) if i % 2 == 0 else (plain, tuned)
+        got = {}
+        for v in order:
+            got[v.name] = run(v, first_round + i)
+            runs.append(got[v.name])
+            echo(f"  check {i + 1} {v.name:24s} {_speed([got[v.name]]):8.2f} tok/s")
+        pairs.append((got[PLAIN], got[TUNED]))
+    if not pairs:
+        return {"against": PLAIN, "verdict": "not run: no time left", "runs": runs}
+    ratio, low, high = paired_ratio([p.seconds for p, _ in pairs], [t.seconds for _, t in pairs])
+    return {"against": PLAIN, "ratio": ratio, "low": low, "high": high, "verdict": verdict(low, high),
+            "rounds": len(pairs), "runs": runs}
+
+
+def _speed(runs: list[Run]) -> float:
+    tokens = sum(len(r.seconds) for r in runs)
+    return tokens / max(sum(sum(r.seconds) for r in runs), 1e-30)
+
+
+def tune(artifact, memory_budget=None, minutes: float = 5.0, device: str = "cpu", store: str = "disk",
+         routing=None, tokens: int = DEFAULT_TOKENS, echo=print, runner=None, clock=time.monotonic,
+         write: bool = True) -> TunedPoint:
+    """Measure each technique of ``artifact``'s plan on this device at ``memory_budget`` within ``minutes`` and write
+    the decisions into its device file (``write``); returns them. ``runner(spec) -> dict``: one variant's run (default:
+    a fresh process, ``SubprocessRunner``)."""
+    from loader.artifact import open_artifact
+    from loader.budget import budget_bytes
+    from loader.memory import auto_budget, is_auto
+
+    if not minutes > 0:
+        raise TuneError(f"--minutes {minutes}: give a positive time limit")
+    deadline = clock() + minutes * 60
+    manifest = _open_for_tune(artifact, echo)
+    plan = manifest.plan
+    names = techniques(plan)
+    requested = memory_budget if memory_budget is not None else plan.default_budget
+    if is_auto(memory_budget):
+        chosen = auto_budget(device)
+        echo(chosen.describe())
+        memory_budget = chosen.budget_bytes
+    budget = budget_bytes(manifest.root, memory_budget if memory_budget is not None else plan.default_budget, store,
+                          plan, device)
+    kind = device.split(":", 1)[0]
+    if not names:
+        echo(f"{manifest.root}: the plan runs no technique; nothing to tune")
+        point = TunedPoint(kind, budget, str(requested), (), (), {}, machine(device), {"rounds": 0})
+    else:
+        echo(f"tuning {', '.join(names)} on {kind} at {requested} ({budget:,} B): {len(names) + 2 if len(names) > 1 else 2} "
+             f"variants x {tokens} tokens per round, in at most {minutes:g} minutes")
+        runner = runner or SubprocessRunner(manifest.root, memory_budget, device, store, routing, tokens, clock, deadline)
+
+        def run(v: Variant, round_: int) -> Run:
+            out = runner({"variant": v.name, "off": list(v.off), "round": round_})
+            return Run(v.name, round_, out["seconds"], {k: x for k, x in out.items() if k != "seconds"})
+
+        kept, off, decisions, measured, runs = tune_decisions(names, run, deadline, clock, echo)
+        measured |= {"tokens": tokens, "figures": _mean_figures(runs)}
+        point = TunedPoint(kind, budget, str(requested), tuple(kept), tuple(off), decisions, machine(device), measured)
+    if write:
+        manifest = open_artifact(manifest.root)  # the manifest now, in case it changed during the runs
+        existing = read_tuning(manifest) or Tuning(manifest.raw["package_key"], ())
+        write_tuning(manifest, existing.with_point(point))
+        echo(f"wrote {manifest.root / TUNING_FILE}")
+    return point
+
+
+def _open_for_tune(artifact, echo):
+    """The artifact opened with every load-time check; a device file that is damaged or unsealed is removed first (it
+    is what this run writes anew), saying so."""
+    from loader.artifact import open_artifact
+    from loader.format import read_manifest, write_manifest
+
+    manifest = read_manifest(artifact)
+    try:
+        read_tuning(dataclasses.replace(manifest, plan=None))
+    except ArtifactError as e:
+        echo(f"replacing the damaged device file: {e}")
+        raw = dict(manifest.raw)
+        raw["files"] = {k: v for k, v in raw["files"].items() if k != TUNING_FILE}
+        write_manifest(manifest.root, raw)
+        (manifest.root / TUNING_FILE).unlink(missing_ok=True)
+    return open_artifact(artifact)
+
+
+def _mean_figures(runs: list[Run]) -> dict:
+    """Per variant, the mean of each numeric figure its runs reported (bytes read and stall per token, the techniques'
+    own seconds per token)."""
+    out: dict = {}
+    for r in runs:
+        out.setdefault(r.variant, []).append(r.figures)
+    return {name: {k: sum(f[k] for f in fs) / len(fs) for k in fs[0]
+                   if all(isinstance(f.get(k), int | float) and not isinstance(f.get(k), bool) for f in fs)}
+            for name, fs in out.items()}
+
+
+def machine(device: str) -> dict:
+    """The machine the decisions were measured on."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "device": device}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+# ------------------------------------------------------------------------------------------- one run
+
+
+class SubprocessRunner:
+    """Each variant's run in a fresh process (``python -m loader.tune SPEC``): its memory, threads and allocator start
+    clean, and a run stopped at the deadline loses nothing else."""
+
+    def __init__(self, artifact, memory_budget, device, store, routing, tokens, clock, deadline) -> None:
+        self.base = {"artifact": str(artifact), "memory_budget": memory_budget, "device": device, "store": store,
+                     "routing": str(routing) if routing else None, "tokens": tokens}
+        self.clock, self.deadline = clock, deadline
+
+    def __call__(self, spec: dict) -> dict:
+        full = self.base | spec
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(full, f)
+        try:
+            left = max(5.0, self.deadline - self.clock() + 30)
+            try:
+                done = subprocess.run([sys.executable, "-m", "loader.tune", f.name], capture_output=True, text=True,
+                                      timeout=left, env=os.environ | {"PYTHONPATH": _package_root()})
+            except subprocess.TimeoutExpired:
+                raise TuneError(f"the {spec['variant']} run passed the time limit; allow more minutes or fewer "
+                                "tokens") from None
+        finally:
+            os.unlink(f.name)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode != 0 or not lines:
+            tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise RunFailed(tail, budget="BudgetError" in done.stderr or "budget" in tail.lower())
+        out = json.loads(lines[-1])
+        if "error" in out:
+            raise RunFailed(out["error"], budget=out.get("budget", False))
+        return out
+
+
+def _package_root() -> str:
+    root = str(Path(__file__).resolve().parent.parent)
+    return os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def read_sample(manifest, path=None) -> dict:
+    """The routing to replay: expert_ids and weights [T, L, K], sequence_lengths, and where recorded the router logits
+    [T, L, E], router inputs [T, L, H] and LM head inputs [T, H]."""
+    from safetensors.torch import load_file
+
+    from loader.errors import ModelingError
+    from loader.simulate import ROUTING_SAMPLE, read_routing_sample
+
+    try:
+        read_routing_sample(manifest, path)  # every shape check of the cost model's reader
+    except ModelingError as e:
+        raise TuneError(str(e)) from None
+    tensors = load_file(str(path or manifest.path(ROUTING_SAMPLE)))
+    if "sequence_lengths" not in tensors:
+        import torch
+
+        tensors["sequence_lengths"] = torch.tensor([tensors["expert_ids"].shape[0]])
+    return tensors
+
+
+def replay_tokens(loaded, sample: dict, count: int, timer=time.perf_counter) -> tuple[list[float], dict]:
+    """Replay the sample's first ``count`` tokens through ``loaded``'s engine as decode steps (the module docstring):
+    (seconds per token, the routing policy's and each predictor's seconds). Each sequence of the sample starts cold."""
+    import torch
+
+    engine = loaded.runtime
+    policy = loaded.routing.policy if loaded.routing is not None else None
+    view = engine.cache.view
+    ids, weights = sample["expert_ids"].long(), sample["weights"].float()
+    tokens, layers, k = ids.shape
+    dtype = next((p.dtype for p in loaded.model.parameters() if p.is_floating_point()), torch.float32)
+    device = engine.device
+    inputs, head = sample.get("router_inputs"), sample.get("head_inputs")
+    hidden_size = loaded.model.config.get_text_config().hidden_size
+    logits = sample.get("logits")
+    num_experts = engine.num_experts
+    generator = torch.Generator().manual_seed(0)
+    positions = [p for n in sample["sequence_lengths"].tolist() for p in range(int(n))]
+    spent = {"routing_seconds": 0.0} | {f"{p.name}_seconds": 0.0 for p in engine.predictors}
+    timed_predictors = _timed_predictors(engine, spent, timer)
+    out = []
+    try:
+        with torch.inference_mode():
+            for t in range(min(count, tokens)):
+                start = timer()
+                engine.start_forward(positions[t], 1)
+                for layer in range(layers):
+                    x = (inputs[t, layer].to(device=device, dtype=dtype).view(1, -1) if inputs is not None
+                         else torch.randn(1, hidden_size, generator=generator).to(device=device, dtype=dtype))
+                    idx, w = ids[t, layer].view(1, k).to(device), weights[t, layer].view(1, k).to(device)
+                    z = logits[t, layer].float().view(1, -1).to(device) if logits is not None else None
+                    if policy is not None:
+                        began = timer()
+                        if z is None:
+                            z = _logits_of(idx, w, num_experts)
+                        w, idx = policy.route(layer, z, w, idx, view(layer))
+                        spent["routing_seconds"] += timer() - began
+                    if engine.predictors:
+                        engine.after_router(layer, x, idx)
+                    engine.run_layer(layer, engine.modules[layer], x, idx, w.to(dtype))
+                if engine.predictors:
+                    h = (head[t].to(device=device, dtype=dtype).view(1, -1) if head is not None
+                         else torch.randn(1, hidden_size, generator=generator).to(device=device, dtype=dtype))
+                    engine.after_last_layer(h)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                out.append(timer() - start)
+    finally:
+        timed_predictors()
+    return out, spent
+
+
+def _logits_of(idx, w, num_experts: int):
+    """Router logits a replay without recorded ones implies: log weight at the chosen experts, far below elsewhere."""
+    import torch
+
+    z = torch.full((idx.shape[0], num_experts), -30.0, device=idx.device)
+    return z.scatter(-1, idx, w.float().clamp_min(1e-12).log())
+
+
+def _timed_predictors(engine, spent: dict, timer):
+    """Wrap each predictor's hooks to add their seconds to ``spent``; returns the undo."""
+    undo = []
+    for p in engine.predictors:
+        for hook in ("after_router", "after_last_layer"):
+            original = getattr(p, hook)
+
+            def timed(*args, _original=original, _key=f"{p.name}_seconds", **kwargs):
+                began = timer()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    spent[_key] += timer() - began
+
+            setattr(p, hook, timed)
+            undo.append((p, hook))
+
+    def restore():
+        for p, hook in undo:
+            delattr(p, hook)
+
+    return restore
+
+
+def measure_variant(spec: dict) -> dict:
+    """One run (in its own process): load the artifact with the variant's plan (the plan as prepared less the techniques
+    ``spec["off"]`` names), replay ``WARMUP_TOKENS`` untimed, then ``tokens`` timed from a cold start; per-token seconds
+    and the loader's figures per token."""
+    from loader.artifact import open_artifact
+    from loader.runtime import load
+
+    manifest = open_artifact(spec["artifact"])
+    plan = without(manifest.plan, spec["off"])
+    sample = read_sample(manifest, spec.get("routing"))
+    try:
+        loaded = load(spec["artifact"], device=spec["device"], memory_budget=spec["memory_budget"],
+                      store=spec["store"], plan=plan)
+    except BudgetError as e:
+        return {"error": str(e), "budget": True}
+    try:
+        replay_tokens(loaded, sample, WARMUP_TOKENS)
+        before = loaded.stats()
+        seconds, spent = replay_tokens(loaded, sample, spec["tokens"])
+        after = loaded.stats()
+    finally:
+        loaded.close()
+    n = len(seconds)
+    b, a = before["decode_timing"], after["decode_timing"]
+    total = sum(seconds)
+    figures = {"bytes_read_per_token": (after["bytes_read"] - before["bytes_read"]) / n,
+               "misses_per_token": (after["misses"] - before["misses"]) / n,
+               "stall_fraction": (a["stall_seconds"] - b["stall_seconds"]) / total,
+               "compute_fraction": (a["compute_seconds"] - b["compute_seconds"]) / total,
+               "records_read_per_token": (after["reads"]["records"] - before["reads"]["records"]) / n}
+    figures |= {f"{k.removesuffix('_seconds')}_us_per_token": v / n * 1e6 for k, v in spent.items()}
+    return {"seconds": seconds} | figures
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m loader.tune SPEC.json (a run of `moeload tune`)")
+    spec = json.loads(Path(argv[0]).read_text())
+    try:
+        result = measure_variant(spec)
+    except (BudgetError, LoaderError, ArtifactError) as e:
+        result = {"error": str(e), "budget": isinstance(e, BudgetError)}
+    sys.stdout.write("\n" + json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
