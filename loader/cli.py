@@ -171,9 +171,13 @@ def profile_device_command(output, artifact, directory, file_mb, device) -> None
 @click.option("--routing", default=None, type=click.Path(dir_okay=False, exists=True),
               help="Replay this routing (a safetensors of expert_ids and weights [T, L, K], e.g. recorded on your "
                    "workload) instead of the sample the artifact carries.")
+@click.option("--device-profile", "device_profile", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="Also write the decisions into this device profile (from `moeload profile-device` on this device): "
+                   "`moeprep prepare --device-profile` then ships a plan with them.")
 @click.option("--dry-run", is_flag=True, help="Measure and print the decisions; do not write the device file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the decisions as one JSON object.")
-def tune_command(artifact, memory_budget, minutes, tokens, device, store, routing, dry_run, as_json) -> None:
+def tune_command(artifact, memory_budget, minutes, tokens, device, store, routing, device_profile, dry_run,
+                 as_json) -> None:
     """Measure each technique of the plan on this device (each switched off in turn, in fresh processes) and keep only
     those that pay here; writes the artifact's device file (tuning.json), which load, generate and plan then use."""
     from loader.tune import tune
@@ -181,6 +185,11 @@ def tune_command(artifact, memory_budget, minutes, tokens, device, store, routin
     check_device(device)
     point = tune(artifact, memory_budget, minutes, device, store, routing, tokens,
                  echo=lambda line: click.echo(line, err=True), write=not dry_run)
+    if device_profile is not None:
+        from loader.tuning import add_to_profile
+
+        add_to_profile(device_profile, point)
+        click.echo(f"wrote the decisions into {device_profile}", err=True)
     if as_json:
         click.echo(json.dumps(point.to_json(), indent=2))
         return

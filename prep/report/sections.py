@@ -54,7 +54,15 @@ class ReportLayout:
                  f"- Experts: {mix} ({bw.get('method', 'uniform')}); {sizes['expert_bytes'] / 2**20:.2f} MiB, "
                  f"{report['compression']['bfloat16']:.2f}x smaller than bfloat16, "
                  f"{report['compression']['source']:.2f}x than the source; dense weights "
-                 f"{sizes['dense_bytes'] / 2**20:.2f} MiB.", ""]
+                 f"{sizes['dense_bytes'] / 2**20:.2f} MiB."]
+        choice = report.get("technique_choice")
+        if isinstance(choice, dict):
+            names = ", ".join(choice.get("techniques") or []) or "none"
+            lines.append(f"- Techniques: {names}; " + (
+                f"kept where `moeload tune` measured them paying on {choice.get('device')} at {choice.get('budget')} "
+                f"(switched off there: {', '.join(choice.get('off') or []) or 'none'})." if choice.get("tested")
+                else f"{choice.get('why')}."))
+        lines.append("")
         for section in self.sections:
             lines += section.render(report)
         return "\n".join(lines)

@@ -30,6 +30,7 @@ from loader.io import write_bytes_atomic, write_json_atomic
 from loader.plan import PLAN_FILE
 from loader.predict import PREDICTORS_FILE
 from loader.simulate import ROUTING_SAMPLE
+from loader.tuning import profile_choice
 from prep import __version__
 from prep.adapters.model_state import dense_state, expert_parameters
 from prep.errors import MoeprepError
@@ -44,8 +45,9 @@ from prep.stages.predict import predictor_tensors
 from prep.stages.quantize import PackedExperts
 from prep.stages.trace import RoutingTraces
 
-VERSION = 11  # 9: a neuron store carries its per-block hashes; 10: xxh3_64 per record, int4 in the kernel layout;
-# 11: the routing sample and the device profile the plan was tuned with (``moeload plan`` predicts with them)
+VERSION = 12  # 9: a neuron store carries its per-block hashes; 10: xxh3_64 per record, int4 in the kernel layout;
+# 11: the routing sample and the device profile the plan was tuned with (``moeload plan`` predicts with them);
+# 12: the plan without the techniques `moeload tune` switched off in that profile, and report.json's technique_choice
 TARGETS = ("cpu", "cuda")
 REPORT = "report.json"
 REPORTED_DETAILS = ("loss", "metric", "sequences", "b_hi", "b_lo", "K", "met", "bounds", "trail", "sensitivity")  # the rest: the stage result
@@ -174,6 +176,8 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
     sizes = model_sizes(model, adapter, shipped)
     plan = compose_plan(grid, {p: shipped[p] for p in planned}, budget, contributions or [],
                         PlanContext(sizes, adapter.routing_weights()))
+    # the techniques `moeload tune` measured on the profile's device: those that lost there are left out
+    plan, choice_of_techniques = profile_choice(plan, device_profile)
     if prediction is not None:
         save_file(predictor_tensors(stage_dir, stats.predictors), str(out / PREDICTORS_FILE), metadata={"format": "pt"})
     write_json_atomic(out / PLAN_FILE, plan.to_json())
@@ -196,7 +200,7 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
         bits_per_weight={p: round(RecordLayout.from_json(stores[p]["layout"]).bits_per_weight, 4) for p in used},
         bitwidth={"method": choice.method, **choice.knobs, "experts": choice.counts,
                   **{k: v for k, v in choice.details.items() if k in REPORTED_DETAILS}},
-        contributed=contributed or {},
+        contributed=(contributed or {}) | {"technique_choice": choice_of_techniques},
     )
     reported = report.to_json()
     name = recipe.get("name", "artifact")

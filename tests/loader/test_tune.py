@@ -268,3 +268,22 @@ def test_one_run_replays_the_routing_sample_through_the_loader(artifact, one_thr
     assert out["bytes_read_per_token"] > 0 and out["misses_per_token"] > 0
     assert out["next_gates_us_per_token"] > 0 and out["path_stats_us_per_token"] > 0
     assert "first_gate_us_per_token" not in out
+
+
+def test_a_device_profile_carries_the_decisions_into_the_plan_a_preparation_ships(tmp_path):
+    from loader.device import DeviceProfile, load_profile, write_profile
+    from loader.tuning import TunedPoint, add_to_profile, profile_choice
+
+    plan = dataclasses.replace(Plan.default(2, 4, "int4"), routing=PolicySpec("adaptive_gating", {"threshold": 0.1}),
+                               predictors=(PolicySpec("next_gates"), PolicySpec("path_stats")))
+    shipped, choice = profile_choice(plan, None)
+    assert shipped == plan and not choice["tested"] and "untested on any device" in choice["why"]
+
+    path = write_profile(DeviceProfile(1e9, 1e-4, {"int4": 1e-3}, "cpu"), tmp_path / "device.json")
+    point = TunedPoint("cpu", 1 << 30, "25%", ("path_stats",), ("adaptive_gating", "next_gates"),
+                       {"next_gates": {"verdict": "loses"}}, {"cpu": "test"}, {"rounds": 3})
+    add_to_profile(path, point)
+    profile = load_profile(path)  # still a valid profile, the decisions riding along
+    shipped, choice = profile_choice(plan, profile.to_json())
+    assert techniques(shipped) == ["path_stats"] and shipped.routing == PolicySpec("topk")
+    assert choice["tested"] and choice["off"] == ["adaptive_gating", "next_gates"] and choice["budget"] == "25%"
