@@ -244,10 +244,11 @@ def _speed(runs: list[Run]) -> float:
 
 def tune(artifact, memory_budget=None, minutes: float = 5.0, device: str = "cpu", store: str = "disk",
          routing=None, tokens: int = DEFAULT_TOKENS, echo=print, runner=None, clock=time.monotonic,
-         write: bool = True) -> TunedPoint:
+         write: bool = True, rounds: tuple[int, int] = (MIN_ROUNDS, MAX_ROUNDS), in_process: bool = False) -> TunedPoint:
     """Measure each technique of ``artifact``'s plan on this device at ``memory_budget`` within ``minutes`` and write
     the decisions into its device file (``write``); returns them. ``runner(spec) -> dict``: one variant's run (default:
-    a fresh process, ``SubprocessRunner``)."""
+    a fresh process, ``SubprocessRunner``; ``in_process``: in this one, for smoke runs). ``rounds``: the least and most
+    rounds of phase 1."""
     from loader.artifact import open_artifact
     from loader.budget import budget_bytes
     from loader.memory import auto_budget, is_auto
@@ -272,13 +273,17 @@ def tune(artifact, memory_budget=None, minutes: float = 5.0, device: str = "cpu"
     else:
         echo(f"tuning {', '.join(names)} on {kind} at {requested} ({budget:,} B): {len(names) + 2 if len(names) > 1 else 2} "
              f"variants x {tokens} tokens per round, in at most {minutes:g} minutes")
+        if runner is None and in_process:
+            base = {"artifact": str(manifest.root), "memory_budget": memory_budget, "device": device, "store": store,
+                    "routing": str(routing) if routing else None, "tokens": tokens}
+            runner = lambda spec: measure_variant(base | spec)  # noqa: E731
         runner = runner or SubprocessRunner(manifest.root, memory_budget, device, store, routing, tokens, clock, deadline)
 
         def run(v: Variant, round_: int) -> Run:
             out = runner({"variant": v.name, "off": list(v.off), "round": round_})
             return Run(v.name, round_, out["seconds"], {k: x for k, x in out.items() if k != "seconds"})
 
-        kept, off, decisions, measured, runs = tune_decisions(names, run, deadline, clock, echo)
+        kept, off, decisions, measured, runs = tune_decisions(names, run, deadline, clock, echo, *rounds)
         measured |= {"tokens": tokens, "figures": _mean_figures(runs)}
         point = TunedPoint(kind, budget, str(requested), tuple(kept), tuple(off), decisions, machine(device), measured)
     if write:

@@ -534,7 +534,10 @@ def reference_metrics_command(ref_dir: str) -> None:
                    "[default: none]")
 @click.option("--decode/--no-decode", default=True, show_default=True,
               help="Run the decode rows; --no-decode with --prefill measures the prompts alone.")
-def bench_command(subject, budgets, repeats, quick, device, store, only, output, traces, prefill, decode) -> None:
+@click.option("--tune-minutes", default=3.0, show_default=True, type=click.FloatRange(0.05, 600),
+              help="`moeload tune`'s time limit per subject and budget for the moeprep+tuned rows.")
+def bench_command(subject, budgets, repeats, quick, device, store, only, output, traces, prefill, decode,
+                  tune_minutes) -> None:
     """Decode (and with --prefill, prompt) speed of resident, accelerate offloading, naive offloading and moeprep
     at each budget."""
     from pathlib import Path
@@ -543,7 +546,8 @@ def bench_command(subject, budgets, repeats, quick, device, store, only, output,
     from prep.studies.bench.run import run_bench
 
     report = run_bench(subject, budgets, quick, device, output, traces, echo=lambda m: click.echo(m, err=True),
-                       repeats=repeats, store=store, only=only, prefill=prefill, decode=decode)
+                       repeats=repeats, store=store, only=only, prefill=prefill, decode=decode,
+                       tune_minutes=tune_minutes)
     for r in report["results"]:
         speed = (f"{r['decode_tokens_per_s']:.3g} tok/s (min {r['decode_tokens_per_s_min']:.3g}, max "
                  f"{r['decode_tokens_per_s_max']:.3g}, {r['repeats']} runs)") if r.get("decode_tokens_per_s") \

@@ -25,6 +25,7 @@ from prep.studies.bench.subjects import (
     known_systems,
     subject_entries,
 )
+from prep.studies.bench.worker import TUNED
 
 STEPS = ("run", "plan", "measure", "model", "bound")  # the bench's steps: none may name a subject
 
@@ -37,9 +38,9 @@ def test_every_subject_declares_its_systems_and_how_it_is_prepared():
         assert "resident" not in entry.systems, name  # resident and the floors run on every subject
         assert len(set(entry.systems)) == len(entry.systems), name
     assert PREFILL_SUBJECTS == ("mixtral-shape", "mixtral-shape-own")
-    assert SUBJECTS["mixtral-shape-techniques"].systems == ("naive", *TECHNIQUES)
+    assert SUBJECTS["mixtral-shape-techniques"].systems == ("naive", *TECHNIQUES, TUNED)
     assert known_systems() == {"resident", "accelerate", "naive", "moeprep", "naive+neuron", LLAMA,
-                               *PREDICTOR_SYSTEMS, *TECHNIQUES}
+                               *PREDICTOR_SYSTEMS, *TECHNIQUES, TUNED}
 
 
 def test_an_unknown_subject_is_one_error_naming_the_known_ones():

@@ -21,6 +21,7 @@ from loader.io import write_bytes_atomic
 from prep.studies.bench.plan import BELOW_4BIT, UNLIMITED, BenchPlan, subject_budget_bytes
 from prep.studies.bench.prefill import UNFIT_FOR_PROMPTS, add_bounds, add_memory_verdicts, run_prefill
 from prep.studies.bench.subjects import LLAMA, Subject
+from prep.studies.bench.worker import TUNED
 
 RESIDENT_DTYPES = ("float32", "bfloat16")  # the resident candidates' dtypes, and on CUDA also:
 CUDA_RESIDENT_DTYPES = ("float16",)
@@ -217,6 +218,8 @@ def worker_spec(plan: BenchPlan, subj: Subject, system: str, budget: str, repeat
             "replay": str(subj.replay) if subj.replay else None, "offload_dir": str(plan.work / "offload"),
             "record_routing": (str(plan.work / f"{subj.name}-routing.safetensors")
                                if system == "resident" and repeat == 0 and subj.replay is None else None)}
+    if system == TUNED:
+        spec["tuned_off"] = subj.facts["tuned"][budget]["off"]
     chosen = (subj.facts.get("resident") or {}).get("chosen")
     if system == "resident" and chosen:
         spec |= {"dtype": chosen["dtype"], "experts_implementation": chosen["experts_implementation"]}
@@ -235,6 +238,8 @@ def measure_bench(plan: BenchPlan, bandwidth: dict, echo) -> Measured:
     candidates of each subject first; then the prefill rows. Each run's result is appended to ``work/raw.json`` as
     it comes, so nothing measured is lost to a run cut short."""
     measured = Measured(bandwidth)
+    if plan.decode:
+        tune_rows(plan, echo)
     candidates = planned_candidates(plan)
     rounds = plan.repeats if plan.decode else 0
     bar = tqdm(total=sum(len(r) for r in plan.runs.values()) * plan.repeats
@@ -253,6 +258,31 @@ def measure_bench(plan: BenchPlan, bandwidth: dict, echo) -> Measured:
         measured.prefill = _prefill_rows(plan, candidates, bandwidth, echo)
         plan.notes += measured.prefill["notes"]
     return measured
+
+
+QUICK_TUNE = {"tokens": 8, "rounds": (1, 1), "in_process": True}  # --quick: a smoke run of the tune, in this process
+
+
+def tune_rows(plan: BenchPlan, echo) -> None:
+    """``moeload tune`` on each subject's artifact at each budget with a ``moeprep+tuned`` row, before the rounds: the
+    decisions (written to no device file: the artifact stays as shipped) go into the subject's facts, which the
+    tuned row's worker runs with, and each budget's kept and switched-off techniques into the notes."""
+    from loader.tune import tune
+
+    for subj in plan.subjects:
+        for system, budget in plan.runs.get(subj.name, []):
+            if system != TUNED:
+                continue
+            base = worker_spec(plan, subj, "moeprep", budget, 1)
+            echo(f"tuning {subj.name} at {budget} ({plan.tune_minutes:g} minutes at most)")
+            point = tune(base["artifact"], base["memory_budget"], plan.tune_minutes, plan.device, plan.store,
+                         subj.replay, echo=echo, write=False, **(QUICK_TUNE if plan.quick else {}))
+            subj.facts.setdefault("tuned", {})[budget] = point.to_json()
+            plan.notes.append(f"{subj.name} at {budget}: `moeload tune` kept {', '.join(point.kept) or 'none'}; "
+                              f"switched off {', '.join(point.off) or 'none'}"
+                              + "".join(f"; {n} {d['verdict']}" + (f" ({d['ratio']:.3f}x [{d['low']:.3f}, "
+                                                                   f"{d['high']:.3f}])" if "ratio" in d else "")
+                                        for n, d in point.decisions.items()))
 
 
 def _choose_subject_resident(plan: BenchPlan, subj: Subject, candidates: list, bar, echo) -> None:

@@ -25,7 +25,7 @@ from prep.sim.replay import replay_from_routing
 from prep.sim.simulate import PredictionFeed, artifact_spec, simulate
 from prep.studies.bench.plan import UNLIMITED, BenchPlan, Sizes, simulated_memory
 from prep.studies.bench.subjects import Subject
-from prep.studies.bench.worker import loader_plan, runs_loader
+from prep.studies.bench.worker import TUNED, loader_plan, runs_loader
 
 FALLBACK_EXPERT_SHAPE = (4096, 14336)  # Mixtral-8x7B's (hidden, intermediate), when no subject says its own
 PROFILE_MULTIPLE = 256  # measure_compute times (H/4, I/4), each a multiple of its quantization group (64)
@@ -258,6 +258,8 @@ def modelled(subject: Subject, system: str, memory_budget, routing: dict | None,
 
 def _modelled(subject: Subject, system: str, memory_budget, routing: dict, profile, device: str) -> dict:
 
+    if system.split("@", 1)[0] == TUNED:
+        raise NotModelled("measured with `moeload tune`'s decisions; the simulator's row for the plan is moeprep's")
     artifact, plan = _sim_plan(subject, system)
     if plan.neuron.name != "off":
         raise NotModelled("the simulator models whole-expert reads; neuron-level loading is not modelled")

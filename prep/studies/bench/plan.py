@@ -72,6 +72,7 @@ class BenchPlan:
     chosen_systems: set[str] | None
     traces: Path | None  # the real traces, None where absent
     started: float
+    tune_minutes: float = 3.0  # ``moeload tune``'s limit per subject and budget with a moeprep+tuned row
     subjects: list[Subject] = field(default_factory=list)
     runs: dict = field(default_factory=dict)  # subject -> [(system, budget), ...] of each round
     notes: list[str] = field(default_factory=list)
@@ -161,7 +162,7 @@ def _have_traces(traces: Path | None) -> bool:
 
 def plan_bench(subject: str, budgets: str | None, quick: bool, device: str, output: str | Path,
                traces: str | Path | None, root: str | Path, echo, repeats: int | None, store: str,
-               only: str | None, prefill: str | None, decode: bool) -> BenchPlan:
+               only: str | None, prefill: str | None, decode: bool, tune_minutes: float = 3.0) -> BenchPlan:
     """Check the options (``run.run_bench``'s) before anything is built, build the subjects and list their runs."""
     _check_device(device, store)
     options = {"subject": subject, "budgets": budgets, "repeats": repeats, "quick": quick, "device": device,
@@ -183,7 +184,8 @@ def plan_bench(subject: str, budgets: str | None, quick: bool, device: str, outp
     traces_dir = Path(traces) if traces else None
     plan = BenchPlan(options, device, store if store != "auto" else ("host" if device == "cuda" else "disk"), quick,
                      decode, QUICK if quick else FULL, output, output / "work", budget_list, prefill_budgets, prompts,
-                     repeats, chosen_systems, traces_dir if _have_traces(traces_dir) else None, time.time())
+                     repeats, chosen_systems, traces_dir if _have_traces(traces_dir) else None, time.time(),
+                     tune_minutes)
     _build_subjects(plan, entries, Path(root), traces_dir, subject == "all", echo)
     plan.runs = _runs(plan)
     return plan

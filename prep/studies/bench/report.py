@@ -17,7 +17,7 @@ from loader.io import write_bytes_atomic
 TECHNIQUE_ORDER = ("int4", "int4+gating", "int4+dynamic_precision", "int4+path_stats", "int4+allocation")
 SYSTEM_ORDER = ("resident", "accelerate", "naive@unlimited", "moeprep@unlimited", "naive", "naive+neuron",
                 "naive+next_gates", "naive+path_stats", "naive+first_gate", "naive+neuron_gates", *TECHNIQUE_ORDER,
-                "moeprep", "llama.cpp")
+                "moeprep", "moeprep+tuned", "llama.cpp")
 # What the papers report for each technique's accuracy at the setting the techniques subject runs (their own
 # models and suites; cited, not measured here: mixtral-shape's weights are random)
 CITED_ACCURACY = {
@@ -575,7 +575,7 @@ def techniques_table(report: dict, subject: str) -> list[str]:
         at = {r["system"]: r for r in rows if r["budget"] == budget and not r.get("error")}
         naive, int4 = ((at.get(x) or {}).get("decode_tokens_per_s") for x in ("naive", "int4"))
         llama = _speed(report, "mixtral-shape-own", "llama.cpp", budget)
-        for system in ("naive", *TECHNIQUE_ORDER, "moeprep"):
+        for system in ("naive", *TECHNIQUE_ORDER, "moeprep", "moeprep+tuned"):
             r = at.get(system)
             if r is None:
                 continue

@@ -16,7 +16,11 @@ Systems (DESIGN.md section 7, "Speed"):
   predictor: against ``naive`` (whole-expert reads of the same records), what reading only the active
   neurons buys at the same budget.
 - ``moeprep``: the loader with the artifact's plan (``plan.json``: its pools, eviction policy, predictors,
-  routing and miss policies), scaled to the budget.
+  routing and miss policies), scaled to the budget, as shipped (a device file, ``tuning.json``, is ignored).
+- ``moeprep+tuned``: the same plan with only the techniques ``moeload tune`` kept on this machine at the row's budget
+  (``loader/tune.py``: each technique switched off in turn, in fresh processes, on the subject's replayed routing;
+  ``--tune-minutes`` each, before the rounds; ``--quick``: one in-process round of 8 tokens). Its decisions, with
+  each technique's ratio and interval, are in the notes and in ``subjects[...].tuned``; it has no modelled column.
 - ``int4`` and ``int4+<technique>`` (the ``mixtral-shape-techniques`` subject only): the loader on the artifact
   of that one technique (gating, dynamic_precision, path_stats, allocation) prepared on uniform int4 from
   Mixtral's recorded decisions (``prep/studies/bench/subjects.py``); its ``moeprep`` is all of them together.
@@ -86,7 +90,8 @@ RESULT_KEYS = ("subject", "system", "budget", "repeats", "decode_tokens_per_s", 
 def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = False, device: str = "cpu",
               output: str | Path = "artifacts/bench", traces: str | Path | None = "../shared/data/traces",
               root: str | Path = ".", echo=print, repeats: int | None = None, store: str = "auto",
-              only: str | None = None, prefill: str | None = None, decode: bool = True) -> dict:
+              only: str | None = None, prefill: str | None = None, decode: bool = True,
+              tune_minutes: float = 3.0) -> dict:
     """Measure, write bench.json / bench.md / bench.png (and the device profile, device.json) under ``output``,
     and return the report. store: where the loader's expert stores live (``load(store=...)``); auto is host
     RAM on CUDA (pinned, copied at PCIe speed) and the disk on a CPU. only: comma-separated systems to run
@@ -99,7 +104,7 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
     The steps: plan (options, subjects, runs), measure (bandwidth, device profile, rounds, prefill rows), model
     (the simulator beside each loader row), bound (the physical bounds and each row's share of them), write."""
     plan = plan_bench(subject, budgets, quick, device, output, traces, root, echo, repeats, store, only, prefill,
-                      decode)
+                      decode, tune_minutes)
     bandwidth = store_bandwidth(plan)
     profile = None
     if plan.decode:

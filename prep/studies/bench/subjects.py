@@ -55,6 +55,7 @@ from prep.pipeline import prepare
 from prep.recipe import load_recipe, recipe_from_dict
 from prep.studies.bench.llama import QUANT, logit_check, prepare_gguf
 from prep.studies.bench.llama import missing as llama_missing
+from prep.studies.bench.worker import TUNED
 
 # Attention is kept small (4 query heads of 64, one KV head, short context): the bench is about experts.
 MIXTRAL_SHAPE = {"num_hidden_layers": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
@@ -449,7 +450,7 @@ def prepare_llama(subject: Subject, output: Path, echo) -> str | None:
 
 
 _REFERENCE = "with its accuracy check (the stage cache makes this free when nothing changed)"
-_PLANNED = ("accelerate", "naive", "naive+neuron", *PREDICTOR_SYSTEMS, "moeprep")  # what the artifact's plan has
+_PLANNED = ("accelerate", "naive", "naive+neuron", *PREDICTOR_SYSTEMS, "moeprep", TUNED)  # what the artifact's plan has
 _MIXTRAL_TRACES = "mixtral-8x7b/gsm8k_routing.jsonl"
 SUBJECTS = {entry.name: entry for entry in (
     # naive on the lossless artifact, moeprep on the recipe's
@@ -461,10 +462,10 @@ SUBJECTS = {entry.name: entry for entry in (
                  notes=("mixtral-shape runs no prefetch predictor: its weights are random and its routing replayed, "
                         "so hidden-state predictors (next_gates, first_gate) would predict noise",)),
     # against llama.cpp, which cannot replay routing
-    SubjectEntry("mixtral-shape-own", _mixtral_shape_own, ("naive", "moeprep", LLAMA),
+    SubjectEntry("mixtral-shape-own", _mixtral_shape_own, ("naive", "moeprep", TUNED, LLAMA),
                  "(the mixtral-shape model with its own routers)", prefill=True),
     # each technique alone (its own artifact), then all together
-    SubjectEntry("mixtral-shape-techniques", _mixtral_shape_techniques, ("naive", *TECHNIQUES),
+    SubjectEntry("mixtral-shape-techniques", _mixtral_shape_techniques, ("naive", *TECHNIQUES, TUNED),
                  "(one artifact per technique, fitted on the problems not replayed; built once, then reused)",
                  traces=f"{_MIXTRAL_TRACES} and {SENSITIVITY_FILE}"),
 )}

@@ -213,11 +213,14 @@ def _count_delta(before: dict | None, after: dict | None) -> dict | None:
             if isinstance(v, int) and not isinstance(v, bool)}
 
 
+TUNED = "moeprep+tuned"  # the artifact's plan with only the techniques `moeload tune` kept at the row's budget
+
+
 def runs_loader(system: str) -> bool:
-    """Whether a bench system runs the loader: naive and its variants, moeprep, and the technique systems
-    (``int4``, ``int4+<technique>``) of mixtral-shape-techniques."""
+    """Whether a bench system runs the loader: naive and its variants, moeprep and its tuned plan, and the technique
+    systems (``int4``, ``int4+<technique>``) of mixtral-shape-techniques."""
     base = system.split("@", 1)[0]
-    return base == "moeprep" or base.startswith(("naive", "int4"))
+    return base in ("moeprep", TUNED) or base.startswith(("naive", "int4"))
 
 
 def _load(spec: dict, routing):
@@ -227,10 +230,15 @@ def _load(spec: dict, routing):
     if runs_loader(system):
         from loader.runtime import load
 
+        plan = loader_plan(spec["artifact"], system)
+        if system == TUNED:  # the plan without what `moeload tune` switched off at this budget (``measure.tune_rows``)
+            from loader.tuning import without
+
+            plan = without(read_plan(spec["artifact"]), spec["tuned_off"])
         loaded = load(spec["artifact"], device=device, memory_budget=spec.get("memory_budget", spec["budget"]),
-                      store=spec.get("store") or ("host" if device == "cuda" else "disk"),
-                      plan=loader_plan(spec["artifact"], system),
-                      replay=routing)  # the plan's routing policy (adaptive gating) decides on the replayed decisions
+                      store=spec.get("store") or ("host" if device == "cuda" else "disk"), plan=plan,
+                      replay=routing,  # the plan's routing policy (adaptive gating) decides on the replayed decisions
+                      ignore_device_file=True)  # ``moeprep`` is the plan as shipped, wherever a tune has run
         return loaded.model, loaded, None, []
 
     from transformers import AutoModelForCausalLM
