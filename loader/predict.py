@@ -105,6 +105,8 @@ def _count(value, what: str, minimum: int = 1) -> int | None:
 def ranked_votes(logits: torch.Tensor, k: int, limit: int) -> list[int]:
     """logits [T, E] -> at most ``limit`` experts: each token's top-``k``, ranked by how many tokens chose
     them, then by summed probability (one token: its top-k in logit order)."""
+    if logits.shape[0] == 1:  # a decode step: the token's top-k by logit, ties by index, in two calls
+        return torch.sort(logits[0].float(), descending=True, stable=True).indices[:min(k, limit)].tolist()
     top = logits.topk(k, -1).indices  # [T, k]
     votes = torch.zeros(logits.shape[-1])
     votes.index_add_(0, top.flatten().cpu(), torch.ones(top.numel()))
@@ -120,7 +122,8 @@ def ranked_votes(logits: torch.Tensor, k: int, limit: int) -> list[int]:
 def stacked_router_logits(weights: torch.Tensor, biases: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The routers of several layers on one input, in one batched product: weights [p, E, H], biases
     [p, E], x [T, H] -> logits [p, T, E]."""
-    return torch.einsum("th,peh->pte", x.to(weights.dtype), weights) + biases[:, None, :]
+    # one batched matmul: einsum's planning costs more than the product itself for a decode step's single token
+    return torch.matmul(weights, x.to(weights.dtype).t()).transpose(1, 2) + biases[:, None, :]
 
 
 class NextGates(Predictor):
@@ -263,12 +266,19 @@ class PathStatsPredictor(Predictor):
         before = self.chosen.get(layer - 1)
         if before is not None and len(before) != len(rows):
             before = None
-        total = torch.zeros(self.num_experts, dtype=torch.float64)
-        for i, row in enumerate(rows):
-            total += self.stats.probs(layer + 1, before[i] if before is not None else None, row)[0]
-        total /= max(len(rows), 1)
-        order = sorted(range(self.num_experts), key=lambda e: -total[e].item())
-        return [PrefetchRequest(layer + 1, e) for e in order[:self.max_preload] if total[e] >= self.floor]
+        probs = [self.stats.probs(layer + 1, before[i] if before is not None else None, row)[0]
+                 for i, row in enumerate(rows)]
+        if not probs:
+            return []
+        total = probs[0]  # a decode step's one token: its probabilities as they are, no tensor arithmetic
+        if len(probs) > 1:
+            total = total.clone()
+            for p in probs[1:]:
+                total += p
+            total /= len(probs)
+        values = total.tolist()  # plain floats: indexing the tensor per expert would dominate a decode step
+        order = sorted(range(self.num_experts), key=lambda e: -values[e])
+        return [PrefetchRequest(layer + 1, e) for e in order[:self.max_preload] if values[e] >= self.floor]
 
     def reset(self) -> None:
         self.chosen.clear()

@@ -63,3 +63,18 @@ def test_first_gate_predictor_names_the_top_k_of_the_last_position():
         make_predictor("oracle")
     with pytest.raises(PredictorError, match="depth"):
         make_predictor("next_gates", {"depth": 0})
+
+
+def test_a_single_tokens_ranking_takes_the_short_path_and_agrees_with_the_votes():
+    """A decode step ranks one token's experts by sort alone; the vote count over the same token twice (the general
+    path) gives the same experts in the same order, and the stacked routers agree with one product per layer."""
+    from loader.predict import ranked_votes, stacked_router_logits
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        z = torch.randn(1, 16, generator=g)
+        for k, limit in ((2, 2), (4, 3), (1, 5)):
+            assert ranked_votes(z, k, limit) == ranked_votes(z.repeat(2, 1), k, limit)
+    w, b, x = torch.randn(3, 16, 32, generator=g), torch.randn(3, 16, generator=g), torch.randn(1, 32, generator=g)
+    expected = torch.stack([x @ w[i].T + b[i] for i in range(3)])
+    assert torch.allclose(stacked_router_logits(w, b, x), expected, atol=1e-5)
