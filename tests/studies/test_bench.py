@@ -268,7 +268,10 @@ def test_bench_runs_each_planned_predictor_against_naive_on_the_lossless_referen
     rows = {r["system"]: r for r in report["results"]}
     planned = [f"naive+{name}" for name in ("next_gates", "path_stats", "first_gate")]
     assert set(planned) <= set(rows)
-    assert set(rows) - set(planned) <= {"resident", "accelerate", "naive", "moeprep", *LOADER}
+    assert set(rows) - set(planned) <= {"resident", "accelerate", "naive", "moeprep", "moeprep+tuned", *LOADER}
+    # the tuned row: the plan with what `moeload tune` kept at this budget (a smoke run of the tune), said in the notes
+    assert not rows["moeprep+tuned"].get("error"), rows["moeprep+tuned"]
+    assert any(n.startswith("reference-lossless at 25%: `moeload tune` kept") for n in report["notes"])
     assert set(planned) <= set(PREDICTOR_SYSTEMS)
     for system in (*planned, "moeprep"):
         assert not rows[system].get("error"), rows[system]
