@@ -186,7 +186,7 @@ def tune_command(artifact, memory_budget, minutes, tokens, device, store, routin
     point = tune(artifact, memory_budget, minutes, device, store, routing, tokens,
                  echo=lambda line: click.echo(line, err=True), write=not dry_run)
     if device_profile is not None:
-        from loader.tuning import add_to_profile
+        from loader.tune import add_to_profile
 
         add_to_profile(device_profile, point)
         click.echo(f"wrote the decisions into {device_profile}", err=True)

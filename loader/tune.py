@@ -341,6 +341,19 @@ def machine(device: str) -> dict:
     return info
 
 
+def add_to_profile(path, point: TunedPoint) -> None:
+    """Write ``point``'s decisions into the device profile at ``path`` (``moeload tune --device-profile``), so that
+    ``moeprep prepare --device-profile`` plans with them: the file is read, checked and written back atomically."""
+    from loader.device import load_profile
+    from loader.io import write_json_atomic
+    from loader.tuning import PROFILE_KEY
+
+    load_profile(path)  # a damaged profile is refused, naming it
+    raw = json.loads(Path(path).read_text())
+    raw[PROFILE_KEY] = {k: v for k, v in point.to_json().items() if k != "measured"}
+    write_json_atomic(path, raw)
+
+
 # ------------------------------------------------------------------------------------------- one run
 
 

@@ -259,19 +259,6 @@ def apply_tuning(manifest, plan: Plan, device: str, budget_bytes, ignore: bool =
 PROFILE_KEY = "tuning"  # a device profile's (``device.json``) copy of ``moeload tune``'s decisions on its device
 
 
-def add_to_profile(path, point: TunedPoint) -> None:
-    """Write ``point``'s decisions into the device profile at ``path`` (``moeload tune --device-profile``), so that
-    ``moeprep prepare --device-profile`` plans with them: the file is read, checked and written back atomically."""
-    from pathlib import Path
-
-    from loader.device import load_profile
-
-    load_profile(path)  # a damaged profile is refused, naming it
-    raw = json.loads(Path(path).read_text())
-    raw[PROFILE_KEY] = {k: v for k, v in point.to_json().items() if k != "measured"}
-    write_json_atomic(path, raw)
-
-
 def profile_choice(plan: Plan, profile: dict | None) -> tuple[Plan, dict]:
     """(the plan a preparation ships, report.json's ``technique_choice``) from a device profile's JSON: with
     ``moeload tune``'s decisions in it, ``plan`` without the techniques switched off there (among those it runs);

@@ -272,7 +272,8 @@ def test_one_run_replays_the_routing_sample_through_the_loader(artifact, one_thr
 
 def test_a_device_profile_carries_the_decisions_into_the_plan_a_preparation_ships(tmp_path):
     from loader.device import DeviceProfile, load_profile, write_profile
-    from loader.tuning import TunedPoint, add_to_profile, profile_choice
+    from loader.tune import add_to_profile
+    from loader.tuning import TunedPoint, profile_choice
 
     plan = dataclasses.replace(Plan.default(2, 4, "int4"), routing=PolicySpec("adaptive_gating", {"threshold": 0.1}),
                                predictors=(PolicySpec("next_gates"), PolicySpec("path_stats")))
