@@ -117,10 +117,77 @@ def verdict(low: float, high: float) -> str:
 # ------------------------------------------------------------------------------------------- the tuning
 
 
-@dataclass
-class TuneResult:
-    point: TunedPoint
-    runs: list[Run]
+class _Rounds:
+    """Phase 1: every variant (all, plain, each technique off) once per round, the order rotating, as time allows."""
+
+    def __init__(self, names: list[str], run: Callable[[Variant, int], Run], echo) -> None:
+        self.names, self.run, self.echo = names, run, echo
+        self.variants = [Variant(ALL, ()), Variant(PLAIN, tuple(names))] + [Variant(f"-{n}", (n,)) for n in names]
+        if len(names) == 1:  # -name is plain
+            self.variants = self.variants[:2]
+        self.by_variant: dict[str, list[Run]] = {v.name: [] for v in self.variants}
+        self.failed: dict[str, RunFailed] = {}
+        self.runs: list[Run] = []
+        self.rounds = 0
+
+    def off_variant(self, name: str) -> str:
+        return PLAIN if len(self.names) == 1 else f"-{name}"
+
+    def decisions(self) -> dict:
+        """Each technique's ratio, interval and verdict over the complete rounds."""
+        out = {}
+        live = [v.name for v in self.variants if v.name not in self.failed]
+        complete = [i for i in range(self.rounds) if all(len(self.by_variant[v]) > i for v in live)]
+        for n in self.names:
+            off = self.off_variant(n)
+            if off in self.failed:
+                out[n] = {"verdict": "needed by the budget", "why": str(self.failed[off])}
+                continue
+            ratio, low, high = paired_ratio([self.by_variant[off][i].seconds for i in complete],
+                                            [self.by_variant[ALL][i].seconds for i in complete])
+            out[n] = {"verdict": verdict(low, high), "ratio": ratio, "low": low, "high": high, "rounds": len(complete)}
+        return out
+
+    def play(self, deadline: float, clock) -> bool:
+        """One round; False where the deadline cut it short (it is then not used)."""
+        k = self.rounds % len(self.variants)
+        for v in self.variants[k:] + self.variants[:k]:
+            if v.name in self.failed:
+                continue
+            if clock() > deadline and self.rounds > 0:
+                return False
+            try:
+                result = self.run(v, self.rounds)
+            except RunFailed as e:
+                if v.name == ALL or not e.budget:
+                    raise TuneError(f"the {v.name} run failed: {e}") from None
+                self.failed[v.name] = e
+                self.echo(f"  {v.name}: does not fit the budget ({e})")
+                continue
+            self.by_variant[v.name].append(result)
+            self.runs.append(result)
+            self.echo(f"  round {self.rounds + 1} {v.name:24s} {_speed([result]):8.2f} tok/s")
+        self.rounds += 1
+        return True
+
+    def measure(self, deadline: float, clock, min_rounds: int, max_rounds: int, check_rounds: int) -> None:
+        """Rounds until ``max_rounds``, the deadline (keeping time for the check), or, past ``min_rounds``, until no
+        verdict is within noise."""
+        started = clock()
+        while self.rounds < max_rounds:
+            if self.rounds:
+                now, per_round = clock(), (clock() - started) / self.rounds
+                if now + per_round > deadline:
+                    break
+                if self.rounds >= min_rounds and (
+                        all(d["verdict"] != "within noise" for d in self.decisions().values())
+                        or now + per_round * (1 + check_rounds * 2 / len(self.variants)) > deadline):
+                    break
+            if not self.play(deadline, clock):
+                break
+        if self.rounds == 0:
+            raise TuneError("the time limit ended before one round of every variant; allow more minutes or fewer "
+                            "tokens")
 
 
 def tune_decisions(names: list[str], run: Callable[[Variant, int], Run], deadline: float, clock=time.monotonic,
@@ -129,70 +196,16 @@ def tune_decisions(names: list[str], run: Callable[[Variant, int], Run], deadlin
     """The decisions for the techniques ``names``: (kept, off, decisions, measured, runs). ``run(variant, round)``
     measures one variant (raising ``RunFailed``); ``deadline`` is on ``clock``. Raises TuneError where not one round
     of every variant fits before the deadline."""
-    variants = [Variant(ALL, ()), Variant(PLAIN, tuple(names))] + [Variant(f"-{n}", (n,)) for n in names]
-    if len(names) == 1:  # -name is plain
-        variants = variants[:2]
-    by_variant: dict[str, list[Run]] = {v.name: [] for v in variants}
-    failed: dict[str, RunFailed] = {}
-    runs: list[Run] = []
     started = clock()
-    round_seconds = None
-    rounds = 0
-
-    def figures() -> dict:
-        out = {}
-        complete = [i for i in range(rounds) if all(len(by_variant[v.name]) > i for v in variants
-                                                      if v.name not in failed)]
-        for n in names:
-            off_name = PLAIN if len(names) == 1 else f"-{n}"
-            if off_name in failed:
-                out[n] = {"verdict": "needed by the budget", "why": str(failed[off_name])}
-                continue
-            ratio, low, high = paired_ratio([by_variant[off_name][i].seconds for i in complete],
-                                            [by_variant[ALL][i].seconds for i in complete])
-            out[n] = {"verdict": verdict(low, high), "ratio": ratio, "low": low, "high": high,
-                      "rounds": len(complete)}
-        return out
-
-    while rounds < max_rounds:
-        now = clock()
-        if round_seconds is not None:
-            if now + round_seconds > deadline:
-                break
-            if rounds >= min_rounds and all(d["verdict"] != "within noise" for d in figures().values()):
-                break
-            if rounds >= min_rounds and now + round_seconds * (1 + check_rounds * 2 / len(variants)) > deadline:
-                break
-        order = variants[rounds % len(variants):] + variants[:rounds % len(variants)]  # rotate
-        for v in order:
-            if v.name in failed:
-                continue
-            if clock() > deadline and rounds > 0:
-                break
-            try:
-                result = run(v, rounds)
-            except RunFailed as e:
-                if v.name == ALL or not e.budget:
-                    raise TuneError(f"the {v.name} run failed: {e}") from None
-                failed[v.name] = e
-                echo(f"  {v.name}: does not fit the budget ({e})")
-                continue
-            by_variant[v.name].append(result)
-            runs.append(result)
-            echo(f"  round {rounds + 1} {v.name:24s} {len(result.seconds) / sum(result.seconds):8.2f} tok/s")
-        if any(len(by_variant[v.name]) <= rounds for v in variants if v.name not in failed):
-            break  # the deadline cut this round short: it is not used
-        rounds += 1
-        round_seconds = (clock() - started) / rounds
-    if rounds == 0:
-        raise TuneError("the time limit ended before one round of every variant; allow more minutes or fewer tokens")
-
-    decisions = figures()
+    phase = _Rounds(names, run, echo)
+    phase.measure(deadline, clock, min_rounds, max_rounds, check_rounds)
+    rounds, by_variant, runs = phase.rounds, phase.by_variant, phase.runs
+    decisions = phase.decisions()
     kept = [n for n in names if decisions[n]["verdict"] in ("pays", "needed by the budget")]
     off = [n for n in names if n not in kept]
-    measured = {"rounds": rounds, "variants": [v.name for v in variants],
+    measured = {"rounds": rounds, "variants": [v.name for v in phase.variants],
                 "tokens_per_s": {name: _speed(rs) for name, rs in by_variant.items() if rs}}
-    if PLAIN in failed:  # the plan needs a technique to fit the budget: nothing to check against
+    if PLAIN in phase.failed:  # the plan needs a technique to fit the budget: nothing to check against
         measured["check"] = {"against": PLAIN, "verdict": f"not run: {PLAIN} does not fit the budget"}
         measured["seconds"] = clock() - started
         return kept, off, decisions, measured, runs
@@ -273,11 +286,11 @@ def tune(artifact, memory_budget=None, minutes: float = 5.0, device: str = "cpu"
     else:
         echo(f"tuning {', '.join(names)} on {kind} at {requested} ({budget:,} B): {len(names) + 2 if len(names) > 1 else 2} "
              f"variants x {tokens} tokens per round, in at most {minutes:g} minutes")
-        if runner is None and in_process:
-            base = {"artifact": str(manifest.root), "memory_budget": memory_budget, "device": device, "store": store,
-                    "routing": str(routing) if routing else None, "tokens": tokens}
-            runner = lambda spec: measure_variant(base | spec)  # noqa: E731
-        runner = runner or SubprocessRunner(manifest.root, memory_budget, device, store, routing, tokens, clock, deadline)
+        base = {"artifact": str(manifest.root), "memory_budget": memory_budget, "device": device, "store": store,
+                "routing": str(routing) if routing else None, "tokens": tokens}
+        if runner is None:
+            runner = ((lambda spec: measure_variant(base | spec)) if in_process
+                      else SubprocessRunner(base, clock, deadline))
 
         def run(v: Variant, round_: int) -> Run:
             out = runner({"variant": v.name, "off": list(v.off), "round": round_})
@@ -361,9 +374,8 @@ class SubprocessRunner:
     """Each variant's run in a fresh process (``python -m loader.tune SPEC``): its memory, threads and allocator start
     clean, and a run stopped at the deadline loses nothing else."""
 
-    def __init__(self, artifact, memory_budget, device, store, routing, tokens, clock, deadline) -> None:
-        self.base = {"artifact": str(artifact), "memory_budget": memory_budget, "device": device, "store": store,
-                     "routing": str(routing) if routing else None, "tokens": tokens}
+    def __init__(self, base: dict, clock, deadline: float) -> None:
+        self.base = base  # what every run of this tune shares: artifact, budget, device, store, routing, tokens
         self.clock, self.deadline = clock, deadline
 
     def __call__(self, spec: dict) -> dict:
