@@ -164,8 +164,9 @@ def profile_device_command(output, artifact, directory, file_mb, device) -> None
 @click.option("--memory-budget", default=None, help=BUDGET_HELP)
 @click.option("--minutes", default=5.0, show_default=True, type=click.FloatRange(0.05, 24 * 60),
               help="The time limit: rounds stop before it, and the decisions are made on the rounds done.")
-@click.option("--tokens", default=32, show_default=True, type=click.IntRange(8, 1 << 16),
-              help="Tokens of the routing sample each run times (after a few untimed).")
+@click.option("--tokens", default="auto", show_default=True,
+              help="Tokens of the routing sample each run times (after a few untimed): a number from 8, or auto (sized "
+                   "from one probe run so that three rounds of every variant fit --minutes).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--store", default="disk", show_default=True, type=click.Choice(["disk", "host"]))
 @click.option("--routing", default=None, type=click.Path(dir_okay=False, exists=True),
@@ -183,6 +184,10 @@ def tune_command(artifact, memory_budget, minutes, tokens, device, store, routin
     from loader.tune import tune
 
     check_device(device)
+    if tokens != "auto":
+        tokens = bounded_count(tokens, "--tokens", 1 << 16, "auto or a number of tokens")
+        if tokens < 8:
+            raise MoeError(f"--tokens {tokens}: time at least 8 tokens per run (or auto)")
     point = tune(artifact, memory_budget, minutes, device, store, routing, tokens,
                  echo=lambda line: click.echo(line, err=True), write=not dry_run)
     if device_profile is not None:

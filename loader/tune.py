@@ -44,11 +44,12 @@ from pathlib import Path
 from loader.errors import ArtifactError, BudgetError, LoaderError, MoeError
 from loader.tuning import TUNING_FILE, TunedPoint, Tuning, read_tuning, techniques, without, write_tuning
 
-DEFAULT_TOKENS = 32  # timed tokens per run (the routing sample's first ones)
+DEFAULT_TOKENS = "auto"  # timed tokens per run: "auto" sizes them so that MIN_ROUNDS rounds and the check fit the limit
+MIN_TOKENS, MAX_TOKENS = 8, 64  # what "auto" chooses between
 WARMUP_TOKENS = 4  # tokens replayed untimed first in each run (threads, allocator, first reads), then started over
 MIN_ROUNDS, MAX_ROUNDS = 3, 6  # phase 1: at least 3 rounds where time allows, more while a decision is within noise
 CHECK_ROUNDS = 2  # phase 2: the tuned plan against plain
-BLOCK = 8  # tokens per bootstrap block (a token's time depends on the cache its neighbours left)
+BLOCK = 4  # tokens per bootstrap block (a token's time depends on the cache its neighbours left)
 RESAMPLES = 2000
 ALL, PLAIN, TUNED = "all", "plain", "tuned"
 
@@ -63,6 +64,10 @@ class RunFailed(Exception):
     def __init__(self, message: str, budget: bool = False) -> None:
         super().__init__(message)
         self.budget = budget
+
+
+class RunCutShort(Exception):
+    """A run stopped at the time limit: its round (or the check) ends there, on what was measured before it."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,7 @@ class _Rounds:
         self.failed: dict[str, RunFailed] = {}
         self.runs: list[Run] = []
         self.rounds = 0
+        self.seconds = 0.0  # phase 1's wall time
 
     def off_variant(self, name: str) -> str:
         return PLAIN if len(self.names) == 1 else f"-{name}"
@@ -158,6 +164,8 @@ class _Rounds:
                 return False
             try:
                 result = self.run(v, self.rounds)
+            except RunCutShort:
+                return False
             except RunFailed as e:
                 if v.name == ALL or not e.budget:
                     raise TuneError(f"the {v.name} run failed: {e}") from None
@@ -174,6 +182,15 @@ class _Rounds:
         """Rounds until ``max_rounds``, the deadline (keeping time for the check), or, past ``min_rounds``, until no
         verdict is within noise."""
         started = clock()
+        try:
+            self._rounds(started, deadline, clock, min_rounds, max_rounds, check_rounds)
+        finally:
+            self.seconds = clock() - started
+        if self.rounds == 0:
+            raise TuneError("the time limit ended before one round of every variant; allow more minutes or fewer "
+                            "tokens")
+
+    def _rounds(self, started, deadline, clock, min_rounds, max_rounds, check_rounds) -> None:
         while self.rounds < max_rounds:
             if self.rounds:
                 now, per_round = clock(), (clock() - started) / self.rounds
@@ -185,9 +202,6 @@ class _Rounds:
                     break
             if not self.play(deadline, clock):
                 break
-        if self.rounds == 0:
-            raise TuneError("the time limit ended before one round of every variant; allow more minutes or fewer "
-                            "tokens")
 
 
 def tune_decisions(names: list[str], run: Callable[[Variant, int], Run], deadline: float, clock=time.monotonic,
@@ -213,7 +227,7 @@ def tune_decisions(names: list[str], run: Callable[[Variant, int], Run], deadlin
                                 [r.seconds for r in by_variant[ALL][:rounds]])
     measured["all_vs_plain"] = {"ratio": plain_vs_all[0], "low": plain_vs_all[1], "high": plain_vs_all[2]}
     if kept and off:  # the combination kept was not measured as such: check it against plain
-        check = _check(names, kept, run, deadline, clock, echo, check_rounds, rounds)
+        check = _check(names, kept, run, deadline, clock, echo, check_rounds, rounds, phase.seconds / max(1, len(runs)))
         runs += check.pop("runs")
         measured["check"] = check
         if check.get("verdict") == "loses":
@@ -227,21 +241,27 @@ def tune_decisions(names: list[str], run: Callable[[Variant, int], Run], deadlin
     return kept, off, decisions, measured, runs
 
 
-def _check(names, kept, run, deadline, clock, echo, check_rounds, first_round) -> dict:
-    """The plan with ``kept`` against plain, ``check_rounds`` rounds (as time allows)."""
+def _check(names, kept, run, deadline, clock, echo, check_rounds, first_round, per_run) -> dict:
+    """The plan with ``kept`` against plain, ``check_rounds`` rounds as time allows (a pair is started only where it
+    is expected to end before the deadline: ``per_run`` seconds a run, from phase 1)."""
     tuned = Variant(TUNED, tuple(n for n in names if n not in kept))
     plain = Variant(PLAIN, tuple(names))
     pairs: list[tuple[Run, Run]] = []
     runs: list[Run] = []
+    started = clock()
     for i in range(check_rounds):
-        if clock() > deadline:
+        pair_seconds = (clock() - started) / i if i else per_run * 2
+        if clock() + pair_seconds > deadline:
             break
         order = (tuned, plain) if i % 2 == 0 else (plain, tuned)
         got = {}
-        for v in order:
-            got[v.name] = run(v, first_round + i)
-            runs.append(got[v.name])
-            echo(f"  check {i + 1} {v.name:24s} {_speed([got[v.name]]):8.2f} tok/s")
+        try:
+            for v in order:
+                got[v.name] = run(v, first_round + i)
+                runs.append(got[v.name])
+                echo(f"  check {i + 1} {v.name:24s} {_speed([got[v.name]]):8.2f} tok/s")
+        except RunCutShort:
+            break
         pairs.append((got[PLAIN], got[TUNED]))
     if not pairs:
         return {"against": PLAIN, "verdict": "not run: no time left", "runs": runs}
@@ -291,6 +311,10 @@ def tune(artifact, memory_budget=None, minutes: float = 5.0, device: str = "cpu"
         if runner is None:
             runner = ((lambda spec: measure_variant(base | spec)) if in_process
                       else SubprocessRunner(base, clock, deadline))
+        if tokens == "auto":
+            tokens = auto_tokens(runner, len(names), deadline, clock, rounds[0])
+            base["tokens"] = tokens
+            echo(f"  {tokens} tokens per run: {rounds[0]} rounds of every variant and the check fit the limit")
 
         def run(v: Variant, round_: int) -> Run:
             out = runner({"variant": v.name, "off": list(v.off), "round": round_})
@@ -305,6 +329,20 @@ def tune(artifact, memory_budget=None, minutes: float = 5.0, device: str = "cpu"
         write_tuning(manifest, existing.with_point(point))
         echo(f"wrote {manifest.root / TUNING_FILE}")
     return point
+
+
+def auto_tokens(runner, techniques_count: int, deadline: float, clock, min_rounds: int) -> int:
+    """The timed tokens per run that let ``min_rounds`` rounds of every variant and the check fit before the deadline,
+    from one probe run of the whole plan at ``MIN_TOKENS`` (its wall time: the process, the load, the tokens)."""
+    started = clock()
+    probe = runner({"variant": "probe", "off": [], "round": -1, "tokens": MIN_TOKENS})
+    wall = clock() - started
+    per_token = sum(probe["seconds"]) / len(probe["seconds"])
+    fixed = max(0.0, wall - per_token * (MIN_TOKENS + WARMUP_TOKENS))  # process start, load, warm-up
+    variants = techniques_count + 2 if techniques_count > 1 else 2
+    runs = variants * min_rounds + 2 * CHECK_ROUNDS
+    per_run = 0.9 * (deadline - clock()) / runs
+    return max(MIN_TOKENS, min(MAX_TOKENS, int((per_run - fixed) / max(per_token, 1e-9))))
 
 
 def _open_for_tune(artifact, echo):
@@ -388,8 +426,7 @@ class SubprocessRunner:
                 done = subprocess.run([sys.executable, "-m", "loader.tune", f.name], capture_output=True, text=True,
                                       timeout=left, env=os.environ | {"PYTHONPATH": _package_root()})
             except subprocess.TimeoutExpired:
-                raise TuneError(f"the {spec['variant']} run passed the time limit; allow more minutes or fewer "
-                                "tokens") from None
+                raise RunCutShort(spec["variant"]) from None
         finally:
             os.unlink(f.name)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -443,6 +480,8 @@ def replay_tokens(loaded, sample: dict, count: int, timer=time.perf_counter) -> 
     hidden_size = loaded.model.config.get_text_config().hidden_size
     logits = sample.get("logits")
     num_experts = engine.num_experts
+    if policy is not None and logits is None:  # the router computes them in a decode step: not the policy's time
+        logits = _logits_of(ids[:count], weights[:count], num_experts)
     generator = torch.Generator().manual_seed(0)
     positions = [p for n in sample["sequence_lengths"].tolist() for p in range(int(n))]
     spent = {"routing_seconds": 0.0} | {f"{p.name}_seconds": 0.0 for p in engine.predictors}
@@ -460,8 +499,6 @@ def replay_tokens(loaded, sample: dict, count: int, timer=time.perf_counter) -> 
                     z = logits[t, layer].float().view(1, -1).to(device) if logits is not None else None
                     if policy is not None:
                         began = timer()
-                        if z is None:
-                            z = _logits_of(idx, w, num_experts)
                         w, idx = policy.route(layer, z, w, idx, view(layer))
                         spent["routing_seconds"] += timer() - began
                     if engine.predictors:
@@ -479,12 +516,13 @@ def replay_tokens(loaded, sample: dict, count: int, timer=time.perf_counter) -> 
     return out, spent
 
 
-def _logits_of(idx, w, num_experts: int):
-    """Router logits a replay without recorded ones implies: log weight at the chosen experts, far below elsewhere."""
+def _logits_of(ids, weights, num_experts: int):
+    """Router logits [T, L, E] a replay without recorded ones implies (ids and weights [T, L, K]): the log weight at
+    the chosen experts, far below elsewhere."""
     import torch
 
-    z = torch.full((idx.shape[0], num_experts), -30.0, device=idx.device)
-    return z.scatter(-1, idx, w.float().clamp_min(1e-12).log())
+    z = torch.full((*ids.shape[:2], num_experts), -30.0)
+    return z.scatter(-1, ids, weights.float().clamp_min(1e-12).log())
 
 
 def _timed_predictors(engine, spent: dict, timer):

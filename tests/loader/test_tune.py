@@ -288,3 +288,43 @@ def test_a_device_profile_carries_the_decisions_into_the_plan_a_preparation_ship
     shipped, choice = profile_choice(plan, profile.to_json())
     assert techniques(shipped) == ["path_stats"] and shipped.routing == PolicySpec("topk")
     assert choice["tested"] and choice["off"] == ["adaptive_gating", "next_gates"] and choice["budget"] == "25%"
+
+
+def test_a_run_cut_short_at_the_time_limit_ends_the_check_and_the_decisions_stand():
+    from loader.tune import RunCutShort
+
+    clock = FakeClock()
+    delays = {"adds_delay": 0.002, "removes_delay": -0.003}
+    inner = fake_run(clock, delays)
+
+    def run(variant, round_):
+        if variant.name == "tuned":
+            raise RunCutShort("tuned")
+        return inner(variant, round_)
+
+    kept, off, _, measured, _ = tune_decisions(list(delays), run, 600.0, clock, quiet)
+    assert kept == ["removes_delay"] and off == ["adds_delay"]
+    assert measured["check"]["verdict"].startswith("not run")
+
+
+def test_auto_tokens_fit_three_rounds_and_the_check_in_the_limit():
+    """A fake process: 5 s to start and load, 0.5 s a token. The tokens chosen from one probe let three rounds of
+    every variant (four techniques: six variants) and the check finish before the limit."""
+    from loader.tune import WARMUP_TOKENS, Run, auto_tokens
+
+    clock = FakeClock()
+
+    def process(spec):
+        n = spec["tokens"]
+        clock.now += 5 + 0.5 * (n + WARMUP_TOKENS)
+        return {"seconds": [0.5] * n}
+
+    deadline = 15 * 60
+    tokens = auto_tokens(lambda spec: process(spec | {"tokens": spec.get("tokens", 0)}), 4, deadline, clock, 3)
+    assert 8 <= tokens <= 64
+
+    def run(variant, round_):
+        return Run(variant.name, round_, process({"tokens": tokens})["seconds"])
+
+    *_, measured, runs = tune_decisions(["a", "b", "c", "d"], run, deadline, clock, quiet)
+    assert measured["rounds"] >= 3 and clock.now <= deadline
