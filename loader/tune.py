@@ -14,7 +14,8 @@ itself:
   (``-name``): each variant is one run in a fresh process (``python -m loader.tune SPEC``), the variants interleaved
   round by round (the order rotates), so drift on the machine falls on all of them.
 - **The figures.** A technique's ratio is the time of ``-name`` over the time of ``all`` on the same tokens of the same
-  round (paired per token); its 95% interval comes from a bootstrap over blocks of ``BLOCK`` tokens of every round.
+  round (paired per token); its 95% interval comes from a two-stage bootstrap (rounds, then blocks of ``BLOCK`` tokens
+  within them); a single round decides nothing (``MIN_DECIDING_ROUNDS``).
   A technique **pays** where the interval lies above 1 (kept), **loses** where it lies below (switched off), and is
   **within noise** where it straddles 1 (switched off: the cheaper choice), unless the plan without it does not fit
   the budget (**needed by the budget**: kept).
@@ -91,27 +92,37 @@ class Run:
 
 def paired_ratio(off_runs: list[list[float]], on_runs: list[list[float]], seed: int = 0) -> tuple[float, float, float]:
     """(ratio, low, high): the time of the ``off`` runs over the ``on`` runs (round r of one paired with round r of the
-    other, token by token), and its 95% interval by a bootstrap over blocks of ``BLOCK`` tokens of every round."""
-    units = []
+    other, token by token), and its 95% interval by a two-stage bootstrap: rounds drawn with replacement (two runs
+    in fresh processes differ by more than their tokens do), then blocks of ``BLOCK`` tokens within each round drawn."""
+    rounds = []
     for off, on in zip(off_runs, on_runs, strict=True):
         n = min(len(off), len(on))
-        for start in range(0, n, BLOCK):
-            units.append((sum(off[start:start + BLOCK][: n - start]), sum(on[start:start + BLOCK][: n - start])))
-    if not units:
+        rounds.append([(sum(off[s:min(s + BLOCK, n)]), sum(on[s:min(s + BLOCK, n)])) for s in range(0, n, BLOCK)])
+    rounds = [r for r in rounds if r]
+    if not rounds:
         raise TuneError("no paired tokens to compare")
-    total_off, total_on = sum(u[0] for u in units), sum(u[1] for u in units)
-    ratio = total_off / total_on
+    ratio = sum(u[0] for r in rounds for u in r) / sum(u[1] for r in rounds for u in r)
     rng = random.Random(seed)
     draws = []
     for _ in range(RESAMPLES):
-        pick = [units[rng.randrange(len(units))] for _ in units]
-        draws.append(sum(u[0] for u in pick) / max(sum(u[1] for u in pick), 1e-30))
+        off = on = 0.0
+        for _ in rounds:
+            units = rounds[rng.randrange(len(rounds))]
+            for _ in units:
+                a, b = units[rng.randrange(len(units))]
+                off, on = off + a, on + b
+        draws.append(off / max(on, 1e-30))
     draws.sort()
     return ratio, draws[int(0.025 * RESAMPLES)], draws[int(0.975 * RESAMPLES) - 1]
 
 
-def verdict(low: float, high: float) -> str:
-    """A technique's verdict from the interval of (time without it) / (time with it)."""
+MIN_DECIDING_ROUNDS = 2  # one round cannot tell a technique from the difference between two processes
+
+
+def verdict(low: float, high: float, rounds: int = MIN_DECIDING_ROUNDS) -> str:
+    """A technique's verdict from the interval of (time without it) / (time with it) over ``rounds`` rounds."""
+    if rounds < MIN_DECIDING_ROUNDS:
+        return "within noise"
     if low > 1:
         return "pays"
     if high < 1:
@@ -151,7 +162,10 @@ class _Rounds:
                 continue
             ratio, low, high = paired_ratio([self.by_variant[off][i].seconds for i in complete],
                                             [self.by_variant[ALL][i].seconds for i in complete])
-            out[n] = {"verdict": verdict(low, high), "ratio": ratio, "low": low, "high": high, "rounds": len(complete)}
+            out[n] = {"verdict": verdict(low, high, len(complete)), "ratio": ratio, "low": low, "high": high,
+                      "rounds": len(complete)}
+            if len(complete) < MIN_DECIDING_ROUNDS:
+                out[n]["why"] = "one round only: too few to tell the technique from the runs' own difference"
         return out
 
     def play(self, deadline: float, clock) -> bool:
@@ -236,7 +250,8 @@ def tune_decisions(names: list[str], run: Callable[[Variant, int], Run], deadlin
                 decisions[n]["verdict"] = "off: the kept set lost to plain"
             off, kept = names[:], []
     elif kept:  # every technique kept: the check is all against plain
-        measured["check"] = {"against": PLAIN, **measured["all_vs_plain"], "verdict": verdict(*plain_vs_all[1:])}
+        measured["check"] = {"against": PLAIN, **measured["all_vs_plain"],
+                             "verdict": verdict(*plain_vs_all[1:], rounds)}
     measured["seconds"] = clock() - started
     return kept, off, decisions, measured, runs
 
@@ -266,7 +281,8 @@ def _check(names, kept, run, deadline, clock, echo, check_rounds, first_round, p
     if not pairs:
         return {"against": PLAIN, "verdict": "not run: no time left", "runs": runs}
     ratio, low, high = paired_ratio([p.seconds for p, _ in pairs], [t.seconds for _, t in pairs])
-    return {"against": PLAIN, "ratio": ratio, "low": low, "high": high, "verdict": verdict(low, high),
+    return {"against": PLAIN, "ratio": ratio, "low": low, "high": high,
+            "verdict": verdict(low, high, len(pairs) + 1),  # the check adds to phase 1's rounds, which chose the set
             "rounds": len(pairs), "runs": runs}
 
 

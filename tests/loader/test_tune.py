@@ -328,3 +328,12 @@ def test_auto_tokens_fit_three_rounds_and_the_check_in_the_limit():
 
     *_, measured, runs = tune_decisions(["a", "b", "c", "d"], run, deadline, clock, quiet)
     assert measured["rounds"] >= 3 and clock.now <= deadline
+
+
+def test_one_round_decides_nothing_every_technique_is_within_noise_and_off():
+    clock = FakeClock()
+    delays = {"adds_delay": 0.002, "removes_delay": -0.003}
+    kept, off, decisions, _, _ = tune_decisions(list(delays), fake_run(clock, delays), 600.0, clock, quiet,
+                                                min_rounds=1, max_rounds=1)
+    assert kept == [] and sorted(off) == ["adds_delay", "removes_delay"]
+    assert all(d["verdict"] == "within noise" and "one round" in d["why"] for d in decisions.values())
