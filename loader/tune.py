@@ -330,7 +330,8 @@ def tune(artifact, memory_budget=None, minutes: float = 5.0, device: str = "cpu"
         if tokens == "auto":
             tokens = auto_tokens(runner, len(names), deadline, clock, rounds[0])
             base["tokens"] = tokens
-            echo(f"  {tokens} tokens per run: {rounds[0]} rounds of every variant and the check fit the limit")
+            echo(f"  {tokens} tokens per run (sized for {rounds[0]} rounds of every variant and the check within the "
+                 f"limit; {MIN_TOKENS} at least)")
 
         def run(v: Variant, round_: int) -> Run:
             out = runner({"variant": v.name, "off": list(v.off), "round": round_})
