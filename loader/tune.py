@@ -292,7 +292,7 @@ def _speed(runs: list[Run]) -> float:
 
 
 def tune(artifact, memory_budget=None, minutes: float = 5.0, device: str = "cpu", store: str = "disk",
-         routing=None, tokens: int = DEFAULT_TOKENS, echo=print, runner=None, clock=time.monotonic,
+         routing=None, tokens: int | str = DEFAULT_TOKENS, echo=print, runner=None, clock=time.monotonic,
          write: bool = True, rounds: tuple[int, int] = (MIN_ROUNDS, MAX_ROUNDS), in_process: bool = False) -> TunedPoint:
     """Measure each technique of ``artifact``'s plan on this device at ``memory_budget`` within ``minutes`` and write
     the decisions into its device file (``write``); returns them. ``runner(spec) -> dict``: one variant's run (default:
