@@ -337,3 +337,13 @@ def test_one_round_decides_nothing_every_technique_is_within_noise_and_off():
                                                 min_rounds=1, max_rounds=1)
     assert kept == [] and sorted(off) == ["adds_delay", "removes_delay"]
     assert all(d["verdict"] == "within noise" and "one round" in d["why"] for d in decisions.values())
+
+
+def test_the_command_refuses_a_bad_token_count_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from loader.cli import main
+
+    for tokens, said in (("3", "--tokens 3: time at least 8 tokens"), ("many", "--tokens 'many': use auto or a number")):
+        result = CliRunner().invoke(main, ["tune", str(tmp_path), "--tokens", tokens])
+        assert result.exit_code == 1 and said in result.output, result.output
