@@ -157,14 +157,9 @@ def machine_info(device: str) -> dict:
     import accelerate
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from loader.tune import cpu_name
+
+    cpu = cpu_name()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     info = {"cpu": cpu, "cores": os.cpu_count(), "ram_gb": round(ram / 1e9, 1), "torch": torch.__version__,
             "transformers": transformers.__version__, "accelerate": accelerate.__version__,
