@@ -420,9 +420,9 @@ def measure_compute(expert_shape: tuple[int, int] = MIXTRAL_SHAPE, scale: int = 
     Timed on (H/scale, I/scale) and scaled up by the weight count (scale**2). float32 and bfloat16 (also
     float16 and passthrough: the source dtype of the models we target) are plain products; int8/int4/
     int3/int2 are what the loader does (``loader/forms.py``): the held form ``auto`` takes on this
-    device (``choose_form``), made once (make) and then used (compute). On a CPU int4 is timed in the layout the
-    packager writes for a CPU target (``RecordLayout.in_kernel_layout``: the record is the int4pack form), so it
-    has no make time: a miss costs its read and its check.
+    device (``choose_form``), made once (make) and then used (compute). Timed in the codec's layout, the one the
+    packager writes for a CPU target: where the compiled kernels run, the record is the qdot form, so it has no make
+    time: a miss costs its read and its check.
     """
     import torch
 
@@ -468,9 +468,6 @@ def measure_compute(expert_shape: tuple[int, int] = MIXTRAL_SHAPE, scale: int = 
             for _name, dtype, offset, size in layout.parts():
                 if dtype == "float16":
                     record[offset:offset + size] = torch.rand(size // 2, generator=gen).half().view(torch.uint8)
-            kernel = layout.in_kernel_layout() if dev.type == "cpu" else None
-            if kernel is not None:  # what ``package.targets: [cpu]`` ships
-                record, layout = layout.to_kernel(kernel, record), kernel
             record = record.to(dev)
             x = torch.randn(1, hidden, generator=gen).to(dev, torch.bfloat16)
             form = choose_form("auto", layout, dev)
@@ -535,9 +532,6 @@ def measure_prefill(expert_shape: tuple[int, int] = MIXTRAL_SHAPE, scale: int = 
             for _name, dtype, offset, size in layout.parts():
                 if dtype == "float16":
                     record[offset:offset + size] = torch.rand(size // 2, generator=gen).half().view(torch.uint8)
-            kernel = layout.in_kernel_layout() if dev.type == "cpu" else None
-            if kernel is not None:
-                record, layout = layout.to_kernel(kernel, record), kernel
             record = record.to(dev)
             held = choose_form("auto", layout, dev)
             forms = {held.name: held} | {n: choose_form(n, layout, dev) for n in PREFILL_FORMS if n != held.name}

@@ -39,6 +39,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from loader import kernels
 from loader.codec import (
     INT4PACK_GROUPS,
     RecordLayout,
@@ -350,6 +351,67 @@ def _int4pack(layout: RecordLayout, device: torch.device):
     return Int4PackForm(layout)
 
 
+# ------------------------------------------------------------------------------------------ qdot
+
+
+class QdotWeights:
+    """An expert as the compiled kernels compute it: per quantized matrix its ``StoredMatrix`` (addresses into the
+    record), biases in float32."""
+
+    def __init__(self, matrices: dict, vectors: dict) -> None:
+        self.matrices = matrices
+        self.vectors = vectors
+
+    def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        y = self.matrices[name].matmul(x)
+        bias = self.vectors.get(f"{name}_bias")
+        return y if bias is None else y + bias
+
+
+@dataclass(frozen=True)
+class QdotForm:
+    """The record as stored, computed from its bits by the compiled kernels (``loader/kernels``) with activations
+    rounded to int8 per block: a low-bit expert takes its stored size in the cache, and nothing is decoded, on a read
+    or on a use. Its parity with the float reference is the int8 rounding's bound, not float32's."""
+
+    layout: RecordLayout
+    name = "qdot"
+    staged = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+    def make(self, record: torch.Tensor, region: torch.Tensor | None = None) -> QdotWeights:
+        parts = self.layout.split(record)
+        matrices, vectors = {}, {}
+        for spec in self.layout.matrices:
+            if len(spec.shape) == 1:
+                vectors[spec.name] = decode_matrix(spec, parts).to(torch.float32)
+            else:
+                matrices[spec.name] = kernels.stored_matrix(spec, parts)
+        return QdotWeights(matrices, vectors)
+
+    def forward(self, module, weights: QdotWeights, x: torch.Tensor) -> torch.Tensor:
+        gate_up = weights.linear("gate_up_proj", x)
+        return weights.linear("down_proj", module._apply_gate(gate_up))
+
+
+def qdot_fits(layout: RecordLayout) -> bool:
+    """Whether the kernels compute every matrix of the layout from its bits (biases aside): quantized 2-D matrices
+    in the codec's own parts (``loader.kernels.takes``), named as the expert modules' parameters."""
+    names = {spec.name for spec in layout.matrices if len(spec.shape) == 2}
+    return names == {"gate_up_proj", "down_proj"} and all(
+        kernels.takes(spec) if len(spec.shape) == 2 else spec.precision == "passthrough" for spec in layout.matrices)
+
+
+def _qdot(layout: RecordLayout, device: torch.device):
+    """The qdot form on a CPU where the compiled kernels run and take every matrix; None elsewhere."""
+    if device.type != "cpu" or not qdot_fits(layout) or not kernels.available():
+        return None
+    return QdotForm(layout)
+
+
 # ------------------------------------------------------------------------------------------ registry
 
 
@@ -363,6 +425,7 @@ FORMS = {
     "bfloat16": _decoded(torch.bfloat16),
     "float16": _decoded(torch.float16),
     "int4pack": _int4pack,
+    "qdot": _qdot,
 }
 
 
@@ -395,12 +458,16 @@ def choose_form(expert_dtype: str, layout: RecordLayout, device: torch.device, p
     if plain and expert_dtype == "auto" and name == "int4pack":
         name = "record"
     form = FORMS[name](layout, device)
+    if form is None and name == "qdot":  # no compiled kernels here, or a matrix they do not take: today's default
+        form = FORMS[_default_form(layout, device)](layout, device)
     return form if form is not None else FORMS["bfloat16"](layout, device)
 
 
 def _default_form(layout: RecordLayout, device: torch.device) -> str:
     if not needs_decoding(layout):
         return "record"
+    if FORMS["qdot"](layout, device) is not None:
+        return "qdot"
     if FORMS["int4pack"](layout, device) is not None:
         return "int4pack"
     return "bfloat16"

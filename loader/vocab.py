@@ -19,9 +19,9 @@ DTYPES = ("float32", "float16", "bfloat16")
 SKIP = "skip"  # a miss policy's answer: do not compute this expert
 GROUPS = ("layer", "global")  # a pool's eviction groups: one per MoE layer, or one for all
 # Held forms (``loader/forms.py``): what a cached expert is computed from. ``record`` is the record itself.
-FORM_NAMES = ("record", "float32", "bfloat16", "float16", "int4pack")
+FORM_NAMES = ("record", "float32", "bfloat16", "float16", "int4pack", "qdot")
 # What ``load(expert_dtype=...)`` accepts: a form, ``packed`` (the record form), or ``auto``.
-EXPERT_DTYPES = ("auto", "float32", "bfloat16", "float16", "int4pack", "packed")
+EXPERT_DTYPES = ("auto", "float32", "bfloat16", "float16", "int4pack", "qdot", "packed")
 PREDICTOR_NAMES = ("next_gates", "path_stats", "first_gate", "neuron_gates")
 CPU_MISSES = ("auto", "always", "never")  # CUDA + host store: compute a decode miss on the CPU
 # Routing and miss policy names that mean "the model's own top-k, every miss read at its planned precision".

@@ -45,10 +45,11 @@ from prep.stages.predict import predictor_tensors
 from prep.stages.quantize import PackedExperts
 from prep.stages.trace import RoutingTraces
 
-VERSION = 12  # 9: a neuron store carries its per-block hashes; 10: xxh3_64 per record, int4 in the kernel layout;
+VERSION = 13  # 9: a neuron store carries its per-block hashes; 10: xxh3_64 per record, int4 in the kernel layout;
 # 11: the routing sample and the device profile the plan was tuned with (``moeload plan`` predicts with them);
-# 12: the plan without the techniques `moeload tune` switched off in that profile, and report.json's technique_choice
-TARGETS = ("cpu", "cuda")
+# 12: the plan without the techniques `moeload tune` switched off in that profile, and report.json's technique_choice;
+# 13: a CPU target ships int4 in the codec's layout (the compiled kernels read it), int4pack only for cpu-int4pack
+TARGETS = ("cpu", "cuda", "cpu-int4pack")
 REPORT = "report.json"
 REPORTED_DETAILS = ("loss", "metric", "sequences", "b_hi", "b_lo", "K", "met", "bounds", "trail", "sensitivity")  # the rest: the stage result
 
@@ -56,9 +57,12 @@ REPORTED_DETAILS = ("loss", "metric", "sequences", "b_hi", "b_lo", "K", "met", "
 @dataclass(frozen=True)
 class PackageSection:
     """Plan defaults written into the artifact: the share of each layer's experts to cache. ``targets``: the
-    devices the artifact is for; with ``cpu`` among them, int4 stores are written in the layout of the CPU's
-    int4 kernel (``loader/codec.py``, ``int4pack``), so a miss read from disk lands ready to compute with nothing
-    made (its records are 6% larger than the codec's own with 8-bit scales; a GPU decodes either)."""
+    devices the artifact is for. ``cpu`` and ``cuda`` ship every store in the codec's own layout, which the compiled
+    kernels (``loader/kernels``) compute from in place on any x86 CPU, so a miss read from disk lands ready to
+    compute with nothing made. ``cpu-int4pack`` writes int4 stores in the layout of torch's CPU int4 kernel
+    (``loader/codec.py``, ``int4pack``) instead: read in place only by torch builds that pack int4 as the AVX-512
+    kernel does, decoded elsewhere, and 6% larger than the codec's own with 8-bit scales (the plan sizes them as the
+    codec's)."""
 
     cache_fraction: float = 0.5
     targets: tuple[str, ...] = ("cpu",)
@@ -73,7 +77,7 @@ class PackageSection:
 
     def kernel_layout(self, layout: RecordLayout) -> RecordLayout | None:
         """The layout a store of ``layout`` is written in for these targets, where it differs (None: as it is)."""
-        shipped = shipped_layout(layout, "cpu") if "cpu" in self.targets else layout
+        shipped = shipped_layout(layout, "cpu-int4pack") if "cpu-int4pack" in self.targets else layout
         return shipped if shipped != layout else None
 
 

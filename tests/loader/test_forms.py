@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from loader import kernels
 from loader.budget import ALIGN
 from loader.codec import RecordLayout
 from loader.forms import (
@@ -112,8 +113,10 @@ def every_form_artifact(tmp_path_factory):
 # The tolerance of each form against the decoded-weights model, through 2 MoE layers, as a share of the
 # logits' spread: the record and float32 compute the decoded float32 matrices (only the summation order
 # differs); bfloat16/float16 round the weights and the products' inputs (relative 2^-9 / 2^-11 each);
-# int4pack also rounds scale and zero' to bfloat16 (the kernel test above).
-FORM_TOLERANCE = {"record": 1e-6, "float32": 1e-6, "bfloat16": 0.02, "float16": 0.01, "int4pack": 0.03}
+# int4pack also rounds scale and zero' to bfloat16 (the kernel test above); qdot rounds the activations to int8 per block
+# (tests/loader/test_qdot.py: its own bound).
+FORM_TOLERANCE = {"record": 1e-6, "float32": 1e-6, "bfloat16": 0.02, "float16": 0.01, "int4pack": 0.03,
+                  "qdot": 0.03}
 
 
 @pytest.mark.parametrize("name", list(FORMS))
@@ -235,10 +238,12 @@ def test_the_form_is_fixed_by_rule_plan_environment_and_argument(monkeypatch):
     small_groups, _ = encode_expert(tensors, "int4", 16)
     plain, _ = encode_expert(tensors, "passthrough", 16)
     monkeypatch.delenv("MOEPREP_EXPERT_DTYPE")
-    # the device rule: int4pack where the CPU kernel takes the record, else bfloat16; plain records as they are
-    want = "int4pack" if int4pack_available(CPU) else "bfloat16"
+    # the device rule: qdot where the compiled kernels run, else int4pack where torch's CPU kernel takes the record,
+    # else bfloat16; plain records as they are
+    compiled = kernels.available()
+    want = "qdot" if compiled else "int4pack" if int4pack_available(CPU) else "bfloat16"
     assert choose_form("auto", quantized, CPU).name == want
-    assert choose_form("auto", small_groups, CPU).name == "bfloat16"  # groups of 16: no int4 kernel
+    assert choose_form("auto", small_groups, CPU).name == ("qdot" if compiled else "bfloat16")  # no int4pack at 16
     assert choose_form("auto", plain, CPU).name == "record"
     assert choose_form("auto", quantized, CPU, neuron=True).name == "record"
     assert choose_form("auto", quantized, CPU, planned="float16").name == "float16"  # the plan's choice

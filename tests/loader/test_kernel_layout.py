@@ -1,5 +1,5 @@
-"""Records stored in a kernel's layout (``loader/codec.py``, int4pack): for a CPU target the packager writes int4
-stores so, and a miss read from disk lands in its slot ready to compute. Nothing is made on any thread (counted),
+"""Records stored in a kernel's layout (``loader/codec.py``, int4pack): for a ``cpu-int4pack`` target the packager
+writes int4 stores so, and a miss read from disk lands in its slot ready to compute. Nothing is made on any thread (counted),
 the model computes exactly what the form made from the plain record computes, and a flipped byte is refused when
 the record is read and by ``verify``."""
 
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(not int4pack_available(torch.device("cpu")),
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
-    """(model, artifact for a CPU target: int4 in the kernel layout, the same recipe for a CUDA target: plain
+    """(model, artifact for a cpu-int4pack target: int4 in the kernel layout, the same recipe for a CUDA target: plain
     records). Hidden 64 and intermediate 32, so every expert matrix has a multiple of 64 rows."""
     from prep.pipeline import prepare
 
@@ -43,7 +43,7 @@ def artifacts(tmp_path_factory):
     model = build_tiny_model("mixtral", config=config)
     model.save_pretrained(root / "model")
     tiny_tokenizer(config.vocab_size).save_pretrained(root / "model")
-    prepare(tiny_recipe("int4", group_size=32), root=root, output=root / "cpu")
+    prepare(tiny_recipe("int4", group_size=32, package={"targets": ["cpu-int4pack"]}), root=root, output=root / "cpu")
     prepare(tiny_recipe("int4", group_size=32, package={"targets": ["cuda"]}), root=root, output=root / "cuda")
     return model, root / "cpu", root / "cuda"
 
@@ -57,7 +57,7 @@ def _ids(tokens=12):
     return torch.randint(4, 60, (1, tokens))
 
 
-def test_the_cpu_target_stores_int4_in_the_kernel_layout_the_cuda_target_does_not(artifacts):
+def test_the_cpu_int4pack_target_stores_int4_in_the_kernel_layout_the_cuda_target_does_not(artifacts):
     _, cpu, cuda = artifacts
     kernel, plain = _layout(cpu), _layout(cuda)
     assert {s.kernel for s in kernel.matrices} == {"int4pack"} and plain.kernel == ""

@@ -340,7 +340,7 @@ def forms_artifact(tmp_path_factory):
     return model, root / "artifact"
 
 
-@pytest.mark.parametrize("form", ["record", "float32", "bfloat16", "float16", "int4pack"])
+@pytest.mark.parametrize("form", ["record", "float32", "bfloat16", "float16", "int4pack", "qdot"])
 def test_the_planner_and_the_loader_give_the_same_slots_and_capacities_for_every_held_form(forms_artifact, form):
     """What the planner sizes before the artifact exists (``prep.stages.planning.model_sizes`` from the stores'
     record layouts, then ``capacities``) is what the loader builds from the artifact (``cache_layout``), for each
@@ -355,11 +355,11 @@ def test_the_planner_and_the_loader_give_the_same_slots_and_capacities_for_every
     from prep.adapters import get_adapter
     from prep.stages.planning import model_sizes
 
-    assert set(FORMS) == {"record", "float32", "bfloat16", "float16", "int4pack"}  # a new form joins the list
+    assert set(FORMS) == {"record", "float32", "bfloat16", "float16", "int4pack", "qdot"}  # a new form joins the list
     model, artifact = forms_artifact
     layouts = {p: RecordLayout.from_json(s["layout"]) for p, s in read_manifest(artifact).raw["stores"].items()}
     if FORMS[form](layouts["int4"], torch.device("cpu")) is None:
-        pytest.skip(f"{form} does not apply here (no CPU int4 kernel in this torch build)")
+        pytest.skip(f"{form} does not apply here (no CPU int4 kernel in this torch build, or no compiled kernels)")
     dtype = "packed" if form == "record" else form
     plan = read_plan(artifact)
     sizes = model_sizes(model, get_adapter(model), {p: lay.nbytes for p, lay in layouts.items()}, layouts, "cpu",

@@ -1,0 +1,471 @@
+/* moeprep's expert kernels: a quantized matrix [N, K] times a few tokens [T, K], read from the bits as the codec
+ * stores them (loader/codec.py), never decoded into a float copy.
+ *
+ * The activations are rounded to int8 per block (one float scale per block of 32 weights, 16 for 2-bit codes), so
+ * the inner loops are integer dot products of codes and int8 activations; per group the float scale and zero of
+ * the codec apply:
+ *     y[t, n] = sum_j s[n, j] * (sum_{b in j} d[t, b] * sum_{k in b} q[t, k] * c[n, k]  -  z[n, j] * X[t, j])
+ * with X[t, j] = sum_{b in j} d[t, b] * sum_{k in b} q[t, k]: exactly W @ x^ with x^ the rounded activations.
+ * MXFP4 has no zero: its E2M1 codes are small signed integers (twice the value) and its E8M0 scale a power of two.
+ *
+ * Two paths with the same arithmetic: a portable one (any shape, any C compiler) and an AVX2 one chosen at run time
+ * where the CPU has AVX2, FMA and F16C and the shape suits it. Rows are split over threads.
+ * Built by loader/kernels/__init__.py with the system's C compiler; the loader falls back to its torch forms when
+ * no compiler is found.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define QDOT_X86 1
+#else
+#define QDOT_X86 0
+#endif
+
+#define KIND_MXFP4 1
+#define MAX_THREADS 64
+
+typedef struct {
+    int32_t kind;   /* bits per code: 2, 3, 4 or 8; KIND_MXFP4 (1) for MXFP4 */
+    int32_t n, k;   /* rows (outputs), columns (inputs) */
+    int32_t group;  /* weights per scale (32 for MXFP4) */
+    int32_t meta;   /* 0: float16 scale and zero per group; > 0: uint8 per group, float16 (step, offset) per meta */
+    const uint8_t *codes;
+    const void *scale, *zero;             /* MXFP4: scale = E8M0 bytes, zero unused */
+    const uint16_t *scale_meta, *zero_meta;
+} qmat;
+
+typedef struct {   /* the rounded activations of T tokens, laid out for one matrix kind */
+    int32_t t, k, block, groups;
+    int8_t *q;     /* [T, K], permuted within each chunk as the kind's unpacking orders codes */
+    int16_t *q16;  /* [T, K] natural order, for 3- and 8-bit codes */
+    float *d;      /* [T, K / block] */
+    float *x;      /* [T, groups]: X above */
+} acts;
+
+/* ------------------------------------------------------------------------------------ shared arithmetic */
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {  /* subnormal */
+            float f = ldexpf((float)man, -24);
+            return sign ? -f : f;
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static float E8M0_HALF[256];  /* 2 ** (e - 128): an E8M0 scale, halved */
+
+__attribute__((constructor)) static void fill_tables(void) {
+    for (int e = 0; e < 256; e++) E8M0_HALF[e] = ldexpf(1.0f, e - 128);
+}
+
+static const int8_t FP4_TWICE[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* activation block (weights per int8 scale): 64 where the groups allow, else 32; 16 for 2-bit codes and groups
+ * of 16 */
+static int block_of(const qmat *m) {
+    if (m->kind == 2 || m->group % 32) return 16;
+    return m->group % 64 ? 32 : 64;
+}
+
+/* the activations are laid out in chunks of this many weights, permuted as the kind's unpacking orders codes */
+static int chunk_len(const qmat *m) {
+    if (m->kind == 2) return 128;
+    return m->kind == 4 && block_of(m) == 64 ? 64 : 32;
+}
+
+static int permuted(const qmat *m, int i) {
+    int len = chunk_len(m);
+    if (m->kind == 4 || m->kind == KIND_MXFP4) return i % 2 ? len / 2 + i / 2 : i / 2;  /* low nibbles, then high */
+    if (m->kind == 2) return (i % 4) * 32 + i / 4;  /* every byte's shift-0 codes, then shift 2, ... */
+    return i;
+}
+
+/* one matrix row's scale and zero per group, as floats */
+static void row_params(const qmat *m, int row, float *s, float *z) {
+    int groups = m->k / m->group;
+    long base = (long)row * groups;
+    for (int j = 0; j < groups; j++) {
+        long g = base + j;
+        if (m->kind == KIND_MXFP4) {
+            s[j] = E8M0_HALF[((const uint8_t *)m->scale)[g]];  /* the codes hold twice the value */
+            z[j] = 0.0f;
+        } else if (!m->meta) {
+            s[j] = half_to_float(((const uint16_t *)m->scale)[g]);
+            z[j] = half_to_float(((const uint16_t *)m->zero)[g]);
+        } else {
+            long meta = g / m->meta;
+            s[j] = ((const uint8_t *)m->scale)[g] * half_to_float(m->scale_meta[2 * meta])
+                   + half_to_float(m->scale_meta[2 * meta + 1]);
+            z[j] = ((const uint8_t *)m->zero)[g] * half_to_float(m->zero_meta[2 * meta])
+                   + half_to_float(m->zero_meta[2 * meta + 1]);
+        }
+    }
+}
+
+static int code_at(const qmat *m, const uint8_t *row, int i) {
+    switch (m->kind) {
+        case 8: return row[i];
+        case 4: case KIND_MXFP4: return (row[i / 2] >> (4 * (i % 2))) & 15;
+        case 2: return (row[i / 4] >> (2 * (i % 4))) & 3;
+        default: {  /* 3 bits: 8 codes per 3 bytes, little-endian */
+            const uint8_t *t = row + 3 * (i / 8);
+            uint32_t word = t[0] | (t[1] << 8) | ((uint32_t)t[2] << 16);
+            return (word >> (3 * (i % 8))) & 7;
+        }
+    }
+}
+
+static long row_bytes(const qmat *m) { return m->kind == KIND_MXFP4 ? m->k / 2 : (long)m->k * m->kind / 8; }
+
+/* ------------------------------------------------------------------------------------ activations */
+
+static void round_acts(const qmat *m, const float *x, int t, acts *a) {
+    int k = m->k, block = block_of(m), len = chunk_len(m);
+    int groups = m->k / m->group;
+    a->t = t; a->k = k; a->block = block; a->groups = groups;
+    for (int r = 0; r < t; r++) {
+        const float *xr = x + (long)r * k;
+        int8_t *qr = a->q + (long)r * k;
+        int16_t *q16 = a->q16 + (long)r * k;
+        float *dr = a->d + (long)r * (k / block), *xs = a->x + (long)r * groups;
+        for (int j = 0; j < groups; j++) xs[j] = 0.0f;
+        for (int b = 0; b < k / block; b++) {
+            float amax = 0.0f;
+            for (int i = 0; i < block; i++) amax = fmaxf(amax, fabsf(xr[b * block + i]));
+            float d = amax / 127.0f, inv = d > 0 ? 1.0f / d : 0.0f;
+            int sum = 0;
+            for (int i = 0; i < block; i++) {
+                int kk = b * block + i, v = (int)lrintf(xr[kk] * inv);
+                v = v > 127 ? 127 : (v < -127 ? -127 : v);
+                int chunk = kk / len * len;
+                qr[chunk + permuted(m, kk - chunk)] = (int8_t)v;
+                q16[kk] = (int16_t)v;
+                sum += v;
+            }
+            dr[b] = d;
+            xs[b * block / m->group] += d * (float)sum;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------ portable path */
+
+static float row_dot_portable(const qmat *m, const uint8_t *row, const acts *a, int r, const float *s,
+                              const float *z) {
+    int block = a->block, k = m->k;
+    const int16_t *q = a->q16 + (long)r * k;
+    const float *d = a->d + (long)r * (k / block), *xs = a->x + (long)r * a->groups;
+    float y = 0.0f;
+    for (int b = 0; b < k / block; b++) {
+        int dot = 0;
+        for (int i = b * block; i < (b + 1) * block; i++) {
+            int c = code_at(m, row, i);
+            dot += q[i] * (m->kind == KIND_MXFP4 ? FP4_TWICE[c] : c);
+        }
+        y += s[b * block / m->group] * d[b] * (float)dot;
+    }
+    for (int j = 0; j < a->groups; j++) y -= s[j] * z[j] * xs[j];
+    return y;
+}
+
+/* ------------------------------------------------------------------------------------ AVX2 path */
+
+#if QDOT_X86
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+AVX2 static inline float hsum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* the int32 lanes of one 32-weight chunk's dot product with its activations */
+AVX2 static inline __m256i chunk4(const uint8_t *c, const int8_t *q) {
+    __m128i raw = _mm_loadu_si128((const __m128i *)c), low = _mm_set1_epi8(15);
+    __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+    __m256i pairs = _mm256_maddubs_epi16(codes, _mm256_loadu_si256((const __m256i *)q));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+AVX2 static inline __m256i chunk_mx(const uint8_t *c, const int8_t *q) {
+    const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    __m128i raw = _mm_loadu_si128((const __m128i *)c), low = _mm_set1_epi8(15);
+    __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(raw, low));
+    __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), low));
+    __m256i v = _mm256_set_m128i(hi, lo), qa = _mm256_loadu_si256((const __m256i *)q);
+    __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(qa, v));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+AVX2 static inline __m256i chunk8(const uint8_t *c, const int16_t *q) {
+    __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)c));
+    __m256i hi = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(c + 16)));
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)q)),
+                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + 16))));
+}
+
+/* 32 3-bit codes in 12 bytes: each code's two bytes into a 16-bit lane, shifted into place by a multiply */
+AVX2 static inline __m256i chunk3(const uint8_t *c, const int16_t *q, int last) {
+    __m128i raw;
+    if (last) {  /* the matrix's last 12 bytes: do not read past them */
+        uint8_t tmp[16] = {0};
+        memcpy(tmp, c, 12);
+        raw = _mm_loadu_si128((const __m128i *)tmp);
+    } else {
+        raw = _mm_loadu_si128((const __m128i *)c);
+    }
+    __m256i both = _mm256_broadcastsi128_si256(raw);
+    const __m256i idx_a = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 1, 2, 1, 2, 1, 2, 2, -1, 2, -1,
+                                           3, 4, 3, 4, 3, 4, 4, 5, 4, 5, 4, 5, 5, -1, 5, -1);
+    const __m256i idx_b = _mm256_setr_epi8(6, 7, 6, 7, 6, 7, 7, 8, 7, 8, 7, 8, 8, -1, 8, -1,
+                                           9, 10, 9, 10, 9, 10, 10, 11, 10, 11, 10, 11, 11, -1, 11, -1);
+    const __m256i shift = _mm256_setr_epi16(1 << 13, 1 << 10, 1 << 7, 1 << 12, 1 << 9, 1 << 6, 1 << 11, 1 << 8,
+                                            1 << 13, 1 << 10, 1 << 7, 1 << 12, 1 << 9, 1 << 6, 1 << 11, 1 << 8);
+    __m256i a = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(both, idx_a), shift), 13);
+    __m256i b = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(both, idx_b), shift), 13);
+    return _mm256_add_epi32(_mm256_madd_epi16(a, _mm256_loadu_si256((const __m256i *)q)),
+                            _mm256_madd_epi16(b, _mm256_loadu_si256((const __m256i *)(q + 16))));
+}
+
+/* 64 4-bit codes (32 bytes): low nibbles against the block's first 32 activations, high against the rest */
+AVX2 static inline __m256i chunk4x2(const uint8_t *c, const int8_t *q) {
+    __m256i raw = _mm256_loadu_si256((const __m256i *)c), low = _mm256_set1_epi8(15);
+    __m256i pairs = _mm256_add_epi16(
+        _mm256_maddubs_epi16(_mm256_and_si256(raw, low), _mm256_loadu_si256((const __m256i *)q)),
+        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), _mm256_loadu_si256((const __m256i *)(q + 32))));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+/* one row: per group, per activation block, the block's int32 lanes scaled by s[j] * d[b] (BLOCK_LANES gives them) */
+#define ROW_LOOP(BLOCK_LANES)                                                                       \
+    for (int j = 0, b = 0; j < groups; j++)                                                         \
+        for (int e = 0; e < per_group; e++, b++) {                                                  \
+            __m256i lanes = BLOCK_LANES;                                                            \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(s[j] * d[b]), acc);     \
+        }
+
+/* one row's dot product for activation blocks of 32 or 64 (every kind but 2-bit) */
+AVX2 static float row_dot32(const qmat *m, const uint8_t *row, const acts *a, int r, const float *s,
+                           const float *z, int last_row) {
+    int k = m->k, block = a->block, groups = a->groups, per_group = m->group / block;
+    const int8_t *q = a->q + (long)r * k;
+    const int16_t *q16 = a->q16 + (long)r * k;
+    const float *d = a->d + (long)r * (k / block), *xs = a->x + (long)r * groups;
+    __m256 acc = _mm256_setzero_ps();
+    if (m->kind == 4 && block == 64) {
+        ROW_LOOP(chunk4x2(row + 32 * b, q + 64 * b))
+    } else if (m->kind == 4) {
+        ROW_LOOP(chunk4(row + 16 * b, q + 32 * b))
+    } else if (m->kind == KIND_MXFP4) {
+        ROW_LOOP(chunk_mx(row + 16 * b, q + 32 * b))
+    } else if (m->kind == 8 && block == 64) {
+        ROW_LOOP(_mm256_add_epi32(chunk8(row + 64 * b, q16 + 64 * b), chunk8(row + 64 * b + 32, q16 + 64 * b + 32)))
+    } else if (m->kind == 8) {
+        ROW_LOOP(chunk8(row + 32 * b, q16 + 32 * b))
+    } else if (block == 64) {
+        int last = last_row ? k / 32 - 1 : -1;
+        ROW_LOOP(_mm256_add_epi32(chunk3(row + 24 * b, q16 + 64 * b, 2 * b == last),
+                                  chunk3(row + 24 * b + 12, q16 + 64 * b + 32, 2 * b + 1 == last)))
+    } else {
+        int last = last_row ? k / 32 - 1 : -1;
+        ROW_LOOP(chunk3(row + 12 * b, q16 + 32 * b, b == last))
+    }
+    __m256 zacc = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= groups; j += 8)
+        zacc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(z + j)),
+                               _mm256_loadu_ps(xs + j), zacc);
+    float y = hsum8(acc) - hsum8(zacc);
+    for (; j < groups; j++) y -= s[j] * z[j] * xs[j];
+    return y;
+}
+
+/* one row of 2-bit codes, groups of 16: 128 weights (32 bytes) a chunk, one 16-weight block per int32 lane */
+AVX2 static float row_dot2(const qmat *m, const uint8_t *row, const acts *a, int r, const float *s,
+                          const float *z) {
+    int k = m->k;
+    const int8_t *q = a->q + (long)r * k;
+    const float *d = a->d + (long)r * (k / 16), *xs = a->x + (long)r * a->groups;
+    const __m256i mask = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps(), zacc = _mm256_setzero_ps();
+    for (int c = 0; c < k / 128; c++) {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(row + 32 * c));
+        const int8_t *qc = q + 128 * c;
+        __m256i sum = _mm256_maddubs_epi16(_mm256_and_si256(raw, mask), _mm256_loadu_si256((const __m256i *)qc));
+        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 2), mask),
+                                                         _mm256_loadu_si256((const __m256i *)(qc + 32))));
+        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask),
+                                                         _mm256_loadu_si256((const __m256i *)(qc + 64))));
+        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 6), mask),
+                                                         _mm256_loadu_si256((const __m256i *)(qc + 96))));
+        __m256 lanes = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones));
+        __m256 sv = _mm256_loadu_ps(s + 8 * c);
+        acc = _mm256_fmadd_ps(lanes, _mm256_mul_ps(sv, _mm256_loadu_ps(d + 8 * c)), acc);
+        zacc = _mm256_fmadd_ps(_mm256_mul_ps(sv, _mm256_loadu_ps(z + 8 * c)), _mm256_loadu_ps(xs + 8 * c), zacc);
+    }
+    return hsum8(acc) - hsum8(zacc);
+}
+
+/* scale and zero per group of one row, eight at a time where the layout allows */
+AVX2 static void row_params_avx2(const qmat *m, int row, float *s, float *z) {
+    int groups = m->k / m->group;
+    long base = (long)row * groups;
+    if (m->kind == KIND_MXFP4 || groups % 8 || (m->meta && (m->meta % 8 || base % 8))) {
+        row_params(m, row, s, z);
+        return;
+    }
+    if (!m->meta) {
+        for (int j = 0; j < groups; j += 8) {
+            _mm256_storeu_ps(s + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)m->scale + base + j))));
+            _mm256_storeu_ps(z + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)m->zero + base + j))));
+        }
+        return;
+    }
+    long meta = -1;
+    __m256 s_step = _mm256_setzero_ps(), s_off = s_step, z_step = s_step, z_off = s_step;
+    for (int j = 0; j < groups; j += 8) {
+        long g = base + j;
+        if (g / m->meta != meta) {  /* a new meta group: its (step, offset) pairs, once */
+            meta = g / m->meta;
+            s_step = _mm256_set1_ps(_cvtsh_ss(m->scale_meta[2 * meta]));
+            s_off = _mm256_set1_ps(_cvtsh_ss(m->scale_meta[2 * meta + 1]));
+            z_step = _mm256_set1_ps(_cvtsh_ss(m->zero_meta[2 * meta]));
+            z_off = _mm256_set1_ps(_cvtsh_ss(m->zero_meta[2 * meta + 1]));
+        }
+        __m256 sq = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)m->scale + g))));
+        __m256 zq = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)m->zero + g))));
+        _mm256_storeu_ps(s + j, _mm256_fmadd_ps(sq, s_step, s_off));
+        _mm256_storeu_ps(z + j, _mm256_fmadd_ps(zq, z_step, z_off));
+    }
+}
+
+static int cpu_has_avx2(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    }
+    return known;
+}
+#endif
+
+/* whether the AVX2 path takes this matrix: 1 yes, 0 portable */
+static int avx2_takes(const qmat *m) {
+#if QDOT_X86
+    if (!cpu_has_avx2()) return 0;
+    if (m->kind == 2) return m->group == 16 && m->k % 128 == 0;
+    return m->k % 32 == 0 && m->group % 32 == 0;
+#else
+    (void)m;
+    return 0;
+#endif
+}
+
+/* ------------------------------------------------------------------------------------ rows over threads */
+
+typedef struct {
+    const qmat *m;
+    const acts *a;
+    float *y;  /* [T, N] */
+    int row0, row1, fast;
+} job;
+
+static void *run_rows(void *arg) {
+    job *jb = arg;
+    const qmat *m = jb->m;
+    int groups = m->k / m->group;
+    float *s = malloc(sizeof(float) * (groups + 8)), *z = malloc(sizeof(float) * (groups + 8));
+    if (!s || !z) { free(s); free(z); return (void *)1; }
+    long stride = row_bytes(m);
+    for (int n = jb->row0; n < jb->row1; n++) {
+        const uint8_t *row = m->codes + stride * n;
+#if QDOT_X86
+        if (jb->fast) {
+            row_params_avx2(m, n, s, z);
+            for (int r = 0; r < jb->a->t; r++)
+                jb->y[(long)r * m->n + n] = m->kind == 2 ? row_dot2(m, row, jb->a, r, s, z)
+                                                         : row_dot32(m, row, jb->a, r, s, z, n == m->n - 1);
+            continue;
+        }
+#endif
+        row_params(m, n, s, z);
+        for (int r = 0; r < jb->a->t; r++) jb->y[(long)r * m->n + n] = row_dot_portable(m, row, jb->a, r, s, z);
+    }
+    free(s);
+    free(z);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------------------------ entry points */
+
+/* 0 when the matrix is one this library computes; else a code naming what is wrong */
+int qdot_check(const qmat *m) {
+    if (m->n <= 0 || m->k <= 0 || m->group <= 0 || m->k % m->group) return 1;
+    if (m->kind == KIND_MXFP4) return m->group == 32 ? 0 : 2;
+    if (m->kind != 2 && m->kind != 3 && m->kind != 4 && m->kind != 8) return 3;
+    if (m->group % 16) return 4;
+    if (m->kind == 3 && m->k % 8) return 5;
+    return 0;
+}
+
+/* y [T, N] float32 = x [T, K] float32 (rounded to int8 per block) times the matrix's transpose; 0 on success */
+int qdot_matmul(const qmat *m, const float *x, int t, float *y, int threads) {
+    if (qdot_check(m) || t <= 0) return 1;
+    int k = m->k, len = chunk_len(m);
+    long padded = ((long)k + len - 1) / len * len;
+    acts a;
+    a.q = malloc((size_t)t * padded + 64);
+    a.q16 = malloc(sizeof(int16_t) * (size_t)t * k + 64);
+    a.d = malloc(sizeof(float) * (size_t)t * (k / block_of(m)) + 64);
+    a.x = malloc(sizeof(float) * ((size_t)t * (k / m->group) + 8));
+    int status = 0;
+    if (!a.q || !a.q16 || !a.d || !a.x) { status = 2; goto done; }
+    round_acts(m, x, t, &a);
+    int fast = avx2_takes(m);
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    long work = (long)m->n * k * t;
+    if (work < (1L << 18)) threads = 1;  /* too little to pay for a thread */
+    if (threads > m->n) threads = m->n;
+    job jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    for (int i = 0; i < threads; i++) {
+        jobs[i] = (job){m, &a, y, (int)((long)m->n * i / threads), (int)((long)m->n * (i + 1) / threads), fast};
+    }
+    int started = 0;
+    for (int i = 1; i < threads; i++) {
+        if (pthread_create(&ids[i], NULL, run_rows, &jobs[i])) break;
+        started = i;
+    }
+    if (run_rows(&jobs[0])) status = 2;
+    for (int i = 1; i <= started; i++) {
+        void *ret;
+        pthread_join(ids[i], &ret);
+        if (ret) status = 2;
+    }
+    for (int i = started + 1; i < threads; i++)  /* a thread that could not start: its rows here */
+        if (run_rows(&jobs[i])) status = 2;
+done:
+    free(a.q); free(a.q16); free(a.d); free(a.x);
+    return status;
+}
+
+/* which path a matrix takes here: 1 AVX2, 0 portable */
+int qdot_path(const qmat *m) { return avx2_takes(m); }
