@@ -76,6 +76,9 @@ def build(quiet: bool = True) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    for stale in BUILD.glob("qdot-*.so"):  # builds of earlier sources (a process that loaded one keeps its copy)
+        if stale != target:
+            stale.unlink(missing_ok=True)
     if not quiet:
         print(f"built {target}")
     return target
@@ -91,7 +94,8 @@ def _library() -> ctypes.CDLL | None:
     except (RuntimeError, OSError) as e:
         _notice(str(e))
         return None
-    lib.qdot_matmul.argtypes = [ctypes.POINTER(QMat), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.qdot_matmul.argtypes = [ctypes.POINTER(QMat), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                ctypes.c_int]
     lib.qdot_check.argtypes = lib.qdot_path.argtypes = [ctypes.POINTER(QMat)]
     return lib
 
@@ -125,13 +129,14 @@ class StoredMatrix:
         """Whether this matrix runs on the AVX2 path here (else the portable one)."""
         return bool(_library().qdot_path(ctypes.byref(self.qmat)))
 
-    def matmul(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
-        """``x`` [T, K] (any float dtype) times the matrix's transpose: [T, N] float32."""
+    def matmul(self, x: torch.Tensor, threads: int | None = None, simd: bool = True) -> torch.Tensor:
+        """``x`` [T, K] (any float dtype) times the matrix's transpose: [T, N] float32, on ``threads`` (default:
+        torch's); ``simd`` False keeps to the portable path."""
         x = x.to(torch.float32).contiguous()
         t = x.shape[0]
         y = torch.empty(t, self.shape[0], dtype=torch.float32)
         status = _library().qdot_matmul(ctypes.byref(self.qmat), x.data_ptr(), t, y.data_ptr(),
-                                        threads or torch.get_num_threads())
+                                        threads or torch.get_num_threads(), int(simd))
         if status:
             raise RuntimeError(f"qdot_matmul failed ({'out of memory' if status == 2 else 'bad matrix'})")
         return y

@@ -425,8 +425,9 @@ int qdot_check(const qmat *m) {
     return 0;
 }
 
-/* y [T, N] float32 = x [T, K] float32 (rounded to int8 per block) times the matrix's transpose; 0 on success */
-int qdot_matmul(const qmat *m, const float *x, int t, float *y, int threads) {
+/* y [T, N] float32 = x [T, K] float32 (rounded to int8 per block) times the matrix's transpose; 0 on success.
+ * simd 0 keeps to the portable path (the tests compare the two). */
+int qdot_matmul(const qmat *m, const float *x, int t, float *y, int threads, int simd) {
     if (qdot_check(m) || t <= 0) return 1;
     int k = m->k, len = chunk_len(m);
     long padded = ((long)k + len - 1) / len * len;
@@ -438,7 +439,7 @@ int qdot_matmul(const qmat *m, const float *x, int t, float *y, int threads) {
     int status = 0;
     if (!a.q || !a.q16 || !a.d || !a.x) { status = 2; goto done; }
     round_acts(m, x, t, &a);
-    int fast = avx2_takes(m);
+    int fast = simd && avx2_takes(m);
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     long work = (long)m->n * k * t;
