@@ -97,6 +97,8 @@ def _library() -> ctypes.CDLL | None:
     lib.qdot_matmul.argtypes = [ctypes.POINTER(QMat), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                 ctypes.c_int]
     lib.qdot_check.argtypes = lib.qdot_path.argtypes = [ctypes.POINTER(QMat)]
+    lib.qdot_read.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+    lib.qdot_read.restype = ctypes.c_uint64
     return lib
 
 
@@ -150,6 +152,12 @@ def main(argv: list[str]) -> int:
         print(f"moeprep: the expert kernels were not built ({e}); the loader will use its torch forms",
               file=sys.stderr)
     return 0
+
+
+def read_bytes(buffer: torch.Tensor, threads: int) -> int:
+    """Read every byte of the contiguous CPU tensor ``buffer`` once on ``threads`` threads (an xor of them): the
+    bench's measure of the read bandwidth the kernels are held to."""
+    return int(_library().qdot_read(buffer.data_ptr(), buffer.numel() * buffer.element_size(), threads))
 
 
 def takes(spec) -> bool:

@@ -470,3 +470,63 @@ done:
 
 /* which path a matrix takes here: 1 AVX2, 0 portable */
 int qdot_path(const qmat *m) { return avx2_takes(m); }
+
+/* ------------------------------------------------------------------------------------ read bandwidth probe */
+
+typedef struct {
+    const uint8_t *p;
+    long n;
+    uint64_t sum;
+} span;
+
+#if QDOT_X86
+AVX2 static uint64_t read_avx2(const uint8_t *p, long n) {
+    __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
+    long i = 0;
+    for (; i + 128 <= n; i += 128) {
+        a = _mm256_xor_si256(a, _mm256_loadu_si256((const __m256i *)(p + i)));
+        b = _mm256_xor_si256(b, _mm256_loadu_si256((const __m256i *)(p + i + 32)));
+        c = _mm256_xor_si256(c, _mm256_loadu_si256((const __m256i *)(p + i + 64)));
+        d = _mm256_xor_si256(d, _mm256_loadu_si256((const __m256i *)(p + i + 96)));
+    }
+    __m256i x = _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d));
+    uint64_t out[4];
+    _mm256_storeu_si256((__m256i *)out, x);
+    for (; i < n; i++) out[0] ^= p[i];
+    return out[0] ^ out[1] ^ out[2] ^ out[3];
+}
+#endif
+
+static void *read_span(void *arg) {
+    span *s = arg;
+#if QDOT_X86
+    if (cpu_has_avx2()) {
+        s->sum = read_avx2(s->p, s->n);
+        return NULL;
+    }
+#endif
+    uint64_t x = 0;
+    for (long i = 0; i < s->n; i++) x ^= (uint64_t)s->p[i] << (8 * (i % 8));
+    s->sum = x;
+    return NULL;
+}
+
+/* every byte of p[0, n) read once on `threads` threads (the bench's measure of read bandwidth); an xor of them */
+uint64_t qdot_read(const uint8_t *p, long n, int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    span spans[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    for (int i = 0; i < threads; i++) spans[i] = (span){p + n * i / threads, n * (i + 1) / threads - n * i / threads, 0};
+    int started = 0;
+    for (int i = 1; i < threads; i++) {
+        if (pthread_create(&ids[i], NULL, read_span, &spans[i])) break;
+        started = i;
+    }
+    read_span(&spans[0]);
+    for (int i = 1; i <= started; i++) pthread_join(ids[i], NULL);
+    for (int i = started + 1; i < threads; i++) read_span(&spans[i]);
+    uint64_t x = 0;
+    for (int i = 0; i < threads; i++) x ^= spans[i].sum;
+    return x;
+}

@@ -13,6 +13,7 @@ import io
 from pathlib import Path
 
 from loader.io import write_bytes_atomic
+from prep.studies.bench.kernels import kernel_lines
 
 TECHNIQUE_ORDER = ("int4", "int4+gating", "int4+dynamic_precision", "int4+path_stats", "int4+allocation")
 SYSTEM_ORDER = ("resident", "accelerate", "naive@unlimited", "moeprep@unlimited", "naive", "naive+neuron",
@@ -188,7 +189,7 @@ def _store_lines(report: dict) -> list[str]:
 def write_markdown(report: dict) -> str:
     """bench.md: the machine and its measured read costs, the goals, each subject's tables, the prefill rows, and how
     to read them with the run's notes."""
-    lines = _header_lines(report)
+    lines = _header_lines(report) + kernel_lines(report.get("kernels"))
     lines += ["Goals (medians):", ""] + [f"- {line}" for line in goal_check(report)] + [""]
     for subject, facts in report["subjects"].items():
         lines += _subject_lines(report, subject, facts)

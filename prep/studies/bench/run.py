@@ -77,6 +77,7 @@ import torch
 
 from loader.io import write_bytes_atomic
 from prep.studies.bench.bound import bound_rows
+from prep.studies.bench.kernels import kernel_table
 from prep.studies.bench.measure import Measured, measure_bench, result_rows, store_bandwidth
 from prep.studies.bench.model import device_profile, model_rows, subject_routing
 from prep.studies.bench.plan import BenchPlan, plan_bench
@@ -110,15 +111,20 @@ def run_bench(subject: str = "all", budgets: str | None = None, quick: bool = Fa
     if plan.decode:
         echo("measuring the device profile (reads and one expert's compute) for the simulator")
         profile = device_profile(plan.subjects, plan.sizes, plan.device, plan.output, plan.store)
+    kernels = None
+    if plan.decode and plan.device == "cpu":
+        echo("measuring each held form's one-token product against the read bandwidth (the kernel table)")
+        kernels = kernel_table(plan.quick)
     measured = measure_bench(plan, bandwidth, echo)
     results = result_rows(plan, measured)
     routings = {s.name: subject_routing(s) for s in plan.subjects}
     calibrated = model_rows(plan, results, routings, profile)
     bounds = bound_rows(plan, results, routings, profile)
-    return write_report(plan, measured, results, profile, calibrated, bounds)
+    return write_report(plan, measured, results, profile, calibrated, bounds, kernels)
 
 
-def write_report(plan: BenchPlan, measured: Measured, results: list[dict], profile, calibrated, bounds: dict) -> dict:
+def write_report(plan: BenchPlan, measured: Measured, results: list[dict], profile, calibrated, bounds: dict,
+                 kernels: dict | None = None) -> dict:
     """bench.json (the report, returned), bench.md and bench.png under the plan's output."""
     report = {
         "machine": machine_info(plan.device) | {"torch_threads": torch.get_num_threads()},
@@ -135,6 +141,7 @@ def write_report(plan: BenchPlan, measured: Measured, results: list[dict], profi
                               "accuracy_delta": accuracy_delta(s.artifact)}
                      | s.facts for s in plan.subjects},
         "bounds": bounds,
+        "kernels": kernels,
         "budgets": plan.budgets,
         "repeats": plan.repeats,
         "raw": measured.raw,
