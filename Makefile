@@ -23,6 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[dev,ray]"
+	$(BIN)/python -m loader.kernels
 	touch $@
 
 # The suite in two parts (tests/helpers/suite.py): the tests in parallel on TEST_WORKERS workers, then the
@@ -31,10 +32,13 @@ $(VENV)/.installed: pyproject.toml
 TEST_WORKERS ?= 2
 TEST_TIMES ?= test-times
 
+# The compiled expert kernels (loader/kernels) are built before the tests, so no test writes into the repository.
 test: setup
+	$(BIN)/python -m loader.kernels -q
 	$(BIN)/python -m tests.helpers.suite --workers $(TEST_WORKERS) --times $(TEST_TIMES)
 
 test-full: setup
+	$(BIN)/python -m loader.kernels -q
 	$(BIN)/python -m tests.helpers.suite --workers $(TEST_WORKERS) --times $(TEST_TIMES) --full
 
 # The summary of the last `make test` again (the 30 slowest tests, time per file and per fixture, what is flagged).

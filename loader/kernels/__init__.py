@@ -28,6 +28,7 @@ import torch
 SOURCE = Path(__file__).with_name("qdot.c")
 BUILD = Path(__file__).with_name("build")
 ENV = "MOEPREP_KERNELS"  # "off": never build or load the library (the fallback, as on a machine without a compiler)
+THREADS_ENV = "MOEPREP_KERNEL_THREADS"  # the threads a product runs on (default: every core this process may use)
 KIND_MXFP4 = 1  # qdot.c's kind for MXFP4; the others are bits per code
 FLAGS = ("-O3", "-shared", "-fPIC", "-pthread", "-fno-math-errno")
 
@@ -108,6 +109,17 @@ def _notice(cause: str) -> None:
                   "on a machine with a C compiler to build them.", KernelNotice, stacklevel=3)
 
 
+@functools.cache
+def default_threads() -> int:
+    """Every core this process may use (``MOEPREP_KERNEL_THREADS`` pins it). Unlike torch's team, whose product
+    waits for its slowest thread, the kernels' threads claim rows a chunk at a time, so a reader thread woken on a
+    core delays a product by one chunk: the kernels use the cores the readers leave idle at that moment."""
+    pinned = os.environ.get(THREADS_ENV, "")
+    if pinned.isdigit() and int(pinned) > 0:
+        return int(pinned)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def available() -> bool:
     """Whether the compiled kernels run here (built, loaded, not switched off)."""
     return _library() is not None
@@ -133,12 +145,13 @@ class StoredMatrix:
 
     def matmul(self, x: torch.Tensor, threads: int | None = None, simd: bool = True) -> torch.Tensor:
         """``x`` [T, K] (any float dtype) times the matrix's transpose: [T, N] float32, on ``threads`` (default:
-        torch's); ``simd`` False keeps to the portable path."""
+        ``default_threads()``); ``simd`` False keeps to the portable path. The result does not depend on the
+        threads: each row is computed whole by one of them."""
         x = x.to(torch.float32).contiguous()
         t = x.shape[0]
         y = torch.empty(t, self.shape[0], dtype=torch.float32)
         status = _library().qdot_matmul(ctypes.byref(self.qmat), x.data_ptr(), t, y.data_ptr(),
-                                        threads or torch.get_num_threads(), int(simd))
+                                        threads or default_threads(), int(simd))
         if status:
             raise RuntimeError(f"qdot_matmul failed ({'out of memory' if status == 2 else 'bad matrix'})")
         return y

@@ -384,33 +384,123 @@ typedef struct {
     const qmat *m;
     const acts *a;
     float *y;  /* [T, N] */
-    int row0, row1, fast;
+    int fast, chunk;
+    int next;  /* the next unclaimed row: threads claim `chunk` rows at a time, so one preempted thread (a reader
+                  woken on its core) delays the product by one chunk, not by its whole share */
+    int failed;
 } job;
 
-static void *run_rows(void *arg) {
-    job *jb = arg;
+static void rows_of(job *jb, float *s, float *z) {
     const qmat *m = jb->m;
-    int groups = m->k / m->group;
-    float *s = malloc(sizeof(float) * (groups + 8)), *z = malloc(sizeof(float) * (groups + 8));
-    if (!s || !z) { free(s); free(z); return (void *)1; }
     long stride = row_bytes(m);
-    for (int n = jb->row0; n < jb->row1; n++) {
-        const uint8_t *row = m->codes + stride * n;
+    for (;;) {
+        int row0 = __atomic_fetch_add(&jb->next, jb->chunk, __ATOMIC_RELAXED);
+        if (row0 >= m->n) return;
+        int row1 = row0 + jb->chunk < m->n ? row0 + jb->chunk : m->n;
+        for (int n = row0; n < row1; n++) {
+            const uint8_t *row = m->codes + stride * n;
 #if QDOT_X86
-        if (jb->fast) {
-            row_params_avx2(m, n, s, z);
-            for (int r = 0; r < jb->a->t; r++)
-                jb->y[(long)r * m->n + n] = m->kind == 2 ? row_dot2(m, row, jb->a, r, s, z)
-                                                         : row_dot32(m, row, jb->a, r, s, z, n == m->n - 1);
-            continue;
-        }
+            if (jb->fast) {
+                row_params_avx2(m, n, s, z);
+                for (int r = 0; r < jb->a->t; r++)
+                    jb->y[(long)r * m->n + n] = m->kind == 2 ? row_dot2(m, row, jb->a, r, s, z)
+                                                             : row_dot32(m, row, jb->a, r, s, z, n == m->n - 1);
+                continue;
+            }
 #endif
-        row_params(m, n, s, z);
-        for (int r = 0; r < jb->a->t; r++) jb->y[(long)r * m->n + n] = row_dot_portable(m, row, jb->a, r, s, z);
+            row_params(m, n, s, z);
+            for (int r = 0; r < jb->a->t; r++) jb->y[(long)r * m->n + n] = row_dot_portable(m, row, jb->a, r, s, z);
+        }
     }
+}
+
+static void run_job(job *jb) {
+    int groups = jb->m->k / jb->m->group;
+    float *s = malloc(sizeof(float) * (groups + 8)), *z = malloc(sizeof(float) * (groups + 8));
+    if (s && z) rows_of(jb, s, z);
+    else __atomic_store_n(&jb->failed, 1, __ATOMIC_RELAXED);
     free(s);
     free(z);
+}
+
+/* A pool of worker threads started once and kept: a product is a few hundred microseconds, too short to start
+ * threads for. After a job a worker spins briefly for the next (a decode step's products come back to back),
+ * then sleeps on a condition variable. */
+#define SPIN_ROUNDS 20000
+static struct {
+    pthread_mutex_t lock, dispatch;
+    pthread_cond_t wake;
+    int workers;            /* started */
+    long generation;        /* bumped per job */
+    int active;             /* workers that take part in the current job */
+    int finished;           /* of those, done */
+    job *current;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, NULL};
+
+static void pause_briefly(void) {
+#if QDOT_X86
+    _mm_pause();
+#endif
+}
+
+static void *worker(void *arg) {
+    int index = (int)(long)arg;
+    long seen = 0;
+    for (;;) {
+        long now = __atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE);
+        for (int i = 0; now == seen && i < SPIN_ROUNDS; i++) {
+            pause_briefly();
+            now = __atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE);
+        }
+        if (now == seen) {
+            pthread_mutex_lock(&pool.lock);
+            while ((now = pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+            pthread_mutex_unlock(&pool.lock);
+        }
+        seen = now;
+        if (index < __atomic_load_n(&pool.active, __ATOMIC_ACQUIRE)) {
+            run_job(pool.current);
+            __atomic_fetch_add(&pool.finished, 1, __ATOMIC_ACQ_REL);
+        }
+    }
     return NULL;
+}
+
+static void forget_pool(void) {  /* in a forked child: the parent's workers do not exist there */
+    pool.workers = 0;
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_mutex_init(&pool.dispatch, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+}
+
+/* run `jb` on the calling thread and `helpers` pool workers (started on first need) */
+static void run_pooled(job *jb, int helpers) {
+    static int registered = 0;
+    pthread_mutex_lock(&pool.dispatch);  /* one job at a time: callers on several threads queue here */
+    if (!registered) {
+        pthread_atfork(NULL, NULL, forget_pool);
+        registered = 1;
+    }
+    while (pool.workers < helpers) {
+        pthread_t id;
+        if (pthread_create(&id, NULL, worker, (void *)(long)pool.workers)) break;
+        pthread_detach(id);
+        pool.workers++;
+    }
+    if (helpers > pool.workers) helpers = pool.workers;
+    pool.current = jb;
+    __atomic_store_n(&pool.finished, 0, __ATOMIC_RELEASE);
+    __atomic_store_n(&pool.active, helpers, __ATOMIC_RELEASE);
+    if (helpers > 0) {
+        pthread_mutex_lock(&pool.lock);
+        __atomic_add_fetch(&pool.generation, 1, __ATOMIC_ACQ_REL);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.lock);
+    }
+    run_job(jb);
+    while (__atomic_load_n(&pool.finished, __ATOMIC_ACQUIRE) < helpers) pause_briefly();
+    __atomic_store_n(&pool.active, 0, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&pool.dispatch);
 }
 
 /* ------------------------------------------------------------------------------------ entry points */
@@ -445,24 +535,10 @@ int qdot_matmul(const qmat *m, const float *x, int t, float *y, int threads, int
     long work = (long)m->n * k * t;
     if (work < (1L << 18)) threads = 1;  /* too little to pay for a thread */
     if (threads > m->n) threads = m->n;
-    job jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    for (int i = 0; i < threads; i++) {
-        jobs[i] = (job){m, &a, y, (int)((long)m->n * i / threads), (int)((long)m->n * (i + 1) / threads), fast};
-    }
-    int started = 0;
-    for (int i = 1; i < threads; i++) {
-        if (pthread_create(&ids[i], NULL, run_rows, &jobs[i])) break;
-        started = i;
-    }
-    if (run_rows(&jobs[0])) status = 2;
-    for (int i = 1; i <= started; i++) {
-        void *ret;
-        pthread_join(ids[i], &ret);
-        if (ret) status = 2;
-    }
-    for (int i = started + 1; i < threads; i++)  /* a thread that could not start: its rows here */
-        if (run_rows(&jobs[i])) status = 2;
+    int chunk = m->n / (threads * 8);
+    job jb = {m, &a, y, fast, chunk < 16 ? 16 : chunk, 0, 0};
+    run_pooled(&jb, threads - 1);
+    if (jb.failed) status = 2;
 done:
     free(a.q); free(a.q16); free(a.d); free(a.x);
     return status;
