@@ -323,36 +323,49 @@ AVX2 static float row_dot2(const qmat *m, const uint8_t *row, const acts *a, int
     return hsum8(acc) - hsum8(zacc);
 }
 
-/* scale and zero per group of one row, eight at a time where the layout allows */
+/* scale and zero per group of one row, eight at a time (a group whose eight share no meta group, or the row's last
+ * few, one at a time) */
 AVX2 static void row_params_avx2(const qmat *m, int row, float *s, float *z) {
-    int groups = m->k / m->group;
+    int groups = m->k / m->group, j = 0;
     long base = (long)row * groups;
-    if (m->kind == KIND_MXFP4 || groups % 8 || (m->meta && (m->meta % 8 || base % 8))) {
+    if (m->kind == KIND_MXFP4) {
         row_params(m, row, s, z);
         return;
     }
     if (!m->meta) {
-        for (int j = 0; j < groups; j += 8) {
+        for (; j + 8 <= groups; j += 8) {
             _mm256_storeu_ps(s + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)m->scale + base + j))));
             _mm256_storeu_ps(z + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)m->zero + base + j))));
+        }
+        for (; j < groups; j++) {
+            s[j] = _cvtsh_ss(((const uint16_t *)m->scale)[base + j]);
+            z[j] = _cvtsh_ss(((const uint16_t *)m->zero)[base + j]);
         }
         return;
     }
     long meta = -1;
-    __m256 s_step = _mm256_setzero_ps(), s_off = s_step, z_step = s_step, z_off = s_step;
-    for (int j = 0; j < groups; j += 8) {
+    float ss = 0, so = 0, zs = 0, zo = 0;
+    const uint8_t *sq = (const uint8_t *)m->scale + base, *zq = (const uint8_t *)m->zero + base;
+    while (j < groups) {
         long g = base + j;
         if (g / m->meta != meta) {  /* a new meta group: its (step, offset) pairs, once */
             meta = g / m->meta;
-            s_step = _mm256_set1_ps(_cvtsh_ss(m->scale_meta[2 * meta]));
-            s_off = _mm256_set1_ps(_cvtsh_ss(m->scale_meta[2 * meta + 1]));
-            z_step = _mm256_set1_ps(_cvtsh_ss(m->zero_meta[2 * meta]));
-            z_off = _mm256_set1_ps(_cvtsh_ss(m->zero_meta[2 * meta + 1]));
+            ss = _cvtsh_ss(m->scale_meta[2 * meta]);
+            so = _cvtsh_ss(m->scale_meta[2 * meta + 1]);
+            zs = _cvtsh_ss(m->zero_meta[2 * meta]);
+            zo = _cvtsh_ss(m->zero_meta[2 * meta + 1]);
         }
-        __m256 sq = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)m->scale + g))));
-        __m256 zq = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)m->zero + g))));
-        _mm256_storeu_ps(s + j, _mm256_fmadd_ps(sq, s_step, s_off));
-        _mm256_storeu_ps(z + j, _mm256_fmadd_ps(zq, z_step, z_off));
+        if (j + 8 <= groups && (g + 7) / m->meta == meta) {
+            __m256 sv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sq + j))));
+            __m256 zv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zq + j))));
+            _mm256_storeu_ps(s + j, _mm256_fmadd_ps(sv, _mm256_set1_ps(ss), _mm256_set1_ps(so)));
+            _mm256_storeu_ps(z + j, _mm256_fmadd_ps(zv, _mm256_set1_ps(zs), _mm256_set1_ps(zo)));
+            j += 8;
+        } else {
+            s[j] = sq[j] * ss + so;
+            z[j] = zq[j] * zs + zo;
+            j++;
+        }
     }
 }
 

@@ -51,8 +51,9 @@ def _rounded(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # (precision, group, meta group) x shapes: odd row counts, inputs that are and are not a whole number of SIMD chunks
 FORMATS = [("int4", 64, 256), ("int4", 32, 0), ("int4", 16, 0), ("int3", 64, 256), ("int3", 32, 0), ("int3", 16, 0),
-           ("int2", 16, 128), ("int2", 32, 0), ("int8", 64, 256), ("int8", 32, 0), ("mxfp4", 32, 0)]
-SHAPES = [(37, 256), (64, 384), (5, 192)]
+           ("int2", 16, 128), ("int2", 32, 0), ("int8", 64, 256), ("int8", 32, 0), ("mxfp4", 32, 0),
+           ("int4", 32, 12), ("int2", 16, 20), ("int8", 64, 5)]  # meta groups that end inside a run of 8 groups
+SHAPES = [(37, 256), (64, 384), (5, 192), (3, 1024)]
 
 
 @pytest.mark.parametrize("precision,group,meta", FORMATS)
