@@ -139,6 +139,8 @@ static void round_acts(const qmat *m, const float *x, int t, acts *a) {
     int k = m->k, block = block_of(m), len = chunk_len(m);
     int groups = m->k / m->group;
     a->t = t; a->k = k; a->block = block; a->groups = groups;
+    int perm[128];  /* chunk position of each weight of a chunk (len <= 128) */
+    for (int i = 0; i < len; i++) perm[i] = permuted(m, i);
     for (int r = 0; r < t; r++) {
         const float *xr = x + (long)r * k;
         int8_t *qr = a->q + (long)r * k;
@@ -154,7 +156,7 @@ static void round_acts(const qmat *m, const float *x, int t, acts *a) {
                 int kk = b * block + i, v = (int)lrintf(xr[kk] * inv);
                 v = v > 127 ? 127 : (v < -127 ? -127 : v);
                 int chunk = kk / len * len;
-                qr[chunk + permuted(m, kk - chunk)] = (int8_t)v;
+                qr[chunk + perm[kk - chunk]] = (int8_t)v;
                 q16[kk] = (int16_t)v;
                 sum += v;
             }
