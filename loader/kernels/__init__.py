@@ -91,7 +91,11 @@ def _library() -> ctypes.CDLL | None:
         _notice(f"{ENV}={os.environ[ENV]}")
         return None
     try:
-        lib = ctypes.CDLL(str(build()))
+        try:
+            lib = ctypes.CDLL(str(build()))
+        except OSError:  # a damaged build (a copy cut short): build it again, once
+            library_path().unlink(missing_ok=True)
+            lib = ctypes.CDLL(str(build()))
     except (RuntimeError, OSError) as e:
         _notice(str(e))
         return None
