@@ -255,40 +255,58 @@ AVX2 static inline __m256i chunk4x2(const uint8_t *c, const int8_t *q) {
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-/* one row: per group, per activation block, the block's int32 lanes scaled by s[j] * d[b] (BLOCK_LANES gives them) */
-#define ROW_LOOP(BLOCK_LANES)                                                                       \
-    for (int j = 0, b = 0; j < groups; j++)                                                         \
-        for (int e = 0; e < per_group; e++, b++) {                                                  \
-            __m256i lanes = BLOCK_LANES;                                                            \
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(s[j] * d[b]), acc);     \
-        }
+/* one row: each activation block's int32 lanes (LANES, of block `bb`) scaled by sd[bb] = s[its group] * d[bb],
+ * two blocks at a time into two accumulators */
+#define ROW_LOOP(LANES)                                                                                  \
+    {                                                                                                    \
+        int b = 0;                                                                                       \
+        for (; b + 2 <= blocks; b += 2) {                                                                \
+            __m256i l0, l1;                                                                              \
+            { int bb = b; l0 = LANES; }                                                                  \
+            { int bb = b + 1; l1 = LANES; }                                                              \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l0), _mm256_broadcast_ss(sd + b), acc);             \
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l1), _mm256_broadcast_ss(sd + b + 1), acc1);       \
+        }                                                                                                \
+        if (b < blocks) {                                                                                \
+            int bb = b;                                                                                  \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(LANES), _mm256_broadcast_ss(sd + b), acc);          \
+        }                                                                                                \
+    }
 
-/* one row's dot product for activation blocks of 32 or 64 (every kind but 2-bit) */
+/* one row's dot product for activation blocks of 32 or 64 (every kind but 2-bit); sd: scratch of k / 32 floats */
 AVX2 static float row_dot32(const qmat *m, const uint8_t *row, const acts *a, int r, const float *s,
-                           const float *z, int last_row) {
-    int k = m->k, block = a->block, groups = a->groups, per_group = m->group / block;
+                           const float *z, float *sd, int last_row) {
+    int k = m->k, block = a->block, groups = a->groups, per_group = m->group / block, blocks = k / block;
     const int8_t *q = a->q + (long)r * k;
     const int16_t *q16 = a->q16 + (long)r * k;
-    const float *d = a->d + (long)r * (k / block), *xs = a->x + (long)r * groups;
-    __m256 acc = _mm256_setzero_ps();
+    const float *d = a->d + (long)r * blocks, *xs = a->x + (long)r * groups;
+    if (per_group == 1) {
+        int b = 0;
+        for (; b + 8 <= blocks; b += 8) _mm256_storeu_ps(sd + b, _mm256_mul_ps(_mm256_loadu_ps(s + b), _mm256_loadu_ps(d + b)));
+        for (; b < blocks; b++) sd[b] = s[b] * d[b];
+    } else {
+        for (int b = 0; b < blocks; b++) sd[b] = s[b / per_group] * d[b];
+    }
+    __m256 acc = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     if (m->kind == 4 && block == 64) {
-        ROW_LOOP(chunk4x2(row + 32 * b, q + 64 * b))
+        ROW_LOOP(chunk4x2(row + 32 * bb, q + 64 * bb))
     } else if (m->kind == 4) {
-        ROW_LOOP(chunk4(row + 16 * b, q + 32 * b))
+        ROW_LOOP(chunk4(row + 16 * bb, q + 32 * bb))
     } else if (m->kind == KIND_MXFP4) {
-        ROW_LOOP(chunk_mx(row + 16 * b, q + 32 * b))
+        ROW_LOOP(chunk_mx(row + 16 * bb, q + 32 * bb))
     } else if (m->kind == 8 && block == 64) {
-        ROW_LOOP(_mm256_add_epi32(chunk8(row + 64 * b, q16 + 64 * b), chunk8(row + 64 * b + 32, q16 + 64 * b + 32)))
+        ROW_LOOP(_mm256_add_epi32(chunk8(row + 64 * bb, q16 + 64 * bb), chunk8(row + 64 * bb + 32, q16 + 64 * bb + 32)))
     } else if (m->kind == 8) {
-        ROW_LOOP(chunk8(row + 32 * b, q16 + 32 * b))
+        ROW_LOOP(chunk8(row + 32 * bb, q16 + 32 * bb))
     } else if (block == 64) {
         int last = last_row ? k / 32 - 1 : -1;
-        ROW_LOOP(_mm256_add_epi32(chunk3(row + 24 * b, q16 + 64 * b, 2 * b == last),
-                                  chunk3(row + 24 * b + 12, q16 + 64 * b + 32, 2 * b + 1 == last)))
+        ROW_LOOP(_mm256_add_epi32(chunk3(row + 24 * bb, q16 + 64 * bb, 2 * bb == last),
+                                  chunk3(row + 24 * bb + 12, q16 + 64 * bb + 32, 2 * bb + 1 == last)))
     } else {
         int last = last_row ? k / 32 - 1 : -1;
-        ROW_LOOP(chunk3(row + 12 * b, q16 + 32 * b, b == last))
+        ROW_LOOP(chunk3(row + 12 * bb, q16 + 32 * bb, bb == last))
     }
+    acc = _mm256_add_ps(acc, acc1);
     __m256 zacc = _mm256_setzero_ps();
     int j = 0;
     for (; j + 8 <= groups; j += 8)
@@ -345,19 +363,20 @@ AVX2 static void row_params_avx2(const qmat *m, int row, float *s, float *z) {
         }
         return;
     }
-    long meta = -1;
+    long meta = base / m->meta - 1, end = (meta + 1) * m->meta;  /* the meta group before the row's first */
     float ss = 0, so = 0, zs = 0, zo = 0;
     const uint8_t *sq = (const uint8_t *)m->scale + base, *zq = (const uint8_t *)m->zero + base;
     while (j < groups) {
         long g = base + j;
-        if (g / m->meta != meta) {  /* a new meta group: its (step, offset) pairs, once */
-            meta = g / m->meta;
+        if (g >= end) {  /* a new meta group: its (step, offset) pairs, once */
+            meta++;
+            end += m->meta;
             ss = _cvtsh_ss(m->scale_meta[2 * meta]);
             so = _cvtsh_ss(m->scale_meta[2 * meta + 1]);
             zs = _cvtsh_ss(m->zero_meta[2 * meta]);
             zo = _cvtsh_ss(m->zero_meta[2 * meta + 1]);
         }
-        if (j + 8 <= groups && (g + 7) / m->meta == meta) {
+        if (j + 8 <= groups && g + 8 <= end) {
             __m256 sv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sq + j))));
             __m256 zv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zq + j))));
             _mm256_storeu_ps(s + j, _mm256_fmadd_ps(sv, _mm256_set1_ps(ss), _mm256_set1_ps(so)));
@@ -405,7 +424,7 @@ typedef struct {
     int failed;
 } job;
 
-static void rows_of(job *jb, float *s, float *z) {
+static void rows_of(job *jb, float *s, float *z, float *sd) {
     const qmat *m = jb->m;
     long stride = row_bytes(m);
     for (;;) {
@@ -419,7 +438,7 @@ static void rows_of(job *jb, float *s, float *z) {
                 row_params_avx2(m, n, s, z);
                 for (int r = 0; r < jb->a->t; r++)
                     jb->y[(long)r * m->n + n] = m->kind == 2 ? row_dot2(m, row, jb->a, r, s, z)
-                                                             : row_dot32(m, row, jb->a, r, s, z, n == m->n - 1);
+                                                             : row_dot32(m, row, jb->a, r, s, z, sd, n == m->n - 1);
                 continue;
             }
 #endif
@@ -432,10 +451,12 @@ static void rows_of(job *jb, float *s, float *z) {
 static void run_job(job *jb) {
     int groups = jb->m->k / jb->m->group;
     float *s = malloc(sizeof(float) * (groups + 8)), *z = malloc(sizeof(float) * (groups + 8));
-    if (s && z) rows_of(jb, s, z);
+    float *sd = malloc(sizeof(float) * (jb->m->k / 16 + 8));
+    if (s && z && sd) rows_of(jb, s, z, sd);
     else __atomic_store_n(&jb->failed, 1, __ATOMIC_RELAXED);
     free(s);
     free(z);
+    free(sd);
 }
 
 /* A pool of worker threads started once and kept: a product is a few hundred microseconds, too short to start
