@@ -28,6 +28,7 @@
 
 #define KIND_MXFP4 1
 #define MAX_THREADS 64
+#define AHEAD 4096  /* bytes of codes prefetched ahead of the row computing */
 
 typedef struct {
     int32_t kind;   /* bits per code: 2, 3, 4 or 8; KIND_MXFP4 (1) for MXFP4 */
@@ -434,6 +435,10 @@ static void rows_of(job *jb, float *s, float *z, float *sd) {
         for (int n = row0; n < row1; n++) {
             const uint8_t *row = m->codes + stride * n;
 #if QDOT_X86
+            if (n + 1 < m->n) {  /* the codes AHEAD bytes on, into the cache while this row computes */
+                const uint8_t *ahead = row + AHEAD, *end = m->codes + stride * m->n;
+                for (long c = 0; c < stride && ahead + c < end; c += 64) _mm_prefetch((const char *)(ahead + c), _MM_HINT_T0);
+            }
             if (jb->fast) {
                 row_params_avx2(m, n, s, z);
                 for (int r = 0; r < jb->a->t; r++)
