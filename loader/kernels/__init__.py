@@ -124,6 +124,12 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def _free_threads() -> int:
+    """``default_threads()`` less torch's other intra-op threads: where torch runs a team (a prompt's forward),
+    its threads spin on their cores between products, and a kernel thread there would wait for them."""
+    return max(1, default_threads() - torch.get_num_threads() + 1)
+
+
 def available() -> bool:
     """Whether the compiled kernels run here (built, loaded, not switched off)."""
     return _library() is not None
@@ -149,13 +155,13 @@ class StoredMatrix:
 
     def matmul(self, x: torch.Tensor, threads: int | None = None, simd: bool = True) -> torch.Tensor:
         """``x`` [T, K] (any float dtype) times the matrix's transpose: [T, N] float32, on ``threads`` (default:
-        ``default_threads()``); ``simd`` False keeps to the portable path. The result does not depend on the
+        the cores torch's own threads leave, ``_free_threads``); ``simd`` False keeps to the portable path. The result does not depend on the
         threads: each row is computed whole by one of them."""
         x = x.to(torch.float32).contiguous()
         t = x.shape[0]
         y = torch.empty(t, self.shape[0], dtype=torch.float32)
         status = _library().qdot_matmul(ctypes.byref(self.qmat), x.data_ptr(), t, y.data_ptr(),
-                                        threads or default_threads(), int(simd))
+                                        threads or _free_threads(), int(simd))
         if status:
             raise RuntimeError(f"qdot_matmul failed ({'out of memory' if status == 2 else 'bad matrix'})")
         return y
