@@ -17,12 +17,16 @@ The forms (``FORMS``: name -> factory(layout, device) -> form, or None where it 
   most 4 bits with groups of 32-256 and output sizes that are multiples of 16 the reader makes it
   (``Int4PackForm``). The codec's ``(code - zero) * scale`` is the kernel's ``(code - 8) * scale + zero'``
   with ``zero' = (8 - zero) * scale``.
+- ``qdot``: the record as stored, computed from its bits by the compiled kernels (``loader/kernels``: int2, int3,
+  int4, int8 and MXFP4, activations rounded to int8 per block): a read lands in the slot ready to compute, nothing is
+  made or decoded, and a low-bit expert takes its stored size in the cache.
 
 The form is fixed before the run (``choose_form``): from ``load(expert_dtype=...)``, else the environment
 variable ``MOEPREP_EXPERT_DTYPE`` (a device team pins it once; the test suite pins float32 so its parity
-tolerances are float32's), else the plan's ``forms``, else a fixed rule per device: on a CPU with the int4
-kernel, ``int4pack`` where it fits; otherwise ``bfloat16`` for a quantized store; ``record`` for plain
-matrices. Never a timing taken at load: one artifact, budget and device always give one cache.
+tolerances are float32's), else the plan's ``forms``, else a fixed rule per device: on a CPU with the compiled
+kernels, ``qdot`` where they take every matrix, else with torch's int4 kernel ``int4pack`` where it fits; otherwise
+``bfloat16`` for a quantized store; ``record`` for plain matrices. Never a timing taken at load: one artifact,
+budget and device always give one cache.
 
 A new form is one class with ``name``, ``nbytes``, ``staged``, ``make`` and ``forward``, one ``FORMS``
 entry, and a row in the parametrized parity test (``tests/loader/test_forms.py``).
