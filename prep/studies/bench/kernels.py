@@ -11,24 +11,14 @@ the values.
 
 from __future__ import annotations
 
-import time
-
 import torch
+
+from loader.forms import median_seconds
 
 SHAPE = (14336, 4096)  # (out, in): Mixtral-8x7B's w1
 QUICK_SHAPE = (1024, 1024)
 BANDWIDTH_BYTES = 512 << 20
 QDOT_FORMATS = {"int8": (64, 256), "int4": (64, 256), "int3": (64, 256), "int2": (16, 128), "mxfp4": (32, 0)}
-
-
-def _median_s(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def _stored(precision: str, shape: tuple[int, int], gen: torch.Generator):
@@ -89,10 +79,10 @@ def kernel_table(quick: bool = False, threads: tuple[int, ...] = (1, 2)) -> dict
             torch.set_num_threads(t)
             if kernels.available():
                 buffer = torch.ones(BANDWIDTH_BYTES if not quick else 64 << 20, dtype=torch.uint8)
-                bandwidth[t] = buffer.numel() / _median_s(lambda b=buffer, t=t: kernels.read_bytes(b, t), 5) / 1e9
+                bandwidth[t] = buffer.numel() / median_seconds(lambda b=buffer, t=t: kernels.read_bytes(b, t), 5) / 1e9
                 del buffer
             for row, (fn, _nbytes) in zip(rows, products.values(), strict=True):
-                seconds = _median_s(lambda fn=fn, t=t: fn(t), repeats)
+                seconds = median_seconds(lambda fn=fn, t=t: fn(t), repeats)
                 row["threads"][t] = {"us": seconds * 1e6, "gb_s": row["bytes"] / seconds / 1e9}
             # torch's float products read several rows at once and can outrun the one-pass probe: the bandwidth is
             # the faster of the two, so no share is flattered by a slow probe
