@@ -311,6 +311,9 @@ def neuron_switch(artifact: str, neuron: str, theta: float | None):
 @click.option("--ignore-device-file", is_flag=True,
               help="Run the plan as prepared, not with the techniques `moeload tune` switched off on this device "
                    "(tuning.json).")
+@click.option("--dense", type=click.Choice(["plan", "int8", "float"]), default="plan", show_default=True,
+              help="The dense weights' held form (loader/dense.py): the plan's, int8 (attention, shared experts "
+                   "and the LM head computed from int8 codes by the compiled kernels, on a CPU) or float (as stored).")
 @click.option("--truncate", is_flag=True,
               help="A prompt that leaves no room for --max-new-tokens in the model's context keeps its last tokens "
                    "(default: it is an error).")
@@ -318,7 +321,7 @@ def neuron_switch(artifact: str, neuron: str, theta: float | None):
 def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_budget: str | None, device: str,
                      store: str, device_profile: str | None, predictors: str | None, exact_routing: bool, planned_precision: bool,
                      neuron: str, theta: float | None, expert_dtype: str, threads: str, workers: str,
-                     ignore_device_file: bool, truncate: bool, as_json: bool) -> None:
+                     ignore_device_file: bool, dense: str, truncate: bool, as_json: bool) -> None:
     """Greedy generation through the offloading runtime; streams the text, then prints the stats."""
     import torch
     from transformers import TextStreamer
@@ -350,7 +353,8 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
                   routing=RoutingPolicy() if exact_routing else None,
                   miss_policy=MissPolicy() if planned_precision else None,
                   neuron=neuron_switch(artifact, neuron, theta), expert_dtype=expert_dtype, threads=threads_arg,
-                  workers=workers if workers == "auto" else int(workers), ignore_device_file=ignore_device_file)
+                  workers=workers if workers == "auto" else int(workers), ignore_device_file=ignore_device_file,
+                  dense=None if dense == "plan" else dense)
     if chosen_auto is not None:
         loaded.budget |= {"requested": "auto", "auto": chosen_auto.to_json()}
     if not as_json:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loader.dense import check_dense
 from loader.errors import LoaderError
 from loader.forms import check_expert_dtype
 from loader.plan import Plan
@@ -96,6 +97,7 @@ class LoadOptions:
     threads: int | str | None = "auto"
     replay: object = None  # a RoutingPolicy whose recorded decisions come before the routing policy
     ignore_device_file: bool = False  # run the plan as prepared, not as ``moeload tune`` left it (``tuning.json``)
+    dense: str | None = None  # the dense weights' held form (``loader.vocab.DENSE_FORMS``); None: the plan's
 
     def __post_init__(self) -> None:
         self._check_device()
@@ -111,6 +113,7 @@ class LoadOptions:
         if self.policy is not None:
             policy_factory(self.policy, {})  # an unknown eviction policy names the known ones
         check_expert_dtype(self.expert_dtype)
+        check_dense(self.dense)
         if isinstance(self.predictors, str):
             raise LoaderError(f"predictors must be a list of names or Predictor objects (for example "
                               f"[{self.predictors!r}]), got the string {self.predictors!r}")

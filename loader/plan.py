@@ -21,7 +21,7 @@ from pathlib import Path
 from loader.errors import MoeError
 from loader.policies import PolicyError, policy_factory
 from loader.prefill import PrefillSpec, parse_prefill
-from loader.vocab import FORM_NAMES, GROUPS, PRECISIONS
+from loader.vocab import DENSE_FORMS, FORM_NAMES, GROUPS, PRECISIONS
 
 PLAN_VERSION = 1
 PLAN_FILE = "plan.json"
@@ -136,6 +136,8 @@ class Plan:
     # prefill chunk, the context its reserve is sized for, and per precision the form a prefill computes with
     # from a token count (``loader/prefill.py``); the defaults where the plan does not say
     prefill: PrefillSpec = field(default_factory=PrefillSpec)
+    # the dense weights' held form (``loader/dense.py``): "float" as stored, "int8" computed by the compiled kernels
+    dense: str = "float"
     version: int = PLAN_VERSION
 
     def point_for(self, budget_bytes: float) -> OperatingPoint | None:
@@ -205,7 +207,8 @@ class Plan:
           | ({"operating_points": [p.to_json() for p in self.operating_points]} if self.operating_points else {}) \
           | ({"forms": dict(self.forms)} if self.forms else {}) \
           | ({"read_depth": self.read_depth} if self.read_depth else {}) \
-          | ({"prefill": self.prefill.to_json()} if self.prefill != PrefillSpec() else {})
+          | ({"prefill": self.prefill.to_json()} if self.prefill != PrefillSpec() else {}) \
+          | ({"dense": self.dense} if self.dense != "float" else {})
 
     @classmethod
     def from_json(cls, raw) -> Plan:
@@ -219,7 +222,7 @@ class Plan:
             raise bad(f"expected an object, got {type(raw).__name__}")
         known = {"version", "num_layers", "num_experts", "expert_precision", "pools", "layer_capacity",
                  "eviction", "predictors", "routing", "miss", "default_budget", "operating_points", "neuron", "forms",
-                 "read_depth", "prefill"}
+                 "read_depth", "prefill", "dense"}
         if unknown := sorted(set(raw) - known):
             raise bad(f"unknown keys {unknown}")
         if raw.get("version") != PLAN_VERSION or type(raw.get("version")) is not int:
@@ -258,6 +261,9 @@ class Plan:
         depth = raw.get("read_depth", 0)
         if "read_depth" in raw and not (_is_int(depth) and depth > 0):
             raise bad(f"read_depth must be a positive number of reads in flight, got {depth!r}")
+        dense = raw.get("dense", "float")
+        if dense not in DENSE_FORMS:
+            raise bad(f"dense must be one of {list(DENSE_FORMS)}, got {json.dumps(dense)[:60]}")
         plan = cls(n_layers, n_experts, tuple(tuple(r) for r in rows), tuple(pools),
                    tuple(float(c) for c in capacity) if capacity is not None else None,
                    PolicySpec.from_json(raw.get("eviction"), "eviction"),
@@ -266,7 +272,7 @@ class Plan:
                    PolicySpec.from_json(raw.get("miss"), "miss"),
                    PolicySpec.from_json(raw.get("neuron", {"name": "off"}), "neuron"), budget, tuple(points),
                    forms=tuple(sorted(forms.items())), read_depth=depth,
-                   prefill=parse_prefill(raw.get("prefill", {}), bad, PRECISIONS, FORM_NAMES))
+                   prefill=parse_prefill(raw.get("prefill", {}), bad, PRECISIONS, FORM_NAMES), dense=dense)
         try:  # the eviction policy's name and parameters, bounds included (``loader.policies``: torch-free)
             policy_factory(plan.eviction.name, plan.eviction.params)
         except PolicyError as e:

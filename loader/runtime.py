@@ -40,6 +40,7 @@ from loader.budget import (  # noqa: F401
 )
 from loader.cache import ExpertCache, MemoryMeter
 from loader.codec import RecordLayout
+from loader.dense import hold_dense_int8
 from loader.engine import EngineSetup, ExpertEngine, measure_miss_costs
 from loader.errors import BudgetError, LoaderError
 from loader.format import DENSE, ArtifactError, Manifest, MoeSection, resolve_artifact
@@ -240,7 +241,7 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
          predictors: list[Predictor] | None = None, miss_policy: MissPolicy | None = None,
          plan: Plan | None = None, neuron: NeuronConfig | bool | None = None,
          expert_dtype: str = "auto", cpu_misses: str = "auto", threads="auto",
-         replay: RoutingPolicy | None = None, ignore_device_file: bool = False) -> LoadedModel:
+         replay: RoutingPolicy | None = None, ignore_device_file: bool = False, dense: str | None = None) -> LoadedModel:
     """Open ``artifact`` and return a runnable model with its experts offloaded.
 
     memory_budget: None (the plan's default budget), bytes, a size string ("1.5GiB"), a percentage
@@ -268,6 +269,9 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     faster), "always" or "never"; elsewhere it has no effect ("always" is refused).
 
     store: "disk" (each miss read from the file) or "host" (the stores held in host RAM).
+    dense: the dense weights' held form (``loader/dense.py``): None (the plan's ``dense``), "int8" (attention, shared
+    experts and the LM head computed by the compiled kernels from int8 codes; on a CPU with the kernels, else float)
+    or "float" (as stored).
 
     The device file (``tuning.json``, written by ``moeload tune`` on a device: ``loader/tuning.py``): where the artifact
     has one and no ``plan`` is given, the plan runs without the techniques it switched off on this device kind at the
@@ -279,7 +283,7 @@ def load(artifact: str | Path, device: str = "cpu", memory_budget=None, store: s
     version; a load that was reading the old version when it went is retried once on the new one.
     """
     options = LoadOptions(device, memory_budget, store, policy, workers, routing, predictors, miss_policy, plan, neuron,
-                          expert_dtype, cpu_misses, threads, replay, ignore_device_file)
+                          expert_dtype, cpu_misses, threads, replay, ignore_device_file, dense)
     resolved = Path(artifact).resolve()
     try:
         return _load(artifact, options)
@@ -345,11 +349,12 @@ def _build(artifact, options: LoadOptions, cleanup: contextlib.ExitStack) -> Loa
     stores = _open_stores(manifest, options.store, run.device, cleanup)
     layout = _size_budget(manifest, stores, run, options.expert_dtype)
     model, config = _build_model(manifest, run.device)
+    dense = _hold_dense(model, manifest, options.dense or run.plan.dense, run.device)
     engine = _make_engine(manifest, options.neuron, run, layout, stores, cleanup)
     _attach_experts(model, manifest.moe, engine)
     _plan_cpu_misses(engine, stores, options, run, config)
     _finish_model(model)
-    budget = _budget_report(manifest, options, run, layout, engine, stores)
+    budget = _budget_report(manifest, options, run, layout, engine, stores) | {"dense": dense}
     loaded = LoadedModel(model, read_tokenizer(manifest.root), engine, budget)
     loaded._held = held
     _set_threads(loaded, run)
@@ -442,6 +447,16 @@ def _build_model(manifest: Manifest, dev: torch.device):
         model.tie_weights()
     _rebuild_meta_buffers(model, dev)
     return model, config
+
+
+def _hold_dense(model: torch.nn.Module, manifest: Manifest, form: str, dev: torch.device) -> dict:
+    """The dense weights in ``form`` (``loader/dense.py``): int8 on a CPU where the compiled kernels run, else as
+    stored; returns what was done (``budget["dense"]``)."""
+    if form != "int8":
+        return {"form": "float"}
+    if dev.type != "cpu":
+        return {"form": "float", "why": f"int8 dense weights are computed by the CPU kernels, not on {dev.type}"}
+    return hold_dense_int8(model, keep_float=manifest.moe.router_modules)
 
 
 def _make_engine(manifest: Manifest, neuron, run: _Resolved, layout, stores: dict,

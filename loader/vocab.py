@@ -20,6 +20,8 @@ SKIP = "skip"  # a miss policy's answer: do not compute this expert
 GROUPS = ("layer", "global")  # a pool's eviction groups: one per MoE layer, or one for all
 # Held forms (``loader/forms.py``): what a cached expert is computed from. ``record`` is the record itself.
 FORM_NAMES = ("record", "float32", "bfloat16", "float16", "int4pack", "qdot")
+# The dense weights' held forms (``loader/dense.py``): as stored, or int8 codes the compiled kernels compute from.
+DENSE_FORMS = ("float", "int8")
 # What ``load(expert_dtype=...)`` accepts: a form, ``packed`` (the record form), or ``auto``.
 EXPERT_DTYPES = ("auto", "float32", "bfloat16", "float16", "int4pack", "qdot", "packed")
 PREDICTOR_NAMES = ("next_gates", "path_stats", "first_gate", "neuron_gates")

@@ -30,6 +30,7 @@ from loader.io import write_bytes_atomic, write_json_atomic
 from loader.plan import PLAN_FILE
 from loader.predict import PREDICTORS_FILE
 from loader.simulate import ROUTING_SAMPLE
+from loader.vocab import BITS, DENSE_FORMS
 from loader.tuning import profile_choice
 from prep import __version__
 from prep.adapters.model_state import dense_state, expert_parameters
@@ -45,10 +46,11 @@ from prep.stages.predict import predictor_tensors
 from prep.stages.quantize import PackedExperts
 from prep.stages.trace import RoutingTraces
 
-VERSION = 13  # 9: a neuron store carries its per-block hashes; 10: xxh3_64 per record, int4 in the kernel layout;
+VERSION = 14  # 9: a neuron store carries its per-block hashes; 10: xxh3_64 per record, int4 in the kernel layout;
 # 11: the routing sample and the device profile the plan was tuned with (``moeload plan`` predicts with them);
 # 12: the plan without the techniques `moeload tune` switched off in that profile, and report.json's technique_choice;
-# 13: a CPU target ships int4 in the codec's layout (the compiled kernels read it), int4pack only for cpu-int4pack
+# 13: a CPU target ships int4 in the codec's layout (the compiled kernels read it), int4pack only for cpu-int4pack;
+# 14: the plan's ``dense`` (``package.dense``)
 TARGETS = ("cpu", "cuda", "cpu-int4pack")
 REPORT = "report.json"
 REPORTED_DETAILS = ("loss", "metric", "sequences", "b_hi", "b_lo", "K", "met", "bounds", "trail", "sensitivity")  # the rest: the stage result
@@ -62,10 +64,14 @@ class PackageSection:
     compute with nothing made. ``cpu-int4pack`` writes int4 stores in the layout of torch's CPU int4 kernel
     (``loader/codec.py``, ``int4pack``) instead: read in place only by torch builds that pack int4 as the AVX-512
     kernel does, decoded elsewhere, and 6% larger than the codec's own with 8-bit scales (the plan sizes them as the
-    codec's)."""
+    codec's). ``dense``: the held form of the dense weights the plan asks the loader for (``loader/dense.py``):
+    "int8" (attention, shared experts and the LM head computed by the compiled kernels from int8 codes), "float" (as
+    stored), or "auto": int8 when the artifact ships experts we quantized (int8/int4/int3/int2), float when every
+    expert is kept as released or as the source holds it (a lossless artifact stays lossless)."""
 
     cache_fraction: float = 0.5
     targets: tuple[str, ...] = ("cpu",)
+    dense: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 < self.cache_fraction <= 1:
@@ -74,6 +80,14 @@ class PackageSection:
                 or any(t not in TARGETS for t in self.targets):
             raise MoeprepError(f"package.targets must be a non-empty list of {list(TARGETS)}, got {self.targets!r}")
         object.__setattr__(self, "targets", tuple(self.targets))
+        if self.dense not in ("auto", *DENSE_FORMS):
+            raise MoeprepError(f"package.dense must be one of {['auto', *DENSE_FORMS]}, got {self.dense!r}")
+
+    def dense_form(self, precisions) -> str:
+        """The plan's ``dense`` for an artifact shipping experts at ``precisions``."""
+        if self.dense != "auto":
+            return self.dense
+        return "int8" if any(p in BITS for p in precisions) else "float"
 
     def kernel_layout(self, layout: RecordLayout) -> RecordLayout | None:
         """The layout a store of ``layout`` is written in for these targets, where it differs (None: as it is)."""
@@ -180,6 +194,7 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
     sizes = model_sizes(model, adapter, shipped)
     plan = compose_plan(grid, {p: shipped[p] for p in planned}, budget, contributions or [],
                         PlanContext(sizes, adapter.routing_weights()))
+    plan = dataclasses.replace(plan, dense=cfg.dense_form(used))
     # the techniques `moeload tune` measured on the profile's device: those that lost there are left out
     plan, choice_of_techniques = profile_choice(plan, device_profile)
     if prediction is not None:

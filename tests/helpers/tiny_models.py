@@ -249,15 +249,17 @@ def save_tiny_model(arch: str, directory, seed: int = 0):
 
 def tiny_recipe(precision: str = "int4", group_size: int = 16, **sections):
     """The tests' recipe: the model at ``model/`` beside the prepare root, two 16-token calibration
-    sequences, experts at ``precision``, the divergence on four 16-token windows; ``sections`` add recipe sections
-    (``quantize`` ones merge)."""
+    sequences, experts at ``precision``, the divergence on four 16-token windows, the dense weights as stored (the
+    tests hold the experts to a dense forward; ``tests/loader/test_dense.py`` covers the int8 dense form);
+    ``sections`` add recipe sections (``quantize`` and ``package`` ones merge)."""
     from prep.recipe import recipe_from_dict
 
     quantize = {"precision": precision, "group_size": group_size} | sections.pop("quantize", {})
+    package = {"dense": "float"} | sections.pop("package", {})
     return recipe_from_dict({"name": "tiny", "model": {"path": "model"},
                              "calibration": {"num_sequences": 2, "sequence_length": 16},
                              "quantize": quantize, "divergence": {"num_sequences": 4, "sequence_length": 16},
-                             **sections})
+                             "package": package, **sections})
 
 
 def sweep_recipe(**executor):
