@@ -19,6 +19,7 @@ import time
 from loader.device import (
     RECORD_BYTES,
     DeviceProfile,
+    dense_rate,
     dense_weights,
     measure_device,
     model_profile,
@@ -104,6 +105,7 @@ def calibrate_on(profile: DeviceProfile, artifact, device: str = "cpu") -> Devic
     import dataclasses
 
     from loader.format import read_manifest
+    from loader.plan import read_plan
 
     manifest = read_manifest(artifact)
     plain = _timed_run(artifact, manifest, device, plain=True)
@@ -116,7 +118,8 @@ def calibrate_on(profile: DeviceProfile, artifact, device: str = "cpu") -> Devic
     fitted, added = {}, {}
     for phase, prompt in (("decode", False), ("prompt", True)):
         key = "" if phase == "decode" else "prefill_"
-        rate = profile.weight_seconds(dtype, prompt=prompt)
+        # the rate the run's dense weights computed at (int8 where the plan holds them so: ``for_model`` adds the same)
+        rate = profile.weight_seconds(dtype if prompt else dense_rate(read_plan(artifact), profile, dtype), prompt=prompt)
         per_layer = {}
         for name, run in (("plain", plain), ("planned", planned)):
             count = run["tokens"] if phase == "decode" else CALIBRATION_PROMPT

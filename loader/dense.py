@@ -19,6 +19,7 @@ import torch
 
 from loader.errors import LoaderError
 from loader.vocab import DENSE_FORMS
+
 MIN_OUTPUTS = 16  # outputs below which a matrix stays float: a scalar gate reads next to nothing
 GROUPS = (64, 32, 16)  # weights per scale, the first that divides the input width
 

@@ -125,14 +125,16 @@ class DeviceProfile:
         return seconds / tokens / weights
 
     def for_model(self, weights_per_expert: float, layer_weights: int, head_weights: int, decoder_layers: int,
-                  dtype: str, package_key: str | None = None) -> DeviceProfile:
+                  dtype: str, package_key: str | None = None, dense_dtype: str | None = None) -> DeviceProfile:
         """This profile for one model: compute scaled to its experts (``scaled_to``; a source-dtype record computes in
         its dtype) and, where the calibration is model-free (``MODEL_FREE_CALIBRATION``, written by ``moeload
         profile-device --artifact``), the time per token outside the MoE steps for this model: its decoder layers'
         dense weights (attention, norms, routers) and its LM head's at this device's rate, plus the fitted time per
         decoder layer and per token beyond them, for decode and for a prompt; for the artifact the profile was
-        calibrated on (``package_key``), what its techniques add per decoder layer too."""
+        calibrated on (``package_key``), what its techniques add per decoder layer too. ``dense_dtype``: the rate the
+        dense weights compute at (default ``dtype``; "int8" where the loader holds them at int8)."""
         scaled = self.scaled_to(weights_per_expert)
+        dense_dtype = dense_dtype or dtype
         compute = dict(scaled.compute_seconds)
         if dtype in compute:
             compute["passthrough"] = compute[dtype]
@@ -144,7 +146,7 @@ class DeviceProfile:
             calibration["token_overhead_s"] = (calibration.get("outside_token_s", 0.0)
                                                + decoder_layers * (calibration["outside_layer_s"]
                                                                    + own.get("technique_layer_s", 0.0))
-                                               + weights * self.weight_seconds(dtype))
+                                               + weights * self.weight_seconds(dense_dtype))
         if "prefill_outside_layer_s" in calibration:
             calibration["prefill_token_overhead_s"] = (calibration.get("prefill_outside_token_s", 0.0)
                                                        + decoder_layers * (calibration["prefill_outside_layer_s"]
@@ -633,4 +635,13 @@ def model_profile(manifest, profile: DeviceProfile) -> DeviceProfile:
     itemsize = torch.empty((), dtype=getattr(torch, moe.dtype)).element_size()
     per_expert = int(moe.source_expert_bytes) / itemsize / (len(moe.layers) * moe.num_experts)
     in_layers, head, layers = dense_weights(manifest)
-    return profile.for_model(per_expert, in_layers, head, layers, moe.dtype, manifest.raw.get("package_key"))
+    plan = getattr(manifest, "plan", None)
+    return profile.for_model(per_expert, in_layers, head, layers, moe.dtype, manifest.raw.get("package_key"),
+                             dense_dtype=dense_rate(plan, profile, moe.dtype))
+
+
+def dense_rate(plan, profile: DeviceProfile, dtype: str) -> str:
+    """The ``compute_seconds`` entry a decode step's dense weights compute at: "int8" where the plan holds them at
+    int8 (``loader/dense.py``) and the profile timed the kernels' int8, else the model's ``dtype``."""
+    held_int8 = plan is not None and plan.dense == "int8"
+    return "int8" if held_int8 and "int8" in profile.compute_seconds else dtype

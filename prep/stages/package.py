@@ -30,8 +30,8 @@ from loader.io import write_bytes_atomic, write_json_atomic
 from loader.plan import PLAN_FILE
 from loader.predict import PREDICTORS_FILE
 from loader.simulate import ROUTING_SAMPLE
-from loader.vocab import BITS, DENSE_FORMS
 from loader.tuning import profile_choice
+from loader.vocab import BITS, DENSE_FORMS
 from prep import __version__
 from prep.adapters.model_state import dense_state, expert_parameters
 from prep.errors import MoeprepError
