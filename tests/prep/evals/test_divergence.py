@@ -194,3 +194,23 @@ def test_a_source_streamed_under_a_bound_runs_before_the_prepared_model_and_meas
     assert not stream_of(source, get_adapter(source)).resident  # dropped before the prepared model loads
     for seq, h in zip(sequences, hidden, strict=True):
         torch.testing.assert_close(D.head_logits(source, h), D.logits_of(whole_source, seq), rtol=1e-5, atol=1e-5)
+
+
+def test_the_held_out_texts_messages_name_divergence_text(tmp_path):
+    """A held-out source (``divergence.text``) that is missing, not UTF-8 or lacks its field: each message names
+    the file and the ``divergence.text`` key, not the calibration section's."""
+    from prep.stages.divergence import HeldOutText
+    from tests.helpers.tiny_models import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer(512)
+    calibration = CalibrationSection(num_sequences=2, sequence_length=16)
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 ".encode("latin-1") * 50)
+    (tmp_path / "rows.jsonl").write_text('{"body": "a b c"}\n')
+    for files, says in ((("gone.txt",), r"gone\.txt not found; fix divergence\.text\.files"),
+                        (("latin1.txt",), r"latin1\.txt is not UTF-8 text .*divergence\.text\.files"),
+                        (("rows.jsonl",), r"rows\.jsonl:1 has no field 'text'; set divergence\.text\.text_field")):
+        with pytest.raises(MoeprepError, match=says):
+            held_out_sequences(calibration, tokenizer, tmp_path, 4, 16, HeldOutText(source="files", files=files))
+    (tmp_path / "short.txt").write_text("a b c")
+    with pytest.raises(MoeprepError, match=r"held-out text: divergence\.text gives \d+ tokens"):
+        held_out_sequences(calibration, tokenizer, tmp_path, 4, 16, HeldOutText(source="files", files=("short.txt",)))
