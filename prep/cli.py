@@ -175,8 +175,9 @@ def _expert_memory(text: str) -> int | str | None:
 @click.option("--suites", default="gsm8k,mmlu,truthfulqa", show_default=True, help="Comma-separated suites.")
 @click.option("--data", default=None, help="Suites directory (reference or original layout), or hf: for the hub. "
               "Default: suites/ beside the original model.")
-@click.option("--limit", type=click.IntRange(1, MAX_ITEMS), default=None, help="First N items of each suite.")
-@click.option("--num-fewshot", type=click.IntRange(0, 64), default=None,
+@click.option("--limit", type=click.IntRange(max=MAX_ITEMS), default=None,  # below 1: check_settings' message
+              help="First N items of each suite.")
+@click.option("--num-fewshot", type=click.IntRange(max=64), default=None,
               help="Override every suite's shot count (0 allowed).")
 @click.option("--gsm8k-format", type=click.Choice(["cot", "plain"]), default="cot", show_default=True,
               help="cot: the harness's gsm8k_cot (8-shot Q:/A:); plain: gsm8k (5-shot, #### N).")
