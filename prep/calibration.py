@@ -57,6 +57,9 @@ class CalibrationSection:
                                "model's context), far above what calibration needs")
         if self.source == "files" and not self.files:  # what the source reads, refused before any work
             raise MoeprepError(f"{key}.source is 'files' but {key}.files is empty; list the .txt or .jsonl files")
+        if self.files and self.source != "files":  # a file named and never read: the text would be another
+            raise MoeprepError(f"{key}.files is set but {key}.source is {self.source!r}, so the files would not be "
+                               f"read; set {key}.source to files (or remove {key}.files)")
         if self.source == "dataset" and not self.dataset:
             raise MoeprepError(f"{key}.source is 'dataset' but {key}.dataset is not set; name a Hugging Face dataset "
                                "id or a local dataset directory")
@@ -84,7 +87,8 @@ def _file_texts(section: CalibrationSection, root: Path) -> Iterator[str]:
     for name in section.files:
         path = Path(name) if Path(name).is_absolute() else root / name
         if not path.is_file():
-            raise MoeprepError(f"calibration file {path} not found; fix {key}.files in the recipe")
+            what = "is not a regular file" if path.exists() else "not found"  # a FIFO would block the read
+            raise MoeprepError(f"calibration file {path} {what}; fix {key}.files in the recipe")
         if path.suffix == ".jsonl":
             for i, line in enumerate(_read_text(path, key).splitlines()):
                 if line.strip():

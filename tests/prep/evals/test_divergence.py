@@ -206,7 +206,9 @@ def test_the_held_out_texts_messages_name_divergence_text(tmp_path):
     calibration = CalibrationSection(num_sequences=2, sequence_length=16)
     (tmp_path / "latin1.txt").write_bytes("caf\u00e9 ".encode("latin-1") * 50)
     (tmp_path / "rows.jsonl").write_text('{"body": "a b c"}\n')
+    (tmp_path / "a-directory").mkdir()
     for files, says in ((("gone.txt",), r"gone\.txt not found; fix divergence\.text\.files"),
+                        (("a-directory",), r"a-directory is not a regular file; fix divergence\.text\.files"),
                         (("latin1.txt",), r"latin1\.txt is not UTF-8 text .*divergence\.text\.files"),
                         (("rows.jsonl",), r"rows\.jsonl:1 has no field 'text'; set divergence\.text\.text_field")):
         with pytest.raises(MoeprepError, match=says):

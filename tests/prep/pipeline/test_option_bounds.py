@@ -55,6 +55,8 @@ PREPARE_ROWS = [
     (["--set", "divergence.text.num_sequences=0"], "divergence.text needs num_sequences >= 1"),
     (["--set", "divergence.text.sequence_length=1000000"], "divergence.text asks for 16 sequences"),
     (["--set", "calibration.source=files"], "calibration.source is 'files' but calibration.files is empty"),
+    (["--set", "divergence.text.files=[held-out.txt]"], "divergence.text.files is set but divergence.text.source is "
+                                                         "'reference', so the files would not be read"),
     (["--until", "nope"], "--until 'nope' is not a stage"),
     (["--force", "nope"], "--force 'nope' is not a stage"),
     (["--set", "nope.key=1"], "nope"),
