@@ -216,3 +216,15 @@ def test_the_held_out_texts_messages_name_divergence_text(tmp_path):
     (tmp_path / "short.txt").write_text("a b c")
     with pytest.raises(MoeprepError, match=r"held-out text: divergence\.text gives \d+ tokens"):
         held_out_sequences(calibration, tokenizer, tmp_path, 4, 16, HeldOutText(source="files", files=("short.txt",)))
+
+
+def test_the_held_out_files_are_the_stages_files():
+    """``divergence.text``'s files are the stage's ``files``: prepare and its dry run check they are there, and their
+    digests key the stage (another held-out text measures again instead of reusing the old figures)."""
+    from prep.recipe import recipe_from_dict
+    from prep.stages.divergence import STAGE
+
+    base = {"name": "t", "model": {"path": "m"}}
+    assert STAGE.files(recipe_from_dict(base)) == []
+    recipe = recipe_from_dict(base | {"divergence": {"text": {"source": "files", "files": ["a.txt", "b.jsonl"]}}})
+    assert STAGE.files(recipe) == ["a.txt", "b.jsonl"]
