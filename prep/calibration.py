@@ -18,6 +18,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -30,8 +31,10 @@ MAX_SEQUENCE_LENGTH = 1 << 17  # above every supported model's context
 @dataclass(frozen=True)
 class CalibrationSection:
     """Calibration text: ``reference`` (the reference model's generator), a Hugging Face dataset id,
-    or local ``.txt``/``.jsonl`` files."""
+    or local ``.txt``/``.jsonl`` files. ``KEY``: the recipe key the section stands at, which its messages name
+    (a subclass stands elsewhere: ``prep.stages.divergence.HeldOutText`` is ``divergence.text``)."""
 
+    KEY: ClassVar[str] = "calibration"
     source: str = "reference"
     files: tuple[str, ...] = ()
     dataset: str | None = None
@@ -43,54 +46,77 @@ class CalibrationSection:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        key = self.KEY
         if self.source not in SOURCES:
-            raise MoeprepError(f"calibration.source {self.source!r} unknown; use {', '.join(SOURCES)}")
+            raise MoeprepError(f"{key}.source {self.source!r} unknown; use {', '.join(SOURCES)}")
         if self.num_sequences <= 0 or self.sequence_length <= 1:
-            raise MoeprepError("calibration needs num_sequences >= 1 and sequence_length >= 2")
+            raise MoeprepError(f"{key} needs num_sequences >= 1 and sequence_length >= 2")
         if self.num_sequences > MAX_SEQUENCES or self.sequence_length > MAX_SEQUENCE_LENGTH:
-            raise MoeprepError(f"calibration asks for {self.num_sequences} sequences of {self.sequence_length} tokens; "
+            raise MoeprepError(f"{key} asks for {self.num_sequences} sequences of {self.sequence_length} tokens; "
                                f"the bounds are {MAX_SEQUENCES:,} sequences of {MAX_SEQUENCE_LENGTH:,} tokens (and the "
                                "model's context), far above what calibration needs")
+        if self.source == "files" and not self.files:  # what the source reads, refused before any work
+            raise MoeprepError(f"{key}.source is 'files' but {key}.files is empty; list the .txt or .jsonl files")
+        if self.files and self.source != "files":  # a file named and never read: the text would be another
+            raise MoeprepError(f"{key}.files is set but {key}.source is {self.source!r}, so the files would not be "
+                               f"read; set {key}.source to files (or remove {key}.files)")
+        if self.source == "dataset" and not self.dataset:
+            raise MoeprepError(f"{key}.source is 'dataset' but {key}.dataset is not set; name a Hugging Face dataset "
+                               "id or a local dataset directory")
 
 
 CalibrationSource = Callable[[CalibrationSection, Path], Iterable[str]]
 
 
+def _read_text(path: Path, key: str) -> str:
+    """A calibration file's text: one MoeprepError naming the file when it cannot be read or is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise MoeprepError(f"calibration file {path} is not UTF-8 text ({e.reason} at byte {e.start:,}); save it as "
+                           f"UTF-8 or name another file in {key}.files") from None
+    except OSError as e:
+        raise MoeprepError(f"cannot read calibration file {path} ({e.strerror or e}); fix {key}.files") from None
+
+
 def _file_texts(section: CalibrationSection, root: Path) -> Iterator[str]:
+    key = section.KEY
     if not section.files:
-        raise MoeprepError("calibration.source is 'files' but calibration.files is empty")
+        raise MoeprepError(f"{key}.source is 'files' but {key}.files is empty")
     field = section.text_field
     for name in section.files:
         path = Path(name) if Path(name).is_absolute() else root / name
         if not path.is_file():
-            raise MoeprepError(f"calibration file {path} not found; fix calibration.files in the recipe")
+            what = "is not a regular file" if path.exists() else "not found"  # a FIFO would block the read
+            raise MoeprepError(f"calibration file {path} {what}; fix {key}.files in the recipe")
         if path.suffix == ".jsonl":
-            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+            for i, line in enumerate(_read_text(path, key).splitlines()):
                 if line.strip():
                     try:
                         row = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise MoeprepError(f"{path}:{i + 1} is not valid JSON ({e}); fix or remove that line") from None
+                    except (json.JSONDecodeError, RecursionError) as e:
+                        raise MoeprepError(f"{path}:{i + 1} is not valid JSON ({str(e)[:120]}); fix or remove that "
+                                           "line") from None
                     if not isinstance(row, dict) or field not in row:
-                        raise MoeprepError(f"{path}:{i + 1} has no field {field!r}; set calibration.text_field")
+                        raise MoeprepError(f"{path}:{i + 1} has no field {field!r}; set {key}.text_field")
                     yield str(row[field])
         else:
-            yield path.read_text(encoding="utf-8")
+            yield _read_text(path, key)
 
 
 def _dataset_texts(section: CalibrationSection, root: Path) -> Iterator[str]:
     if not section.dataset:
-        raise MoeprepError("calibration.source is 'dataset' but calibration.dataset is not set")
+        raise MoeprepError(f"{section.KEY}.source is 'dataset' but {section.KEY}.dataset is not set")
     import datasets
 
     try:
         data = datasets.load_dataset(section.dataset, section.dataset_config, split=section.split)
     except Exception as e:  # datasets raises many types; all mean "cannot get it here"
         raise MoeprepError(f"cannot load calibration dataset {section.dataset!r} ({type(e).__name__}: {e}); "
-                           "without network access, point calibration.files at local files instead") from None
+                           f"without network access, point {section.KEY}.files at local files instead") from None
     if section.text_field not in data.column_names:
-        raise MoeprepError(f"dataset {section.dataset!r} has no column {section.text_field!r}; "
-                           f"columns: {data.column_names}")
+        raise MoeprepError(f"dataset {section.dataset!r} has no column {section.text_field!r}; set "
+                           f"{section.KEY}.text_field to one of its columns: {data.column_names}")
     yield from (str(t) for t in data[section.text_field])
 
 
@@ -188,7 +214,7 @@ def held_out_sequences(calibration: CalibrationSection, tokenizer, root: Path, n
         if len(stream) >= need:
             break
     if len(stream) < need:
-        where = "evaluate.divergence.text" if text is not None else "the calibration source after its windows"
+        where = text.KEY if text is not None else "the calibration source after its windows"
         raise MoeprepError(f"held-out text: {where} gives {len(stream)} tokens, {need} needed "
                            f"({num_sequences} sequences of {sequence_length}); add text (divergence.text names "
                            "another source) or lower divergence.num_sequences")
@@ -223,9 +249,24 @@ def fingerprint_sequences(sequences: list[torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def check_context(recipe, config) -> None:
-    """The calibration sequences must fit the model's context (``prepare`` and ``--dry-run`` both check)."""
+def model_context(config) -> int | None:
+    """The model's context in tokens (``max_position_embeddings``), None where its config does not say."""
     context = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if isinstance(context, int) and recipe.calibration.sequence_length > context:
-        raise MoeprepError(f"calibration.sequence_length {recipe.calibration.sequence_length} is longer than the "
-                           f"model's context of {context} tokens; set it to {context} or less")
+    return context if isinstance(context, int) and not isinstance(context, bool) else None
+
+
+def check_length(key: str, length: int | None, config, hint: str = "") -> None:
+    """Windows of ``length`` tokens (the recipe's ``key``) must fit the model's context."""
+    context = model_context(config)
+    if length is not None and context is not None and length > context:
+        raise MoeprepError(f"{key} {length} is longer than the model's context of {context} tokens; set it to "
+                           f"{context} or less{hint}")
+
+
+def check_context(recipe, config) -> None:
+    """The calibration sequences, and the divergence stage's held-out windows where it runs, must fit the model's
+    context (``prepare`` before its first stage that reads calibration data, and ``--dry-run``, both check)."""
+    check_length("calibration.sequence_length", recipe.calibration.sequence_length, config)
+    held = getattr(recipe, "divergence", None)
+    if held is not None and held.enabled:
+        check_length("divergence.sequence_length", held.sequence_length, config, " (or null)")

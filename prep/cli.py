@@ -9,12 +9,18 @@ and exits with status 1, without a traceback. Other exceptions are bugs and keep
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import click
 
 from loader.cli_group import LoaderGroup
 from loader.vocab import GROUPS
+
+# the studies' and eval's number options are bounded where a larger value would only hang or overflow
+MAX_SEED = 2**32 - 1  # what numpy's and Optuna's seeded generators take
+MAX_ITEMS = 10_000_000  # items per suite (evaluate.limit's bound)
+MAX_RANK = 1024  # experts cache-conditional routing re-ranks (--max-rank)
 
 
 @click.group(cls=LoaderGroup)
@@ -169,8 +175,10 @@ def _expert_memory(text: str) -> int | str | None:
 @click.option("--suites", default="gsm8k,mmlu,truthfulqa", show_default=True, help="Comma-separated suites.")
 @click.option("--data", default=None, help="Suites directory (reference or original layout), or hf: for the hub. "
               "Default: suites/ beside the original model.")
-@click.option("--limit", type=int, default=None, help="First N items of each suite.")
-@click.option("--num-fewshot", type=int, default=None, help="Override every suite's shot count (0 allowed).")
+@click.option("--limit", type=click.IntRange(max=MAX_ITEMS), default=None,  # below 1: check_settings' message
+              help="First N items of each suite.")
+@click.option("--num-fewshot", type=click.IntRange(max=64), default=None,
+              help="Override every suite's shot count (0 allowed).")
 @click.option("--gsm8k-format", type=click.Choice(["cot", "plain"]), default="cot", show_default=True,
               help="cot: the harness's gsm8k_cot (8-shot Q:/A:); plain: gsm8k (5-shot, #### N).")
 @click.option("--memory-budget", default=None, help="Loader budget for the prepared model.")
@@ -235,7 +243,7 @@ def eval_command(artifact, original, suites, data, limit, num_fewshot, gsm8k_for
 @click.option("--truthfulqa", default=None, type=click.IntRange(1, 1_000_000),
               help="TruthfulQA items instead of the items that resolve one point at the check's MC1 flip rate.")
 @click.option("--memory-budget", default=None, help="Loader budget for the prepared model (default: the check's).")
-@click.option("--seed", default=2026, show_default=True, type=int, help="The held-out generator's seed.")
+@click.option("--seed", default=2026, show_default=True, type=click.IntRange(0, MAX_SEED), help="The held-out generator's seed.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where both models run.")
 @click.option("--suites", default=None, help="Comma-separated suites to resolve [default: every suite the check "
@@ -265,16 +273,22 @@ def _study_suites(command):
     for option in reversed((
             click.option("--suites", default="gsm8k,mmlu,truthfulqa", show_default=True, help="Comma-separated suites."),
             click.option("--data", default=None, help="Suites directory (default: suites/ beside the original model)."),
-            click.option("--limit", type=int, default=None, help="First N items of each suite (default: all)."))):
+            click.option("--limit", type=click.IntRange(1, MAX_ITEMS), default=None,
+                         help="First N items of each suite (default: all)."))):
         command = option(command)
     return command
 
 
-def _floats(text: str, what: str) -> tuple[float, ...]:
+def _floats(text: str, what: str, low: float = 0.0, high: float = math.inf) -> tuple[float, ...]:
+    """Comma-separated numbers, each finite and in [low, high]: a bad one is refused before the study's work."""
     try:
-        return tuple(float(v) for v in text.split(",") if v.strip())
+        values = tuple(float(v) for v in text.split(",") if v.strip())
     except ValueError:
         raise click.BadParameter(f"{what} must be comma-separated numbers, got {text!r}") from None
+    if bad := [v for v in values if not (math.isfinite(v) and low <= v <= high)]:
+        where = f"from {low:g} to {high:g}" if math.isfinite(high) else f"finite and at least {low:g}"
+        raise click.BadParameter(f"{what}: each number must be {where}, got {bad[0]!r}")
+    return values
 
 
 @main.command("bitwidth-study")
@@ -298,8 +312,8 @@ def bitwidth_study_command(recipe_path, output, tolerances, shares, suites, data
 
     from prep.studies.bitwidth import merge_study_into, run_study
 
-    study = run_study(recipe_path, output, tolerances=_floats(tolerances, "--tolerances"),
-                      shares=_floats(shares, "--shares"), suites=_names(suites),
+    study = run_study(recipe_path, output, tolerances=_floats(tolerances, "--tolerances", 1e-9),
+                      shares=_floats(shares, "--shares", 1e-9, 1.0), suites=_names(suites),
                       limit=limit, data=data, memory_budget=memory_budget, executor=executor,
                       ray_address=ray_address, echo=lambda m: click.echo(m, err=True))
     if into:
@@ -314,7 +328,7 @@ def bitwidth_study_command(recipe_path, output, tolerances, shares, suites, data
 @click.option("--artifact", default=None, type=click.Path(file_okay=False),
               help="The prepared artifact whose predictors to replay [default: artifacts/<recipe name>/artifact].")
 @click.option("--budgets", default="25%,50%", show_default=True, help="Comma-separated memory budgets.")
-@click.option("--seed", default=1, show_default=True, type=int,
+@click.option("--seed", default=1, show_default=True, type=click.IntRange(0, MAX_SEED),
               help="Calibration seed of the fresh text (not the recipe's own, which the predictors were fitted on).")
 @click.option("--sequences", default=8, show_default=True, type=click.IntRange(1, 10_000),
               help="Sequences of fresh text (each calibration.sequence_length tokens).")
@@ -361,7 +375,7 @@ def prediction_study_command(recipe_path, artifact, budgets, seed, sequences, pr
               help="A routing trace with two or more sequences: the real Mixtral GSM8K traces, or a project trace.")
 @click.option("--capacity", default="2,4,6", show_default=True, help="Records per layer the caches hold.")
 @click.option("--trials", default=40, show_default=True, type=click.IntRange(1, 10000), help="Optuna trials per fit.")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, MAX_SEED))
 @click.option("--output", default=None, type=click.Path(dir_okay=False), help="Also write the study as JSON here.")
 def policy_study_command(trace, capacity, trials, seed, output):
     """HOBBIT's cache weights tuned on one sequence and tested on another, against LRU, LFU and EdgeMoE."""
@@ -402,12 +416,17 @@ def routing_study_command(recipe_path, output, budgets, gating, dynamic, lambdas
     from prep.studies.routing import merge_into, run_study
 
     try:
-        knobs = {"gating": _floats(gating, "--gating") if gating else (),
-                 "dynamic_precision": tuple(tuple(float(x) for x in pair.split("/")) for pair in dynamic.split(",") if pair),
-                 "cache_prior": _floats(lambdas, "--lambdas") if lambdas else (),
+        knobs = {"gating": _floats(gating, "--gating", 0.0, 1.0) if gating else (),
+                 "dynamic_precision": tuple(_floats(pair.replace("/", ","), "--dynamic", 0.0, 1.0)
+                                            for pair in dynamic.split(",") if pair),
+                 "cache_prior": _floats(lambdas, "--lambdas", 0.0, 1e6) if lambdas else (),
                  "max_rank": tuple(int(m) for m in max_rank.split(",") if m.strip())}
     except ValueError:
         raise click.BadParameter("--dynamic is high/skip pairs like 0.67/0.03, --max-rank whole numbers") from None
+    if any(len(pair) != 2 for pair in knobs["dynamic_precision"]):
+        raise click.BadParameter("--dynamic is high/skip pairs like 0.67/0.03")
+    if any(not 1 <= m <= MAX_RANK for m in knobs["max_rank"]):
+        raise click.BadParameter(f"--max-rank values must be from 1 to {MAX_RANK} (experts re-ranked), got {max_rank!r}")
     study = run_study(recipe_path, output, budgets=_names(budgets),
                       knobs=knobs, suites=_names(suites), limit=limit,
                       data=data, low=low, executor=executor, ray_address=ray_address,
@@ -429,7 +448,7 @@ def routing_study_command(recipe_path, output, budgets, gating, dynamic, lambdas
 @click.option("--sequences", type=click.IntRange(1, 1000), default=4, show_default=True,
               help="Sequences of fresh text decoded one token per call.")
 @click.option("--sequence-length", type=click.IntRange(2, 100000), default=64, show_default=True)
-@click.option("--trust-theta", type=float, default=None,
+@click.option("--trust-theta", type=click.FloatRange(0, 1e6), default=None,
               help="theta of the trust_prediction point (default: the stage's theta).")
 @click.option("--into", is_flag=True, help="Also merge the study into the study artifact's report.json and report.md.")
 def neuron_study_command(recipe_path, output, thetas, budget, suites, data, limit, sequences, sequence_length,
@@ -440,7 +459,9 @@ def neuron_study_command(recipe_path, output, thetas, budget, suites, data, limi
 
     from prep.studies.neuron import merge_into, run_study
 
-    study = run_study(recipe_path, output, thetas=_floats(thetas, "--thetas"), budget=budget,
+    if trust_theta is not None and not math.isfinite(trust_theta):  # click's range lets NaN through
+        raise click.BadParameter(f"must be a finite number >= 0, got {trust_theta}", param_hint="--trust-theta")
+    study = run_study(recipe_path, output, thetas=_floats(thetas, "--thetas", 0.0, 1e6), budget=budget,
                       suites=_names(suites), limit=limit, data=data,
                       sequences=sequences, sequence_length=sequence_length, trust_theta=trust_theta,
                       echo=lambda m: click.echo(m, err=True))
@@ -467,7 +488,8 @@ def reference_model_command(out: str, device: str) -> None:
               type=click.Path(file_okay=False, exists=True), help="Directory holding training.json and suites/.")
 @click.option("--out", required=True, type=click.Path(file_okay=False),
               help="Where the extended suites go (then `moeprep eval --data OUT`).")
-@click.option("--seed", default=2026, show_default=True, type=int, help="The generator's seed (not the training seed).")
+@click.option("--seed", default=2026, show_default=True, type=click.IntRange(0, MAX_SEED),
+              help="The generator's seed (not the training seed).")
 @click.option("--gsm8k", default=700, show_default=True, type=click.IntRange(0, 100_000), help="GSM8K items to add.")
 @click.option("--mmlu", default=600, show_default=True, type=click.IntRange(0, 100_000), help="MMLU items to add.")
 @click.option("--truthfulqa", default=300, show_default=True, type=click.IntRange(0, 100_000),
@@ -513,7 +535,7 @@ def reference_metrics_command(ref_dir: str) -> None:
 @click.option("--budgets", default=None,
               help="Comma-separated shares of the source model's expert bytes, and 4bit-25% (dense + 25% of the "
                    "experts at 4 bits). [default: 100%,50%,25%,12.5%,4bit-25%; with --quick: 25%]")
-@click.option("--repeats", default=None, type=click.IntRange(1),
+@click.option("--repeats", default=None, type=click.IntRange(1, 1000),
               help="Runs of every configuration, interleaved; rows give the median, min and max. [default: 3; "
                    "with --quick: 1]")
 @click.option("--quick", is_flag=True, help="Smoke-sized: tiny mixtral-shape, one budget, a few tokens.")
@@ -658,12 +680,12 @@ def profile_device_command(output, directory, file_mb, device, artifact):
 
 
 @main.command("kernel-study")
-@click.option("--hidden", default=768, show_default=True, type=click.IntRange(16),
+@click.option("--hidden", default=768, show_default=True, type=click.IntRange(16, 16384),
               help="Expert hidden size (default: the bench's mixtral-shape).")
-@click.option("--intermediate", default=1792, show_default=True, type=click.IntRange(16),
+@click.option("--intermediate", default=1792, show_default=True, type=click.IntRange(16, 65536),
               help="Expert intermediate size (a multiple of 64).")
-@click.option("--prefill-tokens", default=16, show_default=True, type=click.IntRange(2))
-@click.option("--repeats", default=20, show_default=True, type=click.IntRange(3))
+@click.option("--prefill-tokens", default=16, show_default=True, type=click.IntRange(2, 4096))
+@click.option("--repeats", default=20, show_default=True, type=click.IntRange(3, 1000))
 @click.option("--output", default="artifacts/kernel-study", show_default=True, type=click.Path(file_okay=False))
 def kernel_study_command(hidden, intermediate, prefill_tokens, repeats, output):
     """Time one expert in each compute form here: decoding, float and low-bit products (loader/forms.py)."""

@@ -14,13 +14,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from tqdm import tqdm
 
 from loader.format import read_json, read_manifest
-from loader.plan import read_plan
+from loader.memory import is_auto
+from loader.plan import PlanError, parse_budget, read_plan
 from loader.runtime import load
-from prep.calibration import CalibrationSection, held_out_sequences
+from prep.calibration import CalibrationSection, check_length, held_out_sequences, model_context
 from prep.errors import MoeprepError
 from prep.evals import divergence as D
 from prep.evals.compare import writable
@@ -29,6 +31,28 @@ from prep.stages import Stage, StageResult
 from prep.streaming import give_back_memory
 
 VERSION = 2  # 2: the held-out text goes on where the calibration windows end
+MAX_SEED = 2**32 - 1
+
+
+@dataclass(frozen=True)
+class HeldOutText(CalibrationSection):
+    """``divergence.text``: a calibration-style section naming another source of held-out text. Its source keys
+    are read (``source``, ``files``, ``dataset``, ``dataset_config``, ``split``, ``text_field``, and ``seed`` for the
+    reference generator); the windows are ``divergence.num_sequences`` of ``divergence.sequence_length``. Its
+    messages name ``divergence.text``."""
+
+    KEY: ClassVar[str] = "divergence.text"
+
+
+def check_budget(budget, key: str) -> None:
+    """A loader budget as ``load`` takes it (bytes, a size, a share, ``unlimited`` or ``auto``), refused now under
+    the name ``key`` rather than when the artifact is loaded."""
+    if budget is None or is_auto(budget):
+        return
+    try:
+        parse_budget(budget)
+    except PlanError as e:
+        raise MoeprepError(f"{key}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -42,7 +66,7 @@ class DivergenceSection:
     enabled: bool = True
     num_sequences: int = 64
     sequence_length: int | None = None
-    text: CalibrationSection | None = None
+    text: HeldOutText | None = None
     memory_budget: str | None = None
     resamples: int = D.RESAMPLES
     seed: int = 0
@@ -56,6 +80,10 @@ class DivergenceSection:
                                f"{self.sequence_length}")
         if not 100 <= self.resamples <= 100_000:
             raise MoeprepError(f"divergence.resamples must be from 100 to 100,000, got {self.resamples}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise MoeprepError(f"divergence.seed must be from 0 to {MAX_SEED:,} (it seeds the bootstrap), got "
+                               f"{self.seed}")
+        check_budget(self.memory_budget, "divergence.memory_budget")
 
 
 @dataclass(frozen=True)
@@ -180,15 +208,11 @@ def depends_on_residency(plan) -> bool:
 
 def window_length(cfg: DivergenceSection, config) -> int:
     """The held-out windows' length: the section's, else 256 tokens or the model's context if shorter; longer than
-    the context is an error naming both."""
-    context = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if not isinstance(context, int):
-        context = None
+    the context is an error naming both (``prepare`` and its dry run refuse it before any stage:
+    ``prep.calibration.check_context``)."""
     if cfg.sequence_length is None:
-        return min(DEFAULT_LENGTH, context or DEFAULT_LENGTH)
-    if context is not None and cfg.sequence_length > context:
-        raise MoeprepError(f"divergence.sequence_length {cfg.sequence_length} is longer than the model's context of "
-                           f"{context} tokens; set it to {context} or less (or null)")
+        return min(DEFAULT_LENGTH, model_context(config) or DEFAULT_LENGTH)
+    check_length("divergence.sequence_length", cfg.sequence_length, config, " (or null)")
     return cfg.sequence_length
 
 
@@ -225,6 +249,7 @@ def divergence_of_existing(artifact, original=None, num_sequences: int = 64, seq
     records, the source read as ``moeprep eval`` reads it (``prep.streaming.load_streamed``)."""
     from transformers import AutoTokenizer
 
+    from prep.adapters import load_config
     from prep.streaming import load_streamed
 
     manifest = read_manifest(artifact)
@@ -240,6 +265,8 @@ def divergence_of_existing(artifact, original=None, num_sequences: int = 64, seq
     except TypeError as e:  # a manifest from another moeprep version
         raise MoeprepError(f"{manifest.root}'s recorded calibration section is not one this moeprep reads ({e}); "
                            "pass --divergence-sequences 0 to skip the divergence") from None
+    check_budget(memory_budget, "--memory-budget")  # the options' own names, before the source loads
+    check_length("--divergence-length", sequence_length, load_config(original))
     cfg = DivergenceSection(num_sequences=num_sequences, sequence_length=sequence_length, memory_budget=memory_budget)
     source = load_streamed(original, resident_bytes=expert_memory)
     return divergence_of(manifest.root, source, AutoTokenizer.from_pretrained(original), calibration, Path(root),
@@ -269,6 +296,12 @@ def _default_budget(artifact, plan):
         return minimum_budget(artifact)
 
 
+def held_out_files(recipe) -> list[str]:
+    """The files ``divergence.text`` names (none when it is unset or another source)."""
+    text = recipe.divergence.text
+    return list(text.files) if text is not None and text.source == "files" else []
+
+
 def run(inputs) -> Divergence:
     return divergence_of(inputs.artifact.path, inputs.model, inputs.tokenizer, inputs.calibration, inputs.root,
                          inputs.config, inputs.report_layout)
@@ -285,5 +318,6 @@ def _in_report(inputs, result: Divergence) -> bool:
 STAGE = Stage(
     name="divergence", version=VERSION, config=DivergenceSection, result=Divergence,
     reads=("package",), needs=frozenset({"model", "calibration", "artifact"}),
+    files=held_out_files,  # checked to be there by prepare and its dry run; their digests are in the stage's key
     run=run, enabled=lambda recipe: recipe.divergence.enabled, output_ok=_in_report, section="divergence",
 )

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from loader.codec import RecordLayout
 from loader.device import DEVICE_FILE, load_profile
 from loader.format import FORMAT, SCHEMA_VERSION, block_file, sha256_file, write_manifest
+from loader.hashing import bound_rows
 from loader.io import write_bytes_atomic, write_json_atomic
 from loader.plan import PLAN_FILE
 from loader.predict import PREDICTORS_FILE
@@ -46,11 +47,12 @@ from prep.stages.predict import predictor_tensors
 from prep.stages.quantize import PackedExperts
 from prep.stages.trace import RoutingTraces
 
-VERSION = 14  # 9: a neuron store carries its per-block hashes; 10: xxh3_64 per record, int4 in the kernel layout;
+VERSION = 15  # 9: a neuron store carries its per-block hashes; 10: xxh3_64 per record, int4 in the kernel layout;
 # 11: the routing sample and the device profile the plan was tuned with (``moeload plan`` predicts with them);
 # 12: the plan without the techniques `moeload tune` switched off in that profile, and report.json's technique_choice;
 # 13: a CPU target ships int4 in the codec's layout (the compiled kernels read it), int4pack only for cpu-int4pack;
-# 14: the plan's ``dense`` (``package.dense``)
+# 14: the plan's ``dense`` (``package.dense``); 15: a neuron store's block table binds each row to its record's
+# xxh3_64 (``bound``)
 TARGETS = ("cpu", "cuda", "cpu-int4pack")
 REPORT = "report.json"
 REPORTED_DETAILS = ("loss", "metric", "sequences", "b_hi", "b_lo", "K", "met", "bounds", "trail", "sensitivity")  # the rest: the stage result
@@ -180,8 +182,9 @@ def package_artifact(model, adapter, tokenizer, recipe: dict, source: dict, quan
                                                   stores[precision]["record_bytes"], blocks)
         if blocks is not None:
             stores[precision]["blocks"] = block_file(precision)
-            save_numpy({"blocks": np.asarray(blocks, dtype=np.uint64).reshape(len(blocks), -1)},
-                       str(out / block_file(precision)))
+            table = np.asarray(blocks, dtype=np.uint64).reshape(len(blocks), -1)
+            bound = bound_rows(table, list(hashes[precision].values()))  # each row bound to its record's hash
+            save_numpy({"blocks": table, "bound": np.asarray(bound, dtype=np.uint64)}, str(out / block_file(precision)))
 
     budget = f"{cfg.cache_fraction * 100:g}%"
     if prediction is not None:

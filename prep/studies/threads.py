@@ -23,6 +23,9 @@ import torch
 import torch.nn.functional as F
 from xxhash import xxh3_64_intdigest
 
+from loader.options import max_threads
+from prep.studies import bounded
+
 HIDDEN, INTER = 256, 384
 RECORDS = 64
 
@@ -84,6 +87,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dir", default=None, help="where the scratch file of reads goes (default: the temp dir)")
     parser.add_argument("--threads", default="1,2", help="torch thread counts to try (default 1,2)")
     args = parser.parse_args(argv)
+    try:
+        counts = [bounded(int, 1, max_threads())(t) for t in args.threads.split(",")]
+    except argparse.ArgumentTypeError as e:
+        parser.error(f"--threads: {e} (torch thread counts, comma-separated)")
     before = torch.get_num_threads()
     stride = -(-3 * INTER * HIDDEN * 4 // 4096) * 4096
     with tempfile.TemporaryDirectory(prefix="moeprep-threads-", dir=args.dir) as tmp:
@@ -91,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         path.write_bytes(os.urandom(stride * RECORDS))
         print("| torch threads | reader's check | expert alone us | beside the reader us | ratio |")
         print("| ---: | --- | ---: | ---: | ---: |")
-        for threads in (int(t) for t in args.threads.split(",")):
+        for threads in counts:
             for check in ("none", "crc32", "xxh3"):
                 alone, beside = measure(path, threads, check)
                 print(f"| {threads} | {check} | {alone * 1e6:.0f} | {beside * 1e6:.0f} | {beside / alone:.2f}x |",

@@ -426,11 +426,65 @@ def test_verify_checks_the_block_table(tmp_path):
     assert verify(artifact) == []
     manifest = read_manifest(artifact)
     name = next(iter(manifest.stores.values())).blocks
-    table = load_file(str(artifact / name))["blocks"]
-    table[0, -1] ^= np.uint64(1)
-    save_file({"blocks": table}, str(artifact / name))
+    tensors = load_file(str(artifact / name))
+    tensors["blocks"][0, -1] ^= np.uint64(1)
+    save_file(tensors, str(artifact / name))
     raw = manifest.raw
     raw["files"][name] = {"bytes": (artifact / name).stat().st_size, "sha256": sha256_file(artifact / name)}
     write_manifest(artifact, raw)
     problems = verify(artifact)
-    assert len(problems) == 1 and "block hashes" in problems[0]
+    assert len(problems) == 1 and "block hashes" in problems[0] and "not bound to its xxh3_64" in problems[0]
+
+
+def _reseal_rows(artifact, rebind: bool) -> str:
+    """Rewrite the neuron rows of the first record past its header (a tenth of their bytes, so the text changes)
+    consistently: the block table's row recomputed from the new bytes, its ``bound`` column recomputed as a writer
+    would (from the rewritten record's own xxh3_64) with ``rebind``, else left, the sha256 of the store and of the
+    block table and the manifest's digest resealed; only the manifest's xxh3_64 of the record stays as it was.
+    Returns the record's key."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+    from xxhash import xxh3_64_intdigest
+
+    from loader.artifact import store_offsets
+    from loader.format import block_hashes, read_manifest, sha256_file, write_manifest
+    from loader.hashing import BLOCK, bound_rows
+
+    manifest = read_manifest(artifact)
+    precision, info = next(iter(manifest.stores.items()))
+    layout = NeuronLayout(RecordLayout.from_json(info.layout))
+    key, offset = next(iter(store_offsets(manifest, precision).items()))
+    path = manifest.path(info.file)
+    data = bytearray(path.read_bytes())
+    start = offset + -(-layout.rows_offset // BLOCK) * BLOCK
+    rows = np.frombuffer(data, dtype=np.float32, count=(offset + info.record_bytes - start) // 4, offset=start)
+    data[start:start + rows.nbytes] = (rows * np.float32(10.0)).tobytes()
+    path.write_bytes(bytes(data))
+    record = bytes(data[offset:offset + info.record_bytes])
+    tensors = load_file(str(manifest.path(info.blocks)))
+    row = manifest.store_keys(precision).index(key)
+    tensors["blocks"][row] = np.asarray(block_hashes(record), dtype=np.uint64)
+    if rebind:
+        tensors["bound"][row] = bound_rows(tensors["blocks"][row:row + 1], [xxh3_64_intdigest(record)])[0]
+    save_file(tensors, str(manifest.path(info.blocks)))
+    raw = manifest.raw
+    for name in (info.file, info.blocks):
+        raw["files"][name] = {"bytes": manifest.path(name).stat().st_size, "sha256": sha256_file(manifest.path(name))}
+    write_manifest(artifact, raw)
+    return key
+
+
+@pytest.mark.parametrize("rebind", [True, False], ids=["rebound-to-the-new-bytes", "binding-left"])
+def test_rows_rewritten_with_their_block_table_resealed_but_the_record_hash_stale_are_refused(tmp_path, rebind):
+    """The rows a prompt reads in part rewritten consistently (their block hashes recomputed, every sha256 and the
+    manifest's digest resealed) while the record's xxh3_64 stays stale: the block table is bound to the record hash,
+    so the load refuses, naming the record, where the decode used to read the rewritten rows and print other
+    tokens with exit 0. ``verify`` refuses it too."""
+    artifact = _wide_neuron_artifact(tmp_path)
+    cfg = NeuronConfig(theta=0.3, crossover=1.0)
+    _, _, stats = decode(artifact, cfg, stepwise=True)
+    assert stats["neuron"]["partial_reads"] > 0  # this prompt reads records in part
+    key = _reseal_rows(artifact, rebind)
+    with pytest.raises(ArtifactError, match=f"record {key} of .*not bound to its xxh3_64"):
+        decode(artifact, cfg, stepwise=True)
+    assert verify(artifact)

@@ -28,6 +28,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from prep.studies import bounded
+
 BUDGETS = "100%,25%,4bit-25%"
 REPEATS = 2
 STORES = (("host", None), ("disk", "naive,moeprep"))  # (store, systems; None = every system)
@@ -273,10 +275,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="where gpu-check.md and the small results go [$OUT, else .gpu/check]")
     parser.add_argument("--work", default=str(root / ".gpu" / "work"), help="where the bench's models go")
     parser.add_argument("--traces", default=None, help="holding mixtral-8x7b/ [.gpu/traces, else ../shared/data/traces]")
-    parser.add_argument("--seconds", type=float, default=450, help="the whole check's time limit (default 450)")
+    parser.add_argument("--seconds", type=bounded(float, 1, 86_400), default=450,
+                        help="the whole check's time limit (default 450)")
     parser.add_argument("--python", default=sys.executable, help="the interpreter to run the tests and bench with")
     parser.add_argument("--budgets", default=BUDGETS, help=f"the bench's budgets (default {BUDGETS})")
-    parser.add_argument("--repeats", type=int, default=REPEATS, help=f"runs per configuration (default {REPEATS})")
+    parser.add_argument("--repeats", type=bounded(int, 1, 1000), default=REPEATS,
+                        help=f"runs per configuration (default {REPEATS})")
     parser.add_argument("--stores", default=",".join(s for s, _ in STORES),
                         help="which stores to bench, in order (default host,disk)")
     parser.add_argument("--systems", default=None,

@@ -194,3 +194,37 @@ def test_a_source_streamed_under_a_bound_runs_before_the_prepared_model_and_meas
     assert not stream_of(source, get_adapter(source)).resident  # dropped before the prepared model loads
     for seq, h in zip(sequences, hidden, strict=True):
         torch.testing.assert_close(D.head_logits(source, h), D.logits_of(whole_source, seq), rtol=1e-5, atol=1e-5)
+
+
+def test_the_held_out_texts_messages_name_divergence_text(tmp_path):
+    """A held-out source (``divergence.text``) that is missing, not UTF-8 or lacks its field: each message names
+    the file and the ``divergence.text`` key, not the calibration section's."""
+    from prep.stages.divergence import HeldOutText
+    from tests.helpers.tiny_models import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer(512)
+    calibration = CalibrationSection(num_sequences=2, sequence_length=16)
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 ".encode("latin-1") * 50)
+    (tmp_path / "rows.jsonl").write_text('{"body": "a b c"}\n')
+    (tmp_path / "a-directory").mkdir()
+    for files, says in ((("gone.txt",), r"gone\.txt not found; fix divergence\.text\.files"),
+                        (("a-directory",), r"a-directory is not a regular file; fix divergence\.text\.files"),
+                        (("latin1.txt",), r"latin1\.txt is not UTF-8 text .*divergence\.text\.files"),
+                        (("rows.jsonl",), r"rows\.jsonl:1 has no field 'text'; set divergence\.text\.text_field")):
+        with pytest.raises(MoeprepError, match=says):
+            held_out_sequences(calibration, tokenizer, tmp_path, 4, 16, HeldOutText(source="files", files=files))
+    (tmp_path / "short.txt").write_text("a b c")
+    with pytest.raises(MoeprepError, match=r"held-out text: divergence\.text gives \d+ tokens"):
+        held_out_sequences(calibration, tokenizer, tmp_path, 4, 16, HeldOutText(source="files", files=("short.txt",)))
+
+
+def test_the_held_out_files_are_the_stages_files():
+    """``divergence.text``'s files are the stage's ``files``: prepare and its dry run check they are there, and their
+    digests key the stage (another held-out text measures again instead of reusing the old figures)."""
+    from prep.recipe import recipe_from_dict
+    from prep.stages.divergence import STAGE
+
+    base = {"name": "t", "model": {"path": "m"}}
+    assert STAGE.files(recipe_from_dict(base)) == []
+    recipe = recipe_from_dict(base | {"divergence": {"text": {"source": "files", "files": ["a.txt", "b.jsonl"]}}})
+    assert STAGE.files(recipe) == ["a.txt", "b.jsonl"]

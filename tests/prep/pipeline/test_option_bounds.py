@@ -38,7 +38,25 @@ PREPARE_ROWS = [
     (["--set", "divergence.num_sequences=2"], "divergence.num_sequences must be from 4"),
     (["--set", "divergence.sequence_length=1"], "divergence.sequence_length must be from 2"),
     (["--set", "divergence.resamples=5"], "divergence.resamples must be from 100"),
-    (["--set", "divergence.text.source=nowhere"], "calibration.source 'nowhere' unknown"),
+    (["--set", "divergence.text.source=nowhere"], "divergence.text.source 'nowhere' unknown"),
+    # every key the divergence stage reads, refused before the artifact it runs on is published, naming the key
+    (["--set", "divergence.memory_budget=lots"], "divergence.memory_budget: memory budget 'lots' not understood"),
+    (["--set", "divergence.memory_budget=-5%"], "divergence.memory_budget: memory budget '-5%': a percentage"),
+    (["--set", "divergence.memory_budget=1e400"], "divergence.memory_budget: memory budget '1e400'"),
+    (["--set", "divergence.seed=-1"], "divergence.seed must be from 0"),
+    (["--set", "divergence.seed=99999999999999999999"], "divergence.seed must be from 0"),
+    (["--set", "divergence.sequence_length=1000"], "divergence.sequence_length 1000 is longer than the model's "
+                                                   "context"),
+    (["--set", "divergence.text.source=files"], "divergence.text.source is 'files' but divergence.text.files is "
+                                                "empty"),
+    (["--set", "divergence.text.source=dataset"], "divergence.text.source is 'dataset' but divergence.text.dataset"),
+    (["--set", "divergence.text={source: files, files: [nope.txt]}"],
+     "nope.txt, which the recipe names for stage divergence, is not there"),
+    (["--set", "divergence.text.num_sequences=0"], "divergence.text needs num_sequences >= 1"),
+    (["--set", "divergence.text.sequence_length=1000000"], "divergence.text asks for 16 sequences"),
+    (["--set", "calibration.source=files"], "calibration.source is 'files' but calibration.files is empty"),
+    (["--set", "divergence.text.files=[held-out.txt]"], "divergence.text.files is set but divergence.text.source is "
+                                                         "'reference', so the files would not be read"),
     (["--until", "nope"], "--until 'nope' is not a stage"),
     (["--force", "nope"], "--force 'nope' is not a stage"),
     (["--set", "nope.key=1"], "nope"),
@@ -102,3 +120,73 @@ def test_generate_refuses_each_out_of_range_option_before_loading(tmp_path_facto
     _, artifact = tiny_artifact(tmp_path_factory)
     result = CliRunner().invoke(moeload, ["generate", str(artifact), "--prompt", "HI", *args])
     _one_clear_error(result, says)
+
+
+@pytest.mark.parametrize("name", ["latin1.txt", "latin1.jsonl"])
+def test_a_calibration_file_that_is_not_utf8_is_one_clear_error_naming_it(project, name):
+    """A Latin-1 calibration file (``.txt`` or ``.jsonl``): one error naming the file and the key, no traceback,
+    before any stage runs."""
+    text = "caf\u00e9 cr\u00e8me " * 40
+    (Path(project) / name).write_bytes((text if name.endswith(".txt") else f'{{"text": "{text}"}}\n').encode("latin-1"))
+    run = CliRunner().invoke(moeprep, ["prepare", "--recipe", "tiny.yaml", "--set", "calibration.source=files",
+                                       "--set", f"calibration.files=[{name}]"])
+    line = _one_clear_error(run, "is not UTF-8 text")
+    assert name in line and "calibration.files" in line
+    assert not (Path(project) / "artifacts/tiny/artifact").exists()
+
+
+# the studies' (and eval's) number options: a value that would only hang, overflow or never end is refused by the
+# option parser, naming the option, before any work
+HUGE = "9" * 30
+STUDY_ROWS = [
+    (["eval", "--artifact", "a", "--limit", HUGE], "--limit"),
+    (["eval", "--artifact", "a", "--num-fewshot", "1000"], "--num-fewshot"),
+    (["accuracy", "--seed", HUGE], "--seed"),
+    (["bitwidth-study", "--limit", HUGE], "--limit"),
+    (["bitwidth-study", "--tolerances", "0.002,nan"], "--tolerances"),
+    (["bitwidth-study", "--shares", "0.5,1e308"], "--shares"),
+    (["routing-study", "--max-rank", HUGE], "--max-rank"),
+    (["routing-study", "--lambdas", "inf"], "--lambdas"),
+    (["routing-study", "--gating", "0.1,7"], "--gating"),
+    (["routing-study", "--dynamic", "0.5/nan"], "--dynamic"),
+    (["neuron-study", "--thetas", "0,1e400"], "--thetas"),
+    (["neuron-study", "--trust-theta", "nan"], "--trust-theta"),
+    (["neuron-study", "--trust-theta", "inf"], "--trust-theta"),
+    (["prediction-study", "--seed", HUGE], "--seed"),
+    (["policy-study", "--trace", "t", "--seed", "-1"], "--seed"),
+    (["policy-study", "--trace", "t", "--seed", HUGE], "--seed"),
+    (["reference-suites", "--seed", HUGE], "--seed"),
+    (["bench", "--repeats", HUGE], "--repeats"),
+    (["kernel-study", "--hidden", HUGE], "--hidden"),
+    (["kernel-study", "--intermediate", "10000000"], "--intermediate"),
+    (["kernel-study", "--prefill-tokens", HUGE], "--prefill-tokens"),
+    (["kernel-study", "--repeats", HUGE], "--repeats"),
+]
+
+
+@pytest.mark.parametrize(("args", "says"), STUDY_ROWS, ids=[" ".join(a) for a, _ in STUDY_ROWS])
+def test_the_studies_refuse_each_unbounded_number_before_any_work(tmp_path, monkeypatch, args, says):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(moeprep, args)
+    _one_clear_error(result, says)
+    assert list(tmp_path.iterdir()) == []  # nothing written: refused before the study started
+
+
+@pytest.mark.parametrize(("args", "says"), [(["--seconds", "nan"], "--seconds"), (["--seconds", "1e400"], "--seconds"),
+                                            (["--repeats", HUGE], "--repeats")])
+def test_the_gpu_check_refuses_unbounded_numbers(tmp_path, capsys, args, says):
+    from prep.studies.bench import gpu_check
+
+    with pytest.raises(SystemExit) as exit_:
+        gpu_check.main(["--out", str(tmp_path / "out"), *args])
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("threads", [HUGE, "0", "1,x"])
+def test_the_threads_study_refuses_a_thread_count_out_of_range(tmp_path, capsys, threads):
+    from prep.studies import threads as study
+
+    with pytest.raises(SystemExit) as exit_:
+        study.main(["--dir", str(tmp_path), "--threads", threads])
+    assert exit_.value.code == 2 and "--threads" in capsys.readouterr().err
