@@ -231,7 +231,11 @@ def drop_temporaries(work: str | Path) -> None:
     """Remove what units killed mid-write left in ``work``: ``UNIT_TEMPORARIES``, and the temporaries an older
     moeprep wrote beside the unit files (``.<name>.unit-<pid>``, ``.<name>.xxh3.tmp-<pid>``)."""
     work = Path(work)
-    shutil.rmtree(work / UNIT_TEMPORARIES, ignore_errors=True)
+    folder = work / UNIT_TEMPORARIES
+    if folder.is_dir() and not folder.is_symlink():
+        shutil.rmtree(folder, ignore_errors=True)
+    elif folder.is_symlink() or folder.exists():  # a link or a file in its place: only the name goes
+        folder.unlink()
     for pattern in (".*.unit-*", f".*{SIDECAR}.tmp-*"):
         for tmp in work.rglob(pattern):
             tmp.unlink(missing_ok=True)

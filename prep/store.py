@@ -76,11 +76,16 @@ class StageStore:
         leaves ``artifacts/<name>/`` is removed first, with a notice: the link only, never what it points to, so
         no unit is reused from there and no stage writes through it."""
         path = self.root / f".work-{stage}-{key[:16]}"
-        for link in ([path] if path.is_symlink() else [p for _, p in walk_entries(path)] if path.is_dir() else []):
-            if link.is_symlink() and not link.resolve().is_relative_to(self.inside):
-                notice(f"stage {stage}: {link} is a link to {link.resolve()}, outside {self.inside}; removing the "
-                       "link (what it points to is left alone) and computing what it held again")
-                link.unlink()
+        for entry in ([path] if path.is_symlink() else [p for _, p in walk_entries(path)] if path.is_dir() else []):
+            if entry.is_symlink() and not entry.resolve().is_relative_to(self.inside):
+                why = f"a link to {entry.resolve()}, outside {self.inside}"
+            elif not (entry.is_symlink() or stat.S_ISREG(mode := entry.lstat().st_mode) or stat.S_ISDIR(mode)):
+                why = "not a regular file (a FIFO would block the stage that writes or reads it)"
+            else:
+                continue
+            notice(f"stage {stage}: {entry} is {why}; removing it (a link only: what it points to is left alone) "
+                   "and computing what it held again")
+            entry.unlink()
         path.mkdir(parents=True, exist_ok=True)
         return path
 
@@ -109,8 +114,7 @@ class StageStore:
         drop_temporaries(work)
         result.save(work, stage=stage, key=key, **meta)
         final = self.final_dir(stage, key)
-        if final.is_symlink():
-            final.unlink()
+        _unlink_unless_directory(final)
         replace_directory(work, final)
         return final
 
@@ -118,10 +122,15 @@ class StageStore:
         """Forget a stage result and its scratch work (``--force``); a link is removed, never what it points to."""
         self._intact.discard((stage, key))
         for path in (self.final_dir(stage, key), self.root / f".work-{stage}-{key[:16]}"):
-            if path.is_symlink():
-                path.unlink()
-            else:
-                shutil.rmtree(path, ignore_errors=True)
+            _unlink_unless_directory(path)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _unlink_unless_directory(path: Path) -> None:
+    """Remove ``path`` when it is a link (the link, not what it points to), a file or a FIFO (which ``rmtree``
+    would open and block on); a real directory is left for the caller."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink()
 
 
 def result_problem(directory: Path, kind: type[StageResult]) -> str | None:
