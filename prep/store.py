@@ -83,7 +83,7 @@ class StageStore:
                 why = "not a regular file (a FIFO would block the stage that writes or reads it)"
             else:
                 continue
-            notice(f"stage {stage}: {entry} is {why}; removing it (a link only: what it points to is left alone) "
+            notice(f"stage {stage}: {entry} is {why}; removing it (a link goes, never what it points to) "
                    "and computing what it held again")
             entry.unlink()
         path.mkdir(parents=True, exist_ok=True)
