@@ -43,7 +43,15 @@ from pathlib import Path
 from tqdm import tqdm
 
 from prep.errors import MoeprepError
-from prep.integrity import drop_temporaries, drop_unit, notice, seal_unit, unit_binding, unit_damage, unit_temporary
+from prep.integrity import (
+    drop_temporaries,
+    drop_unit,
+    notice,
+    seal_unit,
+    unit_binding,
+    unit_damage,
+    unit_temporary,
+)
 
 EXECUTOR_KINDS = ("local", "ray")
 # auto, local, ray://host:port, host:port (a host name or IPv4 address, or [IPv6])

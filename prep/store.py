@@ -4,7 +4,9 @@
 then ``result.json`` written last, so a directory with ``result.json`` is complete. Work in progress goes
 to ``.work-<stage>-<key16>/``, which survives an interruption: a stage that writes its units there one by
 one (atomically) resumes where it stopped. ``stage_key`` is the sha256 of the stage name and version,
-its config, the keys of the stages it reads and the fingerprints of what it needs.
+its config, the keys of the stages it reads and the fingerprints of what it needs. A cached directory is reused
+only when its seal is this stage's and key's, its files are as sealed with finite values, and nothing in it is a
+link leaving ``artifacts/<name>/`` (``prep/integrity.py``); a link is removed, never what it points to.
 
 ``ArtifactOutput``: ``--output DIR`` is a symlink to a complete versioned sibling ``.DIR.v-<id>/``. A
 new artifact is built in ``.DIR.tmp-<pid>/``, renamed to a fresh ``.DIR.v-<id>/`` and published by
