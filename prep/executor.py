@@ -9,8 +9,11 @@ node, so no weight is pickled through the driver).
 
 What keeps a cluster run's output the same bytes as a local run's and makes it resumable:
 
-- a unit writes one file in the stage's work directory, through a temporary sibling renamed into place, so a
-  file there is complete; a unit whose file exists is not run again (a killed driver resumes with them);
+- a unit writes one file in the stage's work directory, through a temporary in its ``.unit-tmp/`` folder renamed
+  into place, so a file there is complete and a worker killed mid-write leaves its partial file only where no
+  merge and no seal looks (the folder is removed after each map and before a stage directory is sealed); a unit
+  whose file exists, sealed as this unit's (stage, key, unit name, file name) with finite values, is not run
+  again (a killed driver resumes with them);
 - before a unit runs, torch's, numpy's and Python's generators are seeded from the unit's identity
   (``unit_seed``), never from the order workers pick units up;
 - a unit computes with ``UNIT_THREADS`` torch thread(s) wherever it runs: a float reduction's result depends on
@@ -40,7 +43,15 @@ from pathlib import Path
 from tqdm import tqdm
 
 from prep.errors import MoeprepError
-from prep.integrity import SIDECAR, drop_unit, notice, seal_unit, unit_damage
+from prep.integrity import (
+    drop_temporaries,
+    drop_unit,
+    notice,
+    seal_unit,
+    unit_binding,
+    unit_damage,
+    unit_temporary,
+)
 
 EXECUTOR_KINDS = ("local", "ray")
 # auto, local, ray://host:port, host:port (a host name or IPv4 address, or [IPv6])
@@ -159,21 +170,23 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def run_unit(stage: str, unit: Unit, work: str | Path, context: UnitContext) -> bool:
-    """Run ``unit`` unless its sealed file exists (``prep.integrity``); write its file atomically, sealed.
+def run_unit(stage: str, unit: Unit, work: str | Path, context: UnitContext, key: str | None = None) -> bool:
+    """Run ``unit`` of ``stage`` (key ``key``) unless its sealed file exists (``prep.integrity``); write its file
+    atomically, sealed as this unit's. The temporary lives in the work directory's ``UNIT_TEMPORARIES`` folder, which
+    no stage merges and no seal covers, so a worker killed mid-write leaves nothing a stage could take.
     Returns whether it ran."""
     out = Path(work) / unit.output
-    if reusable(stage, unit, Path(work)):  # finished earlier (before a driver was killed, or by a lost worker's try)
+    if reusable(stage, unit, Path(work), key):  # finished earlier (before a driver was killed, or by a lost worker's try)
         return False
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.unit-{os.getpid()}")
+    tmp = unit_temporary(work, unit.output)
     try:
         with fixed_threads():
             _seed_all(unit_seed(stage, unit.name))
             unit.fn(context, tmp, **unit.args)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        seal_unit(tmp, out)
+        seal_unit(tmp, out, unit_binding(stage, unit.name, unit.output, key))
         os.replace(tmp, out)
     finally:
         if tmp.exists():
@@ -195,25 +208,19 @@ def fixed_threads() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def reusable(stage: str, unit: Unit, work: Path) -> bool:
-    """Whether ``unit``'s file in ``work`` is there and is what the unit wrote; a damaged one is removed, with a
-    notice, so the unit runs again."""
+def reusable(stage: str, unit: Unit, work: Path, key: str | None = None) -> bool:
+    """Whether ``unit``'s file in ``work`` is there and is what this unit (of ``stage``, key ``key``) wrote, with
+    finite values; a damaged one (or one another unit wrote, or a link) is removed, with a notice, so the unit
+    runs again."""
     out = work / unit.output
-    if not out.is_file():
+    if not (out.is_file() or out.is_symlink()):
         return False
-    problem = unit_damage(out)
+    problem = unit_damage(out, unit_binding(stage, unit.name, unit.output, key))
     if problem is None:
         return True
     notice(f"stage {stage}: unit {unit.name}'s file in {work} is not reused: {problem}; running it again")
     drop_unit(out)
     return False
-
-
-def _tidy(work: Path) -> None:
-    """Remove the temporary files of units killed mid-write (they would otherwise end up in the stage directory)."""
-    for pattern in (".*.unit-*", f".*{SIDECAR}.tmp-*"):  # a unit's file, or its seal
-        for tmp in work.rglob(pattern):
-            tmp.unlink(missing_ok=True)
 
 
 @dataclass
@@ -242,18 +249,18 @@ class LocalExecutor:
         self.cfg = cfg or ExecutorSection()
 
     def map(self, stage: str, units: list[Unit], work: Path, paths: UnitPaths, load_model: Callable | None = None,
-            desc: str | None = None) -> MapStats:
+            desc: str | None = None, key: str | None = None) -> MapStats:
         work = Path(work)
-        _tidy(work)
+        drop_temporaries(work)
         stats, started = MapStats(), time.perf_counter()
         context = UnitContext(paths, load_model)
-        todo = [u for u in units if not reusable(stage, u, work)]
+        todo = [u for u in units if not reusable(stage, u, work, key)]
         stats.reused = len(units) - len(todo)
         with tqdm(total=len(units), initial=stats.reused, desc=desc or stage, unit="unit", leave=False) as bar:
             for unit in todo:
                 for attempt in range(self.cfg.max_retries + 1):
                     try:
-                        run_unit(stage, unit, work, context)
+                        run_unit(stage, unit, work, context, key)
                         break
                     except MoeprepError:
                         raise
@@ -263,6 +270,7 @@ class LocalExecutor:
                         stats.retried += 1
                 stats.ran += 1
                 bar.update(1)
+        drop_temporaries(work)  # a lost worker's half-written file, before the stage merges the work directory
         stats.seconds = time.perf_counter() - started
         return stats
 
@@ -281,10 +289,10 @@ def import_ray():
     return ray
 
 
-def _ray_unit(stage: str, unit: Unit, work: str, paths: UnitPaths):
+def _ray_unit(stage: str, unit: Unit, work: str, paths: UnitPaths, key: str | None = None):
     """A Ray task: one unit on a worker. A user's error comes back as a value, so Ray does not retry it."""
     try:
-        return ("ran" if run_unit(stage, unit, work, UnitContext(paths)) else "reused", None)
+        return ("ran" if run_unit(stage, unit, work, UnitContext(paths), key) else "reused", None)
     except MoeprepError as e:
         return ("error", str(e))
 
@@ -318,15 +326,15 @@ class RayExecutor:
         return self._remote
 
     def map(self, stage: str, units: list[Unit], work: Path, paths: UnitPaths, load_model: Callable | None = None,
-            desc: str | None = None) -> MapStats:
+            desc: str | None = None, key: str | None = None) -> MapStats:
         work = Path(work).resolve()
-        _tidy(work)
+        drop_temporaries(work)
         stats, started = MapStats(), time.perf_counter()
-        todo = [u for u in units if not reusable(stage, u, work)]
+        todo = [u for u in units if not reusable(stage, u, work, key)]
         stats.reused = len(units) - len(todo)
         if todo:
             remote = self._connect()
-            pending = {remote.remote(stage, u, str(work), paths): u for u in todo}
+            pending = {remote.remote(stage, u, str(work), paths, key): u for u in todo}
             with tqdm(total=len(units), initial=stats.reused, desc=desc or stage, unit="unit", leave=False) as bar:
                 try:
                     while pending:
@@ -346,6 +354,7 @@ class RayExecutor:
                 finally:
                     for ref in pending:  # queued units; running ones finish and their files are reused
                         self.ray.cancel(ref)
+        drop_temporaries(work)  # a lost worker's half-written file, before the stage merges the work directory
         stats.seconds = time.perf_counter() - started
         return stats
 

@@ -149,7 +149,8 @@ class StageInputs:
         paths = UnitPaths(model_dir=str(Path(self.model_dir).resolve()), device=self._sources.device,
                           expert_memory=self._sources.expert_memory)
         load_model = (lambda: self.model) if "model" in self.stage.needs else None
-        stats = self.executor.map(self.stage.name, units, Path(self.work), paths, load_model=load_model, desc=desc)
+        stats = self.executor.map(self.stage.name, units, Path(self.work), paths, load_model=load_model, desc=desc,
+                                  key=self.key)
         self.unit_stats = stats if self.unit_stats is None else self.unit_stats + stats
         return stats
 
@@ -357,7 +358,7 @@ def _run_stages(recipe: Recipe, root: Path, model_dir: Path, work_root: Path, ar
                 store.discard(stage.name, key)
             started = time.perf_counter()
             cached = store.is_complete(stage.name, key)
-            if cached and (problem := store.damage(stage.name, key)) is not None:
+            if cached and (problem := store.damage(stage.name, key, stage.result)) is not None:
                 notice(f"stage {stage.name}: the cached result in {store.final_dir(stage.name, key)} is not reused: "
                        f"{problem}; computing it again")
                 store.discard(stage.name, key)

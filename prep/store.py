@@ -4,7 +4,9 @@
 then ``result.json`` written last, so a directory with ``result.json`` is complete. Work in progress goes
 to ``.work-<stage>-<key16>/``, which survives an interruption: a stage that writes its units there one by
 one (atomically) resumes where it stopped. ``stage_key`` is the sha256 of the stage name and version,
-its config, the keys of the stages it reads and the fingerprints of what it needs.
+its config, the keys of the stages it reads and the fingerprints of what it needs. A cached directory is reused
+only when its seal is this stage's and key's, its files are as sealed with finite values, and nothing in it is a
+link leaving ``artifacts/<name>/`` (``prep/integrity.py``); a link is removed, never what it points to.
 
 ``ArtifactOutput``: ``--output DIR`` is a symlink to a complete versioned sibling ``.DIR.v-<id>/``. A
 new artifact is built in ``.DIR.tmp-<pid>/``, renamed to a fresh ``.DIR.v-<id>/`` and published by
@@ -40,7 +42,15 @@ from loader.errors import disk_error
 from loader.format import FORMAT, MANIFEST
 from loader.io import replace_directory, unread
 from prep.errors import MoeprepError
-from prep.integrity import stage_damage
+from prep.integrity import (
+    Unreadable,
+    drop_temporaries,
+    notice,
+    read_json,
+    stage_damage,
+    value_problem,
+    walk_entries,
+)
 from prep.stages import RESULT, Stage, StageResult
 
 
@@ -51,31 +61,48 @@ def stage_key(stage: str, version: int, config: dict, upstream: dict[str, str], 
 
 
 class StageStore:
-    """The stage cache of one recipe."""
+    """The stage cache of one recipe. Nothing it reuses may come from outside ``artifacts/<name>/`` (the root's
+    parent): a stage directory, stage file or unit file that is a link leaving it is refused, never hashed through."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.inside = self.root.parent.resolve()
         self._intact: set[tuple[str, str]] = set()
 
     def final_dir(self, stage: str, key: str) -> Path:
         return self.root / f"{stage}-{key[:16]}"
 
     def work_dir(self, stage: str, key: str) -> Path:
-        """The resumable scratch directory of a stage run (created if absent)."""
+        """The resumable scratch directory of a stage run (created if absent). A link in it (or it, a link) that
+        leaves ``artifacts/<name>/`` is removed first, with a notice: the link only, never what it points to, so
+        no unit is reused from there and no stage writes through it."""
         path = self.root / f".work-{stage}-{key[:16]}"
+        for entry in ([path] if path.is_symlink() else [p for _, p in walk_entries(path)] if path.is_dir() else []):
+            if entry.is_symlink() and not entry.resolve().is_relative_to(self.inside):
+                why = f"a link to {entry.resolve()}, outside {self.inside}"
+            elif not (entry.is_symlink() or stat.S_ISREG(mode := entry.lstat().st_mode) or stat.S_ISDIR(mode)):
+                why = "not a regular file (a FIFO would block the stage that writes or reads it)"
+            else:
+                continue
+            notice(f"stage {stage}: {entry} is {why}; removing it (a link goes, never what it points to) "
+                   "and computing what it held again")
+            entry.unlink()
         path.mkdir(parents=True, exist_ok=True)
         return path
 
     def is_complete(self, stage: str, key: str) -> bool:
         return (self.final_dir(stage, key) / RESULT).is_file()
 
-    def damage(self, stage: str, key: str) -> str | None:
-        """Why the cached result of ``stage`` may not be reused (None: every file is as sealed); each directory
-        is hashed once per store."""
+    def damage(self, stage: str, key: str, result: type[StageResult] | None = None) -> str | None:
+        """Why the cached result of ``stage`` may not be reused (None: every file is as sealed for this stage and
+        key, nothing in it leads outside ``artifacts/<name>/``, and its values are finite and, for ``result``'s type,
+        in range); each directory is checked once per store."""
         if (stage, key) in self._intact:
             return None
-        problem = stage_damage(self.final_dir(stage, key))
+        problem = stage_damage(self.final_dir(stage, key), {"stage": stage, "key": key}, self.inside)
+        if problem is None and result is not None:
+            problem = result_problem(self.final_dir(stage, key), result)
         if problem is None:
             self._intact.add((stage, key))
         return problem
@@ -84,17 +111,42 @@ class StageStore:
         return stage.result.load(self.final_dir(stage.name, key))
 
     def commit(self, stage: str, key: str, work: Path, result: StageResult, **meta) -> Path:
-        """Write ``result.json`` last into ``work`` and rename it to the final directory."""
+        """Write ``result.json`` last into ``work`` and rename it to the final directory. Unit temporaries (a Ray
+        worker killed mid-write leaves one) are removed first, so the seal and the stage directory never hold one."""
+        drop_temporaries(work)
         result.save(work, stage=stage, key=key, **meta)
         final = self.final_dir(stage, key)
+        _unlink_unless_directory(final)
         replace_directory(work, final)
         return final
 
     def discard(self, stage: str, key: str) -> None:
-        """Forget a stage result and its scratch work (``--force``)."""
+        """Forget a stage result and its scratch work (``--force``); a link is removed, never what it points to."""
         self._intact.discard((stage, key))
-        shutil.rmtree(self.final_dir(stage, key), ignore_errors=True)
-        shutil.rmtree(self.root / f".work-{stage}-{key[:16]}", ignore_errors=True)
+        for path in (self.final_dir(stage, key), self.root / f".work-{stage}-{key[:16]}"):
+            _unlink_unless_directory(path)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _unlink_unless_directory(path: Path) -> None:
+    """Remove ``path`` when it is a link (the link, not what it points to), a file or a FIFO (which ``rmtree``
+    would open and block on); a real directory is left for the caller."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink()
+
+
+def result_problem(directory: Path, kind: type[StageResult]) -> str | None:
+    """Why the ``result.json`` in ``directory`` may not enter a plan: not a result of type ``kind``, a value that
+    is not finite, or out of the range ``kind`` knows (``StageResult.problem``). None: none of those."""
+    try:
+        raw = read_json(directory / RESULT)["result"]
+        if (problem := value_problem(raw)) is not None:
+            return f"its {RESULT} holds a value that cannot be trusted: {problem}"
+        loaded = kind.from_json(raw)
+    except (OSError, Unreadable, KeyError, TypeError, ValueError, AttributeError) as e:
+        return f"its {RESULT} cannot be read as a {kind.__name__} ({type(e).__name__}: {e})"
+    problem = loaded.problem()
+    return None if problem is None else f"its {RESULT} is out of range: {problem}"
 
 
 # ------------------------------------------------------------------------------------------- locks

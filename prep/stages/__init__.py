@@ -81,6 +81,13 @@ class StageResult:
         the entries so far, in the table's order (``report_entries``). By default a result contributes nothing."""
         return entries
 
+    def problem(self) -> str | None:
+        """Why this result, read back from the stage cache, may not enter a plan though its seal holds (a seal can
+        be recomputed): a value out of the range its type knows. None: none found. Every number of every result
+        is checked finite before this (``prep.integrity.value_problem``); a result type overrides this to add its
+        ranges."""
+        return None
+
     @classmethod
     def from_json(cls, raw: dict) -> StageResult:
         """The result of ``raw``; a field with a default may be missing (a result saved before it was added)."""
@@ -97,7 +104,7 @@ class StageResult:
 
             save_file(tensors, str(Path(directory) / TENSORS))
         text = json.dumps({"result": self.to_json(), **meta}, indent=2, sort_keys=True) + "\n"
-        seal_directory(directory, RESULT, text)
+        seal_directory(directory, RESULT, text, {"stage": meta.get("stage"), "key": meta.get("key")})
         write_text_atomic(Path(directory) / RESULT, text)
 
     @classmethod

@@ -52,7 +52,9 @@ from prep.report import BITWIDTH_PLOT, study_section
 from prep.stages import Stage, StageResult
 from prep.stages.quantize import PackedExperts
 
-VERSION = 2  # 2: every loss is a unit computed with one torch thread: the losses change in the 6th digit or so
+VERSION = 3  # 2: every loss is a unit computed with one torch thread: the losses change in the 6th digit or so;
+# 3: the sensitivity stage's wall seconds are no longer copied into the result (they reached report.json, so a Ray
+# run's artifact differed from a local run's)
 METRIC = "mean next-token KL(source || configuration), nats, held-out calibration sequences"
 
 
@@ -212,7 +214,7 @@ def choose_bitwidths(packed, sensitivity, trace, cfg: BitwidthSection, evaluate:
         grid, found = edgemoe_search(evaluate, order, precisions, cfg.tolerance, num_layers, num_experts,
                                      cfg.fanout)
         details |= found | {"ranking": sensitivity["method"], "sensitivity": {
-            k: sensitivity[k] for k in ("method", "precision", "sequences", "spearman", "seconds")}}
+            k: sensitivity[k] for k in ("method", "precision", "sequences", "spearman")}}  # no timing: one key, one result
     elif cfg.method == "frequency":
         grid = _uniform(num_layers, num_experts, base)
         moved = round(cfg.share * num_experts)

@@ -77,6 +77,18 @@ class SensitivityProfile(StageResult):
     spearman: float | None  # rank correlation of prerank and sweep
     seconds: dict  # sweep, prerank, one calibration forward pass over the same sequences
 
+    def problem(self) -> str | None:
+        """A KL or an output error is never negative, and a rank correlation lies in [-1, 1]: a cached profile
+        outside them (resealed by hand) would reorder the experts the bit-width search moves."""
+        for name in ("ranking", "sweep", "prerank"):
+            rows = getattr(self, name)
+            if rows is not None and not (isinstance(rows, list) and all(
+                    isinstance(row, list) and all(isinstance(v, (int, float)) and v >= 0 for v in row) for row in rows)):
+                return f"{name} holds a value that is not a number >= 0"
+        if self.spearman is not None and not (isinstance(self.spearman, (int, float)) and -1 <= self.spearman <= 1):
+            return f"spearman {self.spearman} is outside [-1, 1]"
+        return None
+
 
 SEQUENCES = "sequences.safetensors"  # the sweep's calibration tokens, for the units to read (removed at the end)
 

@@ -419,13 +419,15 @@ def study_markdown(study: dict) -> str:
     if sentence := kl_vs_suites_sentence(study.get("kl_vs_suites") or {}):
         lines.append(sentence)
     if s := study.get("sensitivity"):
-        sec = s["seconds"]
+        # seconds: recorded by artifacts before issue 57, which keeps timings out of the artifact
+        sec = s.get("seconds") or {}
         # one_forward: recorded by sweeps before the executor's units (issue 35), which no longer time it
         against = (f" against {sec['one_forward']:.2f} s for one calibration forward = "
                    f"{sec['sweep'] / sec['one_forward']:.0f}x one forward") if sec.get("one_forward") else ""
+        timing = (f"{sec.get('sweep', 0):.1f} s{against}; the trace pre-rank took {sec['prerank']:.2f} s and its"
+                  if "prerank" in sec else "its")
         lines.append(f"- Sensitivity sweep ({s['method']}, {s['sequences']} sequences, to {s['precision']}): "
-                     f"{sec.get('sweep', 0):.1f} s{against}; the trace pre-rank took {sec['prerank']:.2f} s and its Spearman "
-                     f"correlation with the sweep is {s['spearman']}.")
+                     f"{timing} Spearman correlation with the sweep is {s['spearman']}.")
     if best := study.get("best"):
         lines.append(f"- Best within one point (the random control excluded): **{best['label']}** ({best['compression_bfloat16']:.2f}x bfloat16; "
                      f"{'fewer' if best['fewer_bytes_than_uniform_int4'] else 'not fewer'} bytes than uniform int4).")

@@ -39,7 +39,7 @@ from prep.errors import MoeprepError
 from prep.evals.compare import evaluate_artifact
 from prep.evals.data import SUITES
 from prep.executor import Unit, UnitPaths, executor_overrides, make_executor
-from prep.integrity import drop_unit, notice, seal_unit, unit_damage
+from prep.integrity import drop_unit, notice, seal_unit, unit_binding, unit_damage
 from prep.methods.routing_stats import split_thresholds
 from prep.methods.trace import open_trace
 from prep.pipeline import prepare
@@ -204,7 +204,8 @@ def _run(recipe_path, output: Path, root: Path, base, runner, *, budgets, knobs,
                                    "and knob once")
             seen.add(slug)
             file = output / POINTS / f"{slug}.json"
-            if file.is_file() and (problem := unit_damage(file)) is not None:  # truncated, swapped, edited
+            bound = unit_binding(STUDY, slug, f"{POINTS}/{slug}.json")  # what its unit's seal says (prep/executor.py)
+            if file.is_file() and (problem := unit_damage(file, bound)) is not None:  # truncated, swapped, edited
                 notice(f"routing study: point file {file} is not reused: {problem}; measuring it again")
                 drop_unit(file)
             done = json.loads(file.read_text()) if file.is_file() else None
@@ -215,7 +216,7 @@ def _run(recipe_path, output: Path, root: Path, base, runner, *, budgets, knobs,
             if done is None and _kept(previous.get((budget, method, str(knob))), budget, method, knob, key, settings):
                 done = previous[(budget, method, str(knob))]
                 write_json_atomic(file, done)
-                seal_unit(file, file)  # as its unit would have sealed it
+                seal_unit(file, file, bound)  # as its unit would have sealed it
             echo(f"[{n}/{total}] {budget} {method} {knob_name} {knob}: "
                  + ("measured before, kept" if done is not None else "simulate, eval"))
             units.append(Unit(name=slug, output=f"{POINTS}/{slug}.json", fn=study_point,

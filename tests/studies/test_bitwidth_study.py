@@ -88,7 +88,7 @@ def test_every_row_is_prepared_and_compared(study):
     if any(c["rho"] is not None for c in correlations.values()):
         assert "Spearman's rho between mean KL and each suite's delta across the 10 rows" in table
     assert (root / "out/study.png").read_bytes()[:4] == b"\x89PNG"
-    assert result["sensitivity"]["method"] == "sweep" and result["sensitivity"]["seconds"]["sweep"] > 0
+    assert result["sensitivity"]["method"] == "sweep" and "seconds" not in result["sensitivity"]  # no timing in an artifact
 
 
 def test_a_rerun_evaluates_nothing_again(study, monkeypatch):

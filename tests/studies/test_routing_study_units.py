@@ -16,7 +16,7 @@ from click.testing import CliRunner
 import prep.studies.routing as routing
 from loader.plan import Plan
 from prep.cli import main as moeprep
-from prep.integrity import seal_unit
+from prep.integrity import seal_unit, unit_binding
 from prep.sim.replay import load_replay
 from prep.sim.simulate import artifact_spec, simulate
 from tests.helpers.interrupt import interrupted
@@ -110,7 +110,8 @@ def test_a_rerun_reuses_every_point_file_and_measures_again_only_a_changed_one(m
     changed = json.loads((out / "points" / f"{slug}.json").read_text())
     changed["settings"] = changed["settings"] | {"limit": 99}  # as if measured with other settings
     (out / "points" / f"{slug}.json").write_text(json.dumps(changed))
-    seal_unit(out / "points" / f"{slug}.json", out / "points" / f"{slug}.json")  # as a unit with those settings would
+    seal_unit(out / "points" / f"{slug}.json", out / "points" / f"{slug}.json",  # as a unit with those settings would
+              unit_binding(routing.STUDY, slug, f"points/{slug}.json"))
     (out / "study.json").unlink()  # else its entry of the point, measured with these settings, would be kept
     calls = []
     monkeypatch.setattr(routing, "study_point", lambda *a, **kw: calls.append(kw["method"]) or REAL_POINT(*a, **kw))

@@ -6,8 +6,11 @@ end in the clean artifact or one ``MoeprepError``; a traceback or an exit 0 with
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,10 +19,10 @@ from safetensors.torch import load_file, save_file
 
 import prep.stages.quantize as quantize_stage
 from prep.errors import MoeprepError
-from prep.integrity import SEAL, sidecar, stage_damage
+from prep.integrity import SEAL, file_xxh3, seal_directory, sidecar, stage_damage
 from prep.pipeline import prepare
-from tests.helpers.interrupt import interrupted
-from tests.helpers.tiny_models import file_hashes, save_tiny_model, tiny_recipe
+from tests.helpers.interrupt import interrupted, stage_files, uninterrupted
+from tests.helpers.tiny_models import file_hashes, save_tiny_model, sweep_recipe, tiny_recipe
 
 ARTIFACT = Path("artifacts/tiny/artifact")
 STAGES = Path("artifacts/tiny/stages")
@@ -93,20 +96,72 @@ def _unsealed(path: Path, other: Path) -> None:
     sidecar(path).unlink()
 
 
-@pytest.mark.parametrize("damage", [_truncate, _swap, _nan, _flip, _garbage, _unsealed],
+def _swap_sealed(path: Path, other: Path) -> None:
+    """Another unit's file copied over this one together with its seal: the bytes match the seal, the unit not."""
+    shutil.copyfile(other, path)
+    shutil.copyfile(sidecar(other), sidecar(path))
+
+
+def _old_seal(path: Path, other: Path) -> None:
+    """The sidecar an older moeprep wrote: the bare hash of the bytes, bound to no unit."""
+    sidecar(path).write_text(file_xxh3(path) + "\n")
+
+
+def _linked_outside(path: Path, other: Path) -> None:
+    """The unit file moved outside ``artifacts/tiny/`` and linked back: the same bytes, its own seal beside the link."""
+    outside = path.parents[5] / f"outside-{path.name}"
+    path.replace(outside)
+    path.symlink_to(outside)
+
+
+def _fifo_seal(path: Path, other: Path) -> None:
+    sidecar(path).unlink()
+    os.mkfifo(sidecar(path))
+
+
+def _deep_seal(path: Path, other: Path) -> None:
+    sidecar(path).write_text("[" * 100_000 + "]" * 100_000)
+
+
+UNIT_DAMAGE = (_swap_sealed, _old_seal, _linked_outside, _fifo_seal, _deep_seal)  # damage(path, other)
+
+
+@pytest.mark.parametrize("damage", [_truncate, _swap, _nan, _flip, _garbage, _unsealed, *UNIT_DAMAGE],
                          ids=lambda f: f.__name__.strip("_"))
 def test_a_damaged_unit_file_of_an_interrupted_run_is_run_again(clean, tmp_path, monkeypatch, capfd, damage):
     clean_root, want = clean
     root = tmp_path / "run"
     save_tiny_model("mixtral", root / "model")
     damaged, intact = _interrupted(root, monkeypatch)
-    damage(damaged, intact) if damage in (_swap, _unsealed) else damage(damaged)
+    damage(damaged, intact) if damage in (_swap, _unsealed, *UNIT_DAMAGE) else damage(damaged)
+    kept = {p: p.read_bytes() for p in root.glob("outside-*")}
     capfd.readouterr()
-    summary = prepare(_recipe(), root=root)
+    summary = _within(120, prepare, _recipe(), root=root)  # a FIFO seal must not block the rerun
     assert summary["quantize"]["units"]["reused"] == 1  # the other file was intact
     unit = f"{damaged.parent.name}/{damaged.stem}"
-    assert f"unit {unit}'s file" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert f"unit {unit}'s file" in err or (damage is _linked_outside and "outside" in err), err
     assert file_hashes(root / ARTIFACT) == want
+    assert {p: p.read_bytes() for p in root.glob("outside-*")} == kept  # what a link pointed to is left alone
+
+
+def _within(seconds: float, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, failing the test (not hanging it) when it has not returned after ``seconds``."""
+    out: dict = {}
+
+    def call() -> None:
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 (raised again in the test's thread)
+            out["error"] = e
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} still running after {seconds} s (blocked)"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 # --- files of a cached stage ----------------------------------------------------------------------------------
@@ -182,3 +237,112 @@ def test_a_merged_trace_left_by_an_interrupted_run_is_checked_before_it_is_reuse
     prepare(_recipe(), root=root)
     assert "the merged trace" in capfd.readouterr().err
     assert file_hashes(root / ARTIFACT) == want
+
+
+# --- what a seal says, links, and seals that are not files ------------------------------------------------------
+
+
+def _reseal(directory: Path) -> None:
+    """Seal ``directory`` again as its stage would (what a careful forger, or a tool that "repairs" seals, does)."""
+    seal = json.loads((directory / SEAL).read_text())
+    seal_directory(directory, "result.json", (directory / "result.json").read_text(), seal["bound"])
+
+
+def _old_stage_seal(stage: Path) -> None:
+    seal = json.loads((stage / SEAL).read_text())
+    (stage / SEAL).write_text(json.dumps({"files": seal["files"]}))  # an older moeprep's: bound to no stage or key
+
+
+def _stage_renamed(stage: Path) -> None:
+    """Another key's directory of the same stage copied to this key's name, seal and all."""
+    seal = json.loads((stage / SEAL).read_text())
+    seal["bound"]["key"] = "0" * 64
+    (stage / SEAL).write_text(json.dumps(seal))
+
+
+def _stage_linked_outside(stage: Path) -> None:
+    outside = stage.parents[3] / "outside-stage"
+    stage.replace(outside)
+    stage.symlink_to(outside)
+
+
+def _file_linked_outside(stage: Path) -> None:
+    outside = stage.parents[3] / "outside-layer-0.safetensors"
+    (stage / "int4/layer-0.safetensors").replace(outside)
+    (stage / "int4/layer-0.safetensors").symlink_to(outside)
+
+
+def _fifo_stage_seal(stage: Path) -> None:
+    (stage / SEAL).unlink()
+    os.mkfifo(stage / SEAL)
+
+
+def _deep_stage_seal(stage: Path) -> None:
+    (stage / SEAL).write_text('{"files": ' + "[" * 100_000 + "]" * 100_000 + "}")
+
+
+@pytest.mark.parametrize("damage", [_old_stage_seal, _stage_renamed, _stage_linked_outside, _file_linked_outside,
+                                    _fifo_stage_seal, _deep_stage_seal], ids=lambda f: f.__name__.strip("_"))
+def test_a_cached_stage_that_is_not_this_stages_or_leaves_the_artifact_directory_is_computed_again(
+        clean, tmp_path, capfd, damage):
+    """The quantize stage's cache: a seal bound to no key or another key, a link leaving ``artifacts/tiny/`` (the
+    directory or one file), a FIFO or a bottomless seal: computed again with a notice, what a link pointed to kept."""
+    clean_root, want = clean
+    root = _copy(clean_root, tmp_path / "run")
+    (quantized,) = (root / STAGES).glob("quantize-*")
+    damage(quantized)
+    kept = {p: sorted(p.rglob("*")) if p.is_dir() else p.read_bytes() for p in root.glob("outside-*")}
+    capfd.readouterr()
+    summary = _within(120, prepare, _recipe(), root=root, force="package")
+    assert not summary["quantize"]["cached"] and "stage quantize: the cached result" in capfd.readouterr().err
+    assert file_hashes(root / ARTIFACT) == want
+    assert not quantized.is_symlink() and stage_damage(quantized) is None  # computed again, where it belongs
+    assert {p: sorted(p.rglob("*")) if p.is_dir() else p.read_bytes() for p in root.glob("outside-*")} == kept
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """A clean run of the sensitivity sweep (its result's ranking is what the bit-width search orders by)."""
+    return uninterrupted(tmp_path_factory, sweep_recipe(), until="sensitivity")[0]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_a_resealed_sensitivity_result_out_of_range_never_enters_the_plan(swept, tmp_path, capfd, value):
+    """A NaN, an infinity or a negative KL written into the cached sensitivity result and sealed again: the bytes
+    match the seal, the values do not; the stage is computed again, so bitwidth never orders by them."""
+    root = _copy(swept, tmp_path / "run")
+    (profile,) = (root / STAGES).glob("sensitivity-*")
+    raw = json.loads((profile / "result.json").read_text())
+    raw["result"]["ranking"][0][1] = value
+    (profile / "result.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    _reseal(profile)
+    assert "xxh3" not in (stage_damage(profile) or "")  # the seal vouches for the bytes: the values are refused
+    capfd.readouterr()
+    summary = prepare(sweep_recipe(), root=root, until="sensitivity")
+    assert not summary["sensitivity"]["cached"]
+    assert "stage sensitivity: the cached result" in capfd.readouterr().err
+    assert stage_files(root) == stage_files(swept)
+
+
+def test_a_resealed_nan_unit_file_is_run_again(swept, tmp_path, monkeypatch, capfd):
+    """An interrupted sweep's finished unit file with a NaN, sealed again as that unit's: run again, with a notice."""
+    import prep.stages.sensitivity as sensitivity_stage
+
+    root = tmp_path / "run"
+    save_tiny_model("qwen3_moe", root / "model")
+    with interrupted(monkeypatch, sensitivity_stage, "sweep_layer", on_call=2):
+        prepare(sweep_recipe(), root=root, until="sensitivity")
+    (done,) = (root / STAGES).glob(".work-sensitivity-*/layer-0.json")
+    bound = json.loads(sidecar(done).read_text())["bound"]
+    row = json.loads(done.read_text())
+    done.write_text(json.dumps([float("nan")] + row[1:]))
+    sidecar(done).unlink()
+    from prep.integrity import seal_unit
+
+    seal_unit(done, done, bound)
+    capfd.readouterr()
+    summary = prepare(sweep_recipe(), root=root, until="sensitivity")
+    assert summary["sensitivity"]["units"]["reused"] == 0
+    err = capfd.readouterr().err
+    assert "not a finite number" in err, err[-2000:]
+    assert stage_files(root) == stage_files(swept)
