@@ -21,12 +21,14 @@ from loader.format import (
     CONFIG,
     DENSE,
     MANIFEST,
+    REPORT,
     Manifest,
     expert_key,
     is_informational,
     is_int,
     read_json,
     read_manifest,
+    report_problem,
 )
 from loader.hashing import sha256_file
 from loader.io import read_record_offsets, read_safetensors_header
@@ -69,11 +71,39 @@ def open_artifact(artifact: str | Path) -> Manifest:
         if problem := file_problem(manifest, name, hash_it=name not in stores):
             problems.append((name, problem))
     if problems:
-        fix = (f"{_PREPARE_AGAIN[0].upper()}{_PREPARE_AGAIN[1:]}" if any(n != TUNING_FILE for n, _ in problems)
-               else f"Run `moeload tune` again to write {TUNING_FILE} anew, or copy the artifact again")
-        raise ArtifactError(f"artifact {manifest.root} is damaged: "
-                            + "; ".join(f"{name}: {p}" for name, p in problems) + f". {fix}", file=problems[0][0])
+        raise damaged(manifest, problems)
     return check_contents(manifest)
+
+
+def damaged(manifest: Manifest, problems: list[tuple[str, str]]) -> ArtifactError:
+    """The one message for listed files that do not match the manifest (``problems``: (name, ``file_problem``)):
+    ``load`` and every reader of a sealed file (``sealed_file``) say it alike, and ``verify`` prints its
+    ``name: problem`` parts."""
+    fix = (f"{_PREPARE_AGAIN[0].upper()}{_PREPARE_AGAIN[1:]}" if any(n != TUNING_FILE for n, _ in problems)
+           else f"Run `moeload tune` again to write {TUNING_FILE} anew, or copy the artifact again")
+    return ArtifactError(f"artifact {manifest.root} is damaged: "
+                         + "; ".join(f"{name}: {p}" for name, p in problems) + f". {fix}", file=problems[0][0])
+
+
+def sealed_file(manifest: Manifest, name: str) -> Path:
+    """The path of the listed file ``name`` once its size and sha256 match the manifest; else ``damaged``'s error.
+    What ``moeload plan`` and the other readers of an artifact's device profile, routing sample and report call
+    before they trust a byte of it."""
+    if problem := file_problem(manifest, name, hash_it=True):
+        raise damaged(manifest, [(name, problem)])
+    return manifest.path(name)
+
+
+def read_report(manifest: Manifest) -> dict:
+    """The artifact's report.json ({} where it has none): sealed (``sealed_file``), nested at most
+    ``loader.io.MAX_JSON_DEPTH`` deep, and what the commands read of it checked (``loader.format.report_problem``);
+    ``moeload info`` and ``plan`` read it here, ``verify`` refuses what they refuse."""
+    if REPORT not in manifest.files:
+        return {}
+    report = read_json(sealed_file(manifest, REPORT), REPORT)
+    if problem := report_problem(report):
+        raise ArtifactError(f"{manifest.path(REPORT)}: {problem}; {_PREPARE_AGAIN}", file=REPORT)
+    return report
 
 
 def check_contents(manifest: Manifest, informational: bool = False) -> Manifest:
