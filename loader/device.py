@@ -54,11 +54,11 @@ from pathlib import Path
 
 from loader.codec import MatrixSpec, RecordLayout
 from loader.errors import ModelingError
+from loader.format import DEVICE_FILE  # noqa: F401 (re-exported: in an artifact, the profile its plan was made with)
 from loader.forms import choose_form, matrices_forward
 from loader.io import parse_json, write_json_atomic
 from loader.vocab import BITS, MX
 
-DEVICE_FILE = "device.json"  # in an artifact: the profile its plan was tuned with (``moeload plan`` predicts with it)
 PROFILE_FORMAT = "moeprep-device-profile"
 PROFILE_VERSION = 1
 MIXTRAL_SHAPE = (4096, 14336)  # (hidden H, expert intermediate I) of Mixtral-8x7B
@@ -374,9 +374,9 @@ def load_profile(path: str | Path) -> DeviceProfile:
 
 def read_artifact_profile(manifest) -> DeviceProfile | None:
     """The profile an artifact carries (``device.json``, the device its plan was made for), None where it carries
-    none: sealed (its size and sha256 as the manifest lists them, ``loader.artifact.sealed_file``), then read as any
+    none: sealed (its size and sha256 as the manifest lists them, ``loader.format.sealed_file``), then read as any
     given profile is (``load_profile``), so a profile is refused with one message wherever it comes from."""
-    from loader.artifact import sealed_file
+    from loader.format import sealed_file
 
     if DEVICE_FILE not in manifest.files:
         return None

@@ -57,6 +57,8 @@ DIGEST_REQUIRED = True  # every writer seals the manifest through write_manifest
 CONFIG = "config.json"
 DENSE = "dense.safetensors"
 REPORT = "report.json"
+TUNING_FILE = "tuning.json"  # ``moeload tune``'s decisions (``loader/tuning.py``)
+DEVICE_FILE = "device.json"  # the profile the plan was made for: read only by ``loader.device.read_artifact_profile``
 REPORTS_DIR = "reports/"  # plots and study files: informational, whatever their names
 INFORMATIONAL_FILES = (REPORT, "report.md")  # rewritten after packaging, with everything under REPORTS_DIR
 REQUIRED_FILES = (CONFIG, DENSE, PLAN_FILE)
@@ -145,6 +147,45 @@ def read_json(path: Path, name: str, fix: str = _PREPARE_AGAIN, limit: int | Non
         return parse_json(text)
     except ValueError as e:  # JSONDecodeError is a ValueError; so is parse_json's nesting bound
         raise ArtifactError(f"{path} is not valid JSON ({str(e)[:120]}); {fix}", file=name) from None
+
+
+# ------------------------------------------------------------------------------------------ sealed files
+
+
+def file_problem(manifest: Manifest, name: str, hash_it: bool) -> str | None:
+    """What is wrong with the listed file ``name`` (None when it matches its manifest entry)."""
+    entry = manifest.files[name]
+    path = manifest.path(name)
+    try:
+        if not path.is_file():
+            return "missing" if not path.exists() else "not a regular file"
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            return f"{size} bytes, the manifest says {entry['bytes']} (truncated or replaced)"
+        if hash_it and sha256_file(path) != entry["sha256"]:
+            return "sha256 mismatch (content changed)"
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    return None
+
+
+def damaged(manifest: Manifest, problems: list[tuple[str, str]]) -> ArtifactError:
+    """The one message for listed files that do not match the manifest (``problems``: (name, ``file_problem``)):
+    ``load`` and every reader of a sealed file (``sealed_file``) say it alike, and ``verify`` prints its
+    ``name: problem`` parts."""
+    fix = (f"{_PREPARE_AGAIN[0].upper()}{_PREPARE_AGAIN[1:]}" if any(n != TUNING_FILE for n, _ in problems)
+           else f"Run `moeload tune` again to write {TUNING_FILE} anew, or copy the artifact again")
+    return ArtifactError(f"artifact {manifest.root} is damaged: "
+                         + "; ".join(f"{name}: {p}" for name, p in problems) + f". {fix}", file=problems[0][0])
+
+
+def sealed_file(manifest: Manifest, name: str) -> Path:
+    """The path of the listed file ``name`` once its size and sha256 match the manifest; else ``damaged``'s error.
+    What ``moeload plan`` and the other readers of an artifact's device profile, routing sample and report call
+    before they trust a byte of it."""
+    if problem := file_problem(manifest, name, hash_it=True):
+        raise damaged(manifest, [(name, problem)])
+    return manifest.path(name)
 
 
 # ------------------------------------------------------------------------------------------ report

@@ -705,13 +705,13 @@ _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int6
 
 def read_routing_sample(manifest, path=None) -> tuple[Replay, PredictionFeed | None]:
     """The one reader of a routing sample: the one an artifact carries (``routing.safetensors``, written by ``moeprep
-    prepare``'s package stage), sealed by the manifest (``loader.artifact.sealed_file``), or ``path``, another file of
+    prepare``'s package stage), sealed by the manifest (``loader.format.sealed_file``), or ``path``, another file of
     the same tensors (``--routing``: routing recorded on the device's workload; without ``sequence_lengths``, one
     sequence). Every tensor is checked against the model (``routing_problem``: dtypes, shapes, expert ids in range,
     finite non-negative weights, finite logits and router inputs) before it is replayed. Returns a ``Replay`` and what
     the plan's predictors read when the sample holds the routers' inputs (else None); any refusal is one
     ModelingError naming the file (an ArtifactError for a sealed file that does not match its manifest)."""
-    from loader.artifact import sealed_file
+    from loader.format import sealed_file
 
     if path is None and ROUTING_SAMPLE not in manifest.files:
         raise ModelingError(f"{manifest.root} carries no routing sample ({ROUTING_SAMPLE}: artifacts packaged before "
@@ -810,13 +810,12 @@ def routing_problem(tensors: dict, layers: int, experts: int, top_k: int) -> str
 
 def _prediction_inputs(manifest) -> tuple[list, dict]:
     """The routers (weight [E, H], bias or None per MoE layer) and the predictor tensors the plan's predictors read,
-    from their sealed files (``loader.artifact.sealed_file``); the predictor tensors checked as ``load`` checks them
+    from their sealed files (``loader.format.sealed_file``); the predictor tensors checked as ``load`` checks them
     (``loader.binding.read_predictor_tensors``)."""
     from safetensors import safe_open
 
-    from loader.artifact import sealed_file
     from loader.binding import read_predictor_tensors
-    from loader.format import DENSE
+    from loader.format import DENSE, sealed_file
     from loader.predict import PREDICTORS_FILE
 
     routers = []

@@ -20,12 +20,12 @@ import math
 from dataclasses import dataclass, field
 
 from loader.errors import ArtifactError
+from loader.format import TUNING_FILE
 from loader.hashing import sha256_file
 from loader.io import parse_json, write_json_atomic
 from loader.plan import Plan, PolicySpec
 from loader.vocab import DEFAULT_HOOKS
 
-TUNING_FILE = "tuning.json"
 TUNING_VERSION = 1
 VERDICTS = ("pays", "loses", "within noise", "needed by the budget", "kept by the check against plain")
 _FIX = "run `moeload tune` again (it writes the file anew), or copy the artifact again"

@@ -54,14 +54,14 @@ def _verify(artifact: Path) -> list[str]:
             problem = _hash_store(manifest, stores[name])
         if problem:
             bad[name] = problem
-    if not bad:  # first the files with a reader of their own, so verify refuses them with that reader's message
-        bad |= _read_each(manifest)
     if not bad:
         try:
             checked = check_contents(manifest, informational=True)
             check_bindings(checked)  # what load would refuse when it binds the plan and the tokenizer
         except MoeError as e:
             bad[getattr(e, "file", None) or PLAN_FILE] = str(e)
+    if not bad:
+        bad |= _read_each(manifest)
     return [f"{name}: {problem}" for name, problem in bad.items()]
 
 

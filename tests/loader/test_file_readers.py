@@ -266,3 +266,37 @@ def test_profile_device_refuses_a_missing_output_directory_before_it_measures(tm
     assert result.exit_code == 1 and "does not exist" in result.output and "measurement started" not in result.output
     result = CliRunner().invoke(moeload, ["profile-device", "--output", str(tmp_path)])
     assert result.exit_code != 0 and "directory" in result.output  # click's own check, before any measurement
+
+
+REPORT_DAMAGES = {
+    "points not a list": lambda r: r | {"operating_points": {"budget_bytes": 1}},
+    "a point not an object": lambda r: r | {"operating_points": [7]},
+    "a point's budget a string": lambda r: r | {"operating_points": [{"budget_bytes": "1GiB"}]},
+    "a point's speed infinite": lambda r: r | {"operating_points": [{"budget_bytes": 1 << 20,
+                                                                    "modeled_tokens_per_s": float("inf")}]},
+    "divergence without stats": lambda r: r | {"divergence": {"held_out": {"sequence_length": 8}, "sequences": 4,
+                                                              "tokens": 28, "resamples": 10, "level": 0.95}},
+    "a list": lambda r: [r],
+}
+
+
+@pytest.mark.parametrize("case", list(REPORT_DAMAGES))
+def test_a_malformed_sealed_report_is_refused_alike_by_info_plan_verify_and_eval(artifact, tmp_path, case):
+    from loader.artifact import read_report
+    from loader.format import REPORT
+    from prep.report import current_report
+
+    root = tmp_path / "artifact"
+    shutil.copytree(artifact.resolve(), root)
+    report = json.loads((root / REPORT).read_text())
+    (root / REPORT).write_text(json.dumps(REPORT_DAMAGES[case](report)))
+    reseal(root, REPORT)
+    message, line = expected(root, REPORT, read_report)
+    with pytest.raises(MoeError) as evaluated:  # what `moeprep eval` and `accuracy` read before they evaluate
+        current_report(read_manifest(root))
+    assert str(evaluated.value) == message
+    runner = CliRunner()
+    found = {"info": runner.invoke(moeload, ["info", str(root)]),
+             "plan": runner.invoke(moeload, ["plan", str(root), "--memory-budget", "50%"])}
+    found = {k: (r.exit_code, r.output) for k, r in found.items()} | {"verify": (1, "\n".join(verify(root)))}
+    check_one_message(found, message, line)
