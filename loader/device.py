@@ -227,7 +227,13 @@ CALIBRATION_SECONDS = ("layer_overhead_s", "token_overhead_s", "prefill_token_ov
 
 
 def _number(x) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite JSON number (``true`` is not one; an integer past float's range is not finite)."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def _positive(x) -> bool:
@@ -285,9 +291,9 @@ def _reads_problem(raw: dict) -> str | None:
 
 def _compute_problem(raw: dict) -> str | None:
     compute = raw.get("compute_seconds_per_expert")
-    if not (_seconds_table(compute) and compute):
-        return (f"compute_seconds_per_expert must be {{precision: seconds from 0 to {MAX_SECONDS:g}}}, at least one, "
-                f"got {_shown(compute)}")
+    if not (_seconds_table(compute) and compute and all(v > 0 for v in compute.values())):  # no expert is free
+        return (f"compute_seconds_per_expert must be {{precision: seconds above 0 and at most {MAX_SECONDS:g}}}, at "
+                f"least one, got {_shown(compute)}")
     if not _seconds_table(raw.get("make_seconds_per_expert", {})):
         return (f"make_seconds_per_expert must be {{precision: seconds from 0 to {MAX_SECONDS:g}}}, got "
                 f"{_shown(raw.get('make_seconds_per_expert'))}")
@@ -380,7 +386,19 @@ def read_artifact_profile(manifest) -> DeviceProfile | None:
 
     if DEVICE_FILE not in manifest.files:
         return None
-    return load_profile(sealed_file(manifest, DEVICE_FILE))
+    profile = load_profile(sealed_file(manifest, DEVICE_FILE))
+    check_profile_for(manifest, profile)
+    return profile
+
+
+def check_profile_for(manifest, profile: DeviceProfile) -> None:
+    """The profile can time this artifact: a compute time for every precision its plan holds experts at, once scaled
+    to its model (``model_profile``); else the ModelingError the cost model would raise mid-replay, raised now."""
+    from loader.plan import read_plan
+
+    scaled = model_profile(manifest, profile)
+    for precision in sorted(set(read_plan(manifest.root).precisions)):
+        scaled.compute(precision)
 
 
 # ------------------------------------------------------------------------------------------ reads

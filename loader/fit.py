@@ -25,7 +25,14 @@ from loader.budget import (
     resolve_budget,
 )
 from loader.codec import RecordLayout
-from loader.device import DEVICE_FILE, DeviceProfile, load_profile, model_profile, read_artifact_profile
+from loader.device import (
+    DEVICE_FILE,
+    DeviceProfile,
+    check_profile_for,
+    load_profile,
+    model_profile,
+    read_artifact_profile,
+)
 from loader.errors import BudgetError, LoaderError
 from loader.format import read_manifest
 from loader.memory import auto_budget, is_auto
@@ -189,7 +196,9 @@ def device_profile(manifest, profile) -> tuple[DeviceProfile | None, str]:
     if isinstance(profile, DeviceProfile):
         return profile, "given"
     if profile is not None:
-        return load_profile(profile), str(profile)
+        given = load_profile(profile)
+        check_profile_for(manifest, given)
+        return given, str(profile)
     carried = read_artifact_profile(manifest)
     if carried is not None:
         return carried, f"the artifact's {DEVICE_FILE} (the device it was planned for)"

@@ -193,7 +193,14 @@ def sealed_file(manifest: Manifest, name: str) -> Path:
 
 def _figure(x, finite: bool = True) -> bool:
     """A number (``finite``: not NaN or infinite), or null."""
-    return x is None or (isinstance(x, int | float) and not isinstance(x, bool) and (not finite or math.isfinite(x)))
+    if x is None:
+        return True
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return False
+    try:
+        return not finite or math.isfinite(x)
+    except OverflowError:  # an integer past float's range
+        return False
 
 
 def _point_problem(i: int, p) -> str | None:
