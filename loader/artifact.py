@@ -20,39 +20,26 @@ from loader.format import (
     ALIGN,
     CONFIG,
     DENSE,
+    DEVICE_FILE,
     MANIFEST,
+    REPORT,
     Manifest,
+    damaged,
     expert_key,
+    file_problem,
     is_informational,
     is_int,
     read_json,
     read_manifest,
+    report_problem,
+    sealed_file,
 )
-from loader.hashing import sha256_file
 from loader.io import read_record_offsets, read_safetensors_header
 from loader.plan import PLAN_FILE, Plan, read_plan
-from loader.tuning import TUNING_FILE
 
 # config.json names of E and K across architectures (a multimodal config nests them in text_config)
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "top_k", "moe_top_k", "experts_per_token", "num_selected_experts")
-
-
-def file_problem(manifest: Manifest, name: str, hash_it: bool) -> str | None:
-    """What is wrong with the listed file ``name`` (None when it matches its manifest entry)."""
-    entry = manifest.files[name]
-    path = manifest.path(name)
-    try:
-        if not path.is_file():
-            return "missing" if not path.exists() else "not a regular file"
-        size = path.stat().st_size
-        if size != entry["bytes"]:
-            return f"{size} bytes, the manifest says {entry['bytes']} (truncated or replaced)"
-        if hash_it and sha256_file(path) != entry["sha256"]:
-            return "sha256 mismatch (content changed)"
-    except OSError as e:
-        return f"cannot be read ({e.strerror or e})"
-    return None
 
 
 def open_artifact(artifact: str | Path) -> Manifest:
@@ -69,18 +56,29 @@ def open_artifact(artifact: str | Path) -> Manifest:
         if problem := file_problem(manifest, name, hash_it=name not in stores):
             problems.append((name, problem))
     if problems:
-        fix = (f"{_PREPARE_AGAIN[0].upper()}{_PREPARE_AGAIN[1:]}" if any(n != TUNING_FILE for n, _ in problems)
-               else f"Run `moeload tune` again to write {TUNING_FILE} anew, or copy the artifact again")
-        raise ArtifactError(f"artifact {manifest.root} is damaged: "
-                            + "; ".join(f"{name}: {p}" for name, p in problems) + f". {fix}", file=problems[0][0])
+        raise damaged(manifest, problems)
     return check_contents(manifest)
+
+
+def read_report(manifest: Manifest) -> dict:
+    """The artifact's report.json ({} where it has none): sealed (``sealed_file``), nested at most
+    ``loader.io.MAX_JSON_DEPTH`` deep, and what the commands read of it checked (``loader.format.report_problem``);
+    ``moeload info`` and ``plan`` read it here, ``verify`` refuses what they refuse."""
+    if REPORT not in manifest.files:
+        return {}
+    report = read_json(sealed_file(manifest, REPORT), REPORT)
+    if problem := report_problem(report):
+        raise ArtifactError(f"{manifest.path(REPORT)}: {problem}; {_PREPARE_AGAIN}", file=REPORT)
+    return report
 
 
 def check_contents(manifest: Manifest, informational: bool = False) -> Manifest:
     """Every JSON file parses, the MoE facts agree with config.json, the plan fits, every header is sound."""
     for name in sorted(manifest.files):
-        # loading needs no report (``informational``: verify parses it too)
-        if name.endswith(".json") and name != PLAN_FILE and (informational or not is_informational(name)):
+        # loading needs no report (``informational``: verify parses it too); device.json has its own reader
+        # (``loader.device.read_artifact_profile``), which verify, plan and generate call, and a load does not read it
+        if (name.endswith(".json") and name not in (PLAN_FILE, DEVICE_FILE)
+                and (informational or not is_informational(name))):
             value = read_json(manifest.path(name), name)
             if name == CONFIG:
                 _check_config(manifest, value)

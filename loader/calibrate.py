@@ -19,6 +19,7 @@ import time
 from loader.device import (
     RECORD_BYTES,
     DeviceProfile,
+    check_output,
     dense_rate,
     dense_weights,
     measure_device,
@@ -201,6 +202,7 @@ def profile_device(output, directory=None, file_mb: int = 256, device: str = "cp
     """What ``moeload profile-device`` (and ``moeprep profile-device``) run: measure this machine (reads at the
     artifact's record size from ``directory``'s disk, default: the artifact's, else the temp directory; compute per
     expert and per prompt size), calibrate against the loader on ``artifact`` where one is given, write ``output``."""
+    check_output(output)  # a missing or read-only directory is refused before the measurement, not after it
     record_bytes = RECORD_BYTES
     if artifact is not None:
         from loader.format import read_manifest

@@ -16,7 +16,7 @@ from loader import __version__
 from loader.cli_group import LoaderGroup
 from loader.codec import RecordLayout
 from loader.errors import MoeError
-from loader.format import REPORT, ArtifactError, read_json, read_manifest
+from loader.format import read_manifest
 from loader.plan import read_plan
 from loader.verify import verify
 from loader.vocab import EXPERT_DTYPES
@@ -49,11 +49,11 @@ def verify_command(artifact: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def info_command(artifact: str, as_json: bool) -> None:
     """Summarize an artifact: source model, MoE geometry, stores, plan, sizes."""
+    from loader.artifact import read_report
+
     manifest = read_manifest(artifact)
     raw = manifest.raw
-    report = read_json(manifest.path(REPORT), REPORT) if REPORT in manifest.files else {}
-    if not isinstance(report, dict):
-        raise ArtifactError(f"{manifest.path(REPORT)} must hold a JSON object; re-run `moeprep prepare`", REPORT)
+    report = read_report(manifest)  # sealed and checked: plan and verify read it through the same reader
     info = {
         "schema_version": raw["schema_version"],
         "producer": raw["producer"],
@@ -127,7 +127,7 @@ def plan_command(artifact: str, memory_budget: str | None, device: str, store: s
     view = preview(artifact, memory_budget, device, store, device_profile, prompt_tokens, expert_dtype,
                    routing=routing, sample_tokens=sample_tokens, ignore_device_file=ignore_device_file)
     if as_json:
-        click.echo(json.dumps(view, indent=2, sort_keys=True))
+        click.echo(json.dumps(view, indent=2, sort_keys=True, allow_nan=False))  # strict JSON: preview makes it finite
     else:
         for line in describe(view):
             click.echo(line)
@@ -326,7 +326,7 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
     import torch
     from transformers import TextStreamer
 
-    from loader.fit import preview
+    from loader.fit import prediction_inputs, preview
     from loader.memory import auto_budget, is_auto
     from loader.prefill import decode
     from loader.routing import MissPolicy, RoutingPolicy
@@ -345,6 +345,9 @@ def generate_command(artifact: str, prompt: str, max_new_tokens: int, memory_bud
         bounded_count(workers, "--workers", MAX_WORKERS, "auto or a number of reader threads")
     chosen = None if predictors is None else [p for p in predictors.replace(" ", "").split(",") if p and p != "none"]
     chosen_auto = None
+    # the files the closing prediction reads, through the readers `moeload plan` and `verify` use: a refused device
+    # profile or routing sample is refused here, before the load, with their message
+    prediction_inputs(read_manifest(artifact), device_profile)
     if memory_budget is not None and is_auto(memory_budget):
         chosen_auto = auto_budget(device)  # once: the load and the prediction take the same number
         click.echo(chosen_auto.describe(), err=True)
@@ -424,13 +427,13 @@ def _print_generate_stats(stats: dict) -> None:
         click.echo(f"  layer {layer}: hits {s['hits']} misses {s['misses']} "
                    f"read {s['bytes_read']:,} B stall {s['stall_seconds']:.3f} s")
     p = stats["predicted"]
-    if p["available"]:
+    if p["available"] and p["decode_tokens_per_s"] is not None:
         click.echo(f"predicted (moeload plan) decode {p['decode_tokens_per_s']:.2f} tok/s, measured "
                    f"{g['decode_tokens_per_second'] or 0:.2f}; time to first token "
                    + (f"{p['time_to_first_token_s']:.3f} s" if p["time_to_first_token_s"] is not None else "n/a")
                    + f", measured {g['time_to_first_token_s']:.3f} s (profile: {p['profile']})")
     else:
-        click.echo(f"predicted (moeload plan): none, {p['why']}")
+        click.echo(f"predicted (moeload plan): none, {p.get('why') or p.get('decode_why')}")
 
 
 if __name__ == "__main__":

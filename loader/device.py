@@ -45,6 +45,7 @@ import math
 import mmap
 import os
 import platform
+import re
 import statistics
 import tempfile
 import time
@@ -53,11 +54,11 @@ from pathlib import Path
 
 from loader.codec import MatrixSpec, RecordLayout
 from loader.errors import ModelingError
+from loader.format import DEVICE_FILE  # noqa: F401 (re-exported: in an artifact, the profile its plan was made with)
 from loader.forms import choose_form, matrices_forward
-from loader.io import write_json_atomic
+from loader.io import parse_json, write_json_atomic
 from loader.vocab import BITS, MX
 
-DEVICE_FILE = "device.json"  # in an artifact: the profile its plan was tuned with (``moeload plan`` predicts with it)
 PROFILE_FORMAT = "moeprep-device-profile"
 PROFILE_VERSION = 1
 MIXTRAL_SHAPE = (4096, 14336)  # (hidden H, expert intermediate I) of Mixtral-8x7B
@@ -204,58 +205,202 @@ class DeviceProfile:
 
     @classmethod
     def from_json(cls, raw: dict, where: str = "device profile") -> DeviceProfile:
-        fix = "write one with `moeload profile-device --output device.json`"
-        if not isinstance(raw, dict) or raw.get("format") != PROFILE_FORMAT or raw.get("version") != PROFILE_VERSION:
-            raise ModelingError(f"{where} is not a {PROFILE_FORMAT} version {PROFILE_VERSION} file; {fix}")
-        bw, latency, compute = (raw.get("read_bandwidth_bytes_per_s"), raw.get("read_latency_s"),
-                                raw.get("compute_seconds_per_expert"))
-        if not (_positive(bw) and _number(latency) and latency >= 0 and isinstance(compute, dict)
-                and all(isinstance(k, str) and _number(v) and v >= 0 for k, v in compute.items())):
-            raise ModelingError(f"{where}: read_bandwidth_bytes_per_s (> 0), read_latency_s (>= 0) and "
-                               f"compute_seconds_per_expert ({{precision: seconds}}) are required; {fix}")
-        make = raw.get("make_seconds_per_expert", {})
-        if not (isinstance(make, dict) and all(isinstance(k, str) and _number(v) and v >= 0 for k, v in make.items())):
-            raise ModelingError(f"{where}: make_seconds_per_expert must be {{precision: seconds >= 0}}; {fix}")
-        calibration = raw.get("calibration", {})
-        seconds = ("layer_overhead_s", "token_overhead_s", "prefill_token_overhead_s", *MODEL_FREE_CALIBRATION)
-        if not (isinstance(calibration, dict) and set(calibration) <= {"overlap", *seconds}
-                and isinstance(calibration.get("overlap", False), bool)
-                and all(_number(calibration.get(k, 0.0)) and calibration.get(k, 0.0) >= 0 for k in seconds)):
-            raise ModelingError(f"{where}: calibration must be {{overlap: bool, and seconds >= 0 for any of "
-                               f"{', '.join(seconds)}}}; {fix}")
-        depths, depth = raw.get("read_depths"), raw.get("read_depth")
-        if (depths is None) != (depth is None) or depths is not None and not (
-                isinstance(depths, dict) and depths
-                and all(isinstance(k, str) and k.isascii() and k.isdigit() and int(k) > 0 and _positive(v) for k, v in depths.items())
-                and _number(depth) and isinstance(depth, int) and str(depth) in depths):
-            raise ModelingError(f"{where}: read_depths ({{depth: bytes/s > 0}}) and read_depth (one of its depths) "
-                               f"go together or not at all; {fix}")
+        """A profile from its JSON, every field the cost model reads checked for type, range and finiteness
+        (``profile_problem``); one ModelingError naming ``where`` and the field otherwise."""
+        if problem := profile_problem(raw):
+            raise ModelingError(f"device profile {where}: {problem}; {PROFILE_FIX}")
         known = {"format", "version", "device", "read_bandwidth_bytes_per_s", "read_latency_s",
                  "compute_seconds_per_expert", "make_seconds_per_expert", "calibration"}
-        return cls(float(bw), float(latency), {k: float(v) for k, v in compute.items()}, str(raw.get("device", "")),
-                   {k: v for k, v in raw.items() if k not in known}, {k: float(v) for k, v in make.items()},
-                   dict(calibration))
+        return cls(float(raw["read_bandwidth_bytes_per_s"]), float(raw["read_latency_s"]),
+                   {k: float(v) for k, v in raw["compute_seconds_per_expert"].items()}, str(raw.get("device", "")),
+                   {k: v for k, v in raw.items() if k not in known},
+                   {k: float(v) for k, v in raw.get("make_seconds_per_expert", {}).items()},
+                   dict(raw.get("calibration", {})))
+
+
+PROFILE_FIX = "measure it again with `moeload profile-device --output device.json`"
+MAX_PROFILE_BYTES = 16 << 20  # a measured profile is a few KB
+# sane bounds: no disk reads faster than 10 TB/s, no expert takes an hour a token, no expert dimension passes 2**20
+MAX_BANDWIDTH = 1e13
+MAX_SECONDS = 3600.0
+MAX_DIMENSION = 1 << 20
+MAX_DEPTH = 1024  # reads in flight
+CALIBRATION_SECONDS = ("layer_overhead_s", "token_overhead_s", "prefill_token_overhead_s", *MODEL_FREE_CALIBRATION)
 
 
 def _number(x) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite JSON number (``true`` is not one; an integer past float's range is not finite)."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def _positive(x) -> bool:
     return _number(x) and x > 0
 
 
+def _seconds(x) -> bool:
+    return _number(x) and 0 <= x <= MAX_SECONDS
+
+
+def _count(x, most: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= most
+
+
+def _count_key(k, most: int) -> bool:
+    return isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 9 and 1 <= int(k) <= most
+
+
+def _seconds_table(x) -> bool:
+    """{name: seconds} with every name a non-empty string."""
+    return isinstance(x, dict) and all(isinstance(k, str) and k and _seconds(v) for k, v in x.items())
+
+
+def profile_problem(raw) -> str | None:
+    """What is wrong with a device profile's JSON (None: nothing): its format and version, then every field the cost
+    model reads, each of its type, finite and within a sane range (``MAX_*``)."""
+    if not isinstance(raw, dict) or raw.get("format") != PROFILE_FORMAT or raw.get("version") != PROFILE_VERSION:
+        return f"is not a {PROFILE_FORMAT} version {PROFILE_VERSION} file"
+    for check in (_reads_problem, _compute_problem, _calibration_problem, _shape_problem, _prefill_problem):
+        if problem := check(raw):
+            return problem
+    return None
+
+
+def _reads_problem(raw: dict) -> str | None:
+    bw, latency = raw.get("read_bandwidth_bytes_per_s"), raw.get("read_latency_s")
+    if not (_positive(bw) and bw <= MAX_BANDWIDTH):
+        return f"read_bandwidth_bytes_per_s must be bytes/s above 0 and at most {MAX_BANDWIDTH:g}, got {_shown(bw)}"
+    if not _seconds(latency):
+        return f"read_latency_s must be seconds from 0 to {MAX_SECONDS:g}, got {_shown(latency)}"
+    depths, depth = raw.get("read_depths"), raw.get("read_depth")
+    if (depths is None) != (depth is None) or depths is not None and not (
+            isinstance(depths, dict) and depths
+            and all(_count_key(k, MAX_DEPTH) and _positive(v) and v <= MAX_BANDWIDTH for k, v in depths.items())
+            and _count(depth, MAX_DEPTH) and str(depth) in depths):
+        return (f"read_depths ({{depth: bytes/s above 0}}, depths 1 to {MAX_DEPTH}) and read_depth (one of its depths) "
+                "go together or not at all")
+    if not isinstance(raw.get("device", ""), str):
+        return f"device must be a string, got {_shown(raw.get('device'))}"
+    device = raw.get("compute_device", "cpu")
+    if not (isinstance(device, str) and re.fullmatch(r"cpu|cuda(:\d{1,3})?|mps", device)):
+        return f"compute_device must be cpu, cuda, cuda:N or mps, got {_shown(device)}"
+    return None
+
+
+def _compute_problem(raw: dict) -> str | None:
+    compute = raw.get("compute_seconds_per_expert")
+    if not (_seconds_table(compute) and compute and all(v > 0 for v in compute.values())):  # no expert is free
+        return (f"compute_seconds_per_expert must be {{precision: seconds above 0 and at most {MAX_SECONDS:g}}}, at "
+                f"least one, got {_shown(compute)}")
+    if not _seconds_table(raw.get("make_seconds_per_expert", {})):
+        return (f"make_seconds_per_expert must be {{precision: seconds from 0 to {MAX_SECONDS:g}}}, got "
+                f"{_shown(raw.get('make_seconds_per_expert'))}")
+    return None
+
+
+def _calibration_problem(raw: dict) -> str | None:
+    calibration = raw.get("calibration", {})
+    if not (isinstance(calibration, dict) and set(calibration) <= {"overlap", *CALIBRATION_SECONDS}
+            and isinstance(calibration.get("overlap", False), bool)
+            and all(_seconds(calibration.get(k, 0.0)) for k in CALIBRATION_SECONDS)):
+        return (f"calibration must be {{overlap: bool, and seconds from 0 to {MAX_SECONDS:g} for any of "
+                f"{', '.join(CALIBRATION_SECONDS)}}}")
+    own = raw.get("calibrated_on", {})
+    if not (isinstance(own, dict) and isinstance(own.get("package_key", ""), str)
+            and all(_seconds(own.get(k, 0.0)) for k in ("technique_layer_s", "prefill_technique_layer_s"))):
+        return (f"calibrated_on must be {{package_key: string, technique_layer_s and prefill_technique_layer_s: "
+                f"seconds from 0 to {MAX_SECONDS:g}}}")
+    return None
+
+
+def _shape_problem(raw: dict) -> str | None:
+    shape = raw.get("expert_shape", {"hidden": MIXTRAL_SHAPE[0], "intermediate": MIXTRAL_SHAPE[1]})
+    if not (isinstance(shape, dict) and set(shape) == {"hidden", "intermediate"}
+            and all(_count(v, MAX_DIMENSION) for v in shape.values())):
+        return (f"expert_shape must be {{hidden: H, intermediate: I}}, two whole numbers from 1 to {MAX_DIMENSION:,}, "
+                f"got {_shown(shape)}")
+    scaled = raw.get("scaled_to_weights_per_expert")
+    if scaled is not None and not (_positive(scaled) and scaled <= 3 * MAX_DIMENSION ** 2):
+        return (f"scaled_to_weights_per_expert must be weights above 0 and at most {3 * MAX_DIMENSION ** 2:,}, got "
+                f"{_shown(scaled)}")
+    return None
+
+
+def _prefill_problem(raw: dict) -> str | None:
+    table = raw.get("prefill_seconds_per_expert", {})
+    fix = (f"prefill_seconds_per_expert must be {{precision: {{form: {{make_s: seconds, tokens: {{count: seconds}}}}}}}}, "
+           f"seconds from 0 to {MAX_SECONDS:g}, counts from 1 to {MAX_DIMENSION:,}")
+    if not isinstance(table, dict):
+        return f"{fix}, got {_shown(table)}"
+    for precision, forms in table.items():
+        if not (isinstance(precision, str) and isinstance(forms, dict)):
+            return f"{fix}; {_shown(precision)} is not"
+        for form, timed in forms.items():
+            if not (isinstance(form, str) and isinstance(timed, dict) and set(timed) == {"make_s", "tokens"}
+                    and _seconds(timed["make_s"]) and isinstance(timed["tokens"], dict) and timed["tokens"]
+                    and all(_count_key(k, MAX_DIMENSION) and _seconds(v) for k, v in timed["tokens"].items())):
+                return f"{fix}; {precision}.{_shown(form)} is {_shown(timed)}"
+    return None
+
+
+def _shown(value) -> str:
+    """A value as the message shows it: JSON, cut short."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def load_profile(path: str | Path) -> DeviceProfile:
+    """The one reader of a device profile file, given on a command line (``moeload plan``, ``generate``, ``tune``,
+    ``moeprep prepare --device-profile`` and its dry run): a regular file of bounded size, JSON nested at most
+    ``loader.io.MAX_JSON_DEPTH`` deep, every field checked (``DeviceProfile.from_json``)."""
     path = Path(path)
     try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelingError(f"device profile {path} does not exist; write one with "
-                           f"`moeload profile-device --output {path}`") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelingError(f"device profile {path} is not valid JSON ({e}); measure it again with "
-                           "`moeload profile-device`") from None
+        if not path.exists():
+            raise ModelingError(f"device profile {path} does not exist; write one with "
+                                f"`moeload profile-device --output {path}`")
+        if not path.is_file():
+            raise ModelingError(f"device profile {path} is not a regular file; {PROFILE_FIX}")
+        if path.stat().st_size > MAX_PROFILE_BYTES:
+            raise ModelingError(f"device profile {path} is {path.stat().st_size:,} bytes, more than any profile "
+                                f"({MAX_PROFILE_BYTES:,}); {PROFILE_FIX}")
+        data = path.read_bytes()
+    except OSError as e:
+        raise ModelingError(f"device profile {path} cannot be read ({e.strerror or e}); {PROFILE_FIX}") from None
+    try:
+        raw = parse_json(data)
+    except ValueError as e:
+        raise ModelingError(f"device profile {path} is not valid JSON ({str(e)[:120]}); {PROFILE_FIX}") from None
     return DeviceProfile.from_json(raw, str(path))
+
+
+def read_artifact_profile(manifest) -> DeviceProfile | None:
+    """The profile an artifact carries (``device.json``, the device its plan was made for), None where it carries
+    none: sealed (its size and sha256 as the manifest lists them, ``loader.format.sealed_file``), then read as any
+    given profile is (``load_profile``), so a profile is refused with one message wherever it comes from."""
+    from loader.format import sealed_file
+
+    if DEVICE_FILE not in manifest.files:
+        return None
+    profile = load_profile(sealed_file(manifest, DEVICE_FILE))
+    check_profile_for(manifest, profile)
+    return profile
+
+
+def check_profile_for(manifest, profile: DeviceProfile) -> None:
+    """The profile can time this artifact: a compute time for every precision its plan holds experts at, once scaled
+    to its model (``model_profile``); else the ModelingError the cost model would raise mid-replay, raised now."""
+    from loader.plan import read_plan
+
+    scaled = model_profile(manifest, profile)
+    for precision in sorted(set(read_plan(manifest.root).precisions)):
+        scaled.compute(precision)
 
 
 # ------------------------------------------------------------------------------------------ reads
@@ -593,7 +738,23 @@ def calibrated(profile: DeviceProfile, layer_overhead_s: float, token_overhead_s
                                                      "token_overhead_s": max(0.0, float(token_overhead_s))})
 
 
+def check_output(path: str | Path) -> Path:
+    """``path`` as a place a profile can be written: its directory exists and is writable, and it is not a directory
+    itself. ``moeload profile-device`` checks it before minutes of measurement, not after."""
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ModelingError(f"--output {path} is a directory; name a file, e.g. {path / DEVICE_FILE}")
+    if not parent.is_dir():
+        raise ModelingError(f"--output {path}: the directory {parent} does not exist; create it first or write "
+                            "elsewhere")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ModelingError(f"--output {path}: the directory {parent} is not writable; write elsewhere")
+    return path
+
+
 def write_profile(profile: DeviceProfile, path: str | Path) -> Path:
+    """Write ``profile`` atomically (a reader sees the old file or the new one, never a torn one)."""
     path = Path(path)
     write_json_atomic(path, profile.to_json())
     return path

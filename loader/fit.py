@@ -10,9 +10,11 @@ device), else the one the artifact was planned with (``device.json``).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
+from loader.artifact import read_report
 from loader.budget import (
     allocation,
     budget_bytes,
@@ -23,9 +25,16 @@ from loader.budget import (
     resolve_budget,
 )
 from loader.codec import RecordLayout
-from loader.device import DEVICE_FILE, DeviceProfile, load_profile, model_profile
-from loader.errors import ArtifactError, BudgetError, LoaderError, ModelingError
-from loader.format import REPORT, read_json, read_manifest
+from loader.device import (
+    DEVICE_FILE,
+    DeviceProfile,
+    check_profile_for,
+    load_profile,
+    model_profile,
+    read_artifact_profile,
+)
+from loader.errors import BudgetError, LoaderError
+from loader.format import read_manifest
 from loader.memory import auto_budget, is_auto
 from loader.options import reader_workers
 from loader.plan import read_plan
@@ -33,6 +42,8 @@ from loader.predict import ROUTING_ONLY, make_predictor
 from loader.prefill import chunk_sizes
 from loader.simulate import (
     ROUTING_SAMPLE,
+    PredictionFeed,
+    Replay,
     capacities_spec,
     first_tokens,
     read_routing_sample,
@@ -60,6 +71,10 @@ def preview(artifact, memory_budget=None, device: str = "cpu", store: str = "dis
     decode prediction replays. The plan is the one ``load`` would run: with the device file's decisions
     (``loader/tuning.py``) unless ``ignore_device_file``; ``tuning`` says which, or that the techniques are untested."""
     manifest = read_manifest(artifact)
+    # every file the prediction reads, through its one reader, before the budget: a refused file is refused whatever
+    # the budget, with the message verify and generate give
+    inputs = prediction_inputs(manifest, profile, routing)
+    report = read_report(manifest)
     plan = read_plan(manifest.root)
     dev = torch.device(device)
     requested, auto = memory_budget, None
@@ -89,23 +104,43 @@ def preview(artifact, memory_budget=None, device: str = "cpu", store: str = "dis
         if layout is None:
             out["budget"]["bytes"] = _budget_bytes(memory_budget, smallest)
             out["prediction"] = {"available": False, "why": "the budget does not fit"}
-            return out
+            return finite_only(out)
         caps = layout.capacities
         out["budget"]["bytes"] = None if math.isinf(caps.limit_bytes) else int(caps.limit_bytes)
         layouts = {p: RecordLayout.from_json(s["layout"]) for p, s in manifest.raw["stores"].items()}
         top_k = manifest.moe.top_k
         alloc = allocation(layout.plan, layout, layouts, top_k, n_workers, dev)
         point = plan.point_for(caps.limit_bytes)
-        out["operating_point"] = _operating_point(manifest, point.budget_bytes) if point is not None else None
+        out["operating_point"] = _operating_point(report, point.budget_bytes) if point is not None else None
         out["held_forms"] = {p: f.name for p, f in sorted(layout.forms.items())}
         out["accounting"] = _accounting(layout, alloc)
-        out["prediction"] = _prediction(manifest, layout, profile, prompt_tokens,
-                                        {p: s.record_bytes for p, s in stores.items()}, routing, sample_tokens,
-                                        n_workers)
-        return out
+        out["prediction"] = _prediction(manifest, layout, inputs, prompt_tokens,
+                                        {p: s.record_bytes for p, s in stores.items()}, sample_tokens, n_workers)
+        return finite_only(out)
     finally:
         for s in stores.values():
             s.close()
+
+
+def finite_only(value, path: str = ""):
+    """``value`` with every non-finite float (inf, NaN) made null, so ``plan --json`` is strict JSON; none is expected
+    (each is refused or named where it is made), so one that gets here is listed under ``not_finite`` at the top."""
+    found: list[str] = []
+
+    def walk(x, at: str):
+        if isinstance(x, float) and not math.isfinite(x):
+            found.append(at)
+            return None
+        if isinstance(x, dict):
+            return {k: walk(v, f"{at}.{k}" if at else str(k)) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [walk(v, f"{at}[{i}]") for i, v in enumerate(x)]
+        return x
+
+    out = walk(value, path)
+    if found and isinstance(out, dict):
+        out["not_finite"] = found
+    return out
 
 
 def _budget_bytes(memory_budget, layout) -> int | None:
@@ -123,13 +158,10 @@ def _minimum_parts(layout, minimum: int) -> dict:
     return parts
 
 
-def _operating_point(manifest, budget_bytes: int) -> dict:
-    """The point's figures from report.json, which is informational: missing or unreadable, they are None."""
-    try:
-        report = read_json(manifest.path(REPORT), REPORT) if REPORT in manifest.files else {}
-    except (ArtifactError, OSError):
-        report = {}
-    points = (report.get("operating_points") or []) if isinstance(report, dict) else []
+def _operating_point(report: dict, budget_bytes: int) -> dict:
+    """The point's figures from report.json (read and checked by ``loader.artifact.read_report``); None where the
+    report has no such point."""
+    points = report.get("operating_points") or []
     found = next((p for p in points if p.get("budget_bytes") == budget_bytes), {})
     return {"budget_bytes": budget_bytes, "modeled_tokens_per_s": found.get("modeled_tokens_per_s"),
             "accuracy_delta": found.get("accuracy_delta")}
@@ -158,35 +190,66 @@ def _accounting(layout, alloc) -> dict:
 
 
 def device_profile(manifest, profile) -> tuple[DeviceProfile | None, str]:
-    """(the profile, where it came from): the one given (a ``DeviceProfile`` or a path), else the artifact's."""
+    """(the profile, where it came from): the one given (a ``DeviceProfile`` or a path, ``load_profile``), else the
+    artifact's (``read_artifact_profile``, sealed); (None, "") where there is neither. A file that cannot be used
+    raises, naming it."""
     if isinstance(profile, DeviceProfile):
         return profile, "given"
     if profile is not None:
-        return load_profile(profile), str(profile)
-    if DEVICE_FILE in manifest.files:
-        return load_profile(manifest.path(DEVICE_FILE)), f"the artifact's {DEVICE_FILE} (the device it was planned for)"
+        given = load_profile(profile)
+        check_profile_for(manifest, given)
+        return given, str(profile)
+    carried = read_artifact_profile(manifest)
+    if carried is not None:
+        return carried, f"the artifact's {DEVICE_FILE} (the device it was planned for)"
     return None, ""
 
 
-def _prediction(manifest, layout, profile, prompt_tokens: int, record_bytes: dict, routing=None,
+@dataclass(frozen=True)
+class PredictionInputs:
+    """What the prediction replays and with what profile, each read through its one reader; ``why`` says what is
+    missing where nothing was given and the artifact carries none (the prediction is then unavailable, no error)."""
+
+    profile: DeviceProfile | None
+    source: str
+    replay: Replay | None
+    feed: PredictionFeed | None
+    routing: str
+    why: str | None
+
+
+def prediction_inputs(manifest, profile=None, routing=None) -> PredictionInputs:
+    """The device profile (``device_profile``) and the routing sample (``read_routing_sample``: ``routing``, else the
+    artifact's) the prediction needs. A file given or carried that is refused raises its reader's MoeError (``moeload
+    plan`` exits 1 with it, ``generate`` refuses before it loads); only files neither given nor carried leave the
+    prediction unavailable (``why``)."""
+    chosen, source = device_profile(manifest, profile)
+    replay = feed = None
+    why = None
+    if routing is not None or ROUTING_SAMPLE in manifest.files:
+        replay, feed = read_routing_sample(manifest, routing)
+    else:
+        why = (f"{manifest.root} carries no routing sample ({ROUTING_SAMPLE}: artifacts packaged before package stage "
+               "version 11 lack it); prepare it again, or pass --routing FILE")
+    if chosen is None:
+        why = (f"no device profile: pass --device-profile (measure one with `moeload profile-device`); the artifact "
+               f"carries no {DEVICE_FILE}")
+    return PredictionInputs(chosen, source, replay, feed, str(routing or ROUTING_SAMPLE), why)
+
+
+def _prediction(manifest, layout, inputs: PredictionInputs, prompt_tokens: int, record_bytes: dict,
                 sample_tokens: int = SAMPLE_TOKENS, workers: int = 1) -> dict:
-    try:
-        chosen, source = device_profile(manifest, profile)
-        if chosen is None:
-            return {"available": False, "why": f"no device profile: pass --device-profile (measure one with `moeload "
-                                               f"profile-device`); the artifact carries no {DEVICE_FILE}"}
-        scaled = model_profile(manifest, chosen)
-        full, feed = read_routing_sample(manifest, routing)
-    except ModelingError as e:
-        return {"available": False, "why": str(e)}
+    if inputs.why is not None:
+        return {"available": False, "why": inputs.why}
+    chosen, source = inputs.profile, inputs.source
+    scaled = model_profile(manifest, chosen)
+    full, feed = inputs.replay, inputs.feed
     plan, caps = layout.plan, layout.capacities
     replay, feed = first_tokens(full, feed, sample_tokens)
     spec = capacities_spec(plan, caps, record_bytes, dict(layout.sizes.record_bytes))
     names = [s.name for s in plan.predictors]
     runnable = names if feed is not None else [n for n in names if n in ROUTING_ONLY]
     if feed is None and runnable:
-        from loader.simulate import PredictionFeed
-
         feed = PredictionFeed(None, None, [], {})
     knobs = {s.name: s.params for s in plan.predictors}
     result = simulate(replay, spec, profile=scaled, predictors=[make_predictor(n, knobs.get(n)) for n in runnable],
@@ -200,14 +263,17 @@ def _prediction(manifest, layout, profile, prompt_tokens: int, record_bytes: dic
                   else [min(chunk, prompt_tokens - start) for start in range(0, prompt_tokens, chunk)])
         prefill = simulate_prefill(full, spec, scaled, prompt_tokens, chunks, plan.prefill,
                                    {p: f.name for p, f in layout.forms.items()}, workers)
+        finite = math.isfinite(prefill.tokens_per_second)
         out |= {"prefill_chunks": len(chunks), "time_to_first_token_s": prefill.seconds,
-                "prefill_tokens_per_s": prefill.tokens_per_second, "prefill_why": None}
+                "prefill_tokens_per_s": prefill.tokens_per_second if finite else None,
+                "prefill_why": None if finite else "unbounded: the profile models the prompt as taking no time"}
     except BudgetError as e:  # the prompt does not fit this budget's activations: ``load`` would refuse it too
         out |= {"prefill_chunks": None, "time_to_first_token_s": None, "prefill_tokens_per_s": None,
                 "prefill_why": str(e)}
-    return out | {"available": True, "profile": source, "routing": str(routing or ROUTING_SAMPLE), "profile_device": chosen.device,
+    return out | {"available": True, "profile": source, "routing": inputs.routing, "profile_device": chosen.device,
             "calibrated": bool(chosen.calibration), "sample_tokens": result.tokens,
             "decode_tokens_per_s": result.tokens / seconds if seconds > 0 else None,
+            "decode_why": None if seconds > 0 else "unbounded: the profile models decode as taking no time",
             "decode_seconds_per_token": seconds / result.tokens if result.tokens else None,
             "hit_rate": 1 - result.miss_rate, "bytes_read_per_token": result.bytes_read / max(1, result.tokens),
             "predictors": runnable, "predictors_not_modelled": [n for n in names if n not in runnable],
@@ -271,7 +337,9 @@ def describe(view: dict) -> list[str]:
         return lines
     ttft = (f"{p['time_to_first_token_s']:.3f} s in {p['prefill_chunks']} chunk(s)"
             if p["time_to_first_token_s"] is not None else f"none ({p['prefill_why']})")
-    lines.append(f"predicted  decode {p['decode_tokens_per_s']:.2f} tok/s (hit rate {p['hit_rate']:.3f}, "
+    decode = (f"{p['decode_tokens_per_s']:.2f} tok/s" if p["decode_tokens_per_s"] is not None
+              else f"none ({p.get('decode_why')})")
+    lines.append(f"predicted  decode {decode} (hit rate {p['hit_rate']:.3f}, "
                  f"{p['bytes_read_per_token'] / mib:.2f} MiB read per token); time to first token of a "
                  f"{p['prompt_tokens']}-token prompt {ttft}")
     lines.append(f"           profile: {p['profile']} ({p['profile_device']}"

@@ -43,7 +43,7 @@ from loader.codec import KERNELS, PAIRINGS, CodecError, NeuronLayout, RecordLayo
 from loader.errors import PREPARE_AGAIN as _PREPARE_AGAIN
 from loader.errors import ArtifactError
 from loader.hashing import BLOCK, block_hashes, sha256_file  # noqa: F401 (re-exported: prep writes these hashes)
-from loader.io import read_record_offsets, write_json_atomic  # noqa: F401 (read_record_offsets: re-exported)
+from loader.io import parse_json, read_record_offsets, write_json_atomic  # noqa: F401 (read_record_offsets: re-exported)
 from loader.plan import PLAN_FILE, Plan
 from loader.vocab import DTYPES, PRECISIONS, weights_spec_problem
 
@@ -57,6 +57,8 @@ DIGEST_REQUIRED = True  # every writer seals the manifest through write_manifest
 CONFIG = "config.json"
 DENSE = "dense.safetensors"
 REPORT = "report.json"
+TUNING_FILE = "tuning.json"  # ``moeload tune``'s decisions (``loader/tuning.py``)
+DEVICE_FILE = "device.json"  # the profile the plan was made for: read only by ``loader.device.read_artifact_profile``
 REPORTS_DIR = "reports/"  # plots and study files: informational, whatever their names
 INFORMATIONAL_FILES = (REPORT, "report.md")  # rewritten after packaging, with everything under REPORTS_DIR
 REQUIRED_FILES = (CONFIG, DENSE, PLAN_FILE)
@@ -131,6 +133,8 @@ def artifact_file(root: Path, name) -> Path:
 def read_json(path: Path, name: str, fix: str = _PREPARE_AGAIN, limit: int | None = None):
     """Parse a JSON file of the artifact; any failure is an ArtifactError naming the file."""
     try:
+        if path.exists() and not path.is_file():  # a FIFO or a device would block the read or never end
+            raise ArtifactError(f"{path} is not a regular file; {fix}", file=name)
         if limit is not None and path.stat().st_size > limit:
             raise ArtifactError(f"{path} is {path.stat().st_size:,} bytes, more than any {name} can be; {fix}",
                                 file=name)
@@ -140,9 +144,123 @@ def read_json(path: Path, name: str, fix: str = _PREPARE_AGAIN, limit: int | Non
     except OSError as e:
         raise ArtifactError(f"cannot read {path} ({e.strerror or e}); {fix}", file=name) from None
     try:
-        return json.loads(text)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        return parse_json(text)
+    except ValueError as e:  # JSONDecodeError is a ValueError; so is parse_json's nesting bound
         raise ArtifactError(f"{path} is not valid JSON ({str(e)[:120]}); {fix}", file=name) from None
+
+
+# ------------------------------------------------------------------------------------------ sealed files
+
+
+def file_problem(manifest: Manifest, name: str, hash_it: bool) -> str | None:
+    """What is wrong with the listed file ``name`` (None when it matches its manifest entry)."""
+    entry = manifest.files[name]
+    path = manifest.path(name)
+    try:
+        if not path.is_file():
+            return "missing" if not path.exists() else "not a regular file"
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            return f"{size} bytes, the manifest says {entry['bytes']} (truncated or replaced)"
+        if hash_it and sha256_file(path) != entry["sha256"]:
+            return "sha256 mismatch (content changed)"
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    return None
+
+
+def damaged(manifest: Manifest, problems: list[tuple[str, str]]) -> ArtifactError:
+    """The one message for listed files that do not match the manifest (``problems``: (name, ``file_problem``)):
+    ``load`` and every reader of a sealed file (``sealed_file``) say it alike, and ``verify`` prints its
+    ``name: problem`` parts."""
+    fix = (f"{_PREPARE_AGAIN[0].upper()}{_PREPARE_AGAIN[1:]}" if any(n != TUNING_FILE for n, _ in problems)
+           else f"Run `moeload tune` again to write {TUNING_FILE} anew, or copy the artifact again")
+    return ArtifactError(f"artifact {manifest.root} is damaged: "
+                         + "; ".join(f"{name}: {p}" for name, p in problems) + f". {fix}", file=problems[0][0])
+
+
+def sealed_file(manifest: Manifest, name: str) -> Path:
+    """The path of the listed file ``name`` once its size and sha256 match the manifest; else ``damaged``'s error.
+    What ``moeload plan`` and the other readers of an artifact's device profile, routing sample and report call
+    before they trust a byte of it."""
+    if problem := file_problem(manifest, name, hash_it=True):
+        raise damaged(manifest, [(name, problem)])
+    return manifest.path(name)
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def _figure(x, finite: bool = True) -> bool:
+    """A number (``finite``: not NaN or infinite), or null."""
+    if x is None:
+        return True
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return False
+    try:
+        return not finite or math.isfinite(x)
+    except OverflowError:  # an integer past float's range
+        return False
+
+
+def _point_problem(i: int, p) -> str | None:
+    where = f"operating_points[{i}]"
+    if not isinstance(p, dict):
+        return f"{where} is not an object"
+    if not (is_int(p.get("budget_bytes")) and p["budget_bytes"] > 0):
+        return f"{where}.budget_bytes must be a whole number of bytes above 0, got {json.dumps(p.get('budget_bytes'))[:40]}"
+    for key in ("modeled_tokens_per_s", "miss_rate", "share", "cost"):
+        if not _figure(p.get(key)):
+            return f"{where}.{key} must be a finite number or null, got {json.dumps(p.get(key))[:40]}"
+    for key in ("accuracy_delta", "accuracy_test", "modeled_prefill"):
+        if not isinstance(p.get(key) or {}, dict):
+            return f"{where}.{key} must be an object or null"
+    if not all(isinstance(k, str) and _figure(v) for k, v in (p.get("accuracy_delta") or {}).items()):
+        return f"{where}.accuracy_delta must be {{suite: a finite number}}"
+    return None
+
+
+def _divergence_problem(entry) -> str | None:
+    """The divergence entry as report.md renders it: its counts whole numbers, every figure a number (NaN stays
+    allowed: a measured NaN is the finding) with its interval, each operating point's the same."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("held_out"), dict):
+        return "divergence must be an object with held_out {source, sequence_length}"
+    if not (is_int(entry["held_out"].get("sequence_length")) and is_int(entry.get("sequences"))
+            and is_int(entry.get("tokens")) and is_int(entry.get("resamples")) and _figure(entry.get("level"))
+            and entry.get("level") is not None):
+        return "divergence.held_out.sequence_length, sequences, tokens and resamples must be whole numbers, level a number"
+
+    def stats_ok(stats) -> bool:
+        return isinstance(stats, dict) and all(
+            isinstance(s, dict) and all(_figure(s.get(k), finite=False) and s.get(k) is not None
+                                        for k in ("value", "low", "high")) for s in stats.values())
+
+    if not stats_ok(entry.get("stats")):
+        return "divergence.stats must be {figure: {value, low, high}} numbers"
+    points = entry.get("points") or []
+    if not (isinstance(points, list) and all(isinstance(p, dict) and isinstance(p.get("summary"), dict)
+                                             and stats_ok(p["summary"].get("stats")) for p in points)):
+        return "divergence.points must be a list of {budget_bytes, summary: {stats}}"
+    return None
+
+
+def report_problem(report) -> str | None:
+    """What is wrong with report.json's value (None: nothing) in what the commands read of it: an object; its
+    ``operating_points`` a list of points (``budget_bytes`` whole and positive, the modelled figures finite numbers or
+    null); its ``divergence`` entry as report.md renders it. The one check ``moeload info`` and ``plan``
+    (``loader.artifact.read_report``) and ``moeprep eval`` and ``accuracy`` (``prep.report.current_report``) run."""
+    if not isinstance(report, dict):
+        return "must hold a JSON object"
+    points = report.get("operating_points")
+    if points is not None:
+        if not isinstance(points, list):
+            return "operating_points must be a list"
+        for i, p in enumerate(points):
+            if problem := _point_problem(i, p):
+                return problem
+    if report.get("divergence") is not None:
+        return _divergence_problem(report["divergence"])
+    return None
 
 
 # ---------------------------------------------------------------------------------------- manifest

@@ -196,3 +196,33 @@ def read_record_offsets(path: Path) -> tuple[dict[str, int], int, int]:
         raise ArtifactError(f"{path}: its __metadata__ lacks integer record_bytes and stride; {_PREPARE_AGAIN}",
                             file=path.name) from None
     return {key: start + entry["data_offsets"][0] for key, entry in header.items()}, record_bytes, stride
+
+
+MAX_JSON_DEPTH = 64  # nesting no file of either package comes near (a manifest is 5 deep); deeper is damage
+
+
+def json_depth(value) -> int:
+    """How deeply ``value`` (parsed JSON) nests lists and objects: 0 for a scalar. Iterative, so any depth counts."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def parse_json(data: bytes | str, max_depth: int = MAX_JSON_DEPTH):
+    """JSON text as a value, nested at most ``max_depth`` deep; ValueError saying why not (invalid JSON, not UTF-8,
+    or nested deeper: Python's parser recurses, so a deep file must be one clear error, not a RecursionError)."""
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {max_depth} levels") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if json_depth(value) > max_depth:
+        raise ValueError(f"nested deeper than {max_depth} levels")
+    return value

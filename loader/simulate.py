@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -695,58 +696,138 @@ def plan_prefill(replay: Replay, plan: Plan, spec: CacheSpec, profile: DevicePro
 # --------------------------------------------------------------------------------- the artifact's routing sample
 
 
-def read_routing_sample(manifest, path=None) -> tuple[Replay, PredictionFeed | None]:
-    """The routing an artifact carries (``routing.safetensors``, written by ``moeprep prepare``'s package stage) as a
-    ``Replay``, and what the plan's predictors read when the sample holds the routers' inputs (else None). A missing
-    sample is a ModelingError saying to prepare the artifact again. ``path``: another file of the same tensors
-    (``expert_ids`` and ``weights`` [T, L, K] at least; without ``sequence_lengths``, one sequence), e.g. routing
-    recorded on the workload the device will run."""
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import load_file
+ROUTING_FIX = "prepare the artifact again (`moeprep prepare`)"
+GIVEN_ROUTING_FIX = ("record it again: expert_ids (integers) and weights (floats) [T, L, K], optional sequence_lengths "
+                     "[S], logits [T, L, E], router_inputs [T, L, H] and head_inputs [T, H]")
+MAX_SAMPLE_TOKENS = 1 << 20  # tokens a routing file may hold (the artifact's carries 1,024)
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
-    from loader.predict import PREDICTORS_FILE
+
+def read_routing_sample(manifest, path=None) -> tuple[Replay, PredictionFeed | None]:
+    """The one reader of a routing sample: the one an artifact carries (``routing.safetensors``, written by ``moeprep
+    prepare``'s package stage), sealed by the manifest (``loader.format.sealed_file``), or ``path``, another file of
+    the same tensors (``--routing``: routing recorded on the device's workload; without ``sequence_lengths``, one
+    sequence). Every tensor is checked against the model (``routing_problem``: dtypes, shapes, expert ids in range,
+    finite non-negative weights, finite logits and router inputs) before it is replayed. Returns a ``Replay`` and what
+    the plan's predictors read when the sample holds the routers' inputs (else None); any refusal is one
+    ModelingError naming the file (an ArtifactError for a sealed file that does not match its manifest)."""
+    from loader.format import sealed_file
 
     if path is None and ROUTING_SAMPLE not in manifest.files:
         raise ModelingError(f"{manifest.root} carries no routing sample ({ROUTING_SAMPLE}: artifacts packaged before "
                             "package stage version 11 lack it); prepare it again, or pass --routing FILE")
-    path = manifest.path(ROUTING_SAMPLE) if path is None else path
-    try:
-        tensors = load_file(str(path))
-        ids, weights = tensors["expert_ids"], tensors["weights"]
-        lengths = tensors["sequence_lengths"].tolist() if "sequence_lengths" in tensors else [int(ids.shape[0])]
-        moe = manifest.moe
-        layers, experts, top_k = len(moe.layers), moe.num_experts, moe.top_k
-        if (ids.dim() != 3 or tuple(ids.shape[1:]) != (layers, top_k) or weights.shape != ids.shape
-                or sum(lengths) != ids.shape[0] or min(lengths, default=0) < 1):
-            raise ValueError(f"expert_ids {tuple(ids.shape)}, weights {tuple(weights.shape)}, sequence_lengths "
-                             f"{lengths[:4]} do not fit {layers} MoE layers x top-{top_k}")
-        bounds = [0]
-        for n in lengths:
-            bounds.append(bounds[-1] + n)
-        slices = [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
-        traces = [_Routing(layers, top_k, ids[s].long(), weights[s]) for s in slices]
-        replay = replay_from_routing(traces, experts, str(path))
-        if "logits" in tensors:
-            replay = dataclasses.replace(replay, logits=tuple(tensors["logits"][s].float() for s in slices))
-        feed = None
-        if "router_inputs" in tensors:
-            routers = []
-            with safe_open(str(manifest.path("dense.safetensors")), framework="pt") as f:
-                names = set(f.keys())
-                for module in moe.router_modules:
-                    bias = f"{module}.bias"
-                    routers.append((f.get_tensor(f"{module}.weight").float(),
-                                    f.get_tensor(bias).float() if bias in names else None))
-            predictor_tensors = (load_file(str(manifest.path(PREDICTORS_FILE))) if PREDICTORS_FILE in manifest.files
-                                 else {})
-            inputs, heads = tensors["router_inputs"], tensors.get("head_inputs")
-            feed = PredictionFeed([inputs[s].float() for s in slices],
-                                  [heads[s].float() for s in slices] if heads is not None else None,
-                                  routers, predictor_tensors)
-    except (SafetensorError, OSError, KeyError, ValueError, RuntimeError) as e:
-        raise ModelingError(f"{path} cannot be read as a routing sample ({type(e).__name__}: {str(e)[:200]}); run "
-                            "`moeload verify`, then prepare the artifact again") from None
+    fix = ROUTING_FIX if path is None else GIVEN_ROUTING_FIX
+    path = sealed_file(manifest, ROUTING_SAMPLE) if path is None else Path(path)
+    where = f"routing sample {path}"
+    tensors = _routing_tensors(path, where, fix)
+    moe = manifest.moe
+    if problem := routing_problem(tensors, len(moe.layers), moe.num_experts, moe.top_k):
+        raise ModelingError(f"{where}: {problem}; {fix}")
+    ids, weights = tensors["expert_ids"], tensors["weights"]
+    lengths = tensors["sequence_lengths"].tolist() if "sequence_lengths" in tensors else [int(ids.shape[0])]
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    slices = [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    traces = [_Routing(len(moe.layers), moe.top_k, ids[s].long(), weights[s].float()) for s in slices]
+    replay = replay_from_routing(traces, moe.num_experts, str(path))
+    if "logits" in tensors:
+        replay = dataclasses.replace(replay, logits=tuple(tensors["logits"][s].float() for s in slices))
+    feed = None
+    if "router_inputs" in tensors:
+        routers, predictor_tensors = _prediction_inputs(manifest)
+        width = {tuple(w.shape) for w, _ in routers}
+        if width != {(moe.num_experts, tensors["router_inputs"].shape[-1])}:
+            raise ModelingError(f"{where}: router_inputs {tuple(tensors['router_inputs'].shape)} do not fit the "
+                                f"routers' weights {sorted(width)} [E, H]; {fix}")
+        inputs, heads = tensors["router_inputs"], tensors.get("head_inputs")
+        feed = PredictionFeed([inputs[s].float() for s in slices],
+                              [heads[s].float() for s in slices] if heads is not None else None,
+                              routers, predictor_tensors)
     return replay, feed
+
+
+def _routing_tensors(path: Path, where: str, fix: str) -> dict:
+    """The tensors of a routing file, read as safetensors; anything unreadable is one ModelingError naming it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise ModelingError(f"{where} " + ("does not exist" if not path.exists() else "is not a regular file")
+                            + f"; {fix}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as e:
+        raise ModelingError(f"{where} cannot be read as safetensors ({type(e).__name__}: {str(e)[:200]}); "
+                            f"{fix}") from None
+
+
+def routing_problem(tensors: dict, layers: int, experts: int, top_k: int) -> str | None:
+    """What is wrong with a routing sample's tensors for a model of ``layers`` MoE layers, ``experts`` experts and
+    top-``top_k`` (None: nothing): expert_ids integers [T, L, K] naming experts 0 to E-1, each token's K distinct;
+    weights floats of the same shape, finite and never negative; sequence_lengths whole numbers >= 1 adding up to T;
+    logits [T, L, E], router_inputs [T, L, H] and head_inputs [T, H] finite floats."""
+    ids, weights = tensors.get("expert_ids"), tensors.get("weights")
+    if ids is None or weights is None:
+        return f"it holds no {'expert_ids' if ids is None else 'weights'} tensor"
+    if ids.dtype not in _INTEGER_DTYPES:
+        return f"expert_ids are {ids.dtype}, not integers"
+    if ids.dim() != 3 or tuple(ids.shape[1:]) != (layers, top_k) or not 1 <= ids.shape[0] <= MAX_SAMPLE_TOKENS:
+        return (f"expert_ids are {list(ids.shape)}, not [T, {layers}, {top_k}] ({layers} MoE layers x top-{top_k}, "
+                f"T from 1 to {MAX_SAMPLE_TOKENS:,} tokens)")
+    tokens = int(ids.shape[0])
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= experts:
+        return f"expert_ids name experts {low} to {high}; the model's are 0 to {experts - 1}"
+    if top_k > 1 and bool((ids.sort(dim=-1).values.diff(dim=-1) == 0).any()):
+        return "expert_ids name one expert twice for a token at a layer"
+    if not weights.is_floating_point() or tuple(weights.shape) != tuple(ids.shape):
+        return f"weights are {weights.dtype} {list(weights.shape)}, not floats of expert_ids' {list(ids.shape)}"
+    if not bool(torch.isfinite(weights).all()):
+        return "weights hold NaN or infinite gating weights"
+    if bool((weights < 0).any()):
+        return "weights hold negative gating weights"
+    if "sequence_lengths" in tensors:
+        lengths = tensors["sequence_lengths"]
+        if (lengths.dtype not in _INTEGER_DTYPES or lengths.dim() != 1 or lengths.numel() == 0
+                or int(lengths.min()) < 1 or int(lengths.sum()) != tokens):
+            return (f"sequence_lengths {lengths.tolist()[:4]} ({lengths.dtype}) are not whole numbers >= 1 adding up "
+                    f"to the {tokens} tokens")
+    for name, lead in (("logits", (tokens, layers, experts)), ("router_inputs", (tokens, layers)),
+                       ("head_inputs", (tokens,))):
+        if (x := tensors.get(name)) is None:
+            continue
+        if not x.is_floating_point() or tuple(x.shape[:len(lead)]) != lead or x.dim() != (3 if name != "head_inputs" else 2):
+            shape = {"logits": f"[{tokens}, {layers}, {experts}]", "router_inputs": f"[{tokens}, {layers}, H]",
+                     "head_inputs": f"[{tokens}, H]"}[name]
+            return f"{name} are {x.dtype} {list(x.shape)}, not floats {shape}"
+        if not bool(torch.isfinite(x).all()):
+            return f"{name} hold NaN or infinite values"
+    if "head_inputs" in tensors and "router_inputs" not in tensors:
+        return "head_inputs come without router_inputs"
+    return None
+
+
+def _prediction_inputs(manifest) -> tuple[list, dict]:
+    """The routers (weight [E, H], bias or None per MoE layer) and the predictor tensors the plan's predictors read,
+    from their sealed files (``loader.format.sealed_file``); the predictor tensors checked as ``load`` checks them
+    (``loader.binding.read_predictor_tensors``)."""
+    from safetensors import safe_open
+
+    from loader.binding import read_predictor_tensors
+    from loader.format import DENSE, sealed_file
+    from loader.predict import PREDICTORS_FILE
+
+    routers = []
+    with safe_open(str(sealed_file(manifest, DENSE)), framework="pt") as f:
+        names = set(f.keys())
+        for module in manifest.moe.router_modules:
+            bias = f"{module}.bias"
+            routers.append((f.get_tensor(f"{module}.weight").float(),
+                            f.get_tensor(bias).float() if bias in names else None))
+    if PREDICTORS_FILE in manifest.files:
+        sealed_file(manifest, PREDICTORS_FILE)
+    return routers, read_predictor_tensors(manifest)
 
 
 def first_tokens(replay: Replay, feed: PredictionFeed | None, tokens: int) -> tuple[Replay, PredictionFeed | None]:

@@ -16,17 +16,16 @@ per-layer splits of the DP allocation). ``without`` switches a set of them off.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 
 from loader.errors import ArtifactError
+from loader.format import TUNING_FILE
 from loader.hashing import sha256_file
-from loader.io import write_json_atomic
+from loader.io import parse_json, write_json_atomic
 from loader.plan import Plan, PolicySpec
 from loader.vocab import DEFAULT_HOOKS
 
-TUNING_FILE = "tuning.json"
 TUNING_VERSION = 1
 VERDICTS = ("pays", "loses", "within noise", "needed by the budget", "kept by the check against plain")
 _FIX = "run `moeload tune` again (it writes the file anew), or copy the artifact again"
@@ -181,8 +180,8 @@ def read_tuning(manifest) -> Tuning | None:
     if sha256_file(path) != entry["sha256"]:
         raise _bad("does not match its sha256 in the manifest (changed after `moeload tune` wrote it)")
     try:
-        raw = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raw = parse_json(data)
+    except ValueError as e:  # invalid, not UTF-8, or nested too deep (``loader.io.parse_json``)
         raise _bad(f"is not valid JSON ({e})") from None
     return parse_tuning(raw, manifest.plan if manifest.plan is not None else _plan_of(manifest))
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from xxhash import xxh3_64
 
-from loader.artifact import check_contents, file_problem, store_offsets
+from loader.artifact import check_contents, file_problem, read_report, store_offsets
 from loader.errors import ArtifactError, MoeError
-from loader.format import MANIFEST, Manifest, read_manifest, resolve_artifact
+from loader.format import MANIFEST, REPORT, Manifest, read_manifest, resolve_artifact
 from loader.hashing import BLOCK, block_hashes, read_block_table
 from loader.io import hold_for_reading
 from loader.plan import PLAN_FILE
@@ -60,7 +60,26 @@ def _verify(artifact: Path) -> list[str]:
             check_bindings(checked)  # what load would refuse when it binds the plan and the tokenizer
         except MoeError as e:
             bad[getattr(e, "file", None) or PLAN_FILE] = str(e)
+    if not bad:
+        bad |= _read_each(manifest)
     return [f"{name}: {problem}" for name, problem in bad.items()]
+
+
+def _read_each(manifest: Manifest) -> dict[str, str]:
+    """Each file ``moeload plan``, ``info`` and ``generate``'s prediction read, through the reader they call (the
+    device profile, the routing sample, the report), so ``verify`` refuses what they refuse, with their message."""
+    from loader.device import DEVICE_FILE, read_artifact_profile
+    from loader.simulate import ROUTING_SAMPLE, read_routing_sample
+
+    bad = {}
+    for name, read in ((DEVICE_FILE, read_artifact_profile), (ROUTING_SAMPLE, read_routing_sample),
+                       (REPORT, read_report)):
+        if name in manifest.files:
+            try:
+                read(manifest)
+            except MoeError as e:
+                bad[name] = str(e)
+    return bad
 
 
 def _hash_store(manifest: Manifest, precision: str, chunk: int = 1 << 24) -> str | None:

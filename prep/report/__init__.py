@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import loader.io  # called through the module: a test can interpose on each write
+from loader.errors import PREPARE_AGAIN
 from loader.format import (
     REPORT,
     REPORTS_DIR,
@@ -22,6 +23,7 @@ from loader.format import (
     is_informational,
     read_json,
     read_manifest,
+    report_problem,
     sha256_file,
     write_manifest,
 )
@@ -68,8 +70,8 @@ def current_report(manifest) -> dict:
                             "artifact was altered, and eval will not bless a file it did not write. Run "
                             "`moeload verify`, then re-run `moeprep prepare`", file=REPORT)
     current = read_json(path, REPORT)
-    if not isinstance(current, dict):
-        raise ArtifactError(f"{path} must hold a JSON object; re-run `moeprep prepare`", file=REPORT)
+    if problem := report_problem(current):  # the check `moeload info` and `plan` run (loader.artifact.read_report)
+        raise ArtifactError(f"{path}: {problem}; {PREPARE_AGAIN}", file=REPORT)
     return current
 
 

@@ -19,14 +19,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from loader.format import read_json, read_manifest
+from loader.format import read_manifest
 from loader.plan import read_plan
 from prep.errors import MoeprepError
 from prep.evals.compare import eval_summary, evaluate_artifact, interval_text
 from prep.evals.data import SUITES
 from prep.evals.power import paired_verdict
 from prep.evals.resolved import resolved_markdown
-from prep.report import ReportLayout, ReportSection, merge_section
+from prep.report import ReportLayout, ReportSection, current_report, merge_section
 from prep.stages import Stage, StageResult
 from prep.stages.operating_points import PLAN_PLOT, operating_points_plot
 
@@ -144,7 +144,7 @@ def check_accuracy(artifact: Path, model_dir: Path, cfg: EvaluateSection, work: 
     check = AccuracyCheck(suites=eval_summary(report), data=report["data"], memory_budget=report["memory_budget"],
                           points=[])
     manifest = read_manifest(artifact)
-    artifact_report = read_json(manifest.path("report.json"), "report.json")
+    artifact_report = current_report(manifest)  # sealed and checked, as `moeload info` and `plan` read it
     if not artifact_report.get("operating_points"):
         return check
     plan = read_plan(manifest.root)

@@ -283,20 +283,22 @@ def test_the_artifact_carries_the_traces_first_sequences_as_its_routing_sample(a
     assert replay.num_tokens == sum(lengths) and replay.top_k == trace.routing()[0].top_k
 
 
-def test_a_damaged_routing_sample_is_named_and_the_plan_still_prints(artifact, tmp_path, profile):
+def test_a_damaged_routing_sample_is_named_and_plan_refuses_it(artifact, tmp_path, profile):
+    """A routing sample that does not match its manifest is refused by its reader, and ``moeload plan`` exits 1 with
+    that message instead of printing a plan without a prediction (more cases: ``test_file_readers.py``)."""
     import shutil
 
-    from loader.errors import ModelingError
+    from loader.errors import ArtifactError
     from loader.format import read_manifest
     from loader.simulate import ROUTING_SAMPLE, read_routing_sample
 
     copy = tmp_path / "artifact"
     shutil.copytree(artifact.resolve(), copy)
     (copy / ROUTING_SAMPLE).write_bytes(b"\x00" * 64)
-    with pytest.raises(ModelingError, match=ROUTING_SAMPLE):
+    with pytest.raises(ArtifactError, match=ROUTING_SAMPLE) as refused:
         read_routing_sample(read_manifest(copy))
-    view = preview(copy, "50%", profile=profile)
-    assert view["fits"] and not view["prediction"]["available"] and ROUTING_SAMPLE in view["prediction"]["why"]
+    result = CliRunner().invoke(moeload, ["plan", str(copy), "--memory-budget", "50%", "--device-profile", str(profile)])
+    assert result.exit_code == 1 and str(refused.value) in result.output
 
 
 # ----------------------------------------------------------------------------------------- the cost model
