@@ -459,7 +459,7 @@ class MoeAdapter:
     def _read_mxfp4(self, tensors: CheckpointTensors, fused: str, expert: int) -> ExpertWeights:
         # blocks hold rows as outputs ([2I, H/32, 16], [H, I/32, 16]) whatever the bf16 layout's orientation
         gate_up, down = (mxfp4_dequantize(*self._mxfp4_parts(tensors, f"{fused}.{n}", expert), f"{fused}.{n}",
-                                          tensors.shard_of(f"{fused}.{n}{BLOCKS_SUFFIX}"))
+                                          tensors.shard_of(f"{fused}.{n}{BLOCKS_SUFFIX}"), expert)
                          for n in ("gate_up_proj", "down_proj"))
         bias = self.layout.has_bias
         return replace(self.layout, transposed=False).split(
