@@ -136,7 +136,8 @@ def fp8_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
     product past float32) is refused, naming its block."""
     check_fp8(weight, scale_inv, block, tensor, shard)
     rows, cols = weight.shape
-    scale = scale_inv.to(torch.float32).repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    b0, b1 = min(block[0], rows), min(block[1], cols)  # a block past the matrix is one scale: repeat no further
+    scale = scale_inv.to(torch.float32).repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
     values = weight.to(torch.float32) * scale
 
     def what(position):

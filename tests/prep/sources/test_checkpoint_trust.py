@@ -25,7 +25,7 @@ import prep.adapters.checkpoint as checkpoint
 from loader.codec import FP4_E2M1
 from prep.adapters import get_adapter, load_config
 from prep.adapters.checkpoint import INDEX_NAME, CheckpointTensors
-from prep.adapters.source_formats import mxfp4_dequantize
+from prep.adapters.source_formats import fp8_dequantize, mxfp4_dequantize
 from prep.errors import MoeprepError
 from prep.streaming import load_streamed
 from tests.helpers.tiny_models import save_fp8_qwen3, save_mxfp4_gpt_oss
@@ -263,3 +263,10 @@ def test_a_quantization_config_of_the_wrong_type_is_one_error_in_the_run_and_the
     assert "Traceback" not in result.output and len([line for line in result.output.splitlines()
                                                      if line.startswith("error:")]) == 1, result.output
     assert re.search(says, result.output), result.output
+
+
+def test_an_fp8_block_larger_than_the_matrix_is_one_scale_for_all_of_it():
+    weight = torch.tensor([[1.0, -2.0, 0.5], [4.0, 0.0, -0.25]]).to(torch.float8_e4m3fn)
+    want = weight.float() * 3.0
+    for block in [(2, 3), (128, 128), (10**30, 2**40)]:  # the last repeated as it says would overflow int64
+        assert torch.equal(fp8_dequantize(weight, torch.tensor([[3.0]]), block), want)
