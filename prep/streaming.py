@@ -121,11 +121,17 @@ class ExpertStream:
             self.resident.move_to_end(layer)
         else:
             self._trim(extra=self.layer_bytes)
-            self._fill(layer)
+            try:
+                self._fill(layer)
+            except BaseException:  # a shard refused mid-layer: the layer stays unread, not half written
+                self._to_meta(layer)
+                raise
             self.resident[layer] = None
         self.pins[layer] = self.pins.get(layer, 0) + 1
 
     def release(self, layer: int) -> None:
+        if not self.pins.get(layer):  # its acquire failed (the forward hook runs anyway): nothing to release
+            return
         self.pins[layer] -= 1
         self._trim()
 
