@@ -310,9 +310,8 @@ def load_streamed(model_dir: str | Path, *, device: str | torch.device = "cpu",
             target = pattern.sub(replacement, target)
         if target.startswith(expert_prefixes) or target not in wanted:
             continue
-        value = tensors.get_float(name)  # an FP8 weight with block scales comes dequantized
-        if value.is_floating_point():
-            value = value.to(torch.float32 if any(p.search(target) for p in keep_fp32) else dtype)
+        value = tensors.get_float(name)  # an FP8 weight with block scales comes dequantized; a float, finite
+        value = value.to(torch.float32 if any(p.search(target) for p in keep_fp32) else dtype)
         module_name, _, attr = target.rpartition(".")
         module = model.get_submodule(module_name)
         if tuple(value.shape) != tuple(wanted[target].shape):

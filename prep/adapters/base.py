@@ -464,8 +464,8 @@ class MoeAdapter:
         bias = self.layout.has_bias
         return replace(self.layout, transposed=False).split(
             gate_up, down,
-            tensors.get(f"{fused}.gate_up_proj_bias", expert) if bias else None,
-            tensors.get(f"{fused}.down_proj_bias", expert) if bias else None,
+            tensors.get_float(f"{fused}.gate_up_proj_bias", expert) if bias else None,
+            tensors.get_float(f"{fused}.down_proj_bias", expert) if bias else None,
         ).contiguous()
 
     def _unreadable_expert_hint(self, tensors: CheckpointTensors, fused: str) -> None:
@@ -476,8 +476,8 @@ class MoeAdapter:
         return self.layout.split(  # get_float: FP8 fused experts with per-expert block scales come dequantized
             tensors.get_float(f"{fused}.gate_up_proj", expert),
             tensors.get_float(f"{fused}.down_proj", expert),
-            tensors.get(f"{fused}.gate_up_proj_bias", expert) if bias else None,
-            tensors.get(f"{fused}.down_proj_bias", expert) if bias else None,
+            tensors.get_float(f"{fused}.gate_up_proj_bias", expert) if bias else None,
+            tensors.get_float(f"{fused}.down_proj_bias", expert) if bias else None,
         ).contiguous()
 
     # --- summary -----------------------------------------------------------------------

@@ -104,16 +104,26 @@ class CheckpointTensors:
     def get_float(self, name: str, index: int | None = None) -> torch.Tensor:
         """``get``, but an FP8 weight stored with block scales (``{name}_scale_inv`` beside it) comes dequantized
         to float32: the value the model computes with. A weight beside scales that is not FP8 (a float16 one,
-        whose scales would be ignored), an FP8 weight without its scales, or a value that dequantizes to inf or
-        NaN is one error naming it."""
+        whose scales would be ignored), an FP8 weight without its scales, a tensor that is not a float (a uint8
+        where a weight belongs), or a value that is not finite is one error naming it."""
         scales = f"{name}{SCALE_INV_SUFFIX}"
         value = self.get(name, index)
         if self.has(scales):
             return fp8_dequantize(value, self.get(scales, index), self.block, name, self.shard_of(name), index)
+        where = f"checkpoint {self.dir}: tensor {name} in shard {self.shard_of(name)}"
+        dtype = str(value.dtype).removeprefix("torch.")
         if value.is_floating_point() and value.element_size() == 1:
-            raise MoeprepError(f"checkpoint {self.dir}: tensor {name} in shard {self.shard_of(name)} is "
-                               f"{str(value.dtype).removeprefix('torch.')} without its block scales {scales}; "
-                               "is every shard complete? re-download the checkpoint")
+            raise MoeprepError(f"{where} is {dtype} without its block scales {scales}; is every shard complete? "
+                               "re-download the checkpoint")
+        if not value.is_floating_point():
+            raise MoeprepError(f"{where} is {dtype}, not a float weight; is the checkpoint the model its config.json "
+                               "describes? re-download it")
+        bad = ~torch.isfinite(value)
+        if bool(bad.any()):
+            position = bad.nonzero()[0].tolist()
+            raise MoeprepError(f"{where} holds {value[tuple(position)].item()} at "
+                               f"{([] if index is None else [index]) + position}, not a finite number; re-download "
+                               "that shard")
         return value
 
     def dtype_of(self, name: str) -> str:

@@ -273,3 +273,20 @@ def test_an_fp8_block_larger_than_the_matrix_is_one_scale_for_all_of_it():
     want = weight.float() * 3.0
     for block in [(2, 3), (128, 128), (10**30, 2**40)]:  # the last repeated as it says would overflow int64
         assert torch.equal(fp8_dequantize(weight, torch.tensor([[3.0]]), block), want)
+
+
+@pytest.mark.parametrize("release, name, damage, says", [
+    ("mx", "model.layers.0.self_attn.k_proj.weight", lambda x: x.index_fill(0, torch.tensor([3]), float("nan")),
+     r"holds nan at \[3, 0\], not a finite number"),
+    ("mx", "model.layers.1.mlp.experts.gate_up_proj_bias", lambda x: x.index_fill(1, torch.tensor([5]), float("-inf")),
+     r"holds -inf at \[0, 5\], not a finite number"),
+    ("mx", "model.layers.1.self_attn.k_proj.weight", lambda x: x.to(torch.uint8), "is uint8, not a float weight"),
+    ("fp8", "model.layers.0.mlp.experts.2.down_proj.weight_scale_inv", lambda x: x.to(torch.int32),
+     "block scales of a .* must be a float"),
+], ids=["nan-attention", "inf-expert-bias", "uint8-weight", "int-scales"])
+def test_a_stored_float_that_is_not_finite_or_not_a_float_is_refused_naming_it(releases, tmp_path, release, name,
+                                                                                damage, says):
+    model = _copy(releases, release, tmp_path)
+    _rewrite(model / "model.safetensors", lambda t: t.__setitem__(name, damage(t[name]).contiguous()))
+    with pytest.raises(MoeprepError, match=rf"tensor {name.removesuffix('_scale_inv')}.* in shard model.safetensors.*{says}"):
+        _forward(model)
