@@ -23,7 +23,7 @@ import torch
 from loader.codec import CodecError, RecordLayout
 from loader.vocab import PRECISIONS as STORE_PRECISIONS
 from prep.adapters import build_skeleton, get_adapter, inspect_model, load_config
-from prep.adapters.source_formats import FP8_BLOCK, source_format, stored_bytes
+from prep.adapters.source_formats import fp8_block, source_format, stored_bytes
 from prep.calibration import check_context
 from prep.errors import MoeprepError
 from prep.evals.data import load_benchmarks
@@ -122,8 +122,7 @@ def checkpoint_bytes(skeleton, adapter, fmt: str, itemsize: int, config) -> int:
     (``prep/adapters/source_formats.py``), the rest at the model's dtype."""
     from torch import nn
 
-    quant = getattr(config, "quantization_config", None) or {}
-    block = tuple((quant.get("weight_block_size") if isinstance(quant, dict) else None) or FP8_BLOCK)
+    block = fp8_block(config)
     experts = set(adapter.module_paths(skeleton)["experts_modules"])
     routers = set(adapter.module_paths(skeleton)["router_modules"])
     linear_names = {f"{m}.weight" for m, mod in skeleton.named_modules()

@@ -121,11 +121,17 @@ class ExpertStream:
             self.resident.move_to_end(layer)
         else:
             self._trim(extra=self.layer_bytes)
-            self._fill(layer)
+            try:
+                self._fill(layer)
+            except BaseException:  # a shard refused mid-layer: the layer stays unread, not half written
+                self._to_meta(layer)
+                raise
             self.resident[layer] = None
         self.pins[layer] = self.pins.get(layer, 0) + 1
 
     def release(self, layer: int) -> None:
+        if not self.pins.get(layer):  # its acquire failed (the forward hook runs anyway): nothing to release
+            return
         self.pins[layer] -= 1
         self._trim()
 
@@ -304,9 +310,8 @@ def load_streamed(model_dir: str | Path, *, device: str | torch.device = "cpu",
             target = pattern.sub(replacement, target)
         if target.startswith(expert_prefixes) or target not in wanted:
             continue
-        value = tensors.get_float(name)  # an FP8 weight with block scales comes dequantized
-        if value.is_floating_point():
-            value = value.to(torch.float32 if any(p.search(target) for p in keep_fp32) else dtype)
+        value = tensors.get_float(name)  # an FP8 weight with block scales comes dequantized; a float, finite
+        value = value.to(torch.float32 if any(p.search(target) for p in keep_fp32) else dtype)
         module_name, _, attr = target.rpartition(".")
         module = model.get_submodule(module_name)
         if tuple(value.shape) != tuple(wanted[target].shape):

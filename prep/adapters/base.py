@@ -459,13 +459,13 @@ class MoeAdapter:
     def _read_mxfp4(self, tensors: CheckpointTensors, fused: str, expert: int) -> ExpertWeights:
         # blocks hold rows as outputs ([2I, H/32, 16], [H, I/32, 16]) whatever the bf16 layout's orientation
         gate_up, down = (mxfp4_dequantize(*self._mxfp4_parts(tensors, f"{fused}.{n}", expert), f"{fused}.{n}",
-                                          tensors.shard_of(f"{fused}.{n}{BLOCKS_SUFFIX}"))
+                                          tensors.shard_of(f"{fused}.{n}{BLOCKS_SUFFIX}"), expert)
                          for n in ("gate_up_proj", "down_proj"))
         bias = self.layout.has_bias
         return replace(self.layout, transposed=False).split(
             gate_up, down,
-            tensors.get(f"{fused}.gate_up_proj_bias", expert) if bias else None,
-            tensors.get(f"{fused}.down_proj_bias", expert) if bias else None,
+            tensors.get_float(f"{fused}.gate_up_proj_bias", expert) if bias else None,
+            tensors.get_float(f"{fused}.down_proj_bias", expert) if bias else None,
         ).contiguous()
 
     def _unreadable_expert_hint(self, tensors: CheckpointTensors, fused: str) -> None:
@@ -476,8 +476,8 @@ class MoeAdapter:
         return self.layout.split(  # get_float: FP8 fused experts with per-expert block scales come dequantized
             tensors.get_float(f"{fused}.gate_up_proj", expert),
             tensors.get_float(f"{fused}.down_proj", expert),
-            tensors.get(f"{fused}.gate_up_proj_bias", expert) if bias else None,
-            tensors.get(f"{fused}.down_proj_bias", expert) if bias else None,
+            tensors.get_float(f"{fused}.gate_up_proj_bias", expert) if bias else None,
+            tensors.get_float(f"{fused}.down_proj_bias", expert) if bias else None,
         ).contiguous()
 
     # --- summary -----------------------------------------------------------------------

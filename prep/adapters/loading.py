@@ -17,7 +17,8 @@ from torch import nn
 
 from prep.errors import MoeprepError
 
-from .checkpoint import CheckpointTensors
+from .checkpoint import CheckpointTensors, read_config_json
+from .source_formats import check_quantization_config
 
 
 def _looks_like_path(name: str) -> bool:
@@ -53,12 +54,18 @@ def load_config(model: str | Path):
     from transformers import AutoConfig
 
     name = _resolve(model)
+    if Path(name).is_dir():  # a quantization_config of the wrong type is a traceback inside transformers
+        check_quantization_config(read_config_json(Path(name)))
     try:
         config = AutoConfig.from_pretrained(name)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         if Path(name).is_dir():
-            raise MoeprepError(f"cannot read the config of {name}: {e}") from e
+            raise MoeprepError(f"cannot read the config of {name} ({type(e).__name__}: {e}); fix its config.json or "
+                               "re-download it") from None
+        if not isinstance(e, OSError | ValueError | KeyError):
+            raise
         raise _hub_error(name, e) from e
+    check_quantization_config(config)  # the hub's too
     return config
 
 

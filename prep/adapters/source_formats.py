@@ -10,8 +10,11 @@
   weight_block_size``, [128, 128] by default).
 
 The MXFP4 table and decode are the loader's (``loader/codec.py``), which stores MXFP4 records. Both dequantize to
-float32 (then the model's dtype, once); a malformed tensor (wrong shape or dtype, a NaN or
-non-positive scale) is one ``MoeprepError`` naming the tensor and its shard.
+float32 (then the model's dtype, once); a malformed tensor (wrong shape or dtype, a NaN or non-positive scale) or a
+value that dequantizes to inf or NaN (an E8M0 scale of 254 times a code of 2 overflows float32; an FP8 NaN code) is
+one ``MoeprepError`` naming the tensor, its shard and the block. ``unpaired`` refuses, from the names alone, a
+quantized weight without its scales or scales without their weight. The ``quantization_config`` of a config
+(``source_format``, ``fp8_block``) is checked for its types: a wrong one is one error, not a traceback.
 """
 
 from __future__ import annotations
@@ -31,6 +34,23 @@ def _bad(tensor: str, shard: str, problem: str, fix: str = "re-download that sha
     return MoeprepError(f"tensor {tensor} in shard {shard}: {problem}; {fix}")
 
 
+def _check_finite(values: torch.Tensor, block: tuple[int, ...], tensor: str, shard: str, index: int | None,
+                  what) -> None:
+    """Refuse dequantized ``values`` holding inf or NaN, naming the first such value's block (``block``: the size
+    of a block along each of the last dims; ``index``: the slice along dim 0 the values were read from, so the
+    block is named in the stored tensor's coordinates); ``what(position)`` says what made it."""
+    bad = ~torch.isfinite(values)
+    if not bool(bad.any()):
+        return
+    position = bad.nonzero()[0].tolist()
+    lead = len(position) - len(block)
+    where = position[:lead] + [p // b for p, b in zip(position[lead:], block, strict=True)]
+    where = ([] if index is None else [index]) + where
+    raise _bad(tensor, shard, f"block {where} dequantizes to {values[tuple(position)].item()} "
+               f"({what(position)}), not a finite number", "re-download that shard; if it persists, the release "
+               "itself holds that value and cannot be prepared as it is")
+
+
 def check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, tensor: str, shard: str) -> None:
     """Refuse blocks and scales that are not one MXFP4 tensor: dtypes, the 16-byte blocks, one scale per block,
     no NaN scale (``tensor``: the weight's name, without the suffixes)."""
@@ -46,10 +66,23 @@ def check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, tensor: str, shard: 
         raise _bad(f"{tensor}{SCALES_SUFFIX}", shard, f"scale at {where} is 255, the E8M0 NaN")
 
 
-def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, tensor: str = "?", shard: str = "?") -> torch.Tensor:
-    """float32 [..., rows, cols] of MXFP4 ``blocks`` [..., rows, cols/32, 16] and ``scales`` [..., rows, cols/32]."""
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, tensor: str = "?", shard: str = "?",
+                     index: int | None = None) -> torch.Tensor:
+    """float32 [..., rows, cols] of MXFP4 ``blocks`` [..., rows, cols/32, 16] and ``scales`` [..., rows, cols/32]
+    (``index``: the slice along dim 0 of the stored tensors they are, for messages); a value that is not finite
+    is refused, naming its block."""
     check_mxfp4(blocks, scales, tensor, shard)
-    return decode_mxfp4(blocks.flatten(-2), scales)  # the loader's decode of an mxfp4 record
+    values = decode_mxfp4(blocks.flatten(-2), scales)  # the loader's decode of an mxfp4 record
+
+    def what(position):
+        group, within = divmod(position[-1], MX_GROUP)
+        byte = int(blocks[tuple(position[:-1]) + (group, within // 2)])
+        code = FP4_E2M1[byte >> 4 if within % 2 else byte & 0x0F]
+        scale = int(scales[tuple(position[:-1]) + (group,)])
+        return f"its code {code} times the block's scale 2**{scale - E8M0_BIAS} overflows float32"
+
+    _check_finite(values, (1, MX_GROUP), f"{tensor}{BLOCKS_SUFFIX}", shard, index, what)
+    return values
 
 
 def mxfp4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +112,8 @@ def mxfp4_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def check_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], tensor: str, shard: str) -> None:
     """Refuse an FP8 weight and block scales that do not fit: dtypes, one scale per block, finite positive scales."""
     if weight.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or weight.dim() != 2:
-        raise _bad(tensor, shard, f"a block-scaled FP8 weight must be a 2-D float8_e4m3fn matrix, got "
+        raise _bad(tensor, shard, f"it has block scales {tensor}{SCALE_INV_SUFFIX} beside it, so it must be a 2-D "
+                   f"float8_e4m3fn matrix (its scales would be ignored otherwise), got "
                    f"{str(weight.dtype).removeprefix('torch.')} {list(weight.shape)}")
     want = [-(-weight.shape[0] // block[0]), -(-weight.shape[1] // block[1])]
     if not scale_inv.is_floating_point() or list(scale_inv.shape) != want:
@@ -96,23 +130,103 @@ def check_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, i
 
 
 def fp8_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = FP8_BLOCK,
-                   tensor: str = "?", shard: str = "?") -> torch.Tensor:
-    """float32 [rows, cols] of an FP8 ``weight`` times the ``scale_inv`` of its ``block``."""
+                   tensor: str = "?", shard: str = "?", index: int | None = None) -> torch.Tensor:
+    """float32 [rows, cols] of an FP8 ``weight`` times the ``scale_inv`` of its ``block`` (``index``: the slice
+    along dim 0 of the stored tensors they are, for messages); a value that is not finite (an FP8 NaN code, a
+    product past float32) is refused, naming its block."""
     check_fp8(weight, scale_inv, block, tensor, shard)
     rows, cols = weight.shape
-    scale = scale_inv.to(torch.float32).repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return weight.to(torch.float32) * scale
+    b0, b1 = min(block[0], rows), min(block[1], cols)  # a block past the matrix is one scale: repeat no further
+    scale = scale_inv.to(torch.float32).repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
+    values = weight.to(torch.float32) * scale
+
+    def what(position):
+        return (f"the stored value {weight[tuple(position)].float().item()} times the block's scale "
+                f"{scale[tuple(position)].item()}")
+
+    _check_finite(values, block, tensor, shard, index, what)
+    return values
+
+
+def unpaired(names, mxfp4: bool) -> tuple[str, str] | None:
+    """The first tensor of ``names`` (a checkpoint's) that is half of a quantized weight, and what is wrong with
+    it: block scales ``W_scale_inv`` without their weight ``W``; MXFP4 ``W_blocks`` without ``W_scales`` or beside
+    a plain ``W`` (which of the two is the weight?); and, in an ``mxfp4`` checkpoint, ``W_scales`` without
+    ``W_blocks``. None: every quantized weight is whole. (An FP8 weight without its scales shows only in its
+    dtype: ``CheckpointTensors.get_float`` refuses it.)"""
+    names = set(names)
+    for name in sorted(names):
+        if name.endswith(SCALE_INV_SUFFIX) and name.removesuffix(SCALE_INV_SUFFIX) not in names:
+            return name, f"block scales without their weight {name.removesuffix(SCALE_INV_SUFFIX)}"
+        if name.endswith(BLOCKS_SUFFIX):
+            weight = name.removesuffix(BLOCKS_SUFFIX)
+            if f"{weight}{SCALES_SUFFIX}" not in names:
+                return name, f"MXFP4 blocks without their scales {weight}{SCALES_SUFFIX}"
+            if weight in names:
+                return weight, (f"a plain weight beside the MXFP4 weight {name} and {weight}{SCALES_SUFFIX}: "
+                                "the checkpoint holds the weight twice")
+        if mxfp4 and name.endswith(SCALES_SUFFIX) and f"{name.removesuffix(SCALES_SUFFIX)}{BLOCKS_SUFFIX}" not in names:
+            return name, f"MXFP4 scales without their blocks {name.removesuffix(SCALES_SUFFIX)}{BLOCKS_SUFFIX}"
+    return None
+
+
+def _quantization(config) -> tuple[object, str]:
+    """(``quantization_config``, its ``quant_method`` in lower case) of a transformers config or of config.json's
+    dict; (None, "") for a float checkpoint. A section that is not an object with a string ``quant_method`` is
+    refused."""
+    quant = config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config",
+                                                                                        None)
+    if quant is None:
+        return None, ""
+    if not isinstance(quant, dict) and not hasattr(quant, "quant_method"):
+        raise MoeprepError(f"the checkpoint's config.json has a quantization_config of type {type(quant).__name__}, "
+                           "not an object with a quant_method; fix config.json (a float checkpoint has none)")
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant.quant_method
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    if not isinstance(method, str) or not method:
+        raise MoeprepError(f"the checkpoint's quantization_config.quant_method is {method!r}, not the name of a "
+                           "quantization method (mxfp4, fp8); fix config.json (a float checkpoint has no "
+                           "quantization_config)")
+    return quant, method.lower()
+
+
+def quant_method(config) -> str:
+    """The ``quantization_config.quant_method`` of a config (lower case; "" for none), whatever it is."""
+    return _quantization(config)[1]
+
+
+def fp8_block(config) -> tuple[int, int]:
+    """The block of an ``fp8`` checkpoint's scales: ``quantization_config.weight_block_size``, [128, 128] when it
+    states none (as transformers reads it). Two positive integers, or one error."""
+    quant, method = _quantization(config)
+    if method != "fp8":
+        return FP8_BLOCK
+    block = quant.get("weight_block_size") if isinstance(quant, dict) else getattr(quant, "weight_block_size", None)
+    if block is None:
+        return FP8_BLOCK
+    if not (isinstance(block, list | tuple) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise MoeprepError(f"the checkpoint's quantization_config.weight_block_size is {block!r}, not two positive "
+                           "integers [rows, cols]; fix config.json (the FP8 releases state [128, 128])")
+    return int(block[0]), int(block[1])
+
+
+def check_quantization_config(config) -> None:
+    """Refuse a ``quantization_config`` of the wrong type (not an object, a quant_method that is not a string, an
+    fp8 block size that is not two positive integers), whatever its method; a method this reader cannot
+    dequantize is ``source_format``'s to refuse."""
+    fp8_block(config)
 
 
 def source_format(config) -> str:
     """How the checkpoint a config describes stores its weights: ``mxfp4`` (the experts), ``fp8`` (block-scaled
-    linear weights) or ``float`` (as the model's dtype), from its ``quantization_config.quant_method``."""
-    quant = getattr(config, "quantization_config", None)
-    method = (quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None))
-    method = str(getattr(method, "value", method) or "").lower()
+    linear weights) or ``float`` (as the model's dtype), from its ``quantization_config.quant_method``; the fp8
+    block size is checked here too, so a run and its dry run refuse the same config."""
+    method = quant_method(config)
     if method == "mxfp4":
         return "mxfp4"
     if method == "fp8":
+        fp8_block(config)
         return "fp8"
     if method:
         raise MoeprepError(f"the checkpoint's quantization_config.quant_method is {method!r}; moeprep reads float, "

@@ -265,7 +265,7 @@ def test_read_expert_names_what_an_mxfp4_layout_lacks(tmp_path):
     save_file(
         {"model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(4, 2)}, str(tmp_path / "x.safetensors")
     )  # released MXFP4 names, without the scales (tests/prep/sources/test_source_formats.py reads the whole layout)
-    with pytest.raises(MoeprepError, match="no tensor model.layers.0.mlp.experts.gate_up_proj_scales"):
+    with pytest.raises(MoeprepError, match="blocks without their scales model.layers.0.mlp.experts.gate_up_proj_scales"):
         read_expert(tmp_path, 0, 0)
 
 
