@@ -19,6 +19,7 @@ from click.testing import CliRunner
 
 from loader.routing import RoutingPolicy
 from loader.runtime import load
+from loader.vocab import BITS
 from prep.adapters import get_adapter, load_model
 from prep.cli import main
 from prep.recipe import load_recipe
@@ -102,7 +103,11 @@ def test_recipe_prepares_a_hub_checkpoint_to_transformers_logits(name, tmp_path,
     source = load_model(checkpoint, dtype="auto")  # transformers' own reading of the hub names
     reference = planned_reference(source, artifact)
     ids = torch.randint(4, source.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
-    loaded = load(artifact, memory_budget="unlimited", routing=RoutingPolicy(), predictors=[])
+    plan = json.loads((artifact / "plan.json").read_text())
+    quantized = any(p in BITS for row in plan["expert_precision"] for p in row)
+    assert plan.get("dense", "float") == ("int8" if quantized else "float")  # package.dense "auto"
+    # the dense weights as stored: the test holds the experts to transformers (tests/loader/test_dense.py: int8)
+    loaded = load(artifact, memory_budget="unlimited", routing=RoutingPolicy(), predictors=[], dense="float")
     try:
         with torch.no_grad():
             got, expected = loaded.model(input_ids=ids).logits, reference(input_ids=ids).logits
