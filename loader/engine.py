@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loader import kernels
 from loader.budget import allocation
 from loader.cache import ExpertCache, MemoryMeter, PoolConfig
 from loader.codec import NeuronLayout
@@ -325,6 +326,21 @@ class ExpertEngine:
         mix.add(tokens, form.forward(module, weights, x), w)
         self.step_times.computed += time.perf_counter() - start
 
+    def compute_together(self, module, ds: list, mix: Mixer) -> list:
+        """A one-token step's resident hits ``ds`` in one kernel call (``kernels.experts_product``) where their held
+        form is ``qdot`` and the module's gate is the default SiLU one; returns the decisions left to ``compute``."""
+        together = [d for d in ds if self.forms[d.precision].name == "qdot" and not d.entry.payload.weights.vectors]
+        if not mix.single or len(together) < 2 or len(together) > kernels.MAX_EXPERTS or not silu_gated(module):
+            return ds
+        start = time.perf_counter()
+        held = [d.entry.payload.weights.matrices for d in together]
+        y = kernels.experts_product([m["gate_up_proj"] for m in held], [m["down_proj"] for m in held],
+                                    [float(mix.weight_of[d.expert]) for d in together], mix.hidden)
+        mix.add(None, y, 1.0)
+        self.step_times.computed += time.perf_counter() - start
+        done = {id(d) for d in together}
+        return [d for d in ds if id(d) not in done]
+
     def cpu_form(self, precision: str):
         """How the CPU computes a host record of ``precision``: from the record as it is, in the store's own
         layout (a neuron-layout store's rows are not a plain record's matrices)."""
@@ -453,6 +469,21 @@ class ExpertEngine:
         self.reader.close()
         for store in self.stores.values():
             store.close()
+
+
+def silu_gated(module) -> bool:
+    """Whether an experts module's gate is transformers' default: SiLU of the first half of gate_up times the
+    second (what ``kernels.experts_product`` computes), with no norm after the expert."""
+    known = getattr(module, "_moeprep_silu_gated", None)
+    if known is None:
+        from transformers.activations import SiLUActivation
+        from transformers.integrations.moe import _default_apply_gate
+
+        known = (getattr(type(module), "_apply_gate", None) is _default_apply_gate
+                 and type(getattr(module, "act_fn", None)) in (SiLUActivation, torch.nn.SiLU)
+                 and getattr(module, "is_concatenated", True) and not getattr(module, "has_post_expert_norm", False))
+        module._moeprep_silu_gated = known
+    return known
 
 
 @dataclass(frozen=True)

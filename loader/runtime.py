@@ -47,6 +47,7 @@ from loader.format import DENSE, ArtifactError, Manifest, MoeSection, resolve_ar
 from loader.hashing import check_record, read_block_table
 from loader.io import hold_for_reading
 from loader.layer import renormalized  # noqa: F401 (part of the loader's API)
+from loader.lean import install_lean
 from loader.memory import auto_budget, is_auto
 from loader.neuron import NeuronConfig, TrustedPrediction, neuron_config
 from loader.options import (  # noqa: F401 (DEFAULT_WORKERS, MAX_WORKERS, max_threads, parse_device: the loader's API)
@@ -360,6 +361,7 @@ def _build(artifact, options: LoadOptions, cleanup: contextlib.ExitStack) -> Loa
     _set_threads(loaded, run)
     _attach_routing(loaded, manifest, run, options.replay)
     _attach_counters(loaded)
+    budget["decode_path"] = install_lean(model, run.device)
     return loaded
 
 

@@ -64,6 +64,11 @@ class WholeStep:
             else:
                 reads.prompt.append(d)
         self._submit(layer, reads)
+        if self.fill is None:  # resident hits of one token: one kernel call where their forms allow
+            resident = [d for d in ready if d.entry.payload.job is None and not d.entry.in_flight]
+            left = {id(d) for d in (host.compute_together(module, resident, mix) if len(resident) > 1 else resident)}
+            done = {id(d) for d in resident} - left
+            ready = [d for d in ready if id(d) not in done]
         for d in ready:
             self._compute_held(layer, module, d, mix, start.prefetched)
         for d in on_cpu:  # while the reads fly (and, on a GPU, the hits' kernels run)

@@ -101,6 +101,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib.qdot_matmul.argtypes = [ctypes.POINTER(QMat), ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                 ctypes.c_int]
+    lib.qdot_experts.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.qdot_check.argtypes = lib.qdot_path.argtypes = [ctypes.POINTER(QMat)]
     lib.qdot_read.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
     lib.qdot_read.restype = ctypes.c_uint64
@@ -165,6 +167,29 @@ class StoredMatrix:
         if status:
             raise RuntimeError(f"qdot_matmul failed ({'out of memory' if status == 2 else 'bad matrix'})")
         return y
+
+
+MAX_EXPERTS = 16  # qdot.c's MAX_SEGS: experts one ``experts_product`` call takes
+
+
+def experts_product(gate_up: list[StoredMatrix], down: list[StoredMatrix], weights: list[float], x: torch.Tensor,
+                    threads: int | None = None, simd: bool = True) -> torch.Tensor:
+    """One token ``x`` [1, K] through gated experts in one call: ``sum_e weights[e] * down_e(silu(g_e) * u_e)``
+    with ``g_e`` the first half of ``gate_up_e @ x`` and ``u_e`` the second; [1, H] float32. Every expert's gate_up
+    rows are one job over the threads and their down rows another, so two experts cost two dispatches, not four,
+    and no float copy is made between them."""
+    n = len(gate_up)
+    if not 1 <= n <= MAX_EXPERTS or len(down) != n or len(weights) != n:
+        raise ValueError(f"experts_product takes 1 to {MAX_EXPERTS} experts with a down matrix and a weight each")
+    x = x.to(torch.float32).contiguous()
+    y = torch.empty(1, down[0].shape[0], dtype=torch.float32)
+    pointers = (ctypes.c_void_p * (2 * n))(*[ctypes.addressof(m.qmat) for m in (*gate_up, *down)])
+    w = (ctypes.c_float * n)(*weights)
+    status = _library().qdot_experts(pointers, ctypes.addressof(pointers) + n * ctypes.sizeof(ctypes.c_void_p), w, n,
+                                     x.data_ptr(), y.data_ptr(), threads or _free_threads(), int(simd))
+    if status:
+        raise RuntimeError(f"qdot_experts failed ({'out of memory' if status == 2 else 'matrices that do not fit'})")
+    return y
 
 
 def main(argv: list[str]) -> int:

@@ -415,48 +415,73 @@ static int avx2_takes(const qmat *m) {
 
 /* ------------------------------------------------------------------------------------ rows over threads */
 
-typedef struct {
+#define MAX_SEGS 16  /* matrices one job computes: a product is one; both experts' gate_up (or down) are two */
+
+typedef struct {   /* one matrix of a job: its rounded activations, its output [T, N], fast path or not */
     const qmat *m;
     const acts *a;
-    float *y;  /* [T, N] */
-    int fast, chunk;
+    float *y;
+    int fast;
+    int first;     /* the job's row number of this matrix's row 0 */
+} seg;
+
+typedef struct {
+    seg segs[MAX_SEGS];
+    int nseg, rows;  /* the job's rows: every segment's, one after the other */
+    int chunk;
     int next;  /* the next unclaimed row: threads claim `chunk` rows at a time, so one preempted thread (a reader
                   woken on its core) delays the product by one chunk, not by its whole share */
     int failed;
 } job;
 
-static void rows_of(job *jb, float *s, float *z, float *sd) {
-    const qmat *m = jb->m;
+static void seg_rows(const seg *sg, int row0, int row1, float *s, float *z, float *sd) {
+    const qmat *m = sg->m;
     long stride = row_bytes(m);
+    for (int n = row0; n < row1; n++) {
+        const uint8_t *row = m->codes + stride * n;
+#if QDOT_X86
+        if (n + 1 < m->n) {  /* the codes AHEAD bytes on, into the cache while this row computes */
+            const uint8_t *ahead = row + AHEAD, *end = m->codes + stride * m->n;
+            for (long c = 0; c < stride && ahead + c < end; c += 64) _mm_prefetch((const char *)(ahead + c), _MM_HINT_T0);
+        }
+        if (sg->fast) {
+            row_params_avx2(m, n, s, z);
+            for (int r = 0; r < sg->a->t; r++)
+                sg->y[(long)r * m->n + n] = m->kind == 2 ? row_dot2(m, row, sg->a, r, s, z)
+                                                         : row_dot32(m, row, sg->a, r, s, z, sd, n == m->n - 1);
+            continue;
+        }
+#endif
+        row_params(m, n, s, z);
+        for (int r = 0; r < sg->a->t; r++) sg->y[(long)r * m->n + n] = row_dot_portable(m, row, sg->a, r, s, z);
+    }
+}
+
+static void rows_of(job *jb, float *s, float *z, float *sd) {
     for (;;) {
         int row0 = __atomic_fetch_add(&jb->next, jb->chunk, __ATOMIC_RELAXED);
-        if (row0 >= m->n) return;
-        int row1 = row0 + jb->chunk < m->n ? row0 + jb->chunk : m->n;
-        for (int n = row0; n < row1; n++) {
-            const uint8_t *row = m->codes + stride * n;
-#if QDOT_X86
-            if (n + 1 < m->n) {  /* the codes AHEAD bytes on, into the cache while this row computes */
-                const uint8_t *ahead = row + AHEAD, *end = m->codes + stride * m->n;
-                for (long c = 0; c < stride && ahead + c < end; c += 64) _mm_prefetch((const char *)(ahead + c), _MM_HINT_T0);
-            }
-            if (jb->fast) {
-                row_params_avx2(m, n, s, z);
-                for (int r = 0; r < jb->a->t; r++)
-                    jb->y[(long)r * m->n + n] = m->kind == 2 ? row_dot2(m, row, jb->a, r, s, z)
-                                                             : row_dot32(m, row, jb->a, r, s, z, sd, n == m->n - 1);
-                continue;
-            }
-#endif
-            row_params(m, n, s, z);
-            for (int r = 0; r < jb->a->t; r++) jb->y[(long)r * m->n + n] = row_dot_portable(m, row, jb->a, r, s, z);
+        if (row0 >= jb->rows) return;
+        int row1 = row0 + jb->chunk < jb->rows ? row0 + jb->chunk : jb->rows;
+        for (int i = 0; i < jb->nseg && row0 < row1; i++) {  /* the claimed rows, segment by segment */
+            const seg *sg = &jb->segs[i];
+            int end = sg->first + sg->m->n;
+            if (row0 >= end) continue;
+            int stop = row1 < end ? row1 : end;
+            seg_rows(sg, row0 - sg->first, stop - sg->first, s, z, sd);
+            row0 = stop;
         }
     }
 }
 
 static void run_job(job *jb) {
-    int groups = jb->m->k / jb->m->group;
+    int groups = 0, blocks = 0;
+    for (int i = 0; i < jb->nseg; i++) {
+        const qmat *m = jb->segs[i].m;
+        if (m->k / m->group > groups) groups = m->k / m->group;
+        if (m->k / 16 > blocks) blocks = m->k / 16;
+    }
     float *s = malloc(sizeof(float) * (groups + 8)), *z = malloc(sizeof(float) * (groups + 8));
-    float *sd = malloc(sizeof(float) * (jb->m->k / 16 + 8));
+    float *sd = malloc(sizeof(float) * (blocks + 8));
     if (s && z && sd) rows_of(jb, s, z, sd);
     else __atomic_store_n(&jb->failed, 1, __ATOMIC_RELAXED);
     free(s);
@@ -556,32 +581,121 @@ int qdot_check(const qmat *m) {
     return 0;
 }
 
+static void free_acts(acts *a) {
+    free(a->q); free(a->q16); free(a->d); free(a->x);
+    a->q = NULL; a->q16 = NULL; a->d = NULL; a->x = NULL;
+}
+
+/* `x` [T, K] rounded for matrix `m` into `a` (allocated here; free_acts frees it); 0, or 2 when out of memory */
+static int make_acts(const qmat *m, const float *x, int t, acts *a) {
+    int k = m->k, len = chunk_len(m);
+    long padded = ((long)k + len - 1) / len * len;
+    a->q = malloc((size_t)t * padded + 64);
+    a->q16 = malloc(sizeof(int16_t) * (size_t)t * k + 64);
+    a->d = malloc(sizeof(float) * (size_t)t * (k / block_of(m)) + 64);
+    a->x = malloc(sizeof(float) * ((size_t)t * (k / m->group) + 8));
+    if (!a->q || !a->q16 || !a->d || !a->x) { free_acts(a); return 2; }
+    round_acts(m, x, t, a);
+    return 0;
+}
+
+/* whether activations rounded for `a` serve `b` too: the same kind, width and group */
+static int same_acts(const qmat *a, const qmat *b) {
+    return a->kind == b->kind && a->k == b->k && a->group == b->group;
+}
+
+/* run the segments of `jb` (their rows, activations and outputs set) over `threads` threads */
+static int run_segments(job *jb, int t, int threads) {
+    long work = 0;
+    jb->rows = 0;
+    for (int i = 0; i < jb->nseg; i++) {
+        jb->segs[i].first = jb->rows;
+        jb->rows += jb->segs[i].m->n;
+        work += (long)jb->segs[i].m->n * jb->segs[i].m->k * t;
+    }
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (work < (1L << 18)) threads = 1;  /* too little to pay for a thread */
+    if (threads > jb->rows) threads = jb->rows;
+    int chunk = jb->rows / (threads * 8);
+    jb->chunk = chunk < 16 ? 16 : chunk;
+    jb->next = 0;
+    jb->failed = 0;
+    run_pooled(jb, threads - 1);
+    return jb->failed ? 2 : 0;
+}
+
 /* y [T, N] float32 = x [T, K] float32 (rounded to int8 per block) times the matrix's transpose; 0 on success.
  * simd 0 keeps to the portable path (the tests compare the two). */
 int qdot_matmul(const qmat *m, const float *x, int t, float *y, int threads, int simd) {
     if (qdot_check(m) || t <= 0) return 1;
-    int k = m->k, len = chunk_len(m);
-    long padded = ((long)k + len - 1) / len * len;
     acts a;
-    a.q = malloc((size_t)t * padded + 64);
-    a.q16 = malloc(sizeof(int16_t) * (size_t)t * k + 64);
-    a.d = malloc(sizeof(float) * (size_t)t * (k / block_of(m)) + 64);
-    a.x = malloc(sizeof(float) * ((size_t)t * (k / m->group) + 8));
+    if (make_acts(m, x, t, &a)) return 2;
+    job jb;
+    jb.nseg = 1;
+    jb.segs[0] = (seg){m, &a, y, simd && avx2_takes(m), 0};
+    int status = run_segments(&jb, t, threads);
+    free_acts(&a);
+    return status;
+}
+
+/* One token through `n` gated experts (n <= MAX_SEGS): y [H] = sum_e w[e] * down_e(silu(g_e) * u_e), where
+ * gate_up_e [2I, K] times x gives g_e (its first I rows) and u_e (the rest) and down_e is [H, I]. The gate_up
+ * products of every expert are one job over the threads, the down products another; the activations are rounded
+ * once per kind of matrix. Each expert's output is added in the order given, as a sum of weighted outputs would.
+ * 0 on success, 1 for matrices that do not fit together, 2 out of memory. */
+int qdot_experts(const qmat *const *gate_up, const qmat *const *down, const float *w, int n, const float *x,
+                 float *y, int threads, int simd) {
+    if (n < 1 || n > MAX_SEGS) return 1;
+    int h = down[0]->n;
+    for (int e = 0; e < n; e++) {
+        const qmat *gu = gate_up[e], *dn = down[e];
+        if (qdot_check(gu) || qdot_check(dn) || gu->n % 2 || dn->k != gu->n / 2 || dn->n != h || gu->k != gate_up[0]->k)
+            return 1;
+    }
+    acts in[MAX_SEGS], mid[MAX_SEGS];
+    int owner_in[MAX_SEGS];  /* the expert whose rounded activations an expert's gate_up shares */
+    float *hidden[MAX_SEGS] = {0}, *gated[MAX_SEGS] = {0}, *outs[MAX_SEGS] = {0};
+    memset(in, 0, sizeof(in));
+    memset(mid, 0, sizeof(mid));
     int status = 0;
-    if (!a.q || !a.q16 || !a.d || !a.x) { status = 2; goto done; }
-    round_acts(m, x, t, &a);
-    int fast = simd && avx2_takes(m);
-    if (threads < 1) threads = 1;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    long work = (long)m->n * k * t;
-    if (work < (1L << 18)) threads = 1;  /* too little to pay for a thread */
-    if (threads > m->n) threads = m->n;
-    int chunk = m->n / (threads * 8);
-    job jb = {m, &a, y, fast, chunk < 16 ? 16 : chunk, 0, 0};
-    run_pooled(&jb, threads - 1);
-    if (jb.failed) status = 2;
-done:
-    free(a.q); free(a.q16); free(a.d); free(a.x);
+    job jb;
+    jb.nseg = n;
+    for (int e = 0; e < n && !status; e++) {
+        owner_in[e] = e;
+        for (int f = 0; f < e; f++)
+            if (same_acts(gate_up[f], gate_up[e])) { owner_in[e] = f; break; }
+        if (owner_in[e] == e) status = make_acts(gate_up[e], x, 1, &in[e]);
+        hidden[e] = malloc(sizeof(float) * gate_up[e]->n);
+        if (!hidden[e]) status = 2;
+        if (!status) jb.segs[e] = (seg){gate_up[e], &in[owner_in[e]], hidden[e], simd && avx2_takes(gate_up[e]), 0};
+    }
+    if (!status) status = run_segments(&jb, 1, threads);
+    for (int e = 0; e < n && !status; e++) {  /* silu(gate) * up, as x / (1 + exp(-x)) * up */
+        int half = gate_up[e]->n / 2;
+        gated[e] = malloc(sizeof(float) * half);
+        outs[e] = malloc(sizeof(float) * h);
+        if (!gated[e] || !outs[e]) { status = 2; break; }
+        for (int i = 0; i < half; i++) {
+            float g = hidden[e][i];
+            gated[e][i] = g / (1.0f + expf(-g)) * hidden[e][half + i];
+        }
+    }
+    for (int e = 0; e < n && !status; e++) {  /* each expert's own gated activations: rounded per expert */
+        status = make_acts(down[e], gated[e], 1, &mid[e]);
+        if (!status) jb.segs[e] = (seg){down[e], &mid[e], outs[e], simd && avx2_takes(down[e]), 0};
+    }
+    if (!status) status = run_segments(&jb, 1, threads);
+    if (!status) {
+        for (int j = 0; j < h; j++) y[j] = 0.0f;
+        for (int e = 0; e < n; e++)
+            for (int j = 0; j < h; j++) y[j] += w[e] * outs[e][j];
+    }
+    for (int e = 0; e < n; e++) {
+        free_acts(&in[e]);  /* zeroed where shared or never made */
+        free_acts(&mid[e]);
+        free(hidden[e]); free(gated[e]); free(outs[e]);
+    }
     return status;
 }
 

@@ -144,3 +144,69 @@ def test_without_the_kernels_the_loader_runs_the_torch_forms_and_says_so_once(tm
     assert done.returncode == 0, done.stderr
     assert "qdot" not in done.stdout and "forms {'int4':" in done.stdout
     assert done.stderr.count("compiled expert kernels are unavailable") == 1, done.stderr
+
+
+@pytest.mark.parametrize("precisions", [("int4", "int4"), ("int3", "int2"), ("int8", "mxfp4"), ("int4", "int3", "int2")])
+@pytest.mark.parametrize("simd", [True, False])
+def test_experts_in_one_call_equal_each_experts_products_summed(precisions, simd):
+    """``experts_product``: gate_up, SiLU gate, down and the weighted sum of several experts (of mixed precisions) in
+    one call, equal to the separate products, the float gate and the weighted sum computed one expert at a time; on
+    one thread and on two (rows are computed whole by one thread, so the threads do not change a bit)."""
+    k, inter = 256, 96
+    gate_up, down, weights = [], [], [0.5, 0.3, 0.2][:len(precisions)]
+    for i, precision in enumerate(precisions):
+        group = 16 if precision == "int2" else 32
+        gate_up.append(kernels.stored_matrix(*_matrix(precision, group, 0, 2 * inter, k, seed=2 * i)))
+        down.append(kernels.stored_matrix(*_matrix(precision, group, 0, k, inter, seed=2 * i + 1)))
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(9)) * 2
+    want = torch.zeros(1, k)
+    for gu, dn, w in zip(gate_up, down, weights, strict=True):
+        h = gu.matmul(x, simd=simd)
+        want.add_(dn.matmul(torch.nn.functional.silu(h[:, :inter]) * h[:, inter:], simd=simd), alpha=w)
+    for threads in (1, 2):
+        got = kernels.experts_product(gate_up, down, weights, x, threads=threads, simd=simd)
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max())), (precisions, threads)
+
+
+def test_experts_in_one_call_refuse_matrices_that_do_not_chain():
+    gu = kernels.stored_matrix(*_matrix("int4", 32, 0, 64, 128))
+    wrong = kernels.stored_matrix(*_matrix("int4", 32, 0, 128, 64))  # down must take gate_up's half (32) inputs
+    with pytest.raises(RuntimeError, match="do not fit"):
+        kernels.experts_product([gu], [wrong], [1.0], torch.ones(1, 128))
+    with pytest.raises(ValueError, match="1 to 16 experts"):
+        kernels.experts_product([], [], [], torch.ones(1, 128))
+
+
+def test_a_one_token_step_computes_its_resident_experts_in_one_call(tmp_path_factory, monkeypatch):
+    """With every expert cached, each one-token MoE step computes its hits in one ``experts_product`` call, and the
+    logits are those of computing each expert on its own (to float32 rounding)."""
+    from loader.engine import ExpertEngine
+    from loader.runtime import load
+
+    _, artifact = tiny_artifact(tmp_path_factory, "mixtral", "int4")
+
+    def run() -> tuple[list[torch.Tensor], list[int]]:
+        loaded = load(artifact, memory_budget="unlimited", dense="float", expert_dtype="qdot")
+        calls = []
+        real = kernels.experts_product
+        monkeypatch.setattr(kernels, "experts_product", lambda gu, *a, **k: calls.append(len(gu)) or real(gu, *a, **k))
+        logits = []
+        with torch.no_grad():
+            loaded.model(input_ids=torch.arange(64).view(1, -1) % loaded.model.config.vocab_size)  # caches every expert
+            calls.clear()
+            out = loaded.model(input_ids=torch.tensor([[3, 9, 27, 4]]), use_cache=True)
+            for token in (5, 8, 13):
+                out = loaded.model(input_ids=torch.tensor([[token]]), cache=out.past_key_values, use_cache=True)
+                logits.append(out.logits[0, -1])
+        loaded.close()
+        monkeypatch.setattr(kernels, "experts_product", real)
+        return logits, calls
+
+    together, calls = run()
+    layers = len(__import__("json").loads((artifact / "manifest.json").read_text())["moe"]["layers"])
+    assert calls == [2] * (3 * layers)  # top-2, every layer of every one-token step
+    monkeypatch.setattr(ExpertEngine, "compute_together", lambda self, module, ds, mix: ds)
+    separate, none = run()
+    assert none == []
+    for a, b in zip(together, separate, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
