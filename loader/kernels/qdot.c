@@ -349,8 +349,21 @@ AVX2 static float row_dot2(const qmat *m, const uint8_t *row, const acts *a, int
 AVX2 static void row_params_avx2(const qmat *m, int row, float *s, float *z) {
     int groups = m->k / m->group, j = 0;
     long base = (long)row * groups;
-    if (m->kind == KIND_MXFP4) {
-        row_params(m, row, s, z);
+    if (m->kind == KIND_MXFP4) {  /* 2 ** (e - 128) as float bits: exponent field e - 1 (e < 2: from the table) */
+        const uint8_t *e8 = (const uint8_t *)m->scale + base;
+        for (; j + 8 <= groups; j += 8) {
+            __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(e8 + j)));
+            if (_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)))) {
+                for (int i = 0; i < 8; i++) s[j + i] = E8M0_HALF[e8[j + i]];
+            } else {
+                _mm256_storeu_ps(s + j, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23)));
+            }
+            _mm256_storeu_ps(z + j, _mm256_setzero_ps());
+        }
+        for (; j < groups; j++) {
+            s[j] = E8M0_HALF[e8[j]];
+            z[j] = 0.0f;
+        }
         return;
     }
     if (!m->meta) {

@@ -90,6 +90,23 @@ def test_the_simd_and_portable_paths_and_every_thread_split_agree(precision, gro
         assert torch.equal(stored.matmul(x, threads=threads), fast)
 
 
+def test_mxfp4_scales_at_the_ends_of_e8m0_read_the_same_on_both_paths():
+    """The AVX2 path builds 2 ** (e - 128) from the scale byte's bits, and takes the two smallest (subnormal halves)
+    from the table: every byte from 0 to 200 scales as the portable path's table does."""
+    n, k = 201, 64
+    spec = MatrixSpec("m", (n, k), "mxfp4", "float32", 32)
+    gen = torch.Generator().manual_seed(3)
+    parts = {"m.codes": torch.randint(0, 256, (n * k // 2,), dtype=torch.uint8, generator=gen),
+             "m.scales": torch.arange(n, dtype=torch.uint8).repeat_interleave(k // 32)}  # row r: scale byte r
+    stored = kernels.stored_matrix(spec, parts)
+    x = torch.randn(2, k, generator=gen)
+    fast, portable = stored.matmul(x, threads=1), stored.matmul(x, threads=1, simd=False)
+    assert stored.simd()
+    for row in range(n):  # each row against its own magnitude (2 ** (row - 128) spans far more than float32's digits)
+        spread = float(portable[:, row].abs().max())
+        assert spread > 0 and torch.allclose(fast[:, row], portable[:, row], rtol=1e-5, atol=1e-5 * spread), row
+
+
 def test_the_kernels_refuse_a_matrix_they_do_not_take():
     spec, parts = _matrix("int4", 32, 0, 8, 64)
     assert kernels.takes(spec)
