@@ -41,11 +41,11 @@ typedef struct {
 } qmat;
 
 typedef struct {   /* the rounded activations of T tokens, laid out for one matrix kind */
-    int32_t t, k, block, groups;
+    int32_t t, k, block, groups, xstride;
     int8_t *q;     /* [T, K], permuted within each chunk as the kind's unpacking orders codes */
     int16_t *q16;  /* [T, K] natural order, for 3- and 8-bit codes */
     float *d;      /* [T, K / block] */
-    float *x;      /* [T, groups]: X above */
+    float *x;      /* [T, xstride]: X above, each token's groups padded with zeros to a multiple of 8 */
 } acts;
 
 /* ------------------------------------------------------------------------------------ shared arithmetic */
@@ -139,15 +139,15 @@ static long row_bytes(const qmat *m) { return m->kind == KIND_MXFP4 ? m->k / 2 :
 static void round_acts(const qmat *m, const float *x, int t, acts *a) {
     int k = m->k, block = block_of(m), len = chunk_len(m);
     int groups = m->k / m->group;
-    a->t = t; a->k = k; a->block = block; a->groups = groups;
+    a->t = t; a->k = k; a->block = block; a->groups = groups; a->xstride = (groups + 7) / 8 * 8;
     int perm[128];  /* chunk position of each weight of a chunk (len <= 128) */
     for (int i = 0; i < len; i++) perm[i] = permuted(m, i);
     for (int r = 0; r < t; r++) {
         const float *xr = x + (long)r * k;
         int8_t *qr = a->q + (long)r * k;
         int16_t *q16 = a->q16 + (long)r * k;
-        float *dr = a->d + (long)r * (k / block), *xs = a->x + (long)r * groups;
-        for (int j = 0; j < groups; j++) xs[j] = 0.0f;
+        float *dr = a->d + (long)r * (k / block), *xs = a->x + (long)r * a->xstride;
+        for (int j = 0; j < a->xstride; j++) xs[j] = 0.0f;
         for (int b = 0; b < k / block; b++) {
             float amax = 0.0f;
             for (int i = 0; i < block; i++) amax = fmaxf(amax, fabsf(xr[b * block + i]));
@@ -173,7 +173,7 @@ static float row_dot_portable(const qmat *m, const uint8_t *row, const acts *a, 
                               const float *z) {
     int block = a->block, k = m->k;
     const int16_t *q = a->q16 + (long)r * k;
-    const float *d = a->d + (long)r * (k / block), *xs = a->x + (long)r * a->groups;
+    const float *d = a->d + (long)r * (k / block), *xs = a->x + (long)r * a->xstride;
     float y = 0.0f;
     for (int b = 0; b < k / block; b++) {
         int dot = 0;
@@ -280,11 +280,9 @@ AVX2 static float row_dot32(const qmat *m, const uint8_t *row, const acts *a, in
     int k = m->k, block = a->block, groups = a->groups, per_group = m->group / block, blocks = k / block;
     const int8_t *q = a->q + (long)r * k;
     const int16_t *q16 = a->q16 + (long)r * k;
-    const float *d = a->d + (long)r * blocks, *xs = a->x + (long)r * groups;
-    if (per_group == 1) {
-        int b = 0;
-        for (; b + 8 <= blocks; b += 8) _mm256_storeu_ps(sd + b, _mm256_mul_ps(_mm256_loadu_ps(s + b), _mm256_loadu_ps(d + b)));
-        for (; b < blocks; b++) sd[b] = s[b] * d[b];
+    const float *d = a->d + (long)r * blocks, *xs = a->x + (long)r * a->xstride;
+    if (per_group == 1) {  /* s is padded to whole vectors; d has slack past its last row, sd room for it */
+        for (int b = 0; b < blocks; b += 8) _mm256_storeu_ps(sd + b, _mm256_mul_ps(_mm256_loadu_ps(s + b), _mm256_loadu_ps(d + b)));
     } else {
         for (int b = 0; b < blocks; b++) sd[b] = s[b / per_group] * d[b];
     }
@@ -308,14 +306,11 @@ AVX2 static float row_dot32(const qmat *m, const uint8_t *row, const acts *a, in
         ROW_LOOP(chunk3(row + 12 * bb, q16 + 32 * bb, bb == last))
     }
     acc = _mm256_add_ps(acc, acc1);
-    __m256 zacc = _mm256_setzero_ps();
-    int j = 0;
-    for (; j + 8 <= groups; j += 8)
+    __m256 zacc = _mm256_setzero_ps();  /* s and z are zero past the last group, and so is xs */
+    for (int j = 0; j < groups; j += 8)
         zacc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(z + j)),
                                _mm256_loadu_ps(xs + j), zacc);
-    float y = hsum8(acc) - hsum8(zacc);
-    for (; j < groups; j++) y -= s[j] * z[j] * xs[j];
-    return y;
+    return hsum8(acc) - hsum8(zacc);
 }
 
 /* one row of 2-bit codes, groups of 16: 128 weights (32 bytes) a chunk, one 16-weight block per int32 lane */
@@ -323,7 +318,7 @@ AVX2 static float row_dot2(const qmat *m, const uint8_t *row, const acts *a, int
                           const float *z) {
     int k = m->k;
     const int8_t *q = a->q + (long)r * k;
-    const float *d = a->d + (long)r * (k / 16), *xs = a->x + (long)r * a->groups;
+    const float *d = a->d + (long)r * (k / 16), *xs = a->x + (long)r * a->xstride;
     const __m256i mask = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps(), zacc = _mm256_setzero_ps();
     for (int c = 0; c < k / 128; c++) {
@@ -344,64 +339,85 @@ AVX2 static float row_dot2(const qmat *m, const uint8_t *row, const acts *a, int
     return hsum8(acc) - hsum8(zacc);
 }
 
-/* scale and zero per group of one row, eight at a time (a group whose eight share no meta group, or the row's last
- * few, one at a time) */
+/* 8 bytes (or 8 half floats) of a matrix's parts from p, where `room` of them are left in the part (the lanes
+ * past the row's groups are zeroed by the caller): a load, or a copy at the part's very end, never past it */
+AVX2 static inline __m128i load8(const uint8_t *p, long room) {
+    if (room >= 8) return _mm_loadl_epi64((const __m128i *)p);
+    uint8_t tmp[8] = {0};
+    for (long i = 0; i < room; i++) tmp[i] = p[i];
+    return _mm_loadl_epi64((const __m128i *)tmp);
+}
+
+AVX2 static inline __m128i load8h(const uint16_t *p, long room) {
+    if (room >= 8) return _mm_loadu_si128((const __m128i *)p);
+    uint16_t tmp[8] = {0};
+    for (long i = 0; i < room; i++) tmp[i] = p[i];
+    return _mm_loadu_si128((const __m128i *)tmp);
+}
+
+/* scale and zero per group of one row, eight at a time, as floats; s and z are zero from the row's last group to
+ * the next multiple of 8, so the row's loops over groups run whole vectors (a group of eight that crosses a meta
+ * group's end, one at a time) */
 AVX2 static void row_params_avx2(const qmat *m, int row, float *s, float *z) {
     int groups = m->k / m->group, j = 0;
-    long base = (long)row * groups;
+    long base = (long)row * groups, total = (long)m->n * groups;
     if (m->kind == KIND_MXFP4) {  /* 2 ** (e - 128) as float bits: exponent field e - 1 (e < 2: from the table) */
         const uint8_t *e8 = (const uint8_t *)m->scale + base;
-        for (; j + 8 <= groups; j += 8) {
-            __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(e8 + j)));
-            if (_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)))) {
-                for (int i = 0; i < 8; i++) s[j + i] = E8M0_HALF[e8[j + i]];
-            } else {
-                _mm256_storeu_ps(s + j, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23)));
-            }
+        for (; j < groups; j += 8) {
+            int have = groups - j < 8 ? groups - j : 8;
+            __m256i e = _mm256_cvtepu8_epi32(load8(e8 + j, total - base - j));
+            __m256i low = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+            _mm256_storeu_ps(s + j, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23)));
+            if (_mm256_movemask_ps(_mm256_castsi256_ps(low)))
+                for (int i = 0; i < have; i++) s[j + i] = E8M0_HALF[e8[j + i]];
             _mm256_storeu_ps(z + j, _mm256_setzero_ps());
         }
-        for (; j < groups; j++) {
-            s[j] = E8M0_HALF[e8[j]];
-            z[j] = 0.0f;
+    } else if (!m->meta) {
+        const uint16_t *sh = (const uint16_t *)m->scale + base, *zh = (const uint16_t *)m->zero + base;
+        for (; j < groups; j += 8) {
+            _mm256_storeu_ps(s + j, _mm256_cvtph_ps(load8h(sh + j, total - base - j)));
+            _mm256_storeu_ps(z + j, _mm256_cvtph_ps(load8h(zh + j, total - base - j)));
         }
-        return;
+    } else {
+        long meta = base / m->meta, end = (meta + 1) * m->meta;  /* the meta group of the row's first group */
+        float ss = _cvtsh_ss(m->scale_meta[2 * meta]), so = _cvtsh_ss(m->scale_meta[2 * meta + 1]);
+        float zs = _cvtsh_ss(m->zero_meta[2 * meta]), zo = _cvtsh_ss(m->zero_meta[2 * meta + 1]);
+        const uint8_t *sq = (const uint8_t *)m->scale + base, *zq = (const uint8_t *)m->zero + base;
+        for (; j < groups; j += 8) {
+            int have = groups - j < 8 ? groups - j : 8;
+            long g = base + j;
+            if (g + have <= end) {
+                __m256 sv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(load8(sq + j, total - g)));
+                __m256 zv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(load8(zq + j, total - g)));
+                _mm256_storeu_ps(s + j, _mm256_fmadd_ps(sv, _mm256_set1_ps(ss), _mm256_set1_ps(so)));
+                _mm256_storeu_ps(z + j, _mm256_fmadd_ps(zv, _mm256_set1_ps(zs), _mm256_set1_ps(zo)));
+                if (g + have == end && j + have < groups) {  /* the next group starts a meta group */
+                    meta++;
+                    end += m->meta;
+                    ss = _cvtsh_ss(m->scale_meta[2 * meta]); so = _cvtsh_ss(m->scale_meta[2 * meta + 1]);
+                    zs = _cvtsh_ss(m->zero_meta[2 * meta]); zo = _cvtsh_ss(m->zero_meta[2 * meta + 1]);
+                }
+                continue;
+            }
+            for (int i = 0; i < have; i++, g++) {  /* these eight cross a meta group's end */
+                if (g >= end) {
+                    meta++;
+                    end += m->meta;
+                    ss = _cvtsh_ss(m->scale_meta[2 * meta]); so = _cvtsh_ss(m->scale_meta[2 * meta + 1]);
+                    zs = _cvtsh_ss(m->zero_meta[2 * meta]); zo = _cvtsh_ss(m->zero_meta[2 * meta + 1]);
+                }
+                s[j + i] = sq[j + i] * ss + so;
+                z[j + i] = zq[j + i] * zs + zo;
+            }
+            if (g == end && j + have < groups) {
+                meta++;
+                end += m->meta;
+                ss = _cvtsh_ss(m->scale_meta[2 * meta]); so = _cvtsh_ss(m->scale_meta[2 * meta + 1]);
+                zs = _cvtsh_ss(m->zero_meta[2 * meta]); zo = _cvtsh_ss(m->zero_meta[2 * meta + 1]);
+            }
+        }
     }
-    if (!m->meta) {
-        for (; j + 8 <= groups; j += 8) {
-            _mm256_storeu_ps(s + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)m->scale + base + j))));
-            _mm256_storeu_ps(z + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)m->zero + base + j))));
-        }
-        for (; j < groups; j++) {
-            s[j] = _cvtsh_ss(((const uint16_t *)m->scale)[base + j]);
-            z[j] = _cvtsh_ss(((const uint16_t *)m->zero)[base + j]);
-        }
-        return;
-    }
-    long meta = base / m->meta - 1, end = (meta + 1) * m->meta;  /* the meta group before the row's first */
-    float ss = 0, so = 0, zs = 0, zo = 0;
-    const uint8_t *sq = (const uint8_t *)m->scale + base, *zq = (const uint8_t *)m->zero + base;
-    while (j < groups) {
-        long g = base + j;
-        if (g >= end) {  /* a new meta group: its (step, offset) pairs, once */
-            meta++;
-            end += m->meta;
-            ss = _cvtsh_ss(m->scale_meta[2 * meta]);
-            so = _cvtsh_ss(m->scale_meta[2 * meta + 1]);
-            zs = _cvtsh_ss(m->zero_meta[2 * meta]);
-            zo = _cvtsh_ss(m->zero_meta[2 * meta + 1]);
-        }
-        if (j + 8 <= groups && g + 8 <= end) {
-            __m256 sv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sq + j))));
-            __m256 zv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zq + j))));
-            _mm256_storeu_ps(s + j, _mm256_fmadd_ps(sv, _mm256_set1_ps(ss), _mm256_set1_ps(so)));
-            _mm256_storeu_ps(z + j, _mm256_fmadd_ps(zv, _mm256_set1_ps(zs), _mm256_set1_ps(zo)));
-            j += 8;
-        } else {
-            s[j] = sq[j] * ss + so;
-            z[j] = zq[j] * zs + zo;
-            j++;
-        }
-    }
+    for (int i = groups; i < j; i++) s[i] = z[i] = 0.0f;  /* the padding lanes */
 }
 
 static int cpu_has_avx2(void) {
@@ -606,7 +622,7 @@ static int make_acts(const qmat *m, const float *x, int t, acts *a) {
     a->q = malloc((size_t)t * padded + 64);
     a->q16 = malloc(sizeof(int16_t) * (size_t)t * k + 64);
     a->d = malloc(sizeof(float) * (size_t)t * (k / block_of(m)) + 64);
-    a->x = malloc(sizeof(float) * ((size_t)t * (k / m->group) + 8));
+    a->x = malloc(sizeof(float) * ((size_t)t * ((k / m->group + 7) / 8 * 8) + 8));
     if (!a->q || !a->q16 || !a->d || !a->x) { free_acts(a); return 2; }
     round_acts(m, x, t, a);
     return 0;
