@@ -25,6 +25,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules import module as torch_module
 
 ENV = "MOEPREP_LEAN"
 # decoder-layer parts whose forward a LeanLayer repeats exactly: the attention classes (Llama-style projections, an
@@ -102,8 +103,6 @@ class LeanLayer:
 
     def hooked(self) -> bool:
         """Whether a forward hook (global, or on a module the lean step does not call) asks for transformers' path."""
-        from torch.nn.modules import module as torch_module
-
         if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
             return True
         return any(m._forward_hooks or m._forward_pre_hooks for m in self.skipped)
