@@ -13,7 +13,8 @@
   (``tests/helpers/shared.py``; ``tiny_artifact``, ``uninterrupted``, ``reference_lossless_artifact``,
   ``prepared_root``, the bench's quick subject): a test that changes one fails at its teardown.
 - ``alone`` marks a test that measures memory or time and needs the machine to itself: ``make test`` runs those
-  after the parallel part, one at a time.
+  after the parallel part, one at a time. A test that bounds a child process's own peak RSS (its VmHWM) does not
+  need it: other processes cannot raise that figure.
 """
 
 from __future__ import annotations

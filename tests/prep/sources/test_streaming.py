@@ -328,8 +328,7 @@ def _prepare_peak(tmp_path: Path, sizes: dict, model_type: str, **sections) -> t
     return peak, baseline, bound, report
 
 
-@pytest.mark.slow
-@pytest.mark.alone  # a peak RSS against a bound: no other test's memory beside it
+@pytest.mark.slow  # not `alone`: the peak is the prepare process's own VmHWM, which other processes cannot raise
 def test_prepare_peak_rss_is_dense_plus_one_layer(tmp_path):
     sizes = write_big_checkpoint(tmp_path / "big")
     assert sizes["expert_bytes"] > 1.5e9 and sizes["expert_bytes"] > 20 * sizes["dense_bytes"]
@@ -400,8 +399,7 @@ def write_big_mxfp4_checkpoint(directory: Path) -> dict:
             "layer_bytes": layer_bytes}
 
 
-@pytest.mark.slow
-@pytest.mark.alone  # a peak RSS against a bound: no other test's memory beside it
+@pytest.mark.slow  # not `alone`: the peak is the prepare process's own VmHWM, which other processes cannot raise
 def test_prepare_of_an_mxfp4_release_peaks_at_dense_plus_one_dequantized_layer(tmp_path):
     # as the float32 test above measures it: the process's own footprint, then prepare's peak, of a release whose
     # experts are dequantized a layer at a time and kept as the release's own codes (mxfp4)
