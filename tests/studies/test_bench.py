@@ -251,7 +251,8 @@ def test_bench_refuses_bad_options(tmp_path):
     assert parse_budgets("12.5%, 25%, 4bit-25%") == ["12.5%", "25%", "4bit-25%"]
 
 
-def test_bench_runs_each_planned_predictor_against_naive_on_the_lossless_reference(tmp_path, one_resident_candidate):
+def test_bench_runs_each_planned_predictor_against_naive_on_the_lossless_reference(tmp_path, one_resident_candidate,
+                                                                                   forked_workers):
     """The reference-lossless plan has all three predictors: naive+<predictor> rows and a prefetch table."""
     import shutil
 
@@ -289,7 +290,8 @@ def test_bench_runs_each_planned_predictor_against_naive_on_the_lossless_referen
     assert "vs naive" in (tmp_path / "bench" / "bench.md").read_text()
 
 
-def test_bench_runs_neuron_loading_against_whole_expert_reads_of_the_same_records(tmp_path, one_resident_candidate):
+def test_bench_runs_neuron_loading_against_whole_expert_reads_of_the_same_records(tmp_path, one_resident_candidate,
+                                                                                  forked_workers):
     """reference-neuron: naive (whole reads of the neuron-layout records), naive+neuron, naive+neuron_gates and
     moeprep, and a neuron table; reading only active rows reads fewer bytes per token."""
 

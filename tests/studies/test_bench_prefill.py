@@ -104,7 +104,8 @@ def one_resident_candidate(monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_bench_measures_prefill_rows_of_every_system(tmp_path, quick_shape_built, one_resident_candidate):
+def test_the_bench_measures_prefill_rows_of_every_system(tmp_path, quick_shape_built, one_resident_candidate,
+                                                         forked_workers):
     """The quick subject, its own routers (no traces needed), a 300-token prompt at 100% and 4bit-25%: a row for
     every system and budget, the bound of each moeprep row, and reads that add up."""
     budgets = ["100%", "4bit-25%"]
