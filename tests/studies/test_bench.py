@@ -2,7 +2,9 @@
 
 Each measurement is a worker process, about 5 s of imports on 2 cores, so the end-to-end test runs one round and
 cuts the resident candidates down (two timed, two this transformers does not know, failed without a process); the
-reference tests run one candidate (not timed). ``moeprep bench --quick`` itself times all of them.
+reference tests run one candidate (not timed). ``moeprep bench --quick`` itself times all of them. Past the
+end-to-end test's resident candidates (fresh processes, as the bench starts them), the worker runs forked from a
+process that imported it (``tests.helpers.bench_builds.forked_worker``): the same measurement, no start-up.
 ``test_bench_interleaves_repeats_and_chooses_the_fastest_resident`` checks the orchestration (interleaved rounds,
 medians, the resident choice, the bound's arithmetic) with a stand-in worker on the real quick subject.
 """
@@ -23,6 +25,7 @@ from prep.errors import MoeprepError
 from prep.studies.bench.measure import choose_resident
 from prep.studies.bench.plan import parse_budgets
 from prep.studies.bench.worker import overhead, runs_loader
+from tests.helpers.bench_builds import REAL_RUN_WORKER, forked_worker
 
 TRACES_ROOT = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
 LOADER = ("naive", "moeprep", "naive@unlimited", "moeprep@unlimited")
@@ -37,6 +40,10 @@ def one_resident_candidate(monkeypatch):
 def test_bench_quick_writes_every_system(tmp_path, quick_shape_built, monkeypatch):
     # Without the real traces the quick run routes with the model's own routers and says so.
     monkeypatch.setattr(bench_measure, "EXPERTS_IMPLEMENTATIONS", ("grouped_mm", "no_such_implementation"))
+    # the resident candidates run as the bench runs them, each a fresh worker process (the launch, its log and
+    # its result line); the rounds' systems, the same worker forked from a pre-imported process (forked_worker)
+    monkeypatch.setattr(bench_measure, "_run_worker",
+                        lambda spec, work: (REAL_RUN_WORKER if spec.get("tag") else forked_worker)(spec, work))
     monkeypatch.setattr(bench_measure, "CUDA_RESIDENT_DTYPES", ())
     result = CliRunner().invoke(main, ["bench", "--quick", "--subject", "mixtral-shape", "--output",
                                        str(tmp_path), "--traces", str(TRACES_ROOT)])

@@ -1,6 +1,6 @@
 """The bench's prefill rows (``moeprep bench --prefill``, prep/studies/bench/prefill.py): the arithmetic of the bound
 and the summaries by hand, the tiled replay against the recorded decisions, and the rows end to end on the quick
-subject (real worker processes, no timing assertions; llama.cpp's rows only where the optional extra is installed)."""
+subject (the real worker, forked from a pre-imported process: tests/helpers/bench_builds.py; no timing assertions; llama.cpp's rows only where the optional extra is installed)."""
 
 from __future__ import annotations
 
