@@ -20,6 +20,8 @@ from prep.studies.bench.subjects import TECHNIQUES, mixtral_shape_techniques_sub
 from tests.helpers.bench_builds import seed_quick_shape
 from tests.helpers.mixtral_traces import traces_root
 
+pytestmark = pytest.mark.xdist_group("bench-techniques")  # one worker builds the module's subject, not each
+
 
 @pytest.fixture(scope="module")
 def techniques(tmp_path_factory):
