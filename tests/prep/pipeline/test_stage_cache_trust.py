@@ -25,6 +25,8 @@ from prep.pipeline import prepare
 from tests.helpers.interrupt import interrupted, stage_files, uninterrupted
 from tests.helpers.tiny_models import file_hashes, save_tiny_model, sweep_recipe, tiny_recipe
 
+pytestmark = pytest.mark.xdist_group("test_stage_cache_trust")  # one worker builds the module-scoped fixtures, not both
+
 ARTIFACT = Path("artifacts/tiny/artifact")
 STAGES = Path("artifacts/tiny/stages")
 
