@@ -90,8 +90,8 @@ def forked_worker(spec: dict, work: Path) -> dict:
     instead of started as a fresh interpreter: the same spec file, log file and result line, the worker's own
     ``main`` on the spec, in the caller's directory and environment; what goes is the start-up (torch,
     transformers and the loader imported, ~10 s a run on 2 cores). A llama.cpp run (it joins a cgroup) keeps a
-    process of its own. ``test_bench_quick_writes_every_system`` runs its resident candidates as real worker
-    processes."""
+    process of its own. ``test_bench_quick_writes_every_system`` runs its first resident candidate as a real
+    worker process."""
     import prep.studies.bench.measure as bench_measure
 
     if spec.get("system") == bench_measure.LLAMA or spec.get("cgroup"):
