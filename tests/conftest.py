@@ -13,7 +13,8 @@
   (``tests/helpers/shared.py``; ``tiny_artifact``, ``uninterrupted``, ``reference_lossless_artifact``,
   ``prepared_root``, the bench's quick subject): a test that changes one fails at its teardown.
 - ``alone`` marks a test that measures memory or time and needs the machine to itself: ``make test`` runs those
-  after the parallel part, one at a time.
+  after the parallel part, one at a time. A test that bounds a child process's own peak RSS (its VmHWM) does not
+  need it: other processes cannot raise that figure.
 """
 
 from __future__ import annotations
@@ -41,6 +42,22 @@ def pytest_configure(config):
         os.environ["MOEPREP_TEST_THREADS"] = threads
         torch.set_num_threads(int(threads))
     _configure_timing(config)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """``--dist loadgroup`` sends the tests of one ``xdist_group`` to one worker by naming them ``<id>@<group>`` on
+    the workers, through ``item._nodeid``, which pytest 9 no longer reads (``Node.nodeid`` is ``str(item._id)``):
+    without this every group is ignored and its tests spread over the workers. The same suffix, where it is lost."""
+    if not getattr(config.option, "loadgroup", False):  # set on a loadgroup run's workers only
+        return
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                 for m in item.iter_markers("xdist_group")}
+        if names and "@" not in item.nodeid:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(sorted(names))}")
 
 
 def _tree() -> dict[str, float]:

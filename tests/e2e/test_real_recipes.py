@@ -144,6 +144,8 @@ def test_eval_on_the_real_benchmarks(tmp_path, monkeypatch):
     _, artifact = prepare_recipe("qwen3-30b-a3b", tmp_path, monkeypatch)
     result = CliRunner().invoke(main, ["eval", "--artifact", str(artifact), "--data", str(SHARED), "--limit", "2",
                                        "--num-fewshot", "0", "--expert-memory", "0",
+                                       # the divergence at the recipe's tiny sizes (TINY), not 64 windows of 256
+                                       "--divergence-sequences", "8", "--divergence-length", "16",
                                        "--output", str(tmp_path / "eval.json")])
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "eval.json").read_text())

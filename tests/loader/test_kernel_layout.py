@@ -27,8 +27,9 @@ from tests.helpers.tiny_models import (
     tiny_tokenizer,
 )
 
-pytestmark = pytest.mark.skipif(not int4pack_available(torch.device("cpu")),
-                                reason="this torch build has no CPU int4 weight-only kernel")
+pytestmark = [pytest.mark.skipif(not int4pack_available(torch.device("cpu")),
+                                 reason="this torch build has no CPU int4 weight-only kernel"),
+              pytest.mark.xdist_group("test_kernel_layout")]  # one worker builds the module-scoped fixtures
 
 
 @pytest.fixture(scope="module")

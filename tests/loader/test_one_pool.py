@@ -18,6 +18,8 @@ from loader.runtime import LoaderError, load
 from loader.schedule import LayerSchedule
 from tests.helpers.tiny_models import prepare_tiny_artifact, tiny_recipe
 
+pytestmark = pytest.mark.xdist_group("test_one_pool")  # one worker builds the module-scoped fixtures, not both
+
 # ------------------------------------------------------------------------------------------- the cache
 
 

@@ -19,6 +19,8 @@ from loader.runtime import load
 from loader.verify import verify
 from tests.helpers.tiny_models import prepare_tiny_artifact, tiny_recipe
 
+pytestmark = pytest.mark.xdist_group("test_trust")  # one worker builds the module-scoped fixtures, not both
+
 REPO = Path(__file__).resolve().parents[2]
 
 

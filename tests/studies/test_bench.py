@@ -2,7 +2,9 @@
 
 Each measurement is a worker process, about 5 s of imports on 2 cores, so the end-to-end test runs one round and
 cuts the resident candidates down (two timed, two this transformers does not know, failed without a process); the
-reference tests run one candidate (not timed). ``moeprep bench --quick`` itself times all of them.
+reference tests run one candidate (not timed). ``moeprep bench --quick`` itself times all of them. Past the
+end-to-end test's first resident candidate (a fresh process, as the bench starts it), the worker runs forked from
+a process that imported it (``tests.helpers.bench_builds.forked_worker``): the same measurement, no start-up.
 ``test_bench_interleaves_repeats_and_chooses_the_fastest_resident`` checks the orchestration (interleaved rounds,
 medians, the resident choice, the bound's arithmetic) with a stand-in worker on the real quick subject.
 """
@@ -23,6 +25,7 @@ from prep.errors import MoeprepError
 from prep.studies.bench.measure import choose_resident
 from prep.studies.bench.plan import parse_budgets
 from prep.studies.bench.worker import overhead, runs_loader
+from tests.helpers.bench_builds import REAL_RUN_WORKER, forked_worker
 
 TRACES_ROOT = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
 LOADER = ("naive", "moeprep", "naive@unlimited", "moeprep@unlimited")
@@ -37,10 +40,20 @@ def one_resident_candidate(monkeypatch):
 def test_bench_quick_writes_every_system(tmp_path, quick_shape_built, monkeypatch):
     # Without the real traces the quick run routes with the model's own routers and says so.
     monkeypatch.setattr(bench_measure, "EXPERTS_IMPLEMENTATIONS", ("grouped_mm", "no_such_implementation"))
+    # the first resident candidate runs as the bench runs it, a fresh worker process (the launch, its log and its
+    # result line); the other measurements, the same worker forked from a pre-imported process (forked_worker)
+    fresh = []
+
+    def first_fresh(spec: dict, work: Path) -> dict:
+        fresh.append(bool(spec.get("tag")) and not fresh)
+        return (REAL_RUN_WORKER if fresh[-1] else forked_worker)(spec, work)
+
+    monkeypatch.setattr(bench_measure, "_run_worker", first_fresh)
     monkeypatch.setattr(bench_measure, "CUDA_RESIDENT_DTYPES", ())
     result = CliRunner().invoke(main, ["bench", "--quick", "--subject", "mixtral-shape", "--output",
                                        str(tmp_path), "--traces", str(TRACES_ROOT)])
     assert result.exit_code == 0, result.output
+    assert fresh[0] and not any(fresh[1:])  # one fresh process, then forked ones
     report = json.loads((tmp_path / "bench.json").read_text())
     assert {"cpu", "cores", "ram_gb", "torch", "device"} <= set(report["machine"])
     assert report["read_bandwidth_mb_s"] > 0
@@ -251,7 +264,8 @@ def test_bench_refuses_bad_options(tmp_path):
     assert parse_budgets("12.5%, 25%, 4bit-25%") == ["12.5%", "25%", "4bit-25%"]
 
 
-def test_bench_runs_each_planned_predictor_against_naive_on_the_lossless_reference(tmp_path, one_resident_candidate):
+def test_bench_runs_each_planned_predictor_against_naive_on_the_lossless_reference(tmp_path, one_resident_candidate,
+                                                                                   forked_workers):
     """The reference-lossless plan has all three predictors: naive+<predictor> rows and a prefetch table."""
     import shutil
 
@@ -289,7 +303,8 @@ def test_bench_runs_each_planned_predictor_against_naive_on_the_lossless_referen
     assert "vs naive" in (tmp_path / "bench" / "bench.md").read_text()
 
 
-def test_bench_runs_neuron_loading_against_whole_expert_reads_of_the_same_records(tmp_path, one_resident_candidate):
+def test_bench_runs_neuron_loading_against_whole_expert_reads_of_the_same_records(tmp_path, one_resident_candidate,
+                                                                                  forked_workers):
     """reference-neuron: naive (whole reads of the neuron-layout records), naive+neuron, naive+neuron_gates and
     moeprep, and a neuron table; reading only active rows reads fewer bytes per token."""
 

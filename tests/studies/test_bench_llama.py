@@ -54,7 +54,8 @@ def test_the_gguf_conversion_gives_transformers_logits(tmp_path):
     assert files[llama.QUANT].stat().st_size < files["f32"].stat().st_size / 4
 
 
-def test_the_bench_runs_llama_cpp_in_a_cgroup_or_says_why_not(tmp_path, quick_shape_built, monkeypatch):
+def test_the_bench_runs_llama_cpp_in_a_cgroup_or_says_why_not(tmp_path, quick_shape_built, monkeypatch,
+                                                            forked_workers):
     import prep.studies.bench.measure as bench_measure
 
     # one resident candidate: the choice among them is tests/studies/test_bench.py's, not this test's

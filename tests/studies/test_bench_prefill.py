@@ -1,6 +1,6 @@
 """The bench's prefill rows (``moeprep bench --prefill``, prep/studies/bench/prefill.py): the arithmetic of the bound
 and the summaries by hand, the tiled replay against the recorded decisions, and the rows end to end on the quick
-subject (real worker processes, no timing assertions; llama.cpp's rows only where the optional extra is installed)."""
+subject (the real worker, forked from a pre-imported process: tests/helpers/bench_builds.py; no timing assertions; llama.cpp's rows only where the optional extra is installed)."""
 
 from __future__ import annotations
 
@@ -104,7 +104,8 @@ def one_resident_candidate(monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_bench_measures_prefill_rows_of_every_system(tmp_path, quick_shape_built, one_resident_candidate):
+def test_the_bench_measures_prefill_rows_of_every_system(tmp_path, quick_shape_built, one_resident_candidate,
+                                                         forked_workers):
     """The quick subject, its own routers (no traces needed), a 300-token prompt at 100% and 4bit-25%: a row for
     every system and budget, the bound of each moeprep row, and reads that add up."""
     budgets = ["100%", "4bit-25%"]

@@ -20,6 +20,8 @@ from prep.studies.bench.subjects import TECHNIQUES, mixtral_shape_techniques_sub
 from tests.helpers.bench_builds import seed_quick_shape
 from tests.helpers.mixtral_traces import traces_root
 
+pytestmark = pytest.mark.xdist_group("bench-techniques")  # one worker builds the module's subject, not each
+
 
 @pytest.fixture(scope="module")
 def techniques(tmp_path_factory):
@@ -60,7 +62,7 @@ def test_each_technique_artifact_carries_its_technique_and_was_fitted_without_th
     assert facts["replayed_problem"] not in facts["fitted_problems"]
 
 
-def test_the_techniques_subject_runs_in_the_quick_bench(techniques, monkeypatch):
+def test_the_techniques_subject_runs_in_the_quick_bench(techniques, monkeypatch, forked_workers):
     out, traces, _ = techniques
     monkeypatch.setattr(bench_measure, "RESIDENT_DTYPES", ("float32",))
     monkeypatch.setattr(bench_measure, "EXPERTS_IMPLEMENTATIONS", ("grouped_mm",))

@@ -21,6 +21,8 @@ from prep.studies import bitwidth as bitwidth_study
 from prep.studies.bitwidth import merge_study_into, run_study, study_markdown
 from tests.helpers.tiny_models import save_tiny_model, write_tiny_suites
 
+pytestmark = pytest.mark.xdist_group("test_bitwidth_study")  # one worker runs the module's study (~30 s), not both
+
 RECIPE = """name: tiny
 model: {path: model}
 calibration: {num_sequences: 4, sequence_length: 16}

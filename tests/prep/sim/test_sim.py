@@ -38,6 +38,8 @@ from prep.sim import (
     simulate,
 )
 
+pytestmark = pytest.mark.xdist_group("test_sim")  # one worker builds the module-scoped fixtures, not both
+
 TRACES = Path(__file__).resolve().parents[4] / "shared" / "data" / "traces"
 MIXTRAL = TRACES / "mixtral-8x7b" / "gsm8k_routing.jsonl"
 needs_traces = pytest.mark.skipif(not MIXTRAL.is_file(), reason=f"the real Mixtral traces are not at {MIXTRAL}")

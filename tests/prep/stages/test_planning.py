@@ -22,6 +22,8 @@ from tests.helpers.interrupt import interrupted
 from tests.helpers.planning_drafts import locality_replay, planning_draft, tune_section
 from tests.helpers.tiny_models import prepare_tiny_artifact, tiny_recipe
 
+pytestmark = pytest.mark.xdist_group("test_planning")  # one worker builds the module-scoped fixtures, not both
+
 # ------------------------------------------------------------------------------------------- the DP
 
 
