@@ -51,7 +51,10 @@ def pytest_collection_modifyitems(config, items):
     without this every group is ignored and its tests spread over the workers. The same suffix, where it is lost."""
     if not getattr(config.option, "loadgroup", False):  # set on a loadgroup run's workers only
         return
-    from _pytest.nodeid import coerce_node_id
+    try:
+        from _pytest.nodeid import coerce_node_id
+    except ImportError:  # a pytest that reads ``_nodeid`` (before 9) or names ids otherwise: nothing to restore here
+        return
 
     for item in items:
         names = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
